@@ -1,0 +1,100 @@
+"""sparkdl.fit in sync mode against single-process Keras fit, side by side in one run.
+
+Same model, same initial weights, same global batch (2 workers x 16 vs 32),
+20 epochs on scikit-learn's digits. The Spark session is started before any
+timing; the first sparkdl.fit (which also starts the Python workers and
+imports TensorFlow in them) is reported separately as the cold start.
+
+    python benchmarks/fit_vs_single.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "jobs"))
+
+import numpy as np  # noqa: E402
+
+from train import build_mlp  # noqa: E402  (the main job's model, so the figures describe it)
+
+
+def digits_split():
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    return train_test_split((x / 16.0).astype(np.float32), y, test_size=0.2, random_state=0, stratify=y)
+
+
+def accuracy(model, x, y) -> float:
+    return float(np.mean(model.predict(x, verbose=0).argmax(axis=1) == y))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--global-batch", type=int, default=32)
+    args = parser.parse_args(argv)
+
+    import keras
+    from pyspark.sql import SparkSession
+
+    import sparkdl
+
+    spark = (SparkSession.builder.master(f"local[{args.workers}]").config("spark.driver.host", "127.0.0.1")
+             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    x_train, x_test, y_train, y_test = digits_split()
+    df = spark.createDataFrame([(r.tolist(), int(l)) for r, l in zip(x_train, y_train)],
+                               "features array<float>, label int").cache()
+    df.count()
+
+    def model():
+        keras.utils.set_random_seed(0)
+        return build_mlp(64, 10, 1e-3)
+
+    started = time.perf_counter()
+    sparkdl.fit(df, model(), num_workers=args.workers, epochs=1, batch_size=args.global_batch // args.workers, seed=0)
+    cold = time.perf_counter() - started
+
+    timings = {"single": [], "sparkdl": []}
+    accuracies = {"single": [], "sparkdl": []}
+    for _ in range(args.repeats):  # interleaved, so load on this shared machine hits both alike
+        m = model()
+        started = time.perf_counter()
+        m.fit(x_train, y_train, batch_size=args.global_batch, epochs=args.epochs, verbose=0)
+        timings["single"].append(time.perf_counter() - started)
+        accuracies["single"].append(accuracy(m, x_test, y_test))
+
+        started = time.perf_counter()
+        result = sparkdl.fit(df, model(), num_workers=args.workers, epochs=args.epochs,
+                             batch_size=args.global_batch // args.workers, seed=0)
+        timings["sparkdl"].append(time.perf_counter() - started)
+        accuracies["sparkdl"].append(accuracy(result.model, x_test, y_test))
+
+    single, dist = statistics.median(timings["single"]), statistics.median(timings["sparkdl"])
+    print(f"\ndigits MLP 64-128-64-10, {len(x_train)} train rows, {args.epochs} epochs, global batch "
+          f"{args.global_batch}, median of {args.repeats} interleaved runs")
+    print(f"{'run':<34}{'wall s':>8}{'test acc':>10}")
+    print(f"{'single-process model.fit':<34}{single:>8.2f}{np.median(accuracies['single']):>10.4f}")
+    print(f"{f'sparkdl.fit sync, {args.workers} workers':<34}{dist:>8.2f}{np.median(accuracies['sparkdl']):>10.4f}")
+    print(f"sparkdl / single wall time: {dist / single:.2f}x (goal <= 4x); "
+          f"accuracy gap {100 * (np.median(accuracies['single']) - np.median(accuracies['sparkdl'])):+.2f} points "
+          "(goal within 1)")
+    print(f"cold start (first fit of the session, 1 epoch, Python workers + TensorFlow import): {cold:.2f}s")
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()

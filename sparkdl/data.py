@@ -1,0 +1,206 @@
+"""From a Spark DataFrame to float32 numpy batches on each worker.
+
+The driver checks the columns (schema first, then one aggregate job for
+nulls, non-finite values and ragged widths) so that bad data fails with a
+clear message before the training stage starts. Workers receive Arrow record
+batches holding two fixed-width ``array<float>`` columns and turn them into
+numpy arrays without ever building Python ``Row`` objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Iterator, Sequence, Union
+
+import numpy as np
+import pyarrow as pa
+from pyspark.ml.functions import vector_to_array
+from pyspark.ml.linalg import VectorUDT
+from pyspark.mllib.linalg import VectorUDT as MLlibVectorUDT
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+FEATURES = "_sparkdl_features"
+LABEL = "_sparkdl_label"
+
+ColumnSpec = Union[str, Sequence[str]]
+
+_NUMERIC_TYPES = (T.NumericType, T.BooleanType)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingData:
+    """A validated DataFrame reduced to the two columns the workers read."""
+
+    frame: DataFrame  # columns FEATURES and LABEL, both array<float>
+    num_rows: int
+    feature_width: int
+    label_width: int
+    label_is_scalar: bool
+
+
+def prepare(df: DataFrame, features_col: ColumnSpec, label_col: str, num_workers: int) -> TrainingData:
+    """Validates ``df`` and returns the float32 array columns to train on.
+
+    Raises ``ValueError`` naming the offending column and what was expected.
+    """
+    feature_parts = _feature_columns(df, features_col)
+    label_expr, label_is_scalar = _float_array(df, label_col, "label_col")
+
+    checks = _Checks()
+    for name, expr in feature_parts:
+        checks.add_column(name, expr)
+    features_expr = (
+        feature_parts[0][1] if len(feature_parts) == 1 else F.concat(*(expr for _, expr in feature_parts))
+    )
+    checks.add_column(label_col, label_expr)
+    stats = checks.run(df)
+
+    num_rows = stats["rows"]
+    if num_rows == 0:
+        raise ValueError("The DataFrame passed to sparkdl.fit is empty: expected at least one row per worker.")
+    if num_rows < num_workers:
+        raise ValueError(
+            f"Expected at least `num_workers`={num_workers} rows so that every worker gets data. "
+            f"Received: {num_rows} rows. Use fewer workers or more data."
+        )
+    widths = checks.widths(stats)
+    feature_width = sum(widths[name] for name, _ in feature_parts)
+    frame = df.select(features_expr.alias(FEATURES), label_expr.alias(LABEL))
+    return TrainingData(frame, num_rows, feature_width, widths[label_col], label_is_scalar)
+
+
+def _feature_columns(df: DataFrame, features_col: ColumnSpec) -> list[tuple[str, Column]]:
+    if isinstance(features_col, str):
+        return [(features_col, _float_array(df, features_col, "features_col")[0])]
+    names = list(features_col) if isinstance(features_col, (list, tuple)) else None
+    if not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(
+            "Expected `features_col` to be a column name or a non-empty list of column names. "
+            f"Received: {features_col!r}"
+        )
+    parts = []
+    for name in names:
+        expr, is_scalar = _float_array(df, name, "features_col")
+        if not is_scalar:
+            raise ValueError(
+                f"Expected every column in the `features_col` list to be numeric; column {name!r} is "
+                f"{df.schema[name].dataType.simpleString()}. Pass a vector or array column on its own instead."
+            )
+        parts.append((name, expr))
+    return parts
+
+
+def _float_array(df: DataFrame, name: str, setting: str) -> tuple[Column, bool]:
+    """The column as an ``array<float>`` expression, and whether it was a scalar."""
+    if name not in df.columns:
+        raise ValueError(f"Column {name!r} given as `{setting}` is not in the DataFrame. Available columns: {df.columns}")
+    data_type = df.schema[name].dataType
+    column = F.col(name)
+    if isinstance(data_type, (VectorUDT, MLlibVectorUDT)):
+        return vector_to_array(column, "float32"), False
+    if isinstance(data_type, T.ArrayType) and isinstance(data_type.elementType, _NUMERIC_TYPES):
+        return column.cast("array<float>"), False
+    if isinstance(data_type, _NUMERIC_TYPES):
+        return F.array(column.cast("float")), True
+    raise ValueError(
+        f"Expected column {name!r} (`{setting}`) to be numeric, an ML Vector or an array of numbers. "
+        f"Received type: {data_type.simpleString()}"
+    )
+
+
+class _Checks:
+    """Collects per-column aggregates so that all checks run as one Spark job."""
+
+    def __init__(self) -> None:
+        self._aggs: list[Column] = [F.count(F.lit(1)).alias("rows")]
+        self._columns: list[str] = []
+
+    def add_column(self, name: str, expr: Column) -> None:
+        i = len(self._columns)
+        self._columns.append(name)
+        bad_value = F.exists(expr, lambda x: x.isNull() | F.isnan(x) | (F.abs(x) == float("inf")))
+        self._aggs += [
+            F.sum(F.when(F.col(name).isNull(), 1).otherwise(0)).alias(f"nulls_{i}"),
+            F.sum(F.when(bad_value, 1).otherwise(0)).alias(f"bad_{i}"),
+            F.min(F.size(expr)).alias(f"min_width_{i}"),
+            F.max(F.size(expr)).alias(f"max_width_{i}"),
+        ]
+
+    def run(self, df: DataFrame) -> dict:
+        stats = df.agg(*self._aggs).first().asDict()
+        for i, name in enumerate(self._columns):
+            if stats[f"nulls_{i}"]:
+                raise ValueError(
+                    f"Column {name!r} has {stats[f'nulls_{i}']} null rows: expected no nulls. "
+                    "Drop or impute them first (e.g. df.dropna(subset=[...]))."
+                )
+            if stats[f"bad_{i}"]:
+                raise ValueError(
+                    f"Column {name!r} has {stats[f'bad_{i}']} rows containing NaN, infinite or null values "
+                    "(after conversion to float32): expected finite numbers."
+                )
+            low, high = stats[f"min_width_{i}"], stats[f"max_width_{i}"]
+            if stats["rows"] and low != high:
+                raise ValueError(
+                    f"Column {name!r} is ragged: rows have between {low} and {high} values; "
+                    "expected the same number of values in every row."
+                )
+            if stats["rows"] and low == 0:
+                raise ValueError(f"Column {name!r} holds empty vectors: expected at least one value per row.")
+        return stats
+
+    def widths(self, stats: dict) -> dict[str, int]:
+        return {name: stats[f"min_width_{i}"] for i, name in enumerate(self._columns)}
+
+
+def arrow_to_numpy(batches: Iterable[pa.RecordBatch], feature_width: int, label_width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenates a partition's record batches into ``(x, y)`` float32 arrays."""
+    xs, ys = [], []
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        xs.append(_fixed_width(batch.column(FEATURES), feature_width))
+        ys.append(_fixed_width(batch.column(LABEL), label_width))
+    if not xs:
+        return np.empty((0, feature_width), np.float32), np.empty((0, label_width), np.float32)
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def _fixed_width(column: pa.Array, width: int) -> np.ndarray:
+    values = column.flatten().to_numpy(zero_copy_only=False)
+    return values.astype(np.float32, copy=False).reshape(-1, width)
+
+
+def steps_per_epoch(num_rows: int, num_workers: int, batch_size: int) -> int:
+    """Steps every rank runs per epoch: one pass over the data at the global batch size.
+
+    Ranks must agree on this number or the ring deadlocks, so it depends on the
+    total row count only, never on a partition's own size.
+    """
+    return max(1, -(-num_rows // (num_workers * batch_size)))
+
+
+def epoch_order(num_rows: int, num_samples: int, *, seed: int, rank: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """Row indices a rank trains on in one epoch.
+
+    ``num_samples`` (steps x batch size) may exceed ``num_rows``: the order then
+    continues with further permutations so that every rank runs full batches.
+    """
+    if not shuffle:
+        return np.arange(num_samples) % num_rows
+    rng = np.random.default_rng([seed, rank, epoch])
+    passes = -(-num_samples // num_rows)
+    return np.concatenate([rng.permutation(num_rows) for _ in range(passes)])[:num_samples]
+
+
+def batches(
+    x: np.ndarray, y: np.ndarray, *, batch_size: int, steps: int, epochs: int, seed: int, rank: int, shuffle: bool
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yields ``steps`` full batches per epoch for ``epochs`` epochs, reshuffled every epoch."""
+    for epoch in range(epochs):
+        order = epoch_order(len(x), steps * batch_size, seed=seed, rank=rank, epoch=epoch, shuffle=shuffle)
+        for step in range(steps):
+            index = order[step * batch_size : (step + 1) * batch_size]
+            yield x[index], y[index]

@@ -1,0 +1,83 @@
+"""Barrier-mode launcher: run one function on N Spark tasks that start together.
+
+The DataFrame is repartitioned to exactly N partitions right before
+``mapInArrow(..., barrier=True)`` (barrier stages refuse coalesce/union
+lineage), each task gets its partition as Arrow record batches, and rank 0's
+return value comes back to the driver as binary rows.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Iterator, Optional
+
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
+
+_RESULT_SCHEMA = "chunk int, payload binary"
+_CHUNK_BYTES = 32 << 20  # keeps each binary row far below Arrow's 2 GB limit
+
+TaskFunction = Callable[[Iterable[pa.RecordBatch]], Optional[bytes]]
+
+
+def task_slots(spark: SparkSession) -> int:
+    """How many tasks the cluster can run at once right now (what a barrier stage needs)."""
+    sc = spark.sparkContext._jsc.sc()
+    profile = sc.resourceProfileManager().defaultResourceProfile()
+    return int(sc.maxNumConcurrentTasks(profile))
+
+
+def check_slots(spark: SparkSession, num_workers: int, wait_seconds: float) -> None:
+    """Fails fast when the barrier stage could never be scheduled, instead of letting Spark hang or retry.
+
+    Executors of a freshly started cluster register over a few seconds, so the
+    check waits up to ``wait_seconds`` for enough of them (not in local mode,
+    whose slots are fixed).
+    """
+    master = spark.sparkContext.master
+    if master.startswith("local") and not master.startswith("local-cluster"):
+        wait_seconds = 0.0
+    deadline = time.monotonic() + wait_seconds
+    while (slots := task_slots(spark)) < num_workers:
+        if time.monotonic() >= deadline:
+            raise ValueError(
+                f"Expected `num_workers` <= the cluster's task slots. Received num_workers={num_workers}, but the "
+                f"cluster runs {slots} tasks at once (master={master!r}, "
+                f"spark.task.cpus={spark.conf.get('spark.task.cpus', '1')}). A barrier stage needs all of its "
+                "tasks running together: lower num_workers or add executors/cores."
+            )
+        time.sleep(0.5)
+
+
+def run_barrier(frame: DataFrame, num_workers: int, task: TaskFunction) -> bytes:
+    """Runs ``task`` on ``num_workers`` barrier tasks; returns the bytes that rank 0's task returned."""
+
+    def run_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        payload = task(batches)
+        if payload is None:
+            return
+        for index, start in enumerate(range(0, max(len(payload), 1), _CHUNK_BYTES)):
+            yield pa.RecordBatch.from_pydict(
+                {"chunk": [index], "payload": [payload[start : start + _CHUNK_BYTES]]},
+                schema=pa.schema([("chunk", pa.int32()), ("payload", pa.binary())]),
+            )
+
+    table = frame.repartition(num_workers).mapInArrow(run_task, _RESULT_SCHEMA, barrier=True).toArrow()
+    if table.num_rows == 0:
+        raise RuntimeError("The training stage finished without a result from rank 0.")
+    ordered = table.sort_by("chunk")
+    return b"".join(chunk.as_py() for chunk in ordered.column("payload"))
+
+
+def connect_collective(secret: bytes, timeout: float):
+    """Inside a barrier task: builds the ring of all tasks of the stage, rank = partition index."""
+    from pyspark import BarrierTaskContext
+
+    from sparkdl.collective import Listener, RingCommunicator
+
+    context = BarrierTaskContext.get()
+    rank = context.partitionId()
+    host = context.getTaskInfos()[rank].address.rsplit(":", 1)[0]
+    listener = Listener(host=host)
+    addresses = context.allGather(listener.address)
+    return RingCommunicator.connect(rank, addresses, listener, secret, timeout=timeout)

@@ -1,0 +1,52 @@
+"""Moving models, weights and histories between the driver and the workers.
+
+Models travel as Keras ``.keras`` archives and histories as JSON, packed in an
+``.npz`` archive read with ``allow_pickle=False``: nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+
+import numpy as np
+
+
+def model_to_bytes(model) -> bytes:
+    """The model, its compile settings and optimizer state as ``.keras`` bytes."""
+    if not model.optimizer.built:
+        # Saved unbuilt, the optimizer's slots could not be matched on load and Keras warns on every worker.
+        model.optimizer.build(model.trainable_variables)
+    with tempfile.TemporaryDirectory(prefix="sparkdl-") as tmp:
+        path = os.path.join(tmp, "model.keras")
+        model.save(path)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def model_from_bytes(data: bytes, custom_objects: dict | None = None):
+    import keras
+
+    with tempfile.TemporaryDirectory(prefix="sparkdl-") as tmp:
+        path = os.path.join(tmp, "model.keras")
+        with open(path, "wb") as f:
+            f.write(data)
+        return keras.saving.load_model(path, custom_objects=custom_objects, compile=True)
+
+
+def result_to_bytes(model_bytes: bytes, history: dict[str, list[float]]) -> bytes:
+    """Rank 0's answer: the trained ``.keras`` archive (with optimizer state) and the history."""
+    buffer = io.BytesIO()
+    np.savez(
+        buffer,
+        model=np.frombuffer(model_bytes, np.uint8),
+        history=np.frombuffer(json.dumps(history).encode(), np.uint8),
+    )
+    return buffer.getvalue()
+
+
+def result_from_bytes(data: bytes) -> tuple[bytes, dict[str, list[float]]]:
+    with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+        return archive["model"].tobytes(), json.loads(archive["history"].tobytes().decode())

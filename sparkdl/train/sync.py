@@ -1,0 +1,158 @@
+"""The per-worker side of sync training: Keras ``fit`` with gradients averaged every step.
+
+Like Horovod's ``DistributedOptimizer``, the model's own optimizer is wrapped
+so that Keras's ``fit`` (callbacks, metrics, ``steps_per_epoch``) keeps
+working while every step's gradients are averaged across ranks underneath:
+all gradients are fused into one float32 buffer and reduced with a single
+ring allreduce, called from the compiled train step through
+``tf.numpy_function``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+from typing import Callable, Iterator
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# Ranks whose final weights differ by more than this (after an exact hash
+# comparison failed) are reported as diverged rather than accepted.
+_REPLICA_TOLERANCE = 1e-5
+
+
+class _AllreduceGradients:
+    """Mixin placed in front of the optimizer's own class for the length of training."""
+
+    _sparkdl_allreduce: Callable[[np.ndarray], np.ndarray]
+
+    def apply(self, grads, trainable_variables=None):
+        return super().apply(_allreduce_in_graph(list(grads), self._sparkdl_allreduce), trainable_variables)
+
+
+def _allreduce_in_graph(grads: list, allreduce: Callable[[np.ndarray], np.ndarray]) -> list:
+    import tensorflow as tf
+
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if not present:
+        return grads
+    dense = [tf.convert_to_tensor(grads[i]) for i in present]  # densifies IndexedSlices
+    fused = tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1]) for g in dense], axis=0)
+    reduced = tf.numpy_function(allreduce, [fused], tf.float32, stateful=True, name="sparkdl_allreduce")
+    reduced = tf.ensure_shape(reduced, fused.shape)
+    parts = tf.split(reduced, [tf.size(g) for g in dense])
+    for i, g, part in zip(present, dense, parts):
+        grads[i] = tf.cast(tf.reshape(part, tf.shape(g)), g.dtype)
+    return grads
+
+
+@contextlib.contextmanager
+def distributed_optimizer(optimizer, comm) -> Iterator[None]:
+    """Makes ``optimizer`` average its gradients over ``comm`` while the block runs.
+
+    The instance's class is swapped (not the instance rebuilt) so that its
+    state, its tracking by the model and its saved config stay exactly those
+    of the user's optimizer.
+    """
+    original = type(optimizer)
+    optimizer.__class__ = type(
+        original.__name__,
+        (_AllreduceGradients, original),
+        {"_sparkdl_allreduce": staticmethod(lambda flat: comm.allreduce(flat, average=True))},
+    )
+    try:
+        yield
+    finally:
+        optimizer.__class__ = original
+
+
+def _average_across_workers_callback(comm):
+    import keras
+
+    class AverageAcrossWorkers(keras.callbacks.Callback):
+        """Averages epoch metrics, and statistics such as BatchNorm's moving means, over ranks.
+
+        Runs first among the callbacks, so History, EarlyStopping and the
+        user's callbacks all see the global values.
+        """
+
+        def on_epoch_end(self, epoch, logs=None):
+            if logs:
+                keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.number)))
+                values = comm.allreduce(np.array([logs[k] for k in keys], np.float64), average=True)
+                logs.update(zip(keys, values.tolist()))
+            statistics = [v for v in self.model.non_trainable_variables if _is_float(v.dtype)]
+            if statistics:
+                averaged = comm.allreduce(_concat([np.asarray(v.numpy(), np.float64) for v in statistics]), average=True)
+                for variable, value in zip(statistics, _split(averaged, statistics)):
+                    variable.assign(value.astype(variable.dtype))
+
+    return AverageAcrossWorkers()
+
+
+def _is_float(dtype) -> bool:
+    return np.issubdtype(np.dtype(str(dtype)), np.floating)
+
+
+def _concat(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate([np.ravel(a) for a in arrays]) if arrays else np.empty(0)
+
+
+def _split(flat: np.ndarray, like: list) -> list[np.ndarray]:
+    sizes = [int(np.prod(v.shape)) for v in like]
+    return [part.reshape(tuple(v.shape)) for part, v in zip(np.split(flat, np.cumsum(sizes)[:-1]), like)]
+
+
+def _weights_as_bytes(weights: list[np.ndarray]) -> np.ndarray:
+    return _concat([np.ascontiguousarray(w).view(np.uint8) for w in weights]).astype(np.uint8, copy=False)
+
+
+def broadcast_weights(model, comm) -> None:
+    """Gives every rank rank 0's weights, byte for byte, before the first step."""
+    weights = model.get_weights()
+    received = comm.broadcast(_weights_as_bytes(weights), root=0)
+    restored, offset = [], 0
+    for w in weights:
+        restored.append(received[offset : offset + w.nbytes].view(w.dtype).reshape(w.shape))
+        offset += w.nbytes
+    model.set_weights(restored)
+
+
+def check_replicas_identical(model, comm) -> None:
+    """Raises if the ranks finished with different weights: a silent divergence would ship a wrong model."""
+    weights = model.get_weights()
+    digest = np.frombuffer(hashlib.sha256(_weights_as_bytes(weights).tobytes()).digest(), np.uint8)
+    digests = comm.allgather(digest)
+    if (digests == digests[0]).all():
+        return
+    flat = _concat([np.asarray(w, np.float64) for w in weights])
+    reference = comm.broadcast(flat, root=0)
+    differences = comm.allgather(np.array([np.max(np.abs(flat - reference), initial=0.0)]))[:, 0]
+    if differences.max() > _REPLICA_TOLERANCE:
+        raise RuntimeError(
+            "Replicas diverged: the largest difference from rank 0's weights per rank is "
+            f"{differences.tolist()}. Every rank must apply the same averaged gradients."
+        )
+    logger.warning("Replicas differ by at most %.3g after training (within tolerance).", differences.max())
+
+
+def train(model, x: np.ndarray, y: np.ndarray, *, comm, epochs: int, batch_size: int, steps_per_epoch: int,
+          seed: int, shuffle: bool) -> dict[str, list[float]]:
+    """Trains ``model`` in place on this rank's rows, in lockstep with the other ranks; returns the history."""
+    import keras
+
+    from sparkdl import data
+
+    keras.utils.set_random_seed(seed + comm.rank)  # dropout and the like differ per rank, by design
+    model.jit_compile = False  # the allreduce runs through tf.numpy_function, which XLA cannot compile
+    broadcast_weights(model, comm)
+    stream = data.batches(x, y, batch_size=batch_size, steps=steps_per_epoch, epochs=epochs, seed=seed,
+                          rank=comm.rank, shuffle=shuffle)
+    with distributed_optimizer(model.optimizer, comm):
+        history = model.fit(stream, epochs=epochs, steps_per_epoch=steps_per_epoch, shuffle=False, verbose=0,
+                            callbacks=[_average_across_workers_callback(comm)])
+    check_replicas_identical(model, comm)
+    return {name: [float(v) for v in values] for name, values in history.history.items()}

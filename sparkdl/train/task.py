@@ -1,0 +1,67 @@
+"""What one barrier task does in sync mode, from its Arrow partition to rank 0's result."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Iterable, Optional
+
+import numpy as np
+import pyarrow as pa
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncJob:
+    """Everything a task needs, shipped from the driver in the task closure."""
+
+    model_bytes: bytes
+    secret: bytes
+    feature_width: int
+    label_width: int
+    label_is_scalar: bool
+    epochs: int
+    batch_size: int
+    steps_per_epoch: int
+    seed: int
+    shuffle: bool
+    timeout: float
+    custom_objects: Optional[dict]
+
+
+def run_sync_task(batches: Iterable[pa.RecordBatch], job: SyncJob) -> Optional[bytes]:
+    from sparkdl import data
+    from sparkdl.launch import connect_collective
+    from sparkdl.train import serialization, sync
+
+    x, y = data.arrow_to_numpy(batches, job.feature_width, job.label_width)
+    if job.label_is_scalar:
+        y = y.reshape(-1)
+    with connect_collective(job.secret, job.timeout) as comm:
+        rows = comm.allgather(np.array([len(x)], np.int64))[:, 0]
+        if rows.min() == 0:
+            raise ValueError(
+                f"Worker partitions got {rows.tolist()} rows: every worker needs at least one row. "
+                "Use fewer workers or more data."
+            )
+        _limit_threads_to_task_cpus()
+        model = serialization.model_from_bytes(job.model_bytes, job.custom_objects)
+        history = sync.train(model, x, y, comm=comm, epochs=job.epochs, batch_size=job.batch_size,
+                             steps_per_epoch=job.steps_per_epoch, seed=job.seed, shuffle=job.shuffle)
+        if comm.rank != 0:
+            return None
+        return serialization.result_to_bytes(serialization.model_to_bytes(model), history)
+
+
+def _limit_threads_to_task_cpus() -> None:
+    """Keeps N tasks on one machine from each spawning a thread per core (oversubscription)."""
+    from pyspark import TaskContext
+
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import tensorflow as tf
+
+    cpus = TaskContext.get().cpus()
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(cpus)
+        tf.config.threading.set_inter_op_parallelism_threads(cpus)
+    except RuntimeError:
+        pass  # TensorFlow already initialised by an earlier task in this reused Python worker
