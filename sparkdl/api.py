@@ -13,6 +13,8 @@ from pyspark.sql import DataFrame
 
 from sparkdl import data, launch
 from sparkdl.data import ColumnSpec
+from sparkdl.train import serialization
+from sparkdl.train.task import SyncJob, run_sync_task
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +81,6 @@ def fit(
                     timeout=timeout, seed=seed)
     launch.check_slots(df.sparkSession, num_workers, wait_seconds=30.0)
     training = data.prepare(df, features_col, label_col, num_workers)
-    from sparkdl.train import serialization
-    from sparkdl.train.task import SyncJob, run_sync_task
-
     steps = data.steps_per_epoch(training.num_rows, num_workers, batch_size)
     job = SyncJob(
         model_bytes=serialization.model_to_bytes(model),

@@ -12,7 +12,10 @@ import time
 from typing import Callable, Iterable, Iterator, Optional
 
 import pyarrow as pa
+from pyspark import BarrierTaskContext
 from pyspark.sql import DataFrame, SparkSession
+
+from sparkdl.collective import Listener, RingCommunicator
 
 _RESULT_SCHEMA = "chunk int, payload binary"
 _CHUNK_BYTES = 32 << 20  # keeps each binary row far below Arrow's 2 GB limit
@@ -69,12 +72,8 @@ def run_barrier(frame: DataFrame, num_workers: int, task: TaskFunction) -> bytes
     return b"".join(chunk.as_py() for chunk in ordered.column("payload"))
 
 
-def connect_collective(secret: bytes, timeout: float):
+def connect_collective(secret: bytes, timeout: float) -> RingCommunicator:
     """Inside a barrier task: builds the ring of all tasks of the stage, rank = partition index."""
-    from pyspark import BarrierTaskContext
-
-    from sparkdl.collective import Listener, RingCommunicator
-
     context = BarrierTaskContext.get()
     rank = context.partitionId()
     host = context.getTaskInfos()[rank].address.rsplit(":", 1)[0]

@@ -8,6 +8,11 @@ from typing import Iterable, Optional
 
 import numpy as np
 import pyarrow as pa
+from pyspark import TaskContext
+
+from sparkdl import data
+from sparkdl.launch import connect_collective
+from sparkdl.train import serialization, sync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,10 +34,7 @@ class SyncJob:
 
 
 def run_sync_task(batches: Iterable[pa.RecordBatch], job: SyncJob) -> Optional[bytes]:
-    from sparkdl import data
-    from sparkdl.launch import connect_collective
-    from sparkdl.train import serialization, sync
-
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # before anything in this worker imports Keras
     x, y = data.arrow_to_numpy(batches, job.feature_width, job.label_width)
     if job.label_is_scalar:
         y = y.reshape(-1)
@@ -54,9 +56,6 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], job: SyncJob) -> Optional[b
 
 def _limit_threads_to_task_cpus() -> None:
     """Keeps N tasks on one machine from each spawning a thread per core (oversubscription)."""
-    from pyspark import TaskContext
-
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import tensorflow as tf
 
     cpus = TaskContext.get().cpus()
