@@ -99,9 +99,9 @@ def fit(
     logger.info("sparkdl: %s training on %d workers, %d rows, %d steps/epoch x %d epochs",
                 mode, num_workers, training.num_rows, steps, epochs)
     started = time.perf_counter()
-    result = launch.run_barrier(training.frame, num_workers, lambda batches: run_sync_task(batches, job))
+    results = launch.run_tasks(training.frame, num_workers, lambda batches: run_sync_task(batches, job), barrier=True)
     seconds = time.perf_counter() - started
-    model_bytes, history = serialization.result_from_bytes(result)
+    model_bytes, history = serialization.result_from_bytes(results[0])
     trained = serialization.model_from_bytes(model_bytes, custom_objects)
     return FitResult(trained, history, num_workers, steps, seconds)
 

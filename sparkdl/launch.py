@@ -1,9 +1,9 @@
-"""Barrier-mode launcher: run one function on N Spark tasks that start together.
+"""Launcher: run one function on N Spark tasks, in barrier mode (all start together) or not.
 
 The DataFrame is repartitioned to exactly N partitions right before
-``mapInArrow(..., barrier=True)`` (barrier stages refuse coalesce/union
-lineage), each task gets its partition as Arrow record batches, and rank 0's
-return value comes back to the driver as binary rows.
+``mapInArrow(..., barrier=...)`` (barrier stages refuse coalesce/union
+lineage), each task gets its partition as Arrow record batches, and each
+task's return value comes back to the driver as binary rows.
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ import time
 from typing import Callable, Iterable, Iterator, Optional
 
 import pyarrow as pa
-from pyspark import BarrierTaskContext
+from pyspark import BarrierTaskContext, TaskContext
 from pyspark.sql import DataFrame, SparkSession
 
 from sparkdl.collective import Listener, RingCommunicator
 
-_RESULT_SCHEMA = "chunk int, payload binary"
+_RESULT_SCHEMA = "partition int, chunk int, payload binary"
+_RESULT_ARROW_SCHEMA = pa.schema([("partition", pa.int32()), ("chunk", pa.int32()), ("payload", pa.binary())])
 _CHUNK_BYTES = 32 << 20  # keeps each binary row far below Arrow's 2 GB limit
 
 TaskFunction = Callable[[Iterable[pa.RecordBatch]], Optional[bytes]]
@@ -52,24 +53,31 @@ def check_slots(spark: SparkSession, num_workers: int, wait_seconds: float) -> N
         time.sleep(0.5)
 
 
-def run_barrier(frame: DataFrame, num_workers: int, task: TaskFunction) -> bytes:
-    """Runs ``task`` on ``num_workers`` barrier tasks; returns the bytes that rank 0's task returned."""
+def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier: bool) -> dict[int, bytes]:
+    """Runs ``task`` once per partition of ``frame.repartition(num_workers)``.
+
+    Returns the bytes each task returned, by partition index (tasks returning
+    None are left out). ``barrier=True`` starts all tasks together, as the
+    ring needs; otherwise they are ordinary tasks that Spark may retry alone.
+    """
 
     def run_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         payload = task(batches)
         if payload is None:
             return
+        partition = TaskContext.get().partitionId()
         for index, start in enumerate(range(0, max(len(payload), 1), _CHUNK_BYTES)):
             yield pa.RecordBatch.from_pydict(
-                {"chunk": [index], "payload": [payload[start : start + _CHUNK_BYTES]]},
-                schema=pa.schema([("chunk", pa.int32()), ("payload", pa.binary())]),
+                {"partition": [partition], "chunk": [index], "payload": [payload[start : start + _CHUNK_BYTES]]},
+                schema=_RESULT_ARROW_SCHEMA,
             )
 
-    table = frame.repartition(num_workers).mapInArrow(run_task, _RESULT_SCHEMA, barrier=True).toArrow()
-    if table.num_rows == 0:
-        raise RuntimeError("The training stage finished without a result from rank 0.")
-    ordered = table.sort_by("chunk")
-    return b"".join(chunk.as_py() for chunk in ordered.column("payload"))
+    table = frame.repartition(num_workers).mapInArrow(run_task, _RESULT_SCHEMA, barrier=barrier).toArrow()
+    table = table.sort_by([("partition", "ascending"), ("chunk", "ascending")])
+    results: dict[int, list[bytes]] = {}
+    for partition, payload in zip(table.column("partition").to_pylist(), table.column("payload").to_pylist()):
+        results.setdefault(partition, []).append(payload)
+    return {partition: b"".join(chunks) for partition, chunks in results.items()}
 
 
 def connect_collective(secret: bytes, timeout: float) -> RingCommunicator:

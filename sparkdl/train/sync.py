@@ -1,11 +1,8 @@
 """The per-worker side of sync training: Keras ``fit`` with gradients averaged every step.
 
-Like Horovod's ``DistributedOptimizer``, the model's own optimizer is wrapped
-so that Keras's ``fit`` (callbacks, metrics, ``steps_per_epoch``) keeps
-working while every step's gradients are averaged across ranks underneath:
-all gradients are fused into one float32 buffer and reduced with a single
-ring allreduce, called from the compiled train step through
-``tf.numpy_function``.
+The model's own optimizer is hooked (see ``optimizer_hooks``) so that every
+step's gradients, fused into one float32 buffer, are averaged across ranks
+by one ring allreduce before the optimizer applies them.
 """
 
 from __future__ import annotations
@@ -13,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
+
+from sparkdl.train.optimizer_hooks import fused_numpy_call, intercept_apply
 
 logger = logging.getLogger(__name__)
 
@@ -24,49 +23,18 @@ logger = logging.getLogger(__name__)
 _REPLICA_TOLERANCE = 1e-5
 
 
-class _AllreduceGradients:
-    """Mixin placed in front of the optimizer's own class for the length of training."""
-
-    _sparkdl_allreduce: Callable[[np.ndarray], np.ndarray]
-
-    def apply(self, grads, trainable_variables=None):
-        return super().apply(_allreduce_in_graph(list(grads), self._sparkdl_allreduce), trainable_variables)
-
-
-def _allreduce_in_graph(grads: list, allreduce: Callable[[np.ndarray], np.ndarray]) -> list:
-    import tensorflow as tf
-
-    present = [i for i, g in enumerate(grads) if g is not None]
-    if not present:
-        return grads
-    dense = [tf.convert_to_tensor(grads[i]) for i in present]  # densifies IndexedSlices
-    fused = tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1]) for g in dense], axis=0)
-    reduced = tf.numpy_function(allreduce, [fused], tf.float32, stateful=True, name="sparkdl_allreduce")
-    reduced = tf.ensure_shape(reduced, fused.shape)
-    parts = tf.split(reduced, [tf.size(g) for g in dense])
-    for i, g, part in zip(present, dense, parts):
-        grads[i] = tf.cast(tf.reshape(part, tf.shape(g)), g.dtype)
-    return grads
-
-
 @contextlib.contextmanager
 def distributed_optimizer(optimizer, comm) -> Iterator[None]:
-    """Makes ``optimizer`` average its gradients over ``comm`` while the block runs.
+    """Makes ``optimizer`` average its gradients over ``comm`` while the block runs."""
 
-    The instance's class is swapped (not the instance rebuilt) so that its
-    state, its tracking by the model and its saved config stay exactly those
-    of the user's optimizer.
-    """
-    original = type(optimizer)
-    optimizer.__class__ = type(
-        original.__name__,
-        (_AllreduceGradients, original),
-        {"_sparkdl_allreduce": staticmethod(lambda flat: comm.allreduce(flat, average=True))},
-    )
-    try:
+    def mean_over_ranks(fused: np.ndarray) -> np.ndarray:
+        return comm.allreduce(fused, average=True)
+
+    def allreduce_then_apply(apply, grads, variables):
+        return apply(fused_numpy_call(grads, mean_over_ranks, "sparkdl_allreduce"), variables)
+
+    with intercept_apply(optimizer, allreduce_then_apply):
         yield
-    finally:
-        optimizer.__class__ = original
 
 
 def _average_across_workers_callback(comm):

@@ -1,0 +1,56 @@
+"""Hooks into a Keras optimizer's ``apply`` so that Keras's own ``fit`` drives distributed training.
+
+Like Horovod's ``DistributedOptimizer``: the compiled train step, metrics and
+callbacks stay Keras's; only what happens to a step's gradients changes
+(averaged over a ring, or exchanged with a parameter server). The gradients
+cross into Python once per step as one fused float32 buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, Iterator
+
+import numpy as np
+
+
+@contextlib.contextmanager
+def intercept_apply(optimizer, intercept: Callable) -> Iterator[None]:
+    """While the block runs, ``optimizer.apply(grads, variables)`` calls ``intercept(apply, grads, variables)``.
+
+    ``apply`` is the optimizer's own method, bound. The instance's class is
+    swapped (not the instance rebuilt) so that its state, its tracking by the
+    model and its saved config stay exactly those of the user's optimizer.
+    """
+    original = type(optimizer)
+
+    def apply(self, grads, trainable_variables=None):
+        return intercept(functools.partial(original.apply, self), list(grads), trainable_variables)
+
+    optimizer.__class__ = type(original.__name__, (original,), {"apply": apply})
+    try:
+        yield
+    finally:
+        optimizer.__class__ = original
+
+
+def fused_numpy_call(tensors: list, fn: Callable[[np.ndarray], np.ndarray], name: str) -> list:
+    """Runs ``fn`` on all ``tensors`` fused into one float32 vector; returns its output split back.
+
+    ``None`` entries (variables without a gradient) pass through untouched.
+    Usable inside a compiled ``tf.function`` (but not under XLA).
+    """
+    import tensorflow as tf
+
+    present = [i for i, t in enumerate(tensors) if t is not None]
+    if not present:
+        return tensors
+    dense = [tf.convert_to_tensor(tensors[i]) for i in present]  # densifies IndexedSlices
+    fused = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in dense], axis=0)
+    result = tf.numpy_function(fn, [fused], tf.float32, stateful=True, name=name)
+    result = tf.ensure_shape(result, fused.shape)
+    out = list(tensors)
+    for i, t, part in zip(present, dense, tf.split(result, [tf.size(t) for t in dense])):
+        out[i] = tf.cast(tf.reshape(part, tf.shape(t)), t.dtype)
+    return out
