@@ -77,8 +77,8 @@ def test_accuracy(model, test_df, features, label_col: str) -> float:
     from sparkdl import data
 
     prepared = data.prepare(test_df, features, label_col, num_workers=1)
-    x, y = data.arrow_to_numpy(prepared.frame.toArrow().to_batches(), prepared.feature_width, 1)
-    return float(np.mean(model.predict(x, verbose=0).argmax(axis=1) == y[:, 0]))
+    x, y = prepared.shapes.to_numpy(prepared.frame.toArrow().to_batches())
+    return float(np.mean(model.predict(x, verbose=0).argmax(axis=1) == y))
 
 
 def main(argv=None) -> int:
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     train_df, test_df = df.randomSplit([1 - args.test_fraction, args.test_fraction], seed=args.seed)
     train_df = train_df.cache()
 
-    width = sparkdl.data.prepare(train_df.limit(1), features, args.label_col, num_workers=1).feature_width
+    width = sparkdl.data.prepare(train_df.limit(1), features, args.label_col, num_workers=1).shapes.feature_width
     classes = int(train_df.agg(F.max(args.label_col)).first()[0]) + 1
     model = build_mlp(width, classes, args.learning_rate)
 

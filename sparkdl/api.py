@@ -13,12 +13,14 @@ from pyspark.sql import DataFrame
 
 from sparkdl import data, launch
 from sparkdl.data import ColumnSpec
+from sparkdl.ps.average import recommended_sync_every, run_average
+from sparkdl.ps.driver import run_parameter_server
 from sparkdl.train import serialization
-from sparkdl.train.task import SyncJob, run_sync_task
+from sparkdl.train.task import run_sync
 
 logger = logging.getLogger(__name__)
 
-MODES = ("sync",)
+MODES = ("sync", "async", "hogwild", "ssp", "average")
 
 
 @dataclasses.dataclass
@@ -27,7 +29,9 @@ class FitResult:
 
     ``model`` is a new ``keras.Model`` on the driver holding the trained
     weights and optimizer state (the model passed in is left untouched);
-    ``history`` maps each metric to its per-epoch values averaged over workers.
+    ``history`` maps each metric to its per-epoch values averaged over workers;
+    ``stats`` holds the mode's counters (samples, pushes, pulls, bytes,
+    highest staleness seen, rounds).
     """
 
     model: object
@@ -35,6 +39,7 @@ class FitResult:
     num_workers: int
     steps_per_epoch: int
     seconds: float
+    stats: dict = dataclasses.field(default_factory=dict)
 
 
 def fit(
@@ -49,19 +54,30 @@ def fit(
     batch_size: int = 32,
     shuffle: bool = True,
     seed: Optional[int] = None,
+    push_every: Optional[int] = None,
+    max_staleness: Optional[int] = None,
+    num_servers: Optional[int] = None,
+    sync_every: Optional[int] = None,
     timeout: float = 600.0,
     custom_objects: Optional[dict] = None,
 ) -> FitResult:
     """Trains a compiled Keras 3 model on a Spark DataFrame with ``num_workers`` Spark tasks.
 
-    In ``mode="sync"`` every worker computes gradients on its own ``batch_size``
-    rows and the gradients are averaged with a ring allreduce every step, so
-    the global batch is ``num_workers * batch_size`` and the result matches
-    single-process minibatch SGD at that batch size.
+    Modes:
+        ``"sync"``: every step, the workers' gradients are averaged with a ring
+        allreduce (barrier mode); equivalent to minibatch SGD at the global
+        batch ``num_workers * batch_size``.
+        ``"async"``: a parameter server on the driver applies each worker's
+        pushed gradient as it arrives, under a lock, with the model's own optimizer.
+        ``"hogwild"``: as async, without the lock.
+        ``"ssp"``: as async, but a worker more than ``max_staleness`` pushes
+        ahead of the slowest one waits.
+        ``"average"``: no server: every ``sync_every`` local steps the driver
+        averages the workers' weights (Spark broadcast + accumulators).
 
     Args:
         df: the training data.
-        model: a compiled ``keras.Model`` (TensorFlow backend).
+        model: a compiled ``keras.Model`` (TensorFlow backend); it is left untouched.
         features_col: a Vector column, an ``array<numeric>`` column, or a list of numeric columns.
         label_col: a numeric column (or a Vector/array column for multi-output targets).
         num_workers: Spark tasks that train together; at most the cluster's task slots.
@@ -69,7 +85,11 @@ def fit(
         batch_size: rows per worker per step.
         shuffle: reshuffle every worker's rows each epoch.
         seed: makes shuffling and per-worker randomness reproducible.
-        timeout: seconds any single network wait between workers may take before the job fails.
+        push_every: async/hogwild/ssp: steps whose gradients are averaged into one push (default 1).
+        max_staleness: ssp (required): how many pushes a worker may run ahead of the slowest.
+        num_servers: async/hogwild/ssp: parameter-server shards, balanced by size (default 1).
+        sync_every: average: local steps between two averagings (default: half an epoch's steps).
+        timeout: seconds any single network wait may take before the job fails.
         custom_objects: passed to ``keras.saving.load_model`` on the workers.
 
     Example:
@@ -79,31 +99,60 @@ def fit(
     """
     _check_settings(df, model, num_workers=num_workers, mode=mode, epochs=epochs, batch_size=batch_size,
                     timeout=timeout, seed=seed)
+    options = _mode_options(model, mode, push_every=push_every, max_staleness=max_staleness,
+                            num_servers=num_servers, sync_every=sync_every)
     launch.check_slots(df.sparkSession, num_workers, wait_seconds=30.0)
     training = data.prepare(df, features_col, label_col, num_workers)
     steps = data.steps_per_epoch(training.num_rows, num_workers, batch_size)
-    job = SyncJob(
-        model_bytes=serialization.model_to_bytes(model),
-        secret=secrets.token_bytes(32),
-        feature_width=training.feature_width,
-        label_width=training.label_width,
-        label_is_scalar=training.label_is_scalar,
-        epochs=epochs,
-        batch_size=batch_size,
-        steps_per_epoch=steps,
-        seed=secrets.randbelow(2**31) if seed is None else seed,
-        shuffle=shuffle,
-        timeout=timeout,
-        custom_objects=custom_objects,
-    )
+    common = dict(model_bytes=serialization.model_to_bytes(model), num_workers=num_workers, epochs=epochs,
+                  batch_size=batch_size, seed=secrets.randbelow(2**31) if seed is None else seed, shuffle=shuffle,
+                  custom_objects=custom_objects)
     logger.info("sparkdl: %s training on %d workers, %d rows, %d steps/epoch x %d epochs",
                 mode, num_workers, training.num_rows, steps, epochs)
     started = time.perf_counter()
-    results = launch.run_tasks(training.frame, num_workers, lambda batches: run_sync_task(batches, job), barrier=True)
+    if mode == "sync":
+        model_bytes, history = run_sync(training, steps_per_epoch=steps, timeout=timeout, **common)
+        stats = {}
+    elif mode == "average":
+        model_bytes, history, stats = run_average(
+            training, sync_every=options["sync_every"] or recommended_sync_every(steps), **common)
+    else:
+        model_bytes, history, stats = run_parameter_server(
+            df.sparkSession, training, mode=mode, steps_per_epoch=steps, timeout=timeout,
+            push_every=options["push_every"] or 1, max_staleness=options["max_staleness"] or 0,
+            num_servers=options["num_servers"] or 1, **common)
     seconds = time.perf_counter() - started
-    model_bytes, history = serialization.result_from_bytes(results[0])
     trained = serialization.model_from_bytes(model_bytes, custom_objects)
-    return FitResult(trained, history, num_workers, steps, seconds)
+    return FitResult(trained, history, num_workers, steps, seconds, stats)
+
+
+_MODE_OPTIONS = {
+    "push_every": ("async", "hogwild", "ssp"),
+    "max_staleness": ("ssp",),
+    "num_servers": ("async", "hogwild", "ssp"),
+    "sync_every": ("average",),
+}
+
+
+def _mode_options(model, mode: str, **options) -> dict:
+    """Checks the mode-specific settings: a setting the chosen mode does not use is an error, not ignored."""
+    for name, value in options.items():
+        if value is None:
+            continue
+        if mode not in _MODE_OPTIONS[name]:
+            modes = " or ".join(repr(m) for m in _MODE_OPTIONS[name])
+            raise ValueError(f"`{name}` applies to mode={modes} only. Received: {name}={value!r} with mode={mode!r}")
+        minimum = 0 if name == "max_staleness" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            kind = "non-negative" if minimum == 0 else "positive"
+            raise ValueError(f"Expected `{name}` to be a {kind} integer. Received: {name}={value!r}")
+    if mode == "ssp" and options["max_staleness"] is None:
+        raise ValueError("mode='ssp' needs `max_staleness`: how many pushes a worker may run ahead of the slowest.")
+    variables = len(model.trainable_variables)
+    if (options["num_servers"] or 1) > variables:
+        raise ValueError(f"Expected `num_servers` <= the model's {variables} trainable variables (a shard holds whole "
+                         f"variables). Received: num_servers={options['num_servers']}")
+    return options
 
 
 def _check_settings(df, model, *, num_workers, mode, epochs, batch_size, timeout, seed) -> None:

@@ -30,14 +30,26 @@ _NUMERIC_TYPES = (T.NumericType, T.BooleanType)
 
 
 @dataclasses.dataclass(frozen=True)
+class ColumnShapes:
+    """What a worker needs to turn its Arrow batches into arrays (small and picklable, unlike a DataFrame)."""
+
+    feature_width: int
+    label_width: int
+    label_is_scalar: bool
+
+    def to_numpy(self, batches: Iterable[pa.RecordBatch]) -> tuple[np.ndarray, np.ndarray]:
+        """A partition as ``(x, y)`` float32 arrays; scalar labels come out 1-D, as Keras losses expect."""
+        x, y = arrow_to_numpy(batches, self.feature_width, self.label_width)
+        return x, (y.reshape(-1) if self.label_is_scalar else y)
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainingData:
     """A validated DataFrame reduced to the two columns the workers read."""
 
     frame: DataFrame  # columns FEATURES and LABEL, both array<float>
     num_rows: int
-    feature_width: int
-    label_width: int
-    label_is_scalar: bool
+    shapes: ColumnShapes
 
 
 def prepare(df: DataFrame, features_col: ColumnSpec, label_col: str, num_workers: int) -> TrainingData:
@@ -68,7 +80,7 @@ def prepare(df: DataFrame, features_col: ColumnSpec, label_col: str, num_workers
     widths = checks.widths(stats)
     feature_width = sum(widths[name] for name, _ in feature_parts)
     frame = df.select(features_expr.alias(FEATURES), label_expr.alias(LABEL))
-    return TrainingData(frame, num_rows, feature_width, widths[label_col], label_is_scalar)
+    return TrainingData(frame, num_rows, ColumnShapes(feature_width, widths[label_col], label_is_scalar))
 
 
 def _feature_columns(df: DataFrame, features_col: ColumnSpec) -> list[tuple[str, Column]]:

@@ -1,4 +1,4 @@
-"""One SparkSession for the whole test run (local[2]: two task slots, loopback only)."""
+"""One SparkSession for the whole test run: local[2,2] (two task slots, a failed task retried once), loopback only."""
 
 import os
 import sys
@@ -7,6 +7,8 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # workers must see this virtualenv
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # keep every socket on loopback
+# Workers import test-only Keras layers (tests/models.py) when they load a model.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ def spark():
     from pyspark.sql import SparkSession
 
     session = (
-        SparkSession.builder.master("local[2]")
+        SparkSession.builder.master("local[2,2]")
         .appName("sparkdl-tests")
         .config("spark.driver.host", "127.0.0.1")
         .config("spark.sql.shuffle.partitions", "4")

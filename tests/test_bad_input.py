@@ -49,7 +49,7 @@ def small_model(width=2):
         ({"num_workers": 0}, r"Expected `num_workers` to be a positive integer. Received: num_workers=0"),
         ({"batch_size": 0}, r"Expected `batch_size` to be a positive integer"),
         ({"epochs": 1.5}, r"Expected `epochs` to be a positive integer"),
-        ({"mode": "bogus"}, r"Expected `mode` to be one of \['sync'\]. Received: mode='bogus'"),
+        ({"mode": "bogus"}, r"Expected `mode` to be one of \['sync', 'async', 'hogwild', 'ssp', 'average'\]. Received: mode='bogus'"),
         ({"timeout": 0}, r"Expected `timeout` to be a positive number of seconds"),
         ({"seed": -1}, r"Expected `seed` to be a non-negative integer"),
     ],

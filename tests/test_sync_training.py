@@ -2,12 +2,12 @@
 
 import keras
 import numpy as np
-import pyarrow as pa
 import pytest
 
 import sparkdl
 from sparkdl import data
 from models import make_mlp
+from partitions import partitions_as_fit_sees_them, training_stream
 
 
 def test_digits_two_workers_reach_96_percent(digits_df, digits):
@@ -32,29 +32,6 @@ def test_digits_two_workers_reach_96_percent(digits_df, digits):
     assert int(result.model.optimizer.iterations.numpy()) == 20 * result.steps_per_epoch
 
 
-def _partitions_as_fit_sees_them(frame, num_workers, feature_width):
-    """Each barrier task's rows in order, read back through the same repartition that fit uses."""
-
-    def tag(batches):
-        from pyspark import TaskContext
-
-        for batch in batches:
-            n = batch.num_rows
-            yield pa.RecordBatch.from_arrays(
-                [pa.array([TaskContext.get().partitionId()] * n, pa.int32()), pa.array(range(n), pa.int32()),
-                 batch.column(data.FEATURES), batch.column(data.LABEL)],
-                names=["part", "pos", data.FEATURES, data.LABEL])
-
-    schema = f"part int, pos int, {data.FEATURES} array<float>, {data.LABEL} array<float>"
-    table = frame.repartition(num_workers).mapInArrow(tag, schema).toArrow().sort_by([("part", "ascending"), ("pos", "ascending")])
-    parts = []
-    for rank in range(num_workers):
-        rows = table.filter(pa.compute.equal(table.column("part"), rank))
-        x, y = data.arrow_to_numpy(rows.to_batches(), feature_width, 1)
-        parts.append((x, y.reshape(-1)))
-    return parts
-
-
 def test_two_workers_equal_one_worker_with_double_batch(spark, digits):
     """Allreduce SGD is minibatch SGD: N=2 with batch b == 1 process with batch 2b on the same rows."""
     x_train, _, y_train, _ = digits
@@ -67,21 +44,13 @@ def test_two_workers_equal_one_worker_with_double_batch(spark, digits):
     result = sparkdl.fit(df, model, num_workers=2, epochs=epochs, batch_size=b, seed=seed)
 
     training = data.prepare(df, "features", "label", 2)
-    parts = _partitions_as_fit_sees_them(training.frame, 2, 64)
+    parts = partitions_as_fit_sees_them(training.frame, 2, 64)
     assert sorted(len(px) for px, _ in parts) == [64, 64]
     steps = result.steps_per_epoch
     assert steps == 128 // (2 * b)
-    xs, ys = [], []
-    for epoch in range(epochs):
-        orders = [data.epoch_order(len(px), steps * b, seed=seed, rank=r, epoch=epoch, shuffle=True)
-                  for r, (px, _) in enumerate(parts)]
-        for step in range(steps):
-            for (px, py), order in zip(parts, orders):
-                index = order[step * b:(step + 1) * b]
-                xs.append(px[index])
-                ys.append(py[index])
+    x_seen, y_seen = training_stream(parts, batch_size=b, steps=steps, epochs=epochs, seed=seed)
     # One pass over the concatenated stream: it already holds every epoch, in order.
-    reference.fit(np.concatenate(xs), np.concatenate(ys), batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x_seen, y_seen, batch_size=2 * b, epochs=1, shuffle=False, verbose=0)
 
     moved = False
     for got, want, start in zip(result.model.get_weights(), reference.get_weights(), model.get_weights()):

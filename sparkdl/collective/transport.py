@@ -95,6 +95,16 @@ def _server_mac(secret: bytes, client_nonce: bytes, server_nonce: bytes, server_
     return hmac.new(secret, message, hashlib.sha256).digest()
 
 
+def _verify_client_hello(secret: bytes, server_nonce: bytes, hello: bytes,
+                         server_rank: int) -> tuple[int, bytes] | None:
+    """(client rank, client nonce) of a complete client hello whose MAC is valid, else None."""
+    client_rank, client_nonce, mac = _CLIENT_HELLO.unpack(hello)
+    expected = _client_mac(secret, server_nonce, client_nonce, client_rank, server_rank)
+    if not hmac.compare_digest(mac, expected):
+        return None
+    return client_rank, client_nonce
+
+
 def _tune(sock: socket.socket) -> None:
     """Disable Nagle (small frames must not wait) and enlarge the kernel buffers."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
@@ -215,6 +225,28 @@ def _dtype_name(code: int) -> str:
     return _DTYPES[code].name if code < len(_DTYPES) else f"unknown dtype code {code}"
 
 
+def bind_listener(host: str, *, backlog: int = 16,
+                  reuse_address: bool = False) -> tuple[socket.socket, str]:
+    """A listening, tuned socket on an ephemeral port of exactly ``host``, and its "host:port".
+
+    ``reuse_address`` sets SO_REUSEADDR, so that a port released by a stopped
+    server can be bound again while its old connections sit in TIME_WAIT.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        _tune(sock)  # accepted sockets inherit the buffer sizes
+        if reuse_address:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    return sock, (f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}")
+
+
 @dataclass
 class _PendingHandshake:
     """Server-side state of one not yet authenticated connection."""
@@ -232,18 +264,7 @@ class Listener:
     """
 
     def __init__(self, host: str = "127.0.0.1"):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            _tune(sock)  # accepted sockets inherit the buffer sizes
-            sock.bind((host, 0))
-            sock.listen(16)
-        except BaseException:
-            sock.close()
-            raise
-        self._sock = sock
-        port = sock.getsockname()[1]
-        self.address = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        self._sock, self.address = bind_listener(host)
 
     def accept_peer(self, rank: int, peer: int, secret: bytes, timeout: float) -> PeerLink:
         """Return the link from ``peer`` once it authenticates; drop every other connection.
@@ -303,11 +324,11 @@ class Listener:
                     state.received += data
                     if len(state.received) < _CLIENT_HELLO.size:
                         continue
-                    client_rank, client_nonce, mac = _CLIENT_HELLO.unpack(state.received)
-                    expected = _client_mac(secret, state.nonce, client_nonce, client_rank, rank)
-                    if not hmac.compare_digest(mac, expected):
+                    verified = _verify_client_hello(secret, state.nonce, bytes(state.received), rank)
+                    if verified is None:
                         drop(conn, "bad authentication code (wrong secret or garbage)")
                         continue
+                    client_rank, client_nonce = verified
                     if client_rank != peer:
                         drop(conn, f"authenticated as rank {client_rank}, expected rank {peer}")
                         continue
@@ -369,6 +390,33 @@ def connect_peer(address: str, rank: int, peer: int, secret: bytes, timeout: flo
     ``timeout`` has passed, because the peer may still be busy dropping an
     impostor or may not be accepting yet.
     """
+    try:
+        sock = connect_authenticated(address, rank, peer, secret, timeout)
+    except ConnectGaveUp as exc:
+        raise CollectiveTimeout(
+            f"rank {rank}: could not connect to rank {peer} at {address} within {timeout}s "
+            f"(last error: {exc.last_error}); check that rank {peer} is running, that its "
+            f"address is reachable from this host, and that all ranks use the same job secret"
+        ) from None
+    return PeerLink(sock, rank, peer, timeout)
+
+
+class ConnectGaveUp(Exception):
+    """:func:`connect_authenticated` found no authenticated connection within its timeout."""
+
+    def __init__(self, last_error: str):
+        super().__init__(last_error)
+        self.last_error = last_error
+
+
+def connect_authenticated(address: str, rank: int, peer: int, secret: bytes,
+                          timeout: float) -> socket.socket:
+    """A tuned socket connected to ``address`` after mutual authentication as ``rank`` -> ``peer``.
+
+    Refused connections and failed handshakes are retried with backoff; raises
+    :class:`ConnectGaveUp` (with the last error) once ``timeout`` has passed.
+    The returned socket still has the remaining connect time as its timeout.
+    """
     host, port = parse_address(address)
     deadline = time.monotonic() + timeout
     delay = 0.01
@@ -376,11 +424,7 @@ def connect_peer(address: str, rank: int, peer: int, secret: bytes, timeout: flo
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise CollectiveTimeout(
-                f"rank {rank}: could not connect to rank {peer} at {address} within {timeout}s "
-                f"(last error: {last_error}); check that rank {peer} is running, that its "
-                f"address is reachable from this host, and that all ranks use the same job secret"
-            )
+            raise ConnectGaveUp(last_error)
         sock = None
         try:
             family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -389,7 +433,7 @@ def connect_peer(address: str, rank: int, peer: int, secret: bytes, timeout: flo
             sock.settimeout(remaining)
             sock.connect(sockaddr)
             _client_handshake(sock, rank, peer, secret)
-            return PeerLink(sock, rank, peer, timeout)
+            return sock
         except (OSError, _HandshakeFailed) as exc:
             if sock is not None:
                 sock.close()
@@ -423,3 +467,45 @@ def _recv_handshake(sock: socket.socket, size: int) -> bytes:
             )
         received += count
     return bytes(buffer)
+
+
+def server_handshake(sock: socket.socket, server_rank: int, secret: bytes, timeout: float,
+                     client_ranks: range | None = None) -> int:
+    """Authenticate one accepted connection (blocking); return the client's rank.
+
+    For servers that run one thread per connection.  A client that
+    authenticates with a rank outside ``client_ranks`` is refused before the
+    server proves itself, so the client sees a failed handshake.  The whole exchange is
+    bounded by ``timeout`` (a client trickling bytes cannot stretch it); raises
+    :class:`_HandshakeFailed` on a bad MAC, an early close or the deadline,
+    and OSError on socket errors.
+    """
+    deadline = time.monotonic() + timeout
+    nonce = os.urandom(_NONCE_BYTES)
+    sock.settimeout(timeout)
+    sock.sendall(_AUTH_MAGIC + nonce)
+    hello = bytearray(_CLIENT_HELLO.size)
+    view = memoryview(hello)
+    received = 0
+    while received < len(hello):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _HandshakeFailed(f"no authentication within {timeout}s")
+        sock.settimeout(remaining)
+        try:
+            count = sock.recv_into(view[received:])
+        except TimeoutError:
+            raise _HandshakeFailed(f"no authentication within {timeout}s") from None
+        if count == 0:
+            raise _HandshakeFailed("closed during authentication")
+        received += count
+    verified = _verify_client_hello(secret, nonce, bytes(hello), server_rank)
+    if verified is None:
+        raise _HandshakeFailed("bad authentication code (wrong secret or garbage)")
+    client_rank, client_nonce = verified
+    if client_ranks is not None and client_rank not in client_ranks:
+        raise _HandshakeFailed(
+            f"authenticated as rank {client_rank}, expected one of {client_ranks.start}.."
+            f"{client_ranks.stop - 1}")
+    sock.sendall(_server_mac(secret, client_nonce, nonce, server_rank))
+    return client_rank

@@ -1,16 +1,17 @@
-"""What one barrier task does in sync mode, from its Arrow partition to rank 0's result."""
+"""Sync mode: the barrier stage, and what each of its tasks does from its Arrow partition to rank 0's result."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 from typing import Iterable, Optional
 
 import numpy as np
 import pyarrow as pa
 from pyspark import TaskContext
 
-from sparkdl import data
+from sparkdl import data, launch
 from sparkdl.launch import connect_collective
 from sparkdl.train import serialization, sync
 
@@ -21,9 +22,7 @@ class SyncJob:
 
     model_bytes: bytes
     secret: bytes
-    feature_width: int
-    label_width: int
-    label_is_scalar: bool
+    shapes: data.ColumnShapes
     epochs: int
     batch_size: int
     steps_per_epoch: int
@@ -33,11 +32,29 @@ class SyncJob:
     custom_objects: Optional[dict]
 
 
+def run_sync(training: data.TrainingData, *, model_bytes: bytes, num_workers: int, epochs: int, batch_size: int,
+             steps_per_epoch: int, seed: int, shuffle: bool, timeout: float,
+             custom_objects: Optional[dict]) -> tuple[bytes, dict[str, list[float]]]:
+    """Runs sync training as one barrier stage; returns rank 0's trained ``.keras`` bytes and the history."""
+    job = SyncJob(
+        model_bytes=model_bytes,
+        secret=secrets.token_bytes(32),
+        shapes=training.shapes,
+        epochs=epochs,
+        batch_size=batch_size,
+        steps_per_epoch=steps_per_epoch,
+        seed=seed,
+        shuffle=shuffle,
+        timeout=timeout,
+        custom_objects=custom_objects,
+    )
+    results = launch.run_tasks(training.frame, num_workers, lambda batches: run_sync_task(batches, job), barrier=True)
+    return serialization.result_from_bytes(results[0])
+
+
 def run_sync_task(batches: Iterable[pa.RecordBatch], job: SyncJob) -> Optional[bytes]:
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # before anything in this worker imports Keras
-    x, y = data.arrow_to_numpy(batches, job.feature_width, job.label_width)
-    if job.label_is_scalar:
-        y = y.reshape(-1)
+    x, y = job.shapes.to_numpy(batches)
     with connect_collective(job.secret, job.timeout) as comm:
         rows = comm.allgather(np.array([len(x)], np.int64))[:, 0]
         if rows.min() == 0:
@@ -45,7 +62,7 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], job: SyncJob) -> Optional[b
                 f"Worker partitions got {rows.tolist()} rows: every worker needs at least one row. "
                 "Use fewer workers or more data."
             )
-        _limit_threads_to_task_cpus()
+        limit_threads_to_task_cpus()
         model = serialization.model_from_bytes(job.model_bytes, job.custom_objects)
         history = sync.train(model, x, y, comm=comm, epochs=job.epochs, batch_size=job.batch_size,
                              steps_per_epoch=job.steps_per_epoch, seed=job.seed, shuffle=job.shuffle)
@@ -54,7 +71,7 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], job: SyncJob) -> Optional[b
         return serialization.result_to_bytes(serialization.model_to_bytes(model), history)
 
 
-def _limit_threads_to_task_cpus() -> None:
+def limit_threads_to_task_cpus() -> None:
     """Keeps N tasks on one machine from each spawning a thread per core (oversubscription)."""
     import tensorflow as tf
 

@@ -1,0 +1,373 @@
+"""``mode="average"``: periodic model averaging through Spark's own machinery, no sockets of ours.
+
+For executors that cannot reach the driver (or each other) on ports of our own.
+Training runs in ROUNDS, each one ordinary (non-barrier) Spark job:
+
+1. The driver broadcasts the current state with ``SparkContext.broadcast``: the
+   model's weights AND the optimizer's variables (Adam's moments, the iteration
+   count, ...) as a list of numpy arrays, so that every round's local
+   optimizers continue where the last round left off.
+2. One task per partition of ``training.frame.repartition(num_workers)``
+   (persisted once for the whole job) sets that state on a Keras model cached
+   in its Python worker, trains ``sync_every`` steps on its own rows with the
+   model's own optimizer, and adds its DELTA (new state - broadcast state) to
+   a Spark accumulator over lists of numpy arrays. Per-task counters
+   (contributions, samples, steps, delta bytes) go to a second accumulator,
+   the round's training metrics come back as Arrow rows of the job.
+3. The driver averages the deltas (sum / number of contributions), applies
+   them, drops the old broadcast and broadcasts the new state.
+
+Every worker runs the batches that sync mode's ``data.batches`` would give it
+(same ``data.epoch_order``, rank = partition index, global step position
+carried across rounds), so with plain SGD and ``sync_every=1`` averaging the
+deltas is exactly averaging the gradients: the result equals sync mode.
+
+Accumulators and task retries (checked against PySpark 4 in local mode, see
+``tests/test_average_mode.py::test_failed_attempts_are_not_double_counted``):
+a Python task that raises exits its worker before sending any accumulator
+update (``pyspark/worker.py`` sends them only after the function returned),
+and the JVM merges the updates of failed tasks only for accumulators with
+``countFailedValues`` (internal metrics, not Python's). Updates of a
+successful task are merged on the driver before the job returns, and for the
+result stage each partition's only once, even with speculative copies
+(``DAGScheduler`` skips partitions whose job output is already finished). Our
+deltas are added in the result stage (the persisted repartition is read
+inside it), so a retried task's delta counts once. The average is
+nevertheless divided by the contributions actually merged (counted per
+partition in the counter accumulator), so that a double-counted or missing
+update can never scale the step, and a discrepancy is logged.
+
+Choosing ``sync_every``: see ``recommended_sync_every`` (half an epoch, with the figures).
+
+Nothing here unpickles data from our own sockets: only Spark's broadcast and
+accumulator machinery moves state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import time
+from typing import Iterable, Iterator, Optional
+
+import numpy as np
+import pyarrow as pa
+from pyspark import StorageLevel, TaskContext
+from pyspark.accumulators import AccumulatorParam
+
+from sparkdl import data
+from sparkdl.train import serialization
+
+logger = logging.getLogger(__name__)
+
+_METRICS_SCHEMA = "partition int, epoch int, steps int, metric string, value double"
+_METRICS_ARROW_SCHEMA = pa.schema([("partition", pa.int32()), ("epoch", pa.int32()), ("steps", pa.int32()),
+                                   ("metric", pa.string()), ("value", pa.float64())])
+_ROWS_SCHEMA = "partition int, rows long"
+# Columns of the per-partition counter matrix.
+_CONTRIBUTIONS, _SAMPLES, _STEPS, _DELTA_BYTES = range(4)
+
+# Python workers are reused between tasks (spark.python.worker.reuse=true): the
+# deserialized model stays here between rounds, keyed by the job's token.
+_MODEL_CACHE: dict[str, "_CachedModel"] = {}
+
+
+class ArrayListParam(AccumulatorParam):
+    """Elementwise sum of equally long lists of numpy arrays; ``[]`` is the zero.
+
+    A task's single ``add`` keeps its arrays' own dtype (float32 deltas travel at
+    4 bytes a value); sums on the driver widen to float64 / int64.
+    """
+
+    def zero(self, value):
+        return []
+
+    def addInPlace(self, value1, value2):
+        if len(value1) == 0:
+            return value2
+        if len(value2) == 0:
+            return value1
+        if len(value1) != len(value2):
+            raise ValueError(f"Cannot add lists of {len(value1)} and {len(value2)} arrays.")
+        total = []
+        for a, b in zip(value1, value2):
+            wide = np.float64 if np.issubdtype(a.dtype, np.floating) else np.int64
+            if a.dtype == wide:
+                a += b
+            else:
+                a = a.astype(wide) + b
+            total.append(a)
+        return total
+
+
+@dataclasses.dataclass(frozen=True)
+class _AverageJob:
+    """What every task of every round needs; shipped in the task closure (small)."""
+
+    token: str
+    shapes: data.ColumnShapes
+    num_workers: int
+    batch_size: int
+    steps_per_epoch: int
+    total_steps: int
+    sync_every: int
+    seed: int
+    shuffle: bool
+    custom_objects: Optional[dict]
+
+
+@dataclasses.dataclass
+class _CachedModel:
+    model: object
+    variables: list  # model.weights + optimizer.variables, the order of the broadcast state
+    seed_states: list  # (variable, initial value) of the layers' own SeedGenerators
+
+
+def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_workers: int, epochs: int,
+                batch_size: int, sync_every: int, seed: int, shuffle: bool, custom_objects: dict | None
+                ) -> tuple[bytes, dict[str, list[float]], dict]:
+    """Returns (trained model as .keras bytes incl. optimizer state, history, stats).
+
+    ``history[name][epoch]`` is the step-weighted mean over workers of the
+    training metric over that epoch's steps (like sync mode's history).
+    ``stats`` holds ``rounds``, ``samples``, ``steps``, ``delta_bytes`` (summed
+    over the tasks whose updates were merged), ``contributions`` (task deltas
+    averaged, ``rounds * num_workers`` when nothing went wrong),
+    ``steps_per_epoch``, ``sync_every``, ``partition_rows`` and ``seconds``.
+    """
+    for name, value in (("num_workers", num_workers), ("epochs", epochs), ("batch_size", batch_size),
+                        ("sync_every", sync_every)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Expected `{name}` to be a positive integer. Received: {name}={value!r}")
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    started = time.perf_counter()
+    sc = training.frame.sparkSession.sparkContext
+    steps_per_epoch = data.steps_per_epoch(training.num_rows, num_workers, batch_size)
+    total_steps = epochs * steps_per_epoch
+    rounds = -(-total_steps // sync_every)
+    job = _AverageJob(
+        token=secrets.token_hex(16), shapes=training.shapes, num_workers=num_workers, batch_size=batch_size,
+        steps_per_epoch=steps_per_epoch, total_steps=total_steps, sync_every=sync_every, seed=seed,
+        shuffle=shuffle, custom_objects=custom_objects,
+    )
+
+    model = serialization.model_from_bytes(model_bytes, custom_objects)
+    variables = _state_variables(model)
+    state = [_read(v) for v in variables]
+
+    frame = training.frame.repartition(num_workers).persist(StorageLevel.MEMORY_AND_DISK)
+    model_broadcast = sc.broadcast(model_bytes)
+    state_broadcast = None
+    sums: dict[tuple[str, int], list[float]] = {}  # (metric, epoch) -> [sum of value*steps, steps]
+    names: list[str] = []
+    totals = np.zeros(4, np.int64)
+    try:
+        partition_rows = _rows_per_partition(frame, num_workers)  # also fills the cache
+        logger.info("sparkdl: average mode, %d workers, rows per worker %s, %d steps/epoch x %d epochs, "
+                    "%d rounds of %d steps", num_workers, partition_rows, steps_per_epoch, epochs, rounds, sync_every)
+        for round_index in range(rounds):
+            round_started = time.perf_counter()
+            state_broadcast = sc.broadcast(state)
+            deltas = sc.accumulator([], ArrayListParam())
+            counters = sc.accumulator([], ArrayListParam())
+
+            def round_task(batches, _job=job, _round=round_index, _model=model_broadcast, _state=state_broadcast,
+                           _deltas=deltas, _counters=counters):
+                return _round_task(batches, _job, _round, _model, _state, _deltas, _counters)
+
+            table = frame.mapInArrow(round_task, _METRICS_SCHEMA).toArrow()
+            state = _apply_average(state, deltas.value, counters.value, num_workers, round_index)
+            totals += counters.value[0].sum(axis=0)
+            _add_metrics(table, sums, names)
+            state_broadcast.unpersist()
+            state_broadcast.destroy()
+            state_broadcast = None
+            logger.debug("sparkdl: round %d of %d took %.3f s", round_index + 1, rounds,
+                         time.perf_counter() - round_started)
+    finally:
+        if state_broadcast is not None:
+            state_broadcast.destroy()
+        model_broadcast.destroy()
+        frame.unpersist()
+
+    for variable, value in zip(variables, state):
+        variable.assign(value)
+    history = {name: [sums[name, e][0] / sums[name, e][1] if (name, e) in sums else float("nan")
+                      for e in range(epochs)] for name in names}
+    stats = {
+        "rounds": rounds,
+        "samples": int(totals[_SAMPLES]),
+        "steps": int(totals[_STEPS]),
+        "delta_bytes": int(totals[_DELTA_BYTES]),
+        "contributions": int(totals[_CONTRIBUTIONS]),
+        "steps_per_epoch": steps_per_epoch,
+        "sync_every": sync_every,
+        "partition_rows": partition_rows,
+        "seconds": time.perf_counter() - started,
+    }
+    return serialization.model_to_bytes(model), history, stats
+
+
+def _state_variables(model) -> list:
+    """The variables a round moves: the model's weights, then the optimizer's (built first)."""
+    if not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
+    return list(model.weights) + list(model.optimizer.variables)
+
+
+def _read(variable) -> np.ndarray:
+    return np.array(variable.numpy(), copy=True)
+
+
+def _rows_per_partition(frame, num_workers: int) -> list[int]:
+    """Rows of each worker's partition; fails before training when one is empty, as sync mode does."""
+
+    def count(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        rows = sum(batch.num_rows for batch in batches)
+        yield pa.RecordBatch.from_pydict({"partition": [TaskContext.get().partitionId()], "rows": [rows]},
+                                         schema=pa.schema([("partition", pa.int32()), ("rows", pa.int64())]))
+
+    table = frame.mapInArrow(count, _ROWS_SCHEMA).toArrow()
+    by_partition = dict(zip(table.column("partition").to_pylist(), table.column("rows").to_pylist()))
+    rows = [int(by_partition.get(p, 0)) for p in range(num_workers)]
+    if min(rows) == 0:
+        raise ValueError(f"Worker partitions got {rows} rows: every worker needs at least one row. "
+                         "Use fewer workers or more data.")
+    return rows
+
+
+def _apply_average(state: list[np.ndarray], delta_sums: list, counter_sums: list, num_workers: int,
+                   round_index: int) -> list[np.ndarray]:
+    if not counter_sums or not delta_sums:
+        raise RuntimeError(f"Round {round_index}: no task delta reached the driver.")
+    contributions = counter_sums[0][:, _CONTRIBUTIONS]
+    if contributions.min() == 0:
+        raise RuntimeError(f"Round {round_index}: partitions {np.flatnonzero(contributions == 0).tolist()} "
+                           "contributed no delta.")
+    if contributions.max() != 1:
+        logger.warning("sparkdl: round %d merged %s deltas per partition; averaging over all of them",
+                       round_index, contributions.tolist())
+    if len(delta_sums) != len(state):
+        raise RuntimeError(f"Round {round_index}: workers sent {len(delta_sums)} arrays for {len(state)} variables.")
+    n = int(contributions.sum())
+    updated = []
+    for old, total in zip(state, delta_sums):
+        if np.issubdtype(old.dtype, np.floating):
+            new = old.astype(np.float64) + np.asarray(total, np.float64) / n
+        else:  # iteration counters: every worker adds the same count
+            new = old.astype(np.int64) + np.rint(np.asarray(total, np.float64) / n).astype(np.int64)
+        updated.append(new.astype(old.dtype))
+    return updated
+
+
+def _add_metrics(table: pa.Table, sums: dict, names: list) -> None:
+    for epoch, steps, name, value in zip(*(table.column(c).to_pylist() for c in ("epoch", "steps", "metric", "value"))):
+        if name not in names:
+            names.append(name)
+        entry = sums.setdefault((name, epoch), [0.0, 0])
+        entry[0] += value * steps
+        entry[1] += steps
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side
+
+
+def _round_task(batches: Iterable[pa.RecordBatch], job: _AverageJob, round_index: int, model_broadcast,
+                state_broadcast, deltas, counters) -> Iterator[pa.RecordBatch]:
+    """One worker's round: set the broadcast state, train its steps, add the delta; returns metric rows."""
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # before anything in this worker imports Keras
+    x, y = job.shapes.to_numpy(batches)
+    rank = TaskContext.get().partitionId()
+    if len(x) == 0:
+        raise ValueError(f"Worker partition {rank} got no rows: every worker needs at least one row.")
+    cached = _cached_model(job, model_broadcast)
+    state = state_broadcast.value
+    if len(state) != len(cached.variables):
+        raise RuntimeError(f"Broadcast state has {len(state)} arrays; the model has {len(cached.variables)} variables.")
+    for variable, value in zip(cached.variables, state):
+        variable.assign(value)
+    _seed_round(cached, job, rank, round_index)
+
+    model, b, steps_per_epoch = cached.model, job.batch_size, job.steps_per_epoch
+    start = round_index * job.sync_every
+    stop = min(start + job.sync_every, job.total_steps)
+    rows: dict[str, list] = {name: [] for name in _METRICS_ARROW_SCHEMA.names}
+    position = start
+    while position < stop:  # one segment per epoch the round touches
+        epoch = position // steps_per_epoch
+        end = min(stop, (epoch + 1) * steps_per_epoch)
+        order = data.epoch_order(len(x), steps_per_epoch * b, seed=job.seed, rank=rank, epoch=epoch,
+                                 shuffle=job.shuffle)
+        totals: dict[str, float] = {}
+        for step in range(position - epoch * steps_per_epoch, end - epoch * steps_per_epoch):
+            index = order[step * b:(step + 1) * b]
+            logs = model.train_on_batch(x[index], y[index], return_dict=True)  # this batch's metrics
+            for name, value in logs.items():
+                totals[name] = totals.get(name, 0.0) + float(value)
+        for name, total in totals.items():
+            for column, value in zip(_METRICS_ARROW_SCHEMA.names,
+                                     (rank, epoch, end - position, name, total / (end - position))):
+                rows[column].append(value)
+        position = end
+
+    delta = [_delta(_read(variable), old) for variable, old in zip(cached.variables, state)]
+    counts = np.zeros((job.num_workers, 4), np.int64)
+    counts[rank] = (1, (stop - start) * b, stop - start, sum(d.nbytes for d in delta))
+    deltas.add(delta)
+    counters.add([counts])
+    return iter([pa.RecordBatch.from_pydict(rows, schema=_METRICS_ARROW_SCHEMA)])
+
+
+def _delta(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    if np.issubdtype(old.dtype, np.floating):
+        return new - old  # exact in the variable's dtype while new and old are within 2x (Sterbenz)
+    return new.astype(np.int64) - old.astype(np.int64)
+
+
+def _cached_model(job: _AverageJob, model_broadcast) -> _CachedModel:
+    cached = _MODEL_CACHE.get(job.token)
+    if cached is None:
+        from sparkdl.train.task import limit_threads_to_task_cpus
+
+        _MODEL_CACHE.clear()  # an earlier job's model is done with
+        limit_threads_to_task_cpus()
+        import keras
+
+        keras.utils.set_random_seed((job.seed + TaskContext.get().partitionId()) % 2**32)  # as sync mode does
+        model = serialization.model_from_bytes(model_broadcast.value, job.custom_objects)
+        seed_states = [(v, _read(v)) for v in model.non_trainable_variables if v.path.endswith("seed_generator_state")]
+        cached = _CachedModel(model, _state_variables(model), seed_states)
+        _MODEL_CACHE[job.token] = cached
+    return cached
+
+
+def _seed_round(cached: _CachedModel, job: _AverageJob, rank: int, round_index: int) -> None:
+    """Randomness (dropout and the like) differs per worker and per round, reproducibly from ``seed``.
+
+    Layers draw from their own ``SeedGenerator`` (state ``[seed, counter]``), which is set here. The
+    global seed is set once per Python worker (``_cached_model``), not here: ``keras.utils.set_random_seed``
+    makes TensorFlow retrace the train step, which would cost every round about 0.1-0.5 s.
+    """
+    mix = (job.seed + rank + job.num_workers * round_index) % 2**31
+    for variable, initial in cached.seed_states:
+        value = initial.astype(np.int64)
+        value[0] = (value[0] + 7919 * (mix + 1)) % 2**31
+        variable.assign(value.astype(initial.dtype))
+
+
+def recommended_sync_every(steps_per_epoch: int) -> int:
+    """The suggested default period: half an epoch's steps, i.e. two averages per epoch.
+
+    Measured on digits (1437 rows, the 64-128-64-10 MLP with Adam, 2 workers x batch 16 = 45
+    steps/epoch, 20 epochs, 2-core machine, 2 seeds): test accuracy 97.2% / 96.9% with rounds of
+    one epoch (20 rounds, 10-11 s), 97.5% / 97.5% with half an epoch (40 rounds, 16-17 s), 97.8% /
+    96.7% with a quarter (82 rounds, 28-32 s), 98.1% with 5 steps (180 rounds, 58 s, one seed);
+    sync mode 97.8% in 5 s. Accuracy barely moves while every round costs one Spark job
+    (0.3-0.5 s here), so the period should be long; half an epoch keeps the workers' models from
+    drifting apart for more than half a pass over their data. Go longer when a step is cheap
+    compared to a Spark job, shorter for partitions that differ in distribution.
+    """
+    return max(1, -(-steps_per_epoch // 2))

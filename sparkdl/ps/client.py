@@ -1,0 +1,315 @@
+"""Worker side of the parameter server: one authenticated connection per shard.
+
+``pull`` and ``push`` talk to all shards at once (one thread per shard).  Every
+wait is bounded by ``timeout``; every failure raises
+:class:`~sparkdl.collective.CollectiveError` (or
+:class:`~sparkdl.collective.CollectiveTimeout`) naming the worker, the shard
+and its address, the operation and the setting to check.  After a failure the
+client is unusable (the byte stream of the failed connection is in an unknown
+state); a retried Spark task simply creates a new client with the same worker id.
+
+Idle connections: the server closes a connection that has sent no request for
+its ``timeout``; a connection idle for more than half of this client's
+``timeout`` is therefore replaced by a fresh one before its next request (the
+server keeps all state, so this is invisible to the caller).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from sparkdl.collective.transport import (
+    CollectiveError,
+    CollectiveTimeout,
+    ConnectGaveUp,
+    connect_authenticated,
+)
+from sparkdl.ps import protocol
+from sparkdl.ps.protocol import FLOAT, RESPONSE, Msg, Status
+
+
+#: Shards of more bytes than this are sent and received by one thread each (smaller ones are
+#: pipelined from the calling thread, which measured as fast or faster on 2 cores).
+THREADED_BYTES = 8 << 20
+
+
+class _Conn:
+    """One shard's connection; used by one thread at a time."""
+
+    def __init__(self, client: "ParameterClient", index: int, address: str, size: int):
+        self.client = client
+        self.index = index
+        self.address = address
+        self.size = size
+        self.sock: socket.socket | None = None
+        self.seq = 0
+        self.last_used = 0.0
+        self.version = 0
+        self._header = bytearray(RESPONSE.size)
+        self._send_error: OSError | None = None
+
+    def where(self) -> str:
+        return f"worker {self.client.worker}: shard {self.index} at {self.address}"
+
+    def connect(self) -> None:
+        timeout = self.client.timeout
+        try:
+            sock = connect_authenticated(self.address, self.client.worker, self.index,
+                                         self.client._secret, timeout)
+        except ConnectGaveUp as exc:
+            raise CollectiveTimeout(
+                f"{self.where()}: could not connect and authenticate within timeout={timeout}s "
+                f"(last error: {exc.last_error}); check that the parameter server is running "
+                f"and reachable at that address, that the addresses are in shard order, that "
+                f"the worker id is below the server's num_workers, and that the worker uses the "
+                f"job's secret"
+            ) from None
+        sock.settimeout(timeout)
+        self.sock = sock
+        self.last_used = time.monotonic()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
+            self.sock = None
+
+    def request(self, msg: Msg, payload: np.ndarray | None = None) -> np.ndarray | None:
+        """Send one request and read its response; a pull's weights are returned."""
+        self.send(msg, payload)
+        return self.receive(msg)
+
+    def send(self, msg: Msg, payload: np.ndarray | None = None) -> None:
+        """First half of a request: the frame goes out, the response is left for :meth:`receive`."""
+        if self.sock is None:
+            raise CollectiveError(f"{self.where()}: the connection is closed")
+        if time.monotonic() - self.last_used > self.client.timeout / 2:
+            self.close()  # the server drops connections idle for `timeout`
+            self.connect()
+        self.seq = (self.seq + 1) & 0xFFFFFFFF
+        body = memoryview(payload.view(np.uint8)) if payload is not None else b""
+        header = protocol.pack_request(msg, self.seq, len(body))
+        self._send_error = None
+        with self._errors(msg):
+            try:
+                if len(body):
+                    sent = self.sock.sendmsg([header, body])
+                    if sent < len(header):
+                        self.sock.sendall(header[sent:])
+                        sent = len(header)
+                    self.sock.sendall(body[sent - len(header):])
+                else:
+                    self.sock.sendall(header)
+            except OSError as exc:
+                # The server may have refused the request and said why: receive() reads that first.
+                self._send_error = exc
+                self.sock.settimeout(min(1.0, self.client.timeout))
+
+    def receive(self, msg: Msg) -> np.ndarray | None:
+        """Second half of a request: read and check its response."""
+        op = protocol.msg_name(msg)
+        with self._errors(msg):
+            try:
+                self._recv_exact(memoryview(self._header), op)
+            except (OSError, CollectiveError):
+                if self._send_error is not None:
+                    raise self._send_error from None
+                raise
+            magic, got_msg, status, reserved, got_seq, version, length = RESPONSE.unpack(self._header)
+            if magic != protocol.RESPONSE_MAGIC or reserved or got_msg != msg or got_seq != self.seq:
+                raise CollectiveError(
+                    f"{self.where()}: {op} got a malformed or out-of-order response "
+                    f"(magic {bytes(magic)!r}, type {got_msg}, seq {got_seq}, expected seq "
+                    f"{self.seq}); check that the address is a sparkdl parameter server"
+                )
+            if status != Status.OK:
+                self._raise_status(op, status, length)
+            if self._send_error is not None:
+                raise self._send_error
+            expected = FLOAT.itemsize * self.size if msg == Msg.PULL else 0
+            if length != expected:
+                raise CollectiveError(
+                    f"{self.where()}: {op} response has {length} payload bytes, expected "
+                    f"{expected}: the shard holds {length // FLOAT.itemsize} parameters but "
+                    f"this client was given shard_sizes[{self.index}]={self.size}; check shard_sizes"
+                )
+            result = None
+            if msg == Msg.PULL:
+                result = np.empty(self.size, dtype=FLOAT)
+                self._recv_exact(memoryview(result.view(np.uint8)), op)
+            self.version = version
+            self.last_used = time.monotonic()
+            return result
+
+    @contextlib.contextmanager
+    def _errors(self, msg: Msg):
+        """Turn socket errors into CollectiveError/CollectiveTimeout naming worker, shard and setting."""
+        op = protocol.msg_name(msg)
+        try:
+            yield
+        except TimeoutError:
+            hint = (" (under mode='ssp' the server holds a pull while this worker is more than "
+                    "max_staleness pushes ahead of the slowest worker)" if msg == Msg.PULL else "")
+            raise CollectiveTimeout(
+                f"{self.where()}: {op} timed out after timeout={self.client.timeout}s{hint}; "
+                f"check that the parameter server (Spark driver) is alive and not overloaded, "
+                f"or raise timeout"
+            ) from None
+        except OSError as exc:
+            raise CollectiveError(
+                f"{self.where()}: {op} failed: {exc}; check that the parameter server "
+                f"(Spark driver) is still running"
+            ) from exc
+
+    def _raise_status(self, op: str, status: int, length: int) -> None:
+        if length > protocol.MAX_MESSAGE_BYTES:
+            raise CollectiveError(f"{self.where()}: {op} failed with status {status} and an "
+                                  f"oversized error message ({length} bytes)")
+        text = bytearray(length)
+        self._recv_exact(memoryview(text), op)
+        message = text.decode("utf-8", "replace")
+        if status == Status.STALENESS_TIMEOUT:
+            raise CollectiveTimeout(f"{self.where()}: {op} refused under mode='ssp': {message}")
+        if status == Status.STOPPING:
+            raise CollectiveError(f"{self.where()}: {op} failed: {message}")
+        raise CollectiveError(f"{self.where()}: {op} failed on the server: {message}")
+
+    def _recv_exact(self, view: memoryview, op: str) -> None:
+        received = 0
+        while received < len(view):
+            count = self.sock.recv_into(view[received:])
+            if count == 0:
+                raise CollectiveError(
+                    f"{self.where()}: the parameter server closed the connection during {op}; "
+                    f"check that the server is running and that shard_sizes and the secret "
+                    f"match the server's"
+                )
+            received += count
+
+
+class ParameterClient:
+    """Connection of one worker to every shard of a :class:`~sparkdl.ps.server.ParameterServer`."""
+
+    def __init__(self, addresses: list[str], *, worker: int, secret: bytes,
+                 shard_sizes: list[int], timeout: float = 600.0):
+        if len(addresses) != len(shard_sizes):
+            raise ValueError(f"{len(addresses)} shard addresses but {len(shard_sizes)} shard_sizes")
+        if not addresses:
+            raise ValueError("addresses must name at least one shard")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.worker = int(worker)
+        self.timeout = float(timeout)
+        self._secret = bytes(secret)
+        self.shard_sizes = [int(s) for s in shard_sizes]
+        self._conns = [_Conn(self, i, a, s) for i, (a, s) in enumerate(zip(addresses, self.shard_sizes))]
+        self._pool = (ThreadPoolExecutor(len(self._conns), thread_name_prefix=f"ps-worker{worker}")
+                      if len(self._conns) > 1 else None)
+        self._failed: CollectiveError | None = None
+        try:
+            self._each(lambda conn: conn.connect())
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def versions(self) -> list[int]:
+        """Per-shard update counts as of this client's last response from each shard."""
+        return [conn.version for conn in self._conns]
+
+    def pull(self) -> list[np.ndarray]:
+        """Current weights of every shard (fetched concurrently)."""
+        return self._exchange(Msg.PULL, None)
+
+    def push(self, gradients: list[np.ndarray]) -> None:
+        """Send one float32 gradient per shard (concurrently); advances this worker's clock by one."""
+        if len(gradients) != len(self._conns):
+            raise ValueError(f"worker {self.worker}: push got {len(gradients)} gradients for "
+                             f"{len(self._conns)} shards")
+        flat = []
+        for i, (gradient, size) in enumerate(zip(gradients, self.shard_sizes)):
+            array = np.ascontiguousarray(gradient, dtype=FLOAT).reshape(-1)
+            if array.size != size:
+                raise ValueError(f"worker {self.worker}: gradient for shard {i} has {array.size} "
+                                 f"values, shard_sizes[{i}] is {size}")
+            flat.append(array)
+        self._exchange(Msg.PUSH, flat)
+
+    def done(self) -> None:
+        """This worker has finished; under ssp it no longer holds back the others."""
+        # Clocks live in one tracker shared by all shards of the server; shard 0 owns them.
+        self._run(self._conns[0], lambda conn: conn.request(Msg.DONE))
+
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def __enter__(self) -> "ParameterClient":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _run(self, conn: _Conn, fn):
+        if self._failed is not None:
+            raise CollectiveError(f"worker {self.worker}: this ParameterClient failed earlier "
+                                  f"({self._failed}); create a new one")
+        try:
+            return fn(conn)
+        except CollectiveError as exc:
+            self._failed = exc
+            raise
+
+    def _exchange(self, msg: Msg, payloads: list[np.ndarray] | None) -> list:
+        """One request to every shard, all shards working at once.
+
+        Small messages are pipelined from this thread: every request goes out
+        before any response is read (the server answers only after reading a
+        whole request, so this cannot deadlock), which avoids a thread hand-off
+        per shard.  Shards of more than ``THREADED_BYTES`` parameters bytes get
+        one thread each, so that their copies run in parallel.
+        """
+        if self._pool is not None and max(self.shard_sizes) * FLOAT.itemsize > THREADED_BYTES:
+            return self._each(lambda conn: conn.request(
+                msg, None if payloads is None else payloads[conn.index]))
+        if self._failed is not None:
+            raise CollectiveError(f"worker {self.worker}: this ParameterClient failed earlier "
+                                  f"({self._failed}); create a new one")
+        try:
+            for conn in self._conns:
+                conn.send(msg, None if payloads is None else payloads[conn.index])
+            return [conn.receive(msg) for conn in self._conns]
+        except CollectiveError as exc:
+            self._failed = exc
+            raise
+
+    def _each(self, fn) -> list:
+        """Run ``fn`` on every shard's connection concurrently; first error wins."""
+        if self._failed is not None:
+            raise CollectiveError(f"worker {self.worker}: this ParameterClient failed earlier "
+                                  f"({self._failed}); create a new one")
+        if self._pool is None:
+            return [self._run(self._conns[0], fn)]
+        futures = [self._pool.submit(fn, conn) for conn in self._conns]
+        results, error = [], None
+        for future in futures:  # wait for all, so no thread still uses a socket afterwards
+            try:
+                results.append(future.result())
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            if isinstance(error, CollectiveError):
+                self._failed = error
+            raise error
+        return results

@@ -1,0 +1,145 @@
+"""What one Spark task does in the parameter-server modes (async, hogwild, ssp).
+
+Keras's ``fit`` runs unchanged; the optimizer hook replaces "apply the
+gradients locally" by "push them to the server shards and take the weights
+the server holds now". With ``push_every=k`` the gradients of k steps, taken
+at the same pulled weights, are averaged into one push (k times fewer round
+trips, a k times larger effective batch per update).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Iterable, Optional
+
+import numpy as np
+import pyarrow as pa
+from pyspark import Accumulator, TaskContext
+
+from sparkdl import data
+from sparkdl.ps.client import ParameterClient
+from sparkdl.ps.sharding import ShardLayout
+from sparkdl.train import serialization
+from sparkdl.train.optimizer_hooks import fused_numpy_call, intercept_apply
+from sparkdl.train.task import limit_threads_to_task_cpus
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncJob:
+    """Everything a task needs, shipped from the driver in the task closure."""
+
+    model_bytes: bytes
+    secret: bytes
+    addresses: list[str]
+    shards: list[list[int]]
+    shapes: data.ColumnShapes
+    epochs: int
+    batch_size: int
+    steps_per_epoch: int
+    push_every: int
+    seed: int
+    shuffle: bool
+    timeout: float
+    custom_objects: Optional[dict]
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskCounters:
+    """Spark accumulators the tasks add their counts to (only successful attempts are merged)."""
+
+    samples: Accumulator
+    pushes: Accumulator
+    pulls: Accumulator
+    bytes: Accumulator
+
+    @classmethod
+    def create(cls, sc) -> "TaskCounters":
+        return cls(sc.accumulator(0), sc.accumulator(0), sc.accumulator(0), sc.accumulator(0))
+
+    def values(self) -> dict[str, int]:
+        return {name: getattr(self, name).value for name in ("samples", "pushes", "pulls", "bytes")}
+
+
+class _Exchange:
+    """The numpy side of a step: accumulate gradients, push every k steps, return the weights to use next."""
+
+    def __init__(self, client: ParameterClient, layout: ShardLayout, push_every: int):
+        self._client = client
+        self._layout = layout
+        self._push_every = push_every
+        self._accumulated: Optional[np.ndarray] = None
+        self._count = 0
+        self.pushes = self.pulls = 0
+        self.weights = self._pull()
+
+    def __call__(self, gradient: np.ndarray) -> np.ndarray:
+        self._accumulated = gradient.copy() if self._accumulated is None else self._accumulated + gradient
+        self._count += 1
+        if self._count == self._push_every:
+            self.flush()
+        return self.weights
+
+    def flush(self) -> None:
+        """Pushes what has been accumulated (also the remainder at the end of training)."""
+        if self._count:
+            self._client.push(self._layout.split(self._accumulated / self._count))
+            self.pushes += 1
+            self._accumulated, self._count = None, 0
+            self.weights = self._pull()
+
+    def _pull(self) -> np.ndarray:
+        self.pulls += 1
+        return self._layout.join(self._client.pull())
+
+
+def run_async_task(batches: Iterable[pa.RecordBatch], job: AsyncJob, counters: TaskCounters) -> Optional[bytes]:
+    """Trains against the server until this worker's share of steps is done; returns its history as JSON."""
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # before anything in this worker imports Keras
+    import keras
+    import tensorflow as tf
+
+    rank = TaskContext.get().partitionId()
+    x, y = job.shapes.to_numpy(batches)
+    limit_threads_to_task_cpus()
+    model = serialization.model_from_bytes(job.model_bytes, job.custom_objects)
+    model.jit_compile = False  # the exchange runs through tf.numpy_function, which XLA cannot compile
+    variables = model.trainable_variables
+    layout = ShardLayout([tuple(v.shape) for v in variables], job.shards)
+
+    with ParameterClient(job.addresses, worker=rank, secret=job.secret, shard_sizes=layout.shard_sizes,
+                         timeout=job.timeout) as client:
+        if len(x) == 0:  # a partition can come out empty; it must not hold back the others
+            client.done()
+            return None
+        exchange = _Exchange(client, layout, job.push_every)
+
+        def push_then_take_server_weights(apply, grads, trainable_variables):
+            grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, trainable_variables)]
+            for variable, value in zip(trainable_variables, fused_numpy_call(grads, exchange, "sparkdl_exchange")):
+                variable.assign(value)
+            return model.optimizer.iterations.assign_add(1)
+
+        _assign_flat(variables, exchange.weights)
+        stream = data.batches(x, y, batch_size=job.batch_size, steps=job.steps_per_epoch, epochs=job.epochs,
+                              seed=job.seed, rank=rank, shuffle=job.shuffle)
+        keras.utils.set_random_seed(job.seed + rank)  # dropout and the like differ per worker, by design
+        with intercept_apply(model.optimizer, push_then_take_server_weights):
+            history = model.fit(stream, epochs=job.epochs, steps_per_epoch=job.steps_per_epoch, shuffle=False,
+                                verbose=0)
+        exchange.flush()
+        client.done()
+    counters.samples.add(job.epochs * job.steps_per_epoch * job.batch_size)
+    counters.pushes.add(exchange.pushes)
+    counters.pulls.add(exchange.pulls)
+    counters.bytes.add(4 * sum(layout.shard_sizes) * (exchange.pushes + exchange.pulls))
+    return json.dumps({name: [float(v) for v in values] for name, values in history.history.items()}).encode()
+
+
+def _assign_flat(variables: list, flat: np.ndarray) -> None:
+    position = 0
+    for variable in variables:
+        size = int(np.prod(variable.shape))
+        variable.assign(flat[position : position + size].reshape(tuple(variable.shape)))
+        position += size

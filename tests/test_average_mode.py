@@ -1,0 +1,155 @@
+"""mode="average": Spark-native periodic model averaging (broadcast state, accumulate deltas), real Spark + Keras."""
+
+import os
+
+import keras
+import numpy as np
+
+import sparkdl
+from sparkdl import data
+from sparkdl.ps import average
+from sparkdl.ps.average import run_average
+from sparkdl.train import serialization
+from models import make_mlp
+from partitions import partitions_as_fit_sees_them
+
+
+def _small_df(spark, digits, rows=128):
+    x_train, _, y_train, _ = digits
+    return spark.createDataFrame([(r.tolist(), int(l)) for r, l in zip(x_train[:rows], y_train[:rows])],
+                                 "features array<float>, label long").coalesce(1)
+
+
+def _state(model):
+    return [np.asarray(v.numpy()) for v in list(model.weights) + list(model.optimizer.variables)]
+
+
+def test_sgd_every_step_equals_sync_mode(spark, digits):
+    """Averaging the deltas of one plain-SGD step is averaging the gradients: sync mode's weights."""
+    df = _small_df(spark, digits)
+    b, epochs, seed = 8, 2, 7
+    make = lambda: make_mlp(hidden=(32,), optimizer=keras.optimizers.SGD(0.1), seed=1)
+
+    synced = sparkdl.fit(df, make(), num_workers=2, mode="sync", epochs=epochs, batch_size=b, seed=seed)
+    training = data.prepare(df, "features", "label", 2)
+    model_bytes, history, stats = run_average(
+        training, model_bytes=serialization.model_to_bytes(make()), num_workers=2, epochs=epochs, batch_size=b,
+        sync_every=1, seed=seed, shuffle=True, custom_objects=None)
+    averaged = serialization.model_from_bytes(model_bytes)
+
+    steps = synced.steps_per_epoch
+    assert steps == 128 // (2 * b)
+    assert stats["rounds"] == epochs * steps and stats["contributions"] == 2 * epochs * steps
+    assert int(averaged.optimizer.iterations.numpy()) == epochs * steps
+    initial = make().get_weights()
+    moved = max(float(np.max(np.abs(w - w0))) for w, w0 in zip(synced.model.get_weights(), initial))
+    assert moved > 1e-2  # training did something, so equality below is not vacuous
+    for got, want in zip(averaged.get_weights(), synced.model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    assert set(history) == set(synced.history) == {"loss", "accuracy"}
+    np.testing.assert_allclose(history["loss"], synced.history["loss"], rtol=1e-4)
+    np.testing.assert_allclose(history["accuracy"], synced.history["accuracy"], atol=1e-6)
+
+
+def test_digits_adam_reaches_95_percent(digits_df, digits):
+    _, x_test, _, y_test = digits
+    epochs, b, sync_every = 12, 16, 23  # 24 rounds, the last one 11 steps
+    model = make_mlp()
+    training = data.prepare(digits_df, "features", "label", 2)
+    model_bytes, history, stats = run_average(
+        training, model_bytes=serialization.model_to_bytes(model), num_workers=2, epochs=epochs, batch_size=b,
+        sync_every=sync_every, seed=0, shuffle=True, custom_objects=None)
+    trained = serialization.model_from_bytes(model_bytes)
+
+    accuracy = float(np.mean(trained.predict(x_test, verbose=0).argmax(axis=1) == y_test))
+    assert accuracy >= 0.95, accuracy
+    steps = data.steps_per_epoch(len(digits[0]), 2, b)
+    assert steps == stats["steps_per_epoch"] == 45
+    assert stats["rounds"] == -(-epochs * steps // sync_every)
+    assert stats["samples"] == epochs * steps * b * 2
+    assert stats["steps"] == epochs * steps * 2
+    assert stats["contributions"] == stats["rounds"] * 2
+    n_values = sum(w.size for w in _state(trained))
+    assert stats["delta_bytes"] == stats["contributions"] * (4 * (n_values - 1) + 8)  # float32s + int64 iteration
+    assert len(stats["partition_rows"]) == 2 and sum(stats["partition_rows"]) == len(digits[0])
+    assert set(history) == {"loss", "accuracy"} and all(len(v) == epochs for v in history.values())
+    assert history["loss"][-1] < history["loss"][0] / 4
+    assert history["accuracy"][-1] > 0.97
+    assert int(trained.optimizer.iterations.numpy()) == epochs * steps  # Adam's count carried across rounds
+
+
+def test_rounds_longer_than_an_epoch_match_local_simulation(spark, digits):
+    """sync_every=10 over 8-step epochs (24 steps: rounds of 10, 10, 4), Adam state averaged too."""
+    df = _small_df(spark, digits)
+    b, epochs, seed, sync_every = 8, 3, 3, 10
+    make = lambda: make_mlp(hidden=(16,), optimizer=keras.optimizers.Adam(0.01), seed=2)
+    training = data.prepare(df, "features", "label", 2)
+    model_bytes, history, stats = run_average(
+        training, model_bytes=serialization.model_to_bytes(make()), num_workers=2, epochs=epochs, batch_size=b,
+        sync_every=sync_every, seed=seed, shuffle=True, custom_objects=None)
+    trained = serialization.model_from_bytes(model_bytes)
+    steps = 128 // (2 * b)
+    assert stats["rounds"] == 3 and stats["steps"] == 2 * epochs * steps and stats["samples"] == 2 * epochs * steps * b
+
+    # The same schedule in this process: two local models, averaged after every round.
+    parts = partitions_as_fit_sees_them(training.frame, 2, 64)
+    local = make()
+    local.optimizer.build(local.trainable_variables)
+    variables = list(local.weights) + list(local.optimizer.variables)
+    state = [np.array(v.numpy()) for v in variables]
+    sums = {}
+    for start in range(0, epochs * steps, sync_every):
+        new_states = []
+        for rank, (px, py) in enumerate(parts):
+            for v, s in zip(variables, state):
+                v.assign(s)
+            for g in range(start, min(start + sync_every, epochs * steps)):
+                epoch, step = divmod(g, steps)
+                order = data.epoch_order(len(px), steps * b, seed=seed, rank=rank, epoch=epoch, shuffle=True)
+                logs = local.train_on_batch(px[order[step * b:(step + 1) * b]], py[order[step * b:(step + 1) * b]],
+                                            return_dict=True)
+                sums.setdefault(epoch, []).append(logs["loss"])
+            new_states.append([np.array(v.numpy()) for v in variables])
+        state = [(s + (a.astype(np.float64) - s + b_.astype(np.float64) - s) / 2).astype(s.dtype)
+                 if s.dtype.kind == "f" else s + (a - s + b_ - s) // 2 for s, a, b_ in zip(state, *new_states)]
+    assert len(state) == len(_state(trained))
+    for got, want in zip(_state(trained), state):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert int(trained.optimizer.iterations.numpy()) == epochs * steps
+    assert all(len(v) == epochs for v in history.values())
+    np.testing.assert_allclose(history["loss"], [np.mean(sums[e]) for e in range(epochs)], rtol=1e-4)
+
+
+def test_failed_attempts_are_not_double_counted(spark, digits, monkeypatch, tmp_path):
+    """A task that adds its delta and then fails is retried by Spark; only the successful attempt counts."""
+    from pyspark import TaskContext
+
+    master = spark.sparkContext.master
+    assert master.startswith("local[") and master.count(",") == 1, f"needs task retries, local[N,F]: {master}"
+    df = _small_df(spark, digits, rows=64)
+    training = data.prepare(df, "features", "label", 2)
+    settings = dict(num_workers=2, epochs=1, batch_size=8, sync_every=2, seed=0, shuffle=True, custom_objects=None)
+    model_bytes = serialization.model_to_bytes(make_mlp(hidden=(8,), optimizer=keras.optimizers.SGD(0.1)))
+    clean, _, clean_stats = run_average(training, model_bytes=model_bytes, **settings)
+    marker = str(tmp_path / "failed-once")
+
+    def fail_after_adding(batches, job, round_index, *args):
+        import sparkdl.ps.average as on_worker  # the worker's module holds the real task
+
+        rows = list(on_worker._round_task(batches, job, round_index, *args))  # its delta is added by now
+        context = TaskContext.get()
+        if round_index == 1 and context.partitionId() == 0 and context.attemptNumber() == 0:
+            open(marker, "w").close()
+            raise RuntimeError("injected failure after the delta was added")
+        return iter(rows)
+
+    monkeypatch.setattr(average, "_round_task", fail_after_adding)  # pickled by value into the round's closure
+    retried, _, retried_stats = run_average(training, model_bytes=model_bytes, **settings)
+
+    assert os.path.exists(marker)  # the first attempt did fail after adding its delta; Spark retried it
+    # 64 rows, 2 workers x batch 8: 4 steps in rounds of 2 = 2 rounds x 2 tasks.
+    assert clean_stats["contributions"] == retried_stats["contributions"] == 4
+    assert retried_stats["samples"] == clean_stats["samples"] == 4 * 2 * 8
+    for a, b in zip(serialization.model_from_bytes(clean).get_weights(),
+                    serialization.model_from_bytes(retried).get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)

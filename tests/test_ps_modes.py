@@ -1,0 +1,115 @@
+"""Parameter-server (async, hogwild, ssp) and model-averaging modes through sparkdl.fit on real Spark."""
+
+import threading
+
+import keras
+import numpy as np
+import pytest
+
+import sparkdl
+from sparkdl import data
+from models import CrashOnFirstAttempt, make_mlp
+from partitions import partitions_as_fit_sees_them, training_stream
+
+
+def test_async_one_worker_push_every_step_equals_sequential_training(spark, digits):
+    """The server applies each pushed gradient with the model's own optimizer: with one worker that is
+    exactly plain sequential training."""
+    x_train, _, y_train, _ = digits
+    df = spark.createDataFrame([(r.tolist(), int(l)) for r, l in zip(x_train[:96], y_train[:96])],
+                               "features array<float>, label long").coalesce(1)
+    b, epochs, seed = 16, 2, 3
+    model = make_mlp(hidden=(32,), optimizer=keras.optimizers.Adam(0.01), seed=2)
+    reference = make_mlp(hidden=(32,), optimizer=keras.optimizers.Adam(0.01), seed=2)
+
+    result = sparkdl.fit(df, model, num_workers=1, mode="async", push_every=1, epochs=epochs, batch_size=b, seed=seed)
+
+    parts = partitions_as_fit_sees_them(data.prepare(df, "features", "label", 1).frame, 1, 64)
+    x_seen, y_seen = training_stream(parts, batch_size=b, steps=result.steps_per_epoch, epochs=epochs, seed=seed)
+    reference.fit(x_seen, y_seen, batch_size=b, epochs=1, shuffle=False, verbose=0)
+    for got, want, start in zip(result.model.get_weights(), reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(result.model.get_weights()[0], model.get_weights()[0], atol=1e-3)
+    assert result.stats["pushes"] == epochs * result.steps_per_epoch
+    assert result.stats["pulls"] == result.stats["pushes"] + 1
+    assert result.stats["versions"] == [epochs * result.steps_per_epoch]
+
+
+@pytest.mark.parametrize("mode, options", [
+    ("async", {}),
+    ("hogwild", {"num_servers": 2}),
+    ("ssp", {"max_staleness": 2}),
+    ("async", {"push_every": 2, "num_servers": 3}),
+    ("average", {"sync_every": 10}),
+])
+def test_every_mode_reaches_95_percent_on_digits(digits_df, digits, mode, options):
+    _, x_test, _, y_test = digits
+    result = sparkdl.fit(digits_df, make_mlp(), num_workers=2, mode=mode, epochs=15, batch_size=16, seed=0, **options)
+    accuracy = float(np.mean(result.model.predict(x_test, verbose=0).argmax(axis=1) == y_test))
+    assert accuracy >= 0.95, (mode, options, accuracy)
+    assert len(result.history["loss"]) == 15 and result.history["loss"][-1] < result.history["loss"][0]
+    assert result.stats["samples"] == 15 * result.steps_per_epoch * 16 * 2
+    if mode == "ssp":
+        # Instrumented on the server: no pull was ever granted to a worker more than s pushes ahead.
+        assert result.stats["max_staleness"] <= 2
+    if mode != "average":
+        # Gradients accumulate across epoch boundaries; the remainder is pushed at the end.
+        pushes = -(-15 * result.steps_per_epoch // options.get("push_every", 1)) * 2
+        assert result.stats["pushes"] == pushes
+        assert result.stats["versions"] == [pushes] * options.get("num_servers", 1)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("ps-")], "server threads left running"
+
+
+def test_worker_killed_mid_training_is_retried_and_the_job_completes(spark, digits_df, digits):
+    """Partition 0's Python worker dies hard in its first attempt; Spark retries the task, which rejoins the
+    still-running server (its earlier pushes are kept) and the job finishes as well trained as without the fault."""
+    _, x_test, _, y_test = digits
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), CrashOnFirstAttempt(partition=0, at_call=30),
+                              keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+
+    result = sparkdl.fit(digits_df, model, num_workers=2, mode="async", epochs=10, batch_size=16, seed=0,
+                         custom_objects={"CrashOnFirstAttempt": CrashOnFirstAttempt})
+
+    planned = 10 * result.steps_per_epoch * 2
+    assert result.stats["pushes"] == planned  # accumulators merge successful attempts only
+    assert result.stats["versions"][0] > planned  # the server also kept the lost attempt's pushes
+    accuracy = float(np.mean(result.model.predict(x_test, verbose=0).argmax(axis=1) == y_test))
+    assert accuracy >= 0.95, accuracy
+
+
+def test_server_is_stopped_when_fit_raises_and_next_fit_works(spark, digits):
+    x_train, _, y_train, _ = digits
+    # Labels 1..10 for a 10-class softmax: the workers' loss fails on label 10.
+    shifted = spark.createDataFrame([(r.tolist(), int(l) + 1) for r, l in zip(x_train[:200], y_train[:200])],
+                                    "features array<float>, label long")
+    with pytest.raises(Exception, match="label value of 10"):
+        sparkdl.fit(shifted, make_mlp(hidden=(8,)), num_workers=2, mode="async", epochs=1, batch_size=16, timeout=60)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("ps-")], "server threads left running"
+    result = sparkdl.fit(shifted.where("label < 10"), make_mlp(hidden=(8,)), num_workers=2, mode="async", epochs=1,
+                         batch_size=16)
+    assert len(result.history["loss"]) == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": "async", "features_col": "nope"}, r"Column 'nope' given as `features_col` is not in the DataFrame"),
+    ({"mode": "ssp"}, r"mode='ssp' needs `max_staleness`"),
+    ({"mode": "async", "max_staleness": 2}, r"`max_staleness` applies to mode='ssp' only.*mode='async'"),
+    ({"mode": "sync", "push_every": 2}, r"`push_every` applies to mode='async' or 'hogwild' or 'ssp' only"),
+    ({"mode": "average", "num_servers": 2}, r"`num_servers` applies to mode='async' or 'hogwild' or 'ssp' only"),
+    ({"mode": "async", "sync_every": 5}, r"`sync_every` applies to mode='average' only"),
+    ({"mode": "hogwild", "push_every": 0}, r"Expected `push_every` to be a positive integer"),
+    ({"mode": "ssp", "max_staleness": -1}, r"Expected `max_staleness` to be a non-negative integer"),
+    ({"mode": "async", "num_servers": 7}, r"Expected `num_servers` <= the model's 6 trainable variables"),
+    ({"mode": "average", "num_workers": 3}, r"num_workers=3, but the cluster runs 2 tasks at once"),
+])
+def test_bad_settings_in_every_mode(digits_df, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        sparkdl.fit(digits_df, make_mlp(), **{"epochs": 1, **kwargs})
+
+
+def test_nulls_are_reported_in_async_mode_too(spark):
+    df = spark.createDataFrame([([0.1, 0.2], 1), (None, 0)], "features array<double>, label int")
+    with pytest.raises(ValueError, match=r"Column 'features' has 1 null rows"):
+        sparkdl.fit(df, make_mlp(width=2, hidden=(4,), classes=2), mode="async")
