@@ -45,7 +45,7 @@ MODES = {
     "async": ({"push_every": 1}, 6.0),
     "hogwild": ({"push_every": 1}, None),
     "ssp": ({"max_staleness": 2}, None),
-    "average": ({"sync_every": 10}, None),
+    "average": ({}, None),  # the default: sync_every = half an epoch
 }
 
 
@@ -106,7 +106,7 @@ def main(argv=None) -> None:
             label, goal = "single-process model.fit", ""
         else:
             options, limit = MODES[run]
-            label = f"sparkdl {run} " + " ".join(f"{k}={v}" for k, v in options.items())
+            label = f"sparkdl {run} " + (" ".join(f"{k}={v}" for k, v in options.items()) or "(defaults)")
             goal = f"<= {limit:g}x, within 1 pt" if limit else ""
         print(f"{label:<44}{wall:>8.2f}{wall / single_time:>10.2f}{acc:>10.4f}"
               f"{100 * (single_accuracy - acc):>+9.2f}  {goal}")

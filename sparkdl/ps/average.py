@@ -137,10 +137,6 @@ def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_worker
     averaged, ``rounds * num_workers`` when nothing went wrong),
     ``steps_per_epoch``, ``sync_every``, ``partition_rows`` and ``seconds``.
     """
-    for name, value in (("num_workers", num_workers), ("epochs", epochs), ("batch_size", batch_size),
-                        ("sync_every", sync_every)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"Expected `{name}` to be a positive integer. Received: {name}={value!r}")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     started = time.perf_counter()
     sc = training.frame.sparkSession.sparkContext
