@@ -42,7 +42,9 @@ def spark_session(master: str | None):
     from pyspark.sql import SparkSession
 
     master = master or SparkConf().get("spark.master", "local[*]")
-    builder = SparkSession.builder.appName("sparkdl-train").master(master)
+    # No console progress bar: it would overwrite the per-epoch lines this job prints.
+    builder = (SparkSession.builder.appName("sparkdl-train").master(master)
+               .config("spark.ui.showConsoleProgress", "false"))
     if master.startswith("local"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         builder = builder.config("spark.driver.host", "127.0.0.1")
