@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import os
 import secrets
 import time
@@ -31,7 +32,8 @@ class FitResult:
     weights and optimizer state (the model passed in is left untouched);
     ``history`` maps each metric to its per-epoch values averaged over workers;
     ``stats`` holds the mode's counters (samples, pushes, pulls, bytes,
-    highest staleness seen, rounds).
+    highest staleness seen, rounds); ``validation_rows`` the rows held out
+    for validation (0 without ``validation_col``/``validation_split``).
     """
 
     model: object
@@ -40,6 +42,7 @@ class FitResult:
     steps_per_epoch: int
     seconds: float
     stats: dict = dataclasses.field(default_factory=dict)
+    validation_rows: int = 0
 
 
 def fit(
@@ -58,6 +61,8 @@ def fit(
     max_staleness: Optional[int] = None,
     num_servers: Optional[int] = None,
     sync_every: Optional[int] = None,
+    validation_col: Optional[str] = None,
+    validation_split: Optional[float] = None,
     timeout: float = 600.0,
     custom_objects: Optional[dict] = None,
 ) -> FitResult:
@@ -89,6 +94,17 @@ def fit(
         max_staleness: ssp (required): how many pushes a worker may run ahead of the slowest.
         num_servers: async/hogwild/ssp: parameter-server shards, balanced by size (default 1).
         sync_every: average: local steps between two averagings (default: half an epoch's steps).
+        validation_col: a boolean column; rows where it is true are held out for validation
+            (never trained on). Not together with ``validation_split``.
+        validation_split: a fraction in (0, 1) of the rows held out for validation, chosen by a
+            hash of each row seeded with ``seed`` (``data.validation_split_mask``): the same rows
+            for the same seed and data.
+            With either setting, ``history`` also holds ``val_<metric>`` per epoch for every
+            metric (``val_loss``, ``val_accuracy``, ...), as Keras's ``fit(validation_data=...)``
+            does: the held-out rows evaluated with the epoch's final weights (per mode: sync, the
+            replicas' common weights; async/hogwild/ssp, each worker's weights at its epoch end,
+            combined weighted by held-out rows; average, the averaged model after the round that
+            completes the epoch). Steps per epoch count the training rows only.
         timeout: seconds any single network wait may take before the job fails.
         custom_objects: passed to ``keras.saving.load_model`` on the workers.
 
@@ -101,14 +117,16 @@ def fit(
                     timeout=timeout, seed=seed)
     options = _mode_options(model, mode, push_every=push_every, max_staleness=max_staleness,
                             num_servers=num_servers, sync_every=sync_every)
+    _validation_options(validation_col, validation_split)
     launch.check_slots(df.sparkSession, num_workers, wait_seconds=30.0)
-    training = data.prepare(df, features_col, label_col, num_workers)
-    steps = data.steps_per_epoch(training.num_rows, num_workers, batch_size)
+    seed = secrets.randbelow(2**31) if seed is None else seed
+    training = data.prepare(df, features_col, label_col, num_workers, validation_col=validation_col,
+                            validation_split=validation_split, seed=seed)
+    steps = data.steps_per_epoch(training.num_rows, num_workers, batch_size)  # training rows only
     common = dict(model_bytes=serialization.model_to_bytes(model), num_workers=num_workers, epochs=epochs,
-                  batch_size=batch_size, seed=secrets.randbelow(2**31) if seed is None else seed, shuffle=shuffle,
-                  custom_objects=custom_objects)
-    logger.info("sparkdl: %s training on %d workers, %d rows, %d steps/epoch x %d epochs",
-                mode, num_workers, training.num_rows, steps, epochs)
+                  batch_size=batch_size, seed=seed, shuffle=shuffle, custom_objects=custom_objects)
+    logger.info("sparkdl: %s training on %d workers, %d rows (%d held out for validation), %d steps/epoch x %d epochs",
+                mode, num_workers, training.num_rows, training.validation_rows, steps, epochs)
     started = time.perf_counter()
     if mode == "sync":
         model_bytes, history = run_sync(training, steps_per_epoch=steps, timeout=timeout, **common)
@@ -123,7 +141,7 @@ def fit(
             num_servers=options["num_servers"] or 1, **common)
     seconds = time.perf_counter() - started
     trained = serialization.model_from_bytes(model_bytes, custom_objects)
-    return FitResult(trained, history, num_workers, steps, seconds, stats)
+    return FitResult(trained, history, num_workers, steps, seconds, stats, training.validation_rows)
 
 
 _MODE_OPTIONS = {
@@ -153,6 +171,20 @@ def _mode_options(model, mode: str, **options) -> dict:
         raise ValueError(f"Expected `num_servers` <= the model's {variables} trainable variables (a shard holds whole "
                          f"variables). Received: num_servers={options['num_servers']}")
     return options
+
+
+def _validation_options(validation_col, validation_split) -> None:
+    """Checks the validation settings (the column itself is checked against the schema in ``data.prepare``)."""
+    if validation_col is not None and validation_split is not None:
+        raise ValueError("`validation_col` and `validation_split` are mutually exclusive: pass one of them. "
+                         f"Received: validation_col={validation_col!r}, validation_split={validation_split!r}")
+    if validation_col is not None and not isinstance(validation_col, str):
+        raise ValueError(f"Expected `validation_col` to be a column name. Received: validation_col={validation_col!r}")
+    if validation_split is not None and (isinstance(validation_split, bool)
+                                         or not isinstance(validation_split, numbers.Real)
+                                         or not 0 < validation_split < 1):
+        raise ValueError(f"Expected `validation_split` to be a float in (0, 1). "
+                         f"Received: validation_split={validation_split!r}")
 
 
 def _check_settings(df, model, *, num_workers, mode, epochs, batch_size, timeout, seed) -> None:

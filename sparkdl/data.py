@@ -5,15 +5,26 @@ nulls, non-finite values and ragged widths) so that bad data fails with a
 clear message before the training stage starts. Workers receive Arrow record
 batches holding two fixed-width ``array<float>`` columns and turn them into
 numpy arrays without ever building Python ``Row`` objects.
+
+Validation rows: with ``validation_col`` or ``validation_split`` the prepared
+frame carries a third, boolean column (``VALIDATION``) saying which rows are
+held out; the same aggregate job counts them, and ``ColumnShapes.split_numpy``
+gives a worker its training and held-out rows separately. The random split
+(``validation_split_mask``) is a seeded hash of each row's converted features
+and label, not ``F.rand``: it selects the same rows whatever the DataFrame's
+partitioning or row order (so a recomputed partition, a retried task or the
+driver's count can never disagree with the workers), at the price that
+identical rows always land on the same side.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Iterator, Sequence, Union
+from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import VectorUDT
 from pyspark.mllib.linalg import VectorUDT as MLlibVectorUDT
@@ -23,6 +34,7 @@ from pyspark.sql import types as T
 
 FEATURES = "_sparkdl_features"
 LABEL = "_sparkdl_label"
+VALIDATION = "_sparkdl_validation"  # boolean; only present when rows are held out for validation
 
 ColumnSpec = Union[str, Sequence[str]]
 
@@ -42,45 +54,130 @@ class ColumnShapes:
         x, y = arrow_to_numpy(batches, self.feature_width, self.label_width)
         return x, (y.reshape(-1) if self.label_is_scalar else y)
 
+    def split_numpy(self, batches: Iterable[pa.RecordBatch]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """A partition as ``(x, y, x_val, y_val)``: its training rows and its held-out validation rows.
+
+        Without a ``VALIDATION`` column every row is a training row (``x_val`` has no rows).
+        """
+        train, held_out = [], []
+        for batch in batches:
+            if batch.num_rows == 0:
+                continue
+            if VALIDATION not in batch.schema.names:
+                train.append(batch)
+                continue
+            mask = batch.column(VALIDATION)
+            train.append(batch.filter(pc.invert(mask)))
+            held_out.append(batch.filter(mask))
+        x, y = self.to_numpy(train)
+        x_val, y_val = self.to_numpy(held_out)
+        return x, y, x_val, y_val
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainingData:
-    """A validated DataFrame reduced to the two columns the workers read."""
+    """A validated DataFrame reduced to the columns the workers read (two, three with held-out rows)."""
 
-    frame: DataFrame  # columns FEATURES and LABEL, both array<float>
-    num_rows: int
+    frame: DataFrame  # columns FEATURES and LABEL, both array<float>, and VALIDATION (boolean) when rows are held out
+    num_rows: int  # rows to train on (held-out validation rows not included)
     shapes: ColumnShapes
+    validation_rows: int = 0  # rows held out for validation (VALIDATION true)
 
 
-def prepare(df: DataFrame, features_col: ColumnSpec, label_col: str, num_workers: int) -> TrainingData:
+def prepare(df: DataFrame, features_col: ColumnSpec, label_col: str, num_workers: int, *,
+            validation_col: Optional[str] = None, validation_split: Optional[float] = None,
+            seed: int = 0) -> TrainingData:
     """Validates ``df`` and returns the float32 array columns to train on.
 
-    Raises ``ValueError`` naming the offending column and what was expected.
+    ``validation_col`` (a boolean column) or ``validation_split`` (a fraction, selected by
+    ``validation_split_mask`` with ``seed``) holds rows out for validation: the frame then has a
+    ``VALIDATION`` column, ``num_rows`` counts the training rows only and ``validation_rows`` the
+    others. Raises ``ValueError`` naming the offending column and what was expected.
     """
     feature_parts = _feature_columns(df, features_col)
     label_expr, label_is_scalar = _float_array(df, label_col, "label_col")
+    features_expr = (
+        feature_parts[0][1] if len(feature_parts) == 1 else F.concat(*(expr for _, expr in feature_parts))
+    )
+    if validation_col is not None and validation_split is not None:
+        raise ValueError("`validation_col` and `validation_split` are mutually exclusive: pass one of them. "
+                         f"Received: validation_col={validation_col!r}, validation_split={validation_split!r}")
+    mask = None
+    if validation_col is not None:
+        mask = _boolean_column(df, validation_col)
+    elif validation_split is not None:
+        mask = validation_split_mask(features_expr, label_expr, validation_split, seed)
 
     checks = _Checks()
     for name, expr in feature_parts:
         checks.add_column(name, expr)
-    features_expr = (
-        feature_parts[0][1] if len(feature_parts) == 1 else F.concat(*(expr for _, expr in feature_parts))
-    )
     checks.add_column(label_col, label_expr)
+    if mask is not None:
+        checks.add_validation(mask, validation_col)
     stats = checks.run(df)
 
-    num_rows = stats["rows"]
-    if num_rows == 0:
+    total = stats["rows"]
+    if total == 0:
         raise ValueError("The DataFrame passed to sparkdl.fit is empty: expected at least one row per worker.")
+    held_out = stats.get("validation_rows") or 0
+    num_rows = total - held_out
+    if mask is not None:
+        source = (f"`validation_col`={validation_col!r}" if validation_col is not None
+                  else f"`validation_split`={validation_split!r}")
+        if held_out == 0:
+            raise ValueError(f"The validation set is empty: {source} selected none of the {total} rows. "
+                             "Hold out more rows, or leave validation out.")
+        if num_rows == 0:
+            raise ValueError(f"No rows left to train on: {source} selected all {total} rows for validation.")
     if num_rows < num_workers:
+        kept = f" (after holding out {held_out} for validation)" if mask is not None else ""
         raise ValueError(
             f"Expected at least `num_workers`={num_workers} rows so that every worker gets data. "
-            f"Received: {num_rows} rows. Use fewer workers or more data."
+            f"Received: {num_rows} rows{kept}. Use fewer workers or more data."
         )
     widths = checks.widths(stats)
     feature_width = sum(widths[name] for name, _ in feature_parts)
-    frame = df.select(features_expr.alias(FEATURES), label_expr.alias(LABEL))
-    return TrainingData(frame, num_rows, ColumnShapes(feature_width, widths[label_col], label_is_scalar))
+    columns = [features_expr.alias(FEATURES), label_expr.alias(LABEL)]
+    if mask is not None:
+        columns.append(mask.alias(VALIDATION))
+    frame = df.select(*columns)
+    return TrainingData(frame, num_rows, ColumnShapes(feature_width, widths[label_col], label_is_scalar), held_out)
+
+
+def validation_split_mask(features: Column, label: Column, fraction: float, seed: int) -> Column:
+    """True for the rows a ``validation_split`` of ``fraction`` holds out: a seeded random selection.
+
+    Each row's converted features and label (the ``array<float>`` expressions), hashed with
+    ``seed``, give a number uniform in [0, 1); rows below ``fraction`` are held out. The choice
+    depends on the row's values only, never on partitioning or order, so it is the same in the
+    driver's count, in every (retried) task and when recomputed later; identical rows share it.
+    """
+    hashed = F.xxhash64(F.lit(int(seed)), features, label)
+    uniform = F.shiftrightunsigned(hashed, 11).cast("double") / float(1 << 53)
+    return uniform < F.lit(float(fraction))
+
+
+def _boolean_column(df: DataFrame, name: str) -> Column:
+    if not isinstance(name, str) or name not in df.columns:
+        raise ValueError(f"Column {name!r} given as `validation_col` is not in the DataFrame. "
+                         f"Available columns: {df.columns}")
+    data_type = df.schema[name].dataType
+    if not isinstance(data_type, T.BooleanType):
+        raise ValueError(f"Expected column {name!r} (`validation_col`) to be boolean (true: hold the row out for "
+                         f"validation). Received type: {data_type.simpleString()}")
+    return F.col(name)
+
+
+def features_array(df: DataFrame, features_col: ColumnSpec) -> tuple[Column, list[str]]:
+    """``features_col`` as one ``array<float>`` expression, with the names of the columns it reads.
+
+    Accepts what ``fit`` accepts (a Vector, ``array<numeric>`` or numeric column, or a list of numeric
+    columns, whose values then appear in list order, one per column). Checks the schema only (no Spark
+    job) and raises ``ValueError`` naming the column.
+    """
+    parts = _feature_columns(df, features_col)
+    expr = parts[0][1] if len(parts) == 1 else F.concat(*(e for _, e in parts))
+    return expr, [name for name, _ in parts]
 
 
 def _feature_columns(df: DataFrame, features_col: ColumnSpec) -> list[tuple[str, Column]]:
@@ -128,6 +225,7 @@ class _Checks:
     def __init__(self) -> None:
         self._aggs: list[Column] = [F.count(F.lit(1)).alias("rows")]
         self._columns: list[str] = []
+        self._validation_col: Optional[str] = None
 
     def add_column(self, name: str, expr: Column) -> None:
         i = len(self._columns)
@@ -140,8 +238,20 @@ class _Checks:
             F.max(F.size(expr)).alias(f"max_width_{i}"),
         ]
 
+    def add_validation(self, mask: Column, column: Optional[str]) -> None:
+        """Counts the held-out rows (and, for a ``validation_col``, its nulls) in the same job."""
+        self._validation_col = column
+        self._aggs.append(F.sum(F.when(mask, 1).otherwise(0)).alias("validation_rows"))
+        if column is not None:
+            self._aggs.append(F.sum(F.when(F.col(column).isNull(), 1).otherwise(0)).alias("validation_nulls"))
+
     def run(self, df: DataFrame) -> dict:
         stats = df.agg(*self._aggs).first().asDict()
+        if stats.get("validation_nulls"):
+            raise ValueError(
+                f"Column {self._validation_col!r} (`validation_col`) has {stats['validation_nulls']} null rows: "
+                "expected true (held out for validation) or false (trained on) in every row."
+            )
         for i, name in enumerate(self._columns):
             if stats[f"nulls_{i}"]:
                 raise ValueError(
@@ -165,6 +275,16 @@ class _Checks:
 
     def widths(self, stats: dict) -> dict[str, int]:
         return {name: stats[f"min_width_{i}"] for i, name in enumerate(self._columns)}
+
+
+def row_counts(batches: Iterable[pa.RecordBatch]) -> tuple[int, int]:
+    """A partition's ``(training rows, held-out validation rows)``, without converting any values."""
+    train = held_out = 0
+    for batch in batches:
+        validation = (pc.sum(batch.column(VALIDATION)).as_py() or 0) if VALIDATION in batch.schema.names else 0
+        train += batch.num_rows - validation
+        held_out += validation
+    return train, held_out
 
 
 def arrow_to_numpy(batches: Iterable[pa.RecordBatch], feature_width: int, label_width: int) -> tuple[np.ndarray, np.ndarray]:

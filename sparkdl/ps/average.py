@@ -37,6 +37,23 @@ nevertheless divided by the contributions actually merged (counted per
 partition in the counter accumulator), so that a double-counted or missing
 update can never scale the step, and a discrepancy is logged.
 
+Validation (``validation_col``/``validation_split``): the ``val_*`` metrics
+of an epoch describe the AVERAGED model, never a worker's local one. The
+averaged state after the round in which an epoch's last step falls is
+already broadcast to the next round's tasks, so each of them first
+evaluates its held-out rows with that state (before training; a forward
+pass over a few rows, no extra job) and returns the metrics as rows
+attributed to that epoch, weighted by its held-out row count; the driver
+combines them like the training metrics. The last round has no next round:
+one extra evaluation-only job over the persisted frame evaluates the final
+state for it, so the last epoch's ``val_*`` metrics are those of the
+returned model. When an epoch ends inside a round (``sync_every`` not a
+divisor of the epoch's steps) no averaged model exists at that exact step:
+the epoch gets the first averaged model after it (the end of that round, at
+most ``sync_every - 1`` steps later); epochs that end inside the same round
+share its value. With ``sync_every`` dividing ``steps_per_epoch`` (or a
+multiple of it) the evaluated model is exactly the one at the epoch's end.
+
 Choosing ``sync_every``: see ``recommended_sync_every`` (half an epoch, with the figures).
 
 Nothing here unpickles data from our own sockets: only Spark's broadcast and
@@ -65,7 +82,7 @@ logger = logging.getLogger(__name__)
 _METRICS_SCHEMA = "partition int, epoch int, steps int, metric string, value double"
 _METRICS_ARROW_SCHEMA = pa.schema([("partition", pa.int32()), ("epoch", pa.int32()), ("steps", pa.int32()),
                                    ("metric", pa.string()), ("value", pa.float64())])
-_ROWS_SCHEMA = "partition int, rows long"
+_ROWS_SCHEMA = "partition int, rows long, validation_rows long"
 # Columns of the per-partition counter matrix.
 _CONTRIBUTIONS, _SAMPLES, _STEPS, _DELTA_BYTES = range(4)
 
@@ -116,6 +133,17 @@ class _AverageJob:
     seed: int
     shuffle: bool
     custom_objects: Optional[dict]
+    validate: bool = False  # rows are held out: evaluate the averaged state at each epoch boundary
+
+    def round_steps(self, round_index: int) -> tuple[int, int]:
+        """The global steps ``[start, stop)`` that round ``round_index`` trains."""
+        start = round_index * self.sync_every
+        return start, min(start + self.sync_every, self.total_steps)
+
+    def epochs_finished(self, round_index: int) -> range:
+        """Epochs whose last step falls in round ``round_index``: the averaged state after it is theirs."""
+        start, stop = self.round_steps(round_index)
+        return range(start // self.steps_per_epoch, stop // self.steps_per_epoch)
 
 
 @dataclasses.dataclass
@@ -135,7 +163,9 @@ def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_worker
     ``stats`` holds ``rounds``, ``samples``, ``steps``, ``delta_bytes`` (summed
     over the tasks whose updates were merged), ``contributions`` (task deltas
     averaged, ``rounds * num_workers`` when nothing went wrong),
-    ``steps_per_epoch``, ``sync_every``, ``partition_rows`` and ``seconds``.
+    ``steps_per_epoch``, ``sync_every``, ``partition_rows`` (training rows),
+    ``partition_validation_rows`` and ``seconds``. With held-out rows the history
+    also holds ``val_*``: the averaged model's metrics on them (module docstring).
     """
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     started = time.perf_counter()
@@ -146,7 +176,7 @@ def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_worker
     job = _AverageJob(
         token=secrets.token_hex(16), shapes=training.shapes, num_workers=num_workers, batch_size=batch_size,
         steps_per_epoch=steps_per_epoch, total_steps=total_steps, sync_every=sync_every, seed=seed,
-        shuffle=shuffle, custom_objects=custom_objects,
+        shuffle=shuffle, custom_objects=custom_objects, validate=training.validation_rows > 0,
     )
 
     model = serialization.model_from_bytes(model_bytes, custom_objects)
@@ -160,7 +190,7 @@ def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_worker
     names: list[str] = []
     totals = np.zeros(4, np.int64)
     try:
-        partition_rows = _rows_per_partition(frame, num_workers)  # also fills the cache
+        partition_rows, validation_rows = _rows_per_partition(frame, num_workers)  # also fills the cache
         logger.info("sparkdl: average mode, %d workers, rows per worker %s, %d steps/epoch x %d epochs, "
                     "%d rounds of %d steps", num_workers, partition_rows, steps_per_epoch, epochs, rounds, sync_every)
         for round_index in range(rounds):
@@ -182,6 +212,16 @@ def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_worker
             state_broadcast = None
             logger.debug("sparkdl: round %d of %d took %.3f s", round_index + 1, rounds,
                          time.perf_counter() - round_started)
+        if job.validate:  # the last round's epochs: no next round evaluates the final state, so one extra job does
+            state_broadcast = sc.broadcast(state)
+
+            def evaluate_task(batches, _job=job, _model=model_broadcast, _state=state_broadcast):
+                return _evaluate_task(batches, _job, _model, _state, _job.epochs_finished(rounds - 1))
+
+            _add_metrics(frame.mapInArrow(evaluate_task, _METRICS_SCHEMA).toArrow(), sums, names)
+            state_broadcast.unpersist()
+            state_broadcast.destroy()
+            state_broadcast = None
     finally:
         if state_broadcast is not None:
             state_broadcast.destroy()
@@ -201,6 +241,7 @@ def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_worker
         "steps_per_epoch": steps_per_epoch,
         "sync_every": sync_every,
         "partition_rows": partition_rows,
+        "partition_validation_rows": validation_rows,
         "seconds": time.perf_counter() - started,
     }
     return serialization.model_to_bytes(model), history, stats
@@ -217,21 +258,26 @@ def _read(variable) -> np.ndarray:
     return np.array(variable.numpy(), copy=True)
 
 
-def _rows_per_partition(frame, num_workers: int) -> list[int]:
-    """Rows of each worker's partition; fails before training when one is empty, as sync mode does."""
+def _rows_per_partition(frame, num_workers: int) -> tuple[list[int], list[int]]:
+    """Training and held-out rows of each worker's partition; fails before training when one has no training
+    rows, as sync mode does."""
 
     def count(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        rows = sum(batch.num_rows for batch in batches)
-        yield pa.RecordBatch.from_pydict({"partition": [TaskContext.get().partitionId()], "rows": [rows]},
-                                         schema=pa.schema([("partition", pa.int32()), ("rows", pa.int64())]))
+        rows, held_out = data.row_counts(batches)
+        yield pa.RecordBatch.from_pydict(
+            {"partition": [TaskContext.get().partitionId()], "rows": [rows], "validation_rows": [held_out]},
+            schema=pa.schema([("partition", pa.int32()), ("rows", pa.int64()), ("validation_rows", pa.int64())]))
 
     table = frame.mapInArrow(count, _ROWS_SCHEMA).toArrow()
-    by_partition = dict(zip(table.column("partition").to_pylist(), table.column("rows").to_pylist()))
+    partitions = table.column("partition").to_pylist()
+    by_partition = dict(zip(partitions, table.column("rows").to_pylist()))
+    held_out_by_partition = dict(zip(partitions, table.column("validation_rows").to_pylist()))
     rows = [int(by_partition.get(p, 0)) for p in range(num_workers)]
+    held_out = [int(held_out_by_partition.get(p, 0)) for p in range(num_workers)]
     if min(rows) == 0:
-        raise ValueError(f"Worker partitions got {rows} rows: every worker needs at least one row. "
+        raise ValueError(f"Worker partitions got {rows} training rows: every worker needs at least one row. "
                          "Use fewer workers or more data.")
-    return rows
+    return rows, held_out
 
 
 def _apply_average(state: list[np.ndarray], delta_sums: list, counter_sums: list, num_workers: int,
@@ -275,22 +321,18 @@ def _round_task(batches: Iterable[pa.RecordBatch], job: _AverageJob, round_index
                 state_broadcast, deltas, counters) -> Iterator[pa.RecordBatch]:
     """One worker's round: set the broadcast state, train its steps, add the delta; returns metric rows."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # before anything in this worker imports Keras
-    x, y = job.shapes.to_numpy(batches)
+    x, y, x_val, y_val = job.shapes.split_numpy(batches)
     rank = TaskContext.get().partitionId()
     if len(x) == 0:
-        raise ValueError(f"Worker partition {rank} got no rows: every worker needs at least one row.")
-    cached = _cached_model(job, model_broadcast)
-    state = state_broadcast.value
-    if len(state) != len(cached.variables):
-        raise RuntimeError(f"Broadcast state has {len(state)} arrays; the model has {len(cached.variables)} variables.")
-    for variable, value in zip(cached.variables, state):
-        variable.assign(value)
+        raise ValueError(f"Worker partition {rank} got no training rows: every worker needs at least one row.")
+    cached, state = _load_state(job, model_broadcast, state_broadcast)
+    rows: dict[str, list] = {name: [] for name in _METRICS_ARROW_SCHEMA.names}
+    if job.validate and round_index > 0:  # the state just set is the averaged model after the last round's epochs
+        _evaluate(cached.model, x_val, y_val, job, rank, job.epochs_finished(round_index - 1), rows)
     _seed_round(cached, job, rank, round_index)
 
     model, b, steps_per_epoch = cached.model, job.batch_size, job.steps_per_epoch
-    start = round_index * job.sync_every
-    stop = min(start + job.sync_every, job.total_steps)
-    rows: dict[str, list] = {name: [] for name in _METRICS_ARROW_SCHEMA.names}
+    start, stop = job.round_steps(round_index)
     position = start
     while position < stop:  # one segment per epoch the round touches
         epoch = position // steps_per_epoch
@@ -315,6 +357,41 @@ def _round_task(batches: Iterable[pa.RecordBatch], job: _AverageJob, round_index
     deltas.add(delta)
     counters.add([counts])
     return iter([pa.RecordBatch.from_pydict(rows, schema=_METRICS_ARROW_SCHEMA)])
+
+
+def _evaluate_task(batches: Iterable[pa.RecordBatch], job: _AverageJob, model_broadcast, state_broadcast,
+                   epochs: range) -> Iterator[pa.RecordBatch]:
+    """The evaluation-only pass after the last round: the final averaged state on this worker's held-out rows."""
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    _, _, x_val, y_val = job.shapes.split_numpy(batches)
+    rows: dict[str, list] = {name: [] for name in _METRICS_ARROW_SCHEMA.names}
+    if len(x_val):
+        cached, _ = _load_state(job, model_broadcast, state_broadcast)
+        _evaluate(cached.model, x_val, y_val, job, TaskContext.get().partitionId(), epochs, rows)
+    return iter([pa.RecordBatch.from_pydict(rows, schema=_METRICS_ARROW_SCHEMA)])
+
+
+def _load_state(job: _AverageJob, model_broadcast, state_broadcast) -> tuple[_CachedModel, list[np.ndarray]]:
+    """The worker's cached model, set to the broadcast state."""
+    cached = _cached_model(job, model_broadcast)
+    state = state_broadcast.value
+    if len(state) != len(cached.variables):
+        raise RuntimeError(f"Broadcast state has {len(state)} arrays; the model has {len(cached.variables)} variables.")
+    for variable, value in zip(cached.variables, state):
+        variable.assign(value)
+    return cached, state
+
+
+def _evaluate(model, x_val: np.ndarray, y_val: np.ndarray, job: _AverageJob, rank: int, epochs: range,
+              rows: dict[str, list]) -> None:
+    """Adds ``val_*`` metric rows for ``epochs``, weighted (``steps`` column) by this worker's held-out rows."""
+    if not len(x_val) or not len(epochs):
+        return
+    logs = model.evaluate(x_val, y_val, batch_size=job.batch_size, verbose=0, return_dict=True)
+    for epoch in epochs:
+        for name, value in logs.items():
+            for column, item in zip(_METRICS_ARROW_SCHEMA.names, (rank, epoch, len(x_val), f"val_{name}", float(value))):
+                rows[column].append(item)
 
 
 def _delta(new: np.ndarray, old: np.ndarray) -> np.ndarray:

@@ -49,6 +49,25 @@ def run_parameter_server(
         server_stats = server.stats()
     stats = {**counters.values(), "max_staleness": server_stats["max_staleness"],
              "versions": server_stats["versions"], "refused_connections": server_stats["refused_connections"]}
-    histories = [json.loads(payload) for payload in results.values()]
-    history = {name: np.mean([h[name] for h in histories], axis=0).tolist() for name in histories[0]}
+    history = combine_histories([json.loads(payload) for payload in results.values()])
     return serialization.model_to_bytes(server_model.model), history, stats
+
+
+def combine_histories(results: list[dict]) -> dict[str, list[float]]:
+    """One history from the workers' ``{"history": ..., "validation_rows": n}`` results.
+
+    Training metrics are the plain mean over workers (every worker runs the same steps);
+    ``val_*`` metrics are weighted by each worker's held-out rows, so they are the metrics over
+    all held-out rows (workers without held-out rows report none and weigh nothing).
+    """
+    names = list(dict.fromkeys(name for result in results for name in result["history"]))
+    history = {}
+    for name in names:
+        having = [r for r in results if name in r["history"]]
+        values = np.array([r["history"][name] for r in having], np.float64)
+        if name.startswith("val_"):
+            weights = np.array([r["validation_rows"] for r in having], np.float64)
+        else:
+            weights = np.ones(len(having))
+        history[name] = (weights @ values / weights.sum()).tolist()
+    return history

@@ -5,6 +5,12 @@ gradients locally" by "push them to the server shards and take the weights
 the server holds now". With ``push_every=k`` the gradients of k steps, taken
 at the same pulled weights, are averaged into one push (k times fewer round
 trips, a k times larger effective batch per update).
+
+Validation (``validation_col``/``validation_split``): a worker evaluates its
+own held-out rows at every epoch end with the weights it holds then (the
+server's, as of its last pull), through Keras's ``validation_data``; it
+returns its held-out row count with its history, and the driver weighs the
+workers' ``val_*`` metrics by it (``driver.combine_histories``).
 """
 
 from __future__ import annotations
@@ -95,13 +101,16 @@ class _Exchange:
 
 
 def run_async_task(batches: Iterable[pa.RecordBatch], job: AsyncJob, counters: TaskCounters) -> Optional[bytes]:
-    """Trains against the server until this worker's share of steps is done; returns its history as JSON."""
+    """Trains against the server until this worker's share of steps is done.
+
+    Returns JSON ``{"history": {metric: [per epoch]}, "validation_rows": n}``.
+    """
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # before anything in this worker imports Keras
     import keras
     import tensorflow as tf
 
     rank = TaskContext.get().partitionId()
-    x, y = job.shapes.to_numpy(batches)
+    x, y, x_val, y_val = job.shapes.split_numpy(batches)
     limit_threads_to_task_cpus()
     model = serialization.model_from_bytes(job.model_bytes, job.custom_objects)
     model.jit_compile = False  # the exchange runs through tf.numpy_function, which XLA cannot compile
@@ -111,7 +120,7 @@ def run_async_task(batches: Iterable[pa.RecordBatch], job: AsyncJob, counters: T
     with ParameterClient(job.addresses, worker=rank, secret=job.secret, shard_sizes=layout.shard_sizes,
                          timeout=job.timeout) as client:
         if len(x) == 0:  # a partition can come out empty; it must not hold back the others
-            client.done()
+            client.done()  # (its held-out rows, if any, go unevaluated: there is no epoch of its own)
             return None
         exchange = _Exchange(client, layout, job.push_every)
 
@@ -127,14 +136,16 @@ def run_async_task(batches: Iterable[pa.RecordBatch], job: AsyncJob, counters: T
         keras.utils.set_random_seed(job.seed + rank)  # dropout and the like differ per worker, by design
         with intercept_apply(model.optimizer, push_then_take_server_weights):
             history = model.fit(stream, epochs=job.epochs, steps_per_epoch=job.steps_per_epoch, shuffle=False,
-                                verbose=0)
+                                verbose=0, validation_data=(x_val, y_val) if len(x_val) else None,
+                                validation_batch_size=job.batch_size)
         exchange.flush()
         client.done()
     counters.samples.add(job.epochs * job.steps_per_epoch * job.batch_size)
     counters.pushes.add(exchange.pushes)
     counters.pulls.add(exchange.pulls)
     counters.bytes.add(4 * sum(layout.shard_sizes) * (exchange.pushes + exchange.pulls))
-    return json.dumps({name: [float(v) for v in values] for name, values in history.history.items()}).encode()
+    return json.dumps({"history": {name: [float(v) for v in values] for name, values in history.history.items()},
+                       "validation_rows": len(x_val)}).encode()
 
 
 def _assign_flat(variables: list, flat: np.ndarray) -> None:

@@ -8,9 +8,10 @@ by one ring allreduce before the optimizer applies them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -37,21 +38,60 @@ def distributed_optimizer(optimizer, comm) -> Iterator[None]:
         yield
 
 
-def _average_across_workers_callback(comm):
+@dataclasses.dataclass(frozen=True)
+class Validation:
+    """This rank's held-out rows, and every rank's count of them (the same array on every rank).
+
+    A rank with no held-out rows still validates, on a stand-in (one of its training rows), so
+    that every rank's epoch logs hold the same keys and every rank makes the same collective
+    calls; its stand-in metrics get weight 0 when the ranks' metrics are combined.
+    """
+
+    x: np.ndarray
+    y: np.ndarray
+    rows_per_rank: np.ndarray
+
+    def weight(self, rank: int) -> float:
+        """This rank's share of the held-out rows, times the number of ranks (the allreduce takes a mean)."""
+        return float(self.rows_per_rank[rank]) * len(self.rows_per_rank) / float(self.rows_per_rank.sum())
+
+
+def _average_across_workers_callback(comm, *, steps_per_epoch: Optional[int] = None,
+                                     validation: Optional[Validation] = None):
     import keras
+
+    validation_weight = validation.weight(comm.rank) if validation is not None else 1.0
 
     class AverageAcrossWorkers(keras.callbacks.Callback):
         """Averages epoch metrics, and statistics such as BatchNorm's moving means, over ranks.
 
         Runs first among the callbacks, so History, EarlyStopping and the
-        user's callbacks all see the global values.
+        user's callbacks all see the global values. Validation metrics
+        (``val_*``) are weighted by each rank's held-out rows, so they equal the
+        metrics of the (common) model on all held-out rows; a rank with none
+        contributes 0 (see ``Validation``). Statistics are averaged after the
+        epoch's last step, before Keras validates, so that validation sees the
+        averaged model (and again at the epoch end only if that did not happen).
         """
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._statistics_averaged = False
+
+        def on_train_batch_end(self, batch, logs=None):
+            if steps_per_epoch is not None and batch + 1 >= steps_per_epoch and not self._statistics_averaged:
+                self._average_statistics()
 
         def on_epoch_end(self, epoch, logs=None):
             if logs:
                 keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.number)))
-                values = comm.allreduce(np.array([logs[k] for k in keys], np.float64), average=True)
+                local = [_weighted(logs[k], validation_weight) if k.startswith("val_") else logs[k] for k in keys]
+                values = comm.allreduce(np.array(local, np.float64), average=True)
                 logs.update(zip(keys, values.tolist()))
+            if not self._statistics_averaged:
+                self._average_statistics()
+
+        def _average_statistics(self):
+            self._statistics_averaged = True
             statistics = [v for v in self.model.non_trainable_variables if _is_float(v.dtype)]
             if statistics:
                 averaged = comm.allreduce(_concat([np.asarray(v.numpy(), np.float64) for v in statistics]), average=True)
@@ -59,6 +99,10 @@ def _average_across_workers_callback(comm):
                     variable.assign(value.astype(variable.dtype))
 
     return AverageAcrossWorkers()
+
+
+def _weighted(value, weight: float) -> float:
+    return 0.0 if weight == 0 else float(value) * weight  # a stand-in's value, even NaN, must not leak in
 
 
 def _is_float(dtype) -> bool:
@@ -108,8 +152,12 @@ def check_replicas_identical(model, comm) -> None:
 
 
 def train(model, x: np.ndarray, y: np.ndarray, *, comm, epochs: int, batch_size: int, steps_per_epoch: int,
-          seed: int, shuffle: bool) -> dict[str, list[float]]:
-    """Trains ``model`` in place on this rank's rows, in lockstep with the other ranks; returns the history."""
+          seed: int, shuffle: bool, validation: Optional[Validation] = None) -> dict[str, list[float]]:
+    """Trains ``model`` in place on this rank's rows, in lockstep with the other ranks; returns the history.
+
+    With ``validation``, every rank evaluates its held-out rows at each epoch end (Keras's own
+    ``validation_data``) and the history gains the combined ``val_*`` metrics.
+    """
     import keras
 
     from sparkdl import data
@@ -119,8 +167,12 @@ def train(model, x: np.ndarray, y: np.ndarray, *, comm, epochs: int, batch_size:
     broadcast_weights(model, comm)
     stream = data.batches(x, y, batch_size=batch_size, steps=steps_per_epoch, epochs=epochs, seed=seed,
                           rank=comm.rank, shuffle=shuffle)
+    validation_data = None
+    if validation is not None:
+        validation_data = (validation.x, validation.y) if len(validation.x) else (x[:1], y[:1])  # stand-in: weight 0
+    callback = _average_across_workers_callback(comm, steps_per_epoch=steps_per_epoch, validation=validation)
     with distributed_optimizer(model.optimizer, comm):
         history = model.fit(stream, epochs=epochs, steps_per_epoch=steps_per_epoch, shuffle=False, verbose=0,
-                            callbacks=[_average_across_workers_callback(comm)])
+                            validation_data=validation_data, validation_batch_size=batch_size, callbacks=[callback])
     check_replicas_identical(model, comm)
     return {name: [float(v) for v in values] for name, values in history.history.items()}

@@ -30,6 +30,7 @@ class SyncJob:
     shuffle: bool
     timeout: float
     custom_objects: Optional[dict]
+    validate: bool = False  # rows are held out: every rank evaluates its own and the metrics are combined
 
 
 def run_sync(training: data.TrainingData, *, model_bytes: bytes, num_workers: int, epochs: int, batch_size: int,
@@ -47,6 +48,7 @@ def run_sync(training: data.TrainingData, *, model_bytes: bytes, num_workers: in
         shuffle=shuffle,
         timeout=timeout,
         custom_objects=custom_objects,
+        validate=training.validation_rows > 0,
     )
     results = launch.run_tasks(training.frame, num_workers, lambda batches: run_sync_task(batches, job), barrier=True)
     return serialization.result_from_bytes(results[0])
@@ -54,18 +56,25 @@ def run_sync(training: data.TrainingData, *, model_bytes: bytes, num_workers: in
 
 def run_sync_task(batches: Iterable[pa.RecordBatch], job: SyncJob) -> Optional[bytes]:
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # before anything in this worker imports Keras
-    x, y = job.shapes.to_numpy(batches)
+    x, y, x_val, y_val = job.shapes.split_numpy(batches)
     with connect_collective(job.secret, job.timeout) as comm:
-        rows = comm.allgather(np.array([len(x)], np.int64))[:, 0]
+        # Every rank learns every rank's training and validation row counts, so that all of them take
+        # the same decisions below (raise, validate, how to weigh validation metrics) with no further talk.
+        counts = comm.allgather(np.array([len(x), len(x_val)], np.int64))
+        rows, validation_rows = counts[:, 0], counts[:, 1]
         if rows.min() == 0:
             raise ValueError(
-                f"Worker partitions got {rows.tolist()} rows: every worker needs at least one row. "
+                f"Worker partitions got {rows.tolist()} training rows: every worker needs at least one row. "
                 "Use fewer workers or more data."
             )
+        if job.validate and validation_rows.sum() == 0:
+            raise ValueError("No worker partition got a validation row: the validation set is empty.")
         limit_threads_to_task_cpus()
         model = serialization.model_from_bytes(job.model_bytes, job.custom_objects)
+        validation = sync.Validation(x_val, y_val, validation_rows) if job.validate else None
         history = sync.train(model, x, y, comm=comm, epochs=job.epochs, batch_size=job.batch_size,
-                             steps_per_epoch=job.steps_per_epoch, seed=job.seed, shuffle=job.shuffle)
+                             steps_per_epoch=job.steps_per_epoch, seed=job.seed, shuffle=job.shuffle,
+                             validation=validation)
         if comm.rank != 0:
             return None
         return serialization.result_to_bytes(serialization.model_to_bytes(model), history)

@@ -1,0 +1,69 @@
+"""KerasEstimator: a Spark ML Estimator that trains a Keras model with :func:`sparkdl.fit`."""
+
+from __future__ import annotations
+
+from pyspark import keyword_only
+from pyspark.ml import Estimator
+from pyspark.ml.util import MLReadable, MLWritable
+
+import sparkdl
+from sparkdl.ml.model import KerasModel
+from sparkdl.ml.params import KerasTrainingParams
+from sparkdl.ml.persistence import KerasStageReader, KerasStageWriter
+from sparkdl.train import serialization
+
+
+class KerasEstimator(KerasTrainingParams, Estimator, MLWritable, MLReadable):
+    """Trains a compiled Keras 3 model on a DataFrame; ``fit`` returns a :class:`KerasModel`.
+
+    Every setting of :func:`sparkdl.fit` is a Param (camelCase); ``fit`` calls
+    ``sparkdl.fit`` itself, so every mode is available. The Keras model passed
+    in is never modified, so copies of the estimator (as CrossValidator makes)
+    share no trained state.
+
+    Example:
+        >>> est = KerasEstimator(model=keras_model, featuresCol="scaled", labelCol="label",
+        ...                      numWorkers=2, mode="sync", epochs=20, batchSize=16)
+        >>> pipeline_model = Pipeline(stages=[assembler, scaler, est]).fit(train_df)
+    """
+
+    @keyword_only
+    def __init__(self, *, model=None, featuresCol="features", labelCol="label", predictionCol="prediction",
+                 probabilityCol="probability", rawPredictionCol="rawPrediction", numWorkers=2, mode="sync",
+                 epochs=1, batchSize=32, shuffle=True, seed=None, pushEvery=None, maxStaleness=None,
+                 numServers=None, syncEvery=None, validationCol=None, validationSplit=None, timeout=600.0):
+        super().__init__()
+        self._set(**self._input_kwargs)
+
+    @keyword_only
+    def setParams(self, *, model=None, featuresCol="features", labelCol="label", predictionCol="prediction",
+                  probabilityCol="probability", rawPredictionCol="rawPrediction", numWorkers=2, mode="sync",
+                  epochs=1, batchSize=32, shuffle=True, seed=None, pushEvery=None, maxStaleness=None,
+                  numServers=None, syncEvery=None, validationCol=None, validationSplit=None, timeout=600.0):
+        return self._set(**self._input_kwargs)
+
+    def _fit(self, dataset) -> KerasModel:
+        if not self.isDefined(self.model):
+            raise ValueError("KerasEstimator needs `model`: a compiled keras.Model.")
+        result = sparkdl.fit(dataset, self.getModel(), **self.fit_arguments())
+        trained = KerasModel._from_keras_bytes(serialization.model_to_bytes(result.model), result.history)
+        return self._copyValues(trained)
+
+    def write(self) -> KerasStageWriter:
+        return KerasStageWriter(self)
+
+    @classmethod
+    def read(cls) -> KerasStageReader:
+        return KerasStageReader(cls)
+
+    def _keras_bytes(self) -> bytes:
+        if not self.isDefined(self.model):
+            raise ValueError("Cannot save a KerasEstimator without `model`.")
+        return serialization.model_to_bytes(self.getModel())
+
+    def _extra_metadata(self) -> dict:
+        return {}
+
+    @classmethod
+    def _from_saved(cls, keras_bytes: bytes, metadata: dict) -> "KerasEstimator":
+        return cls(model=serialization.model_from_bytes(keras_bytes))

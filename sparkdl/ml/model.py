@@ -1,0 +1,74 @@
+"""KerasModel: the fitted Spark ML Model, scoring DataFrames with vectorized batch inference."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pyspark import keyword_only
+from pyspark.ml import Model
+from pyspark.ml.util import MLReadable, MLWritable
+
+from sparkdl.ml.inference import predict
+from sparkdl.ml.params import HasOutputCols
+from sparkdl.ml.persistence import KerasStageReader, KerasStageWriter
+from sparkdl.train import serialization
+
+
+class KerasModel(HasOutputCols, Model, MLWritable, MLReadable):
+    """Adds ``predictionCol`` (and, for classifiers, ``probabilityCol`` and ``rawPredictionCol`` Vectors).
+
+    ``history`` holds the per-epoch training (and validation) metrics of the
+    fit that made it; ``keras_model`` the trained ``keras.Model``. Setting an
+    output column to ``""`` leaves it out. Saved with ``write().save(path)``
+    as Spark ML metadata plus a ``model.keras`` file.
+    """
+
+    @keyword_only
+    def __init__(self, *, featuresCol="features", predictionCol="prediction", probabilityCol="probability",
+                 rawPredictionCol="rawPrediction"):
+        super().__init__()
+        self._set(**self._input_kwargs)
+        self._model_bytes: Optional[bytes] = None
+        self._keras_model = None
+        self.history: dict[str, list[float]] = {}
+
+    @classmethod
+    def _from_keras_bytes(cls, keras_bytes: bytes, history: dict) -> "KerasModel":
+        model = cls()
+        model._model_bytes = keras_bytes
+        model.history = history
+        return model
+
+    @property
+    def keras_model(self):
+        """The trained keras.Model, loaded on first use."""
+        if self._keras_model is None:
+            self._keras_model = serialization.model_from_bytes(self._model_bytes)
+        return self._keras_model
+
+    def _transform(self, dataset):
+        return predict(dataset, self._model_bytes, features_col=self.getFeaturesCol(),
+                       prediction_col=self.getPredictionCol(), probability_col=self.getProbabilityCol() or None,
+                       raw_prediction_col=self.getRawPredictionCol() or None)
+
+    def copy(self, extra=None) -> "KerasModel":
+        copied = super().copy(extra)
+        copied._keras_model = None  # the bytes are immutable and shared; a loaded Keras model is not
+        return copied
+
+    def write(self) -> KerasStageWriter:
+        return KerasStageWriter(self)
+
+    @classmethod
+    def read(cls) -> KerasStageReader:
+        return KerasStageReader(cls)
+
+    def _keras_bytes(self) -> bytes:
+        return self._model_bytes
+
+    def _extra_metadata(self) -> dict:
+        return {"history": self.history}
+
+    @classmethod
+    def _from_saved(cls, keras_bytes: bytes, metadata: dict) -> "KerasModel":
+        return cls._from_keras_bytes(keras_bytes, metadata.get("history", {}))

@@ -1,0 +1,166 @@
+"""Validation data (`validation_split`, `validation_col`) in every mode, on real Spark and real Keras."""
+
+import contextlib
+import math
+import uuid
+
+import keras
+import numpy as np
+import pytest
+from pyspark.sql import functions as F
+
+import sparkdl
+from sparkdl import data
+from sparkdl.ps.average import _AverageJob
+from sparkdl.ps.driver import combine_histories
+from models import make_mlp
+
+METRICS = {"loss", "accuracy", "val_loss", "val_accuracy"}
+
+
+@contextlib.contextmanager
+def no_spark_job(spark):
+    group = f"sparkdl-test-{uuid.uuid4()}"
+    spark.sparkContext.setJobGroup(group, "bad validation settings")
+    try:
+        yield
+    finally:
+        jobs = spark.sparkContext.statusTracker().getJobIdsForGroup(group)
+        spark.sparkContext.setJobGroup("", "")
+        assert not jobs, f"a Spark job ran before the error: {jobs}"
+
+
+def held_out(df, seed, **validation):
+    """Exactly the rows fit holds out: the same split, re-applied through data.prepare."""
+    training = data.prepare(df, "features", "label", 2, seed=seed, **validation)
+    table = training.frame.where(F.col(data.VALIDATION)).toArrow()
+    x_val, y_val = training.shapes.to_numpy(table.to_batches())
+    assert len(x_val) == training.validation_rows
+    return training, x_val, y_val
+
+
+def digits_with_held_out(spark, digits, held_out_rows, rows=200):
+    x_train, _, y_train, _ = digits
+    return spark.createDataFrame(
+        [(r.tolist(), int(l), i < held_out_rows) for i, (r, l) in enumerate(zip(x_train[:rows], y_train[:rows]))],
+        "features array<float>, label long, held_out boolean")
+
+
+@pytest.fixture(scope="module")
+def small_df(spark, digits):
+    return digits_with_held_out(spark, digits, 40).cache()
+
+
+@pytest.mark.parametrize("mode, options", [("sync", {}), ("async", {}), ("average", {"sync_every": 7})])
+def test_validation_split_in_every_mode(digits_df, mode, options):
+    epochs, b, seed = 3, 32, 5
+    # Adam(0.01): the model is near its plateau by the last epoch, so that async's stale epoch-end snapshots (a worker
+    # may finish well before the other on a loaded machine) stay close to the final model.
+    model = make_mlp(hidden=(32,), optimizer=keras.optimizers.Adam(0.01))
+    result = sparkdl.fit(digits_df, model, num_workers=2, mode=mode, epochs=epochs, batch_size=b, seed=seed,
+                         validation_split=0.2, **options)
+    training, x_val, y_val = held_out(digits_df, seed, validation_split=0.2)
+
+    assert set(result.history) == METRICS
+    assert all(len(v) == epochs and np.isfinite(v).all() for v in result.history.values())
+    assert result.validation_rows == len(x_val) == training.validation_rows
+    assert 0.15 < len(x_val) / (len(x_val) + training.num_rows) < 0.25
+    assert result.steps_per_epoch == math.ceil(training.num_rows / (2 * b))  # training rows only
+    assert result.history["val_loss"][-1] < result.history["val_loss"][0]
+
+    want = result.model.evaluate(x_val, y_val, batch_size=256, verbose=0, return_dict=True)
+    got = {"loss": result.history["val_loss"][-1], "accuracy": result.history["val_accuracy"][-1]}
+    if mode == "async":  # each worker validated the weights it held at its epoch end, not the final server's
+        assert abs(got["accuracy"] - want["accuracy"]) < 0.05, (got, want)
+        assert abs(got["loss"] - want["loss"]) < 0.5 * want["loss"], (got, want)
+    else:  # the final epoch's metrics are the returned model's, on exactly those rows
+        assert got["accuracy"] == pytest.approx(want["accuracy"], abs=1e-6), (got, want)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), (got, want)
+    if mode == "average":
+        assert sum(result.stats["partition_rows"]) == training.num_rows
+        assert sum(result.stats["partition_validation_rows"]) == len(x_val)
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_validation_col_rows_are_not_trained_on(small_df, mode):
+    b = 16
+    options = {"max_staleness": 1} if mode == "ssp" else {}
+    result = sparkdl.fit(small_df, make_mlp(hidden=(16,)), num_workers=2, mode=mode, epochs=2, batch_size=b, seed=0,
+                         validation_col="held_out", **options)
+    assert result.validation_rows == 40
+    assert result.steps_per_epoch == math.ceil(160 / (2 * b)) == 5  # 200 rows would make 7
+    if mode == "ssp":
+        assert result.stats["samples"] == 2 * 5 * b * 2
+    assert set(result.history) == METRICS and all(len(v) == 2 for v in result.history.values())
+
+
+@pytest.mark.parametrize("mode", ["sync", "average"])
+def test_a_worker_without_validation_rows(spark, digits, mode):
+    """One held-out row: one worker has none. Sync's ring must not deadlock (every rank makes the same
+    collective calls) and that worker's stand-in evaluation must weigh nothing."""
+    df = digits_with_held_out(spark, digits, 1)
+    result = sparkdl.fit(df, make_mlp(hidden=(16,)), num_workers=2, mode=mode, epochs=2, batch_size=16, seed=0,
+                         validation_col="held_out")
+    _, x_val, y_val = held_out(df, 0, validation_col="held_out")
+    assert result.validation_rows == len(x_val) == 1
+    want = result.model.evaluate(x_val, y_val, verbose=0, return_dict=True)
+    assert result.history["val_accuracy"][-1] == pytest.approx(want["accuracy"], abs=1e-6)
+    assert result.history["val_loss"][-1] == pytest.approx(want["loss"], rel=1e-4)
+
+
+def test_split_is_deterministic_per_seed(digits_df):
+    _, x_a, _ = held_out(digits_df, 3, validation_split=0.2)
+    _, x_b, _ = held_out(digits_df.repartition(3), 3, validation_split=0.2)  # partitioning does not matter
+    _, x_c, _ = held_out(digits_df, 4, validation_split=0.2)
+    key = lambda x: sorted(map(bytes, x))
+    assert key(x_a) == key(x_b)
+    assert key(x_a) != key(x_c)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"validation_col": "held_out", "validation_split": 0.2},
+     r"`validation_col` and `validation_split` are mutually exclusive"),
+    ({"validation_split": 0}, r"Expected `validation_split` to be a float in \(0, 1\). Received: validation_split=0"),
+    ({"validation_split": 1.0}, r"Expected `validation_split` to be a float in \(0, 1\). Received: validation_split=1.0"),
+    ({"validation_split": -0.5}, r"Expected `validation_split` to be a float in \(0, 1\)"),
+    ({"validation_split": "0.2"}, r"Expected `validation_split` to be a float in \(0, 1\). Received: validation_split='0.2'"),
+    ({"validation_split": True}, r"Expected `validation_split` to be a float in \(0, 1\)"),
+    ({"validation_col": "nope"}, r"Column 'nope' given as `validation_col` is not in the DataFrame"),
+    ({"validation_col": "label"}, r"Expected column 'label' \(`validation_col`\) to be boolean.*Received type: bigint"),
+    ({"validation_col": ["held_out"]}, r"Expected `validation_col` to be a column name"),
+])
+def test_bad_validation_settings_start_no_job(spark, small_df, kwargs, message):
+    with no_spark_job(spark), pytest.raises(ValueError, match=message):
+        sparkdl.fit(small_df, make_mlp(hidden=(4,)), **kwargs)
+
+
+@pytest.mark.parametrize("rows, kwargs, message", [
+    ([True, None, False, False], {"validation_col": "v"}, r"Column 'v' \(`validation_col`\) has 1 null rows"),
+    ([False, False, False], {"validation_col": "v"}, r"The validation set is empty: `validation_col`='v' selected none of the 3 rows"),
+    ([False, False, False], {"validation_split": 1e-9}, r"The validation set is empty: `validation_split`=1e-09 selected none"),
+    ([True, True, True], {"validation_col": "v"}, r"No rows left to train on: `validation_col`='v' selected all 3 rows"),
+    ([True, True, False], {"validation_col": "v"}, r"at least `num_workers`=2 rows.*Received: 1 rows \(after holding out 2"),
+])
+def test_bad_validation_data(spark, rows, kwargs, message):
+    df = spark.createDataFrame([([0.1 * i, 0.2], i % 2, v) for i, v in enumerate(rows)],
+                               "features array<double>, label int, v boolean")
+    with pytest.raises(ValueError, match=message):
+        sparkdl.fit(df, make_mlp(width=2, hidden=(4,), classes=2), num_workers=2, **kwargs)
+
+
+def test_average_mode_attributes_each_epoch_to_the_next_averaged_model():
+    job = _AverageJob(token="t", shapes=None, num_workers=2, batch_size=8, steps_per_epoch=18, total_steps=54,
+                      sync_every=7, seed=0, shuffle=True, custom_objects=None, validate=True)
+    finished = {r: list(job.epochs_finished(r)) for r in range(8)}
+    assert finished == {0: [], 1: [], 2: [0], 3: [], 4: [], 5: [1], 6: [], 7: [2]}  # epoch ends 18, 36, 54
+    long_rounds = _AverageJob(**{**job.__dict__, "sync_every": 40})  # rounds [0,40) [40,54): epochs 0, 1 / 2
+    assert [list(long_rounds.epochs_finished(r)) for r in range(2)] == [[0, 1], [2]]
+
+
+def test_parameter_server_histories_weigh_validation_by_rows():
+    history = combine_histories([
+        {"history": {"loss": [1.0, 0.5], "val_loss": [2.0, 1.0]}, "validation_rows": 3},
+        {"history": {"loss": [3.0, 1.5], "val_loss": [4.0, 3.0]}, "validation_rows": 1},
+        {"history": {"loss": [2.0, 1.0]}, "validation_rows": 0},  # a worker without held-out rows
+    ])
+    assert history == {"loss": [2.0, 1.0], "val_loss": [2.5, 1.5]}
