@@ -1,26 +1,12 @@
 """Bad input fails on the driver with a message naming the column or setting, before training starts."""
 
-import contextlib
-import uuid
 
 import keras
 import pytest
 
 import sparkdl
+from spark_jobs import no_spark_job
 from models import make_mlp
-
-
-@contextlib.contextmanager
-def no_spark_job(spark):
-    """Asserts that the block started no Spark job at all."""
-    group = f"sparkdl-test-{uuid.uuid4()}"
-    spark.sparkContext.setJobGroup(group, "bad input")
-    try:
-        yield
-    finally:
-        jobs = spark.sparkContext.statusTracker().getJobIdsForGroup(group)
-        spark.sparkContext.setJobGroup("", "")
-        assert not jobs, f"a Spark job ran before the error: {jobs}"
 
 
 @pytest.fixture(scope="module")

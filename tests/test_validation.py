@@ -1,8 +1,6 @@
 """Validation data (`validation_split`, `validation_col`) in every mode, on real Spark and real Keras."""
 
-import contextlib
 import math
-import uuid
 
 import keras
 import numpy as np
@@ -13,21 +11,10 @@ import sparkdl
 from sparkdl import data
 from sparkdl.ps.average import _AverageJob
 from sparkdl.ps.driver import combine_histories
+from spark_jobs import no_spark_job
 from models import make_mlp
 
 METRICS = {"loss", "accuracy", "val_loss", "val_accuracy"}
-
-
-@contextlib.contextmanager
-def no_spark_job(spark):
-    group = f"sparkdl-test-{uuid.uuid4()}"
-    spark.sparkContext.setJobGroup(group, "bad validation settings")
-    try:
-        yield
-    finally:
-        jobs = spark.sparkContext.statusTracker().getJobIdsForGroup(group)
-        spark.sparkContext.setJobGroup("", "")
-        assert not jobs, f"a Spark job ran before the error: {jobs}"
 
 
 def held_out(df, seed, **validation):

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from pyspark import keyword_only
 from pyspark.ml import Estimator
-from pyspark.ml.util import MLReadable, MLWritable
 
 import sparkdl
 from sparkdl.ml.model import KerasModel
 from sparkdl.ml.params import KerasTrainingParams
-from sparkdl.ml.persistence import KerasStageReader, KerasStageWriter
+from sparkdl.ml.persistence import KerasStagePersistence
 from sparkdl.train import serialization
 
 
-class KerasEstimator(KerasTrainingParams, Estimator, MLWritable, MLReadable):
+class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
     """Trains a compiled Keras 3 model on a DataFrame; ``fit`` returns a :class:`KerasModel`.
 
     Every setting of :func:`sparkdl.fit` is a Param (camelCase); ``fit`` calls
@@ -48,13 +47,6 @@ class KerasEstimator(KerasTrainingParams, Estimator, MLWritable, MLReadable):
         result = sparkdl.fit(dataset, self.getModel(), **self.fit_arguments())
         trained = KerasModel._from_keras_bytes(serialization.model_to_bytes(result.model), result.history)
         return self._copyValues(trained)
-
-    def write(self) -> KerasStageWriter:
-        return KerasStageWriter(self)
-
-    @classmethod
-    def read(cls) -> KerasStageReader:
-        return KerasStageReader(cls)
 
     def _keras_bytes(self) -> bytes:
         if not self.isDefined(self.model):

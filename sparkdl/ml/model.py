@@ -6,15 +6,14 @@ from typing import Optional
 
 from pyspark import keyword_only
 from pyspark.ml import Model
-from pyspark.ml.util import MLReadable, MLWritable
 
 from sparkdl.ml.inference import predict
 from sparkdl.ml.params import HasOutputCols
-from sparkdl.ml.persistence import KerasStageReader, KerasStageWriter
+from sparkdl.ml.persistence import KerasStagePersistence
 from sparkdl.train import serialization
 
 
-class KerasModel(HasOutputCols, Model, MLWritable, MLReadable):
+class KerasModel(HasOutputCols, Model, KerasStagePersistence):
     """Adds ``predictionCol`` (and, for classifiers, ``probabilityCol`` and ``rawPredictionCol`` Vectors).
 
     ``history`` holds the per-epoch training (and validation) metrics of the
@@ -55,13 +54,6 @@ class KerasModel(HasOutputCols, Model, MLWritable, MLReadable):
         copied = super().copy(extra)
         copied._keras_model = None  # the bytes are immutable and shared; a loaded Keras model is not
         return copied
-
-    def write(self) -> KerasStageWriter:
-        return KerasStageWriter(self)
-
-    @classmethod
-    def read(cls) -> KerasStageReader:
-        return KerasStageReader(cls)
 
     def _keras_bytes(self) -> bytes:
         return self._model_bytes

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
+from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 from pyspark.sql import SparkSession
 
 MODEL_FILE = "model.keras"
@@ -64,3 +64,14 @@ class KerasStageReader(MLReader):
         instance._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(instance, metadata, skipParams=["model"])
         return instance
+
+
+class KerasStagePersistence(MLWritable, MLReadable):
+    """``write()``/``read()`` for a stage that provides ``_keras_bytes``, ``_extra_metadata`` and ``_from_saved``."""
+
+    def write(self) -> KerasStageWriter:
+        return KerasStageWriter(self)
+
+    @classmethod
+    def read(cls) -> KerasStageReader:
+        return KerasStageReader(cls)
