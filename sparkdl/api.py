@@ -12,8 +12,9 @@ from typing import Optional
 
 from pyspark.sql import DataFrame
 
-from sparkdl import data, launch
+from sparkdl import _compat, data, launch
 from sparkdl.data import ColumnSpec
+from sparkdl.launch.backends import check_backend
 from sparkdl.ps.average import recommended_sync_every, run_average
 from sparkdl.ps.driver import run_parameter_server
 from sparkdl.train import serialization
@@ -65,6 +66,7 @@ def fit(
     validation_split: Optional[float] = None,
     timeout: float = 600.0,
     custom_objects: Optional[dict] = None,
+    backend: str = "ring",
 ) -> FitResult:
     """Trains a compiled Keras 3 model on a Spark DataFrame with ``num_workers`` Spark tasks.
 
@@ -106,7 +108,9 @@ def fit(
             combined weighted by held-out rows; average, the averaged model after the round that
             completes the epoch). Steps per epoch count the training rows only.
         timeout: seconds any single network wait may take before the job fails.
-        custom_objects: passed to ``keras.saving.load_model`` on the workers.
+        custom_objects: passed to ``keras.models.load_model`` on the workers.
+        backend: sync: whose collectives average the gradients: ``"ring"`` (sparkdl's own) or
+            ``"horovod"`` (Horovod's Gloo/NCCL; needs the Horovod stack, ``conf/horovod/install.sh``).
 
     Example:
         >>> result = sparkdl.fit(df, model, features_col="features", label_col="label",
@@ -118,6 +122,9 @@ def fit(
     options = _mode_options(model, mode, push_every=push_every, max_staleness=max_staleness,
                             num_servers=num_servers, sync_every=sync_every)
     _validation_options(validation_col, validation_split)
+    if backend != "ring" and mode != "sync":
+        raise ValueError(f"`backend` applies to mode='sync' only. Received: backend={backend!r} with mode={mode!r}")
+    check_backend(backend)
     launch.check_slots(df.sparkSession, num_workers, wait_seconds=30.0)
     seed = secrets.randbelow(2**31) if seed is None else seed
     training = data.prepare(df, features_col, label_col, num_workers, validation_col=validation_col,
@@ -129,7 +136,7 @@ def fit(
                 mode, num_workers, training.num_rows, training.validation_rows, steps, epochs)
     started = time.perf_counter()
     if mode == "sync":
-        model_bytes, history = run_sync(training, steps_per_epoch=steps, timeout=timeout, **common)
+        model_bytes, history = run_sync(training, steps_per_epoch=steps, timeout=timeout, backend=backend, **common)
         stats = {}
     elif mode == "average":
         model_bytes, history, stats = run_average(
@@ -194,11 +201,12 @@ def _check_settings(df, model, *, num_workers, mode, epochs, batch_size, timeout
     import keras
 
     if not isinstance(model, keras.Model):
-        raise ValueError(f"Expected `model` to be a keras.Model (Keras 3). Received: {type(model).__name__}")
+        raise ValueError(f"Expected `model` to be a keras.Model. Received: {type(model).__name__}")
     if keras.backend.backend() != "tensorflow":
         raise ValueError(f"Expected the TensorFlow Keras backend. Received: KERAS_BACKEND={keras.backend.backend()!r}")
-    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
+    if not _compat.is_compiled(model) or getattr(model, "optimizer", None) is None:
         raise ValueError("Expected a compiled model: call model.compile(optimizer=..., loss=...) before sparkdl.fit.")
+    _compat.check_model_supported(model)
     if mode not in MODES:
         raise ValueError(f"Expected `mode` to be one of {list(MODES)}. Received: mode={mode!r}")
     for name, value in (("num_workers", num_workers), ("epochs", epochs), ("batch_size", batch_size)):

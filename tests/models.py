@@ -1,6 +1,7 @@
 """Small real Keras models shared by the tests."""
 
 import keras
+import tensorflow as tf
 
 
 def make_mlp(width=64, hidden=(128, 64), classes=10, optimizer=None, seed=0):
@@ -11,14 +12,14 @@ def make_mlp(width=64, hidden=(128, 64), classes=10, optimizer=None, seed=0):
         + [keras.layers.Dense(classes, activation="softmax")]
     )
     model.compile(
-        optimizer=optimizer or keras.optimizers.Adam(1e-3),
+        optimizer=optimizer or tf.keras.optimizers.Adam(1e-3),  # on Keras 2.12, keras.optimizers.Adam is legacy
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
     )
     return model
 
 
-@keras.saving.register_keras_serializable(package="sparkdl_tests")
+@keras.utils.register_keras_serializable(package="sparkdl_tests")
 class CrashOnFirstAttempt(keras.layers.Layer):
     """Identity layer that kills its Python worker hard (os._exit) at a given training step,
     on the first attempt of one Spark task only: a worker lost mid-epoch."""

@@ -4,6 +4,7 @@ import numpy as np
 import pyarrow as pa
 
 from sparkdl import data
+from sparkdl._compat import collect_arrow
 
 
 def partitions_as_fit_sees_them(frame, num_workers, feature_width):
@@ -20,7 +21,7 @@ def partitions_as_fit_sees_them(frame, num_workers, feature_width):
                 names=["part", "pos", data.FEATURES, data.LABEL])
 
     schema = f"part int, pos int, {data.FEATURES} array<float>, {data.LABEL} array<float>"
-    table = frame.repartition(num_workers).mapInArrow(tag, schema).toArrow().sort_by([("part", "ascending"), ("pos", "ascending")])
+    table = collect_arrow(frame.repartition(num_workers).mapInArrow(tag, schema)).sort_by([("part", "ascending"), ("pos", "ascending")])
     parts = []
     for rank in range(num_workers):
         rows = table.filter(pa.compute.equal(table.column("part"), rank))

@@ -21,7 +21,7 @@ def run_job(command, tmp_path):
 def saved_model_accuracy(path, x, y):
     import keras
 
-    model = keras.saving.load_model(path)
+    model = keras.models.load_model(path)
     return float(np.mean(model.predict(x, verbose=0).argmax(axis=1) == y))
 
 

@@ -1,6 +1,7 @@
 """Sync ring-allreduce training through real Spark barrier tasks."""
 
 import keras
+import tensorflow as tf
 import numpy as np
 import pytest
 
@@ -8,6 +9,8 @@ import sparkdl
 from sparkdl import data
 from models import make_mlp
 from partitions import partitions_as_fit_sees_them, training_stream
+
+pytestmark = pytest.mark.horovod  # the trainer runs on both stacks: Keras 3/PySpark 4 and tf.keras 2.12/PySpark 3.5
 
 
 def test_digits_two_workers_reach_96_percent(digits_df, digits):
@@ -39,8 +42,8 @@ def test_two_workers_equal_one_worker_with_double_batch(spark, digits):
     df = spark.createDataFrame([(r.tolist(), int(l)) for r, l in zip(x, y)], "features array<float>, label long").coalesce(1)
     b, epochs, seed = 8, 3, 7
 
-    model = make_mlp(hidden=(32,), optimizer=keras.optimizers.SGD(0.1), seed=1)
-    reference = make_mlp(hidden=(32,), optimizer=keras.optimizers.SGD(0.1), seed=1)
+    model = make_mlp(hidden=(32,), optimizer=tf.keras.optimizers.SGD(0.1), seed=1)
+    reference = make_mlp(hidden=(32,), optimizer=tf.keras.optimizers.SGD(0.1), seed=1)
     result = sparkdl.fit(df, model, num_workers=2, epochs=epochs, batch_size=b, seed=seed)
 
     training = data.prepare(df, "features", "label", 2)

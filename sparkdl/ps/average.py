@@ -74,7 +74,7 @@ import pyarrow as pa
 from pyspark import StorageLevel, TaskContext
 from pyspark.accumulators import AccumulatorParam
 
-from sparkdl import data
+from sparkdl import _compat, data
 from sparkdl.train import serialization
 
 logger = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_worker
                            _deltas=deltas, _counters=counters):
                 return _round_task(batches, _job, _round, _model, _state, _deltas, _counters)
 
-            table = frame.mapInArrow(round_task, _METRICS_SCHEMA).toArrow()
+            table = _compat.collect_arrow(frame.mapInArrow(round_task, _METRICS_SCHEMA))
             state = _apply_average(state, deltas.value, counters.value, num_workers, round_index)
             totals += counters.value[0].sum(axis=0)
             _add_metrics(table, sums, names)
@@ -218,7 +218,7 @@ def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_worker
             def evaluate_task(batches, _job=job, _model=model_broadcast, _state=state_broadcast):
                 return _evaluate_task(batches, _job, _model, _state, _job.epochs_finished(rounds - 1))
 
-            _add_metrics(frame.mapInArrow(evaluate_task, _METRICS_SCHEMA).toArrow(), sums, names)
+            _add_metrics(_compat.collect_arrow(frame.mapInArrow(evaluate_task, _METRICS_SCHEMA)), sums, names)
             state_broadcast.unpersist()
             state_broadcast.destroy()
             state_broadcast = None
@@ -249,9 +249,8 @@ def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_worker
 
 def _state_variables(model) -> list:
     """The variables a round moves: the model's weights, then the optimizer's (built first)."""
-    if not model.optimizer.built:
-        model.optimizer.build(model.trainable_variables)
-    return list(model.weights) + list(model.optimizer.variables)
+    _compat.build_optimizer(model.optimizer, model.trainable_variables)
+    return list(model.weights) + _compat.optimizer_variables(model.optimizer)
 
 
 def _read(variable) -> np.ndarray:
@@ -268,7 +267,7 @@ def _rows_per_partition(frame, num_workers: int) -> tuple[list[int], list[int]]:
             {"partition": [TaskContext.get().partitionId()], "rows": [rows], "validation_rows": [held_out]},
             schema=pa.schema([("partition", pa.int32()), ("rows", pa.int64()), ("validation_rows", pa.int64())]))
 
-    table = frame.mapInArrow(count, _ROWS_SCHEMA).toArrow()
+    table = _compat.collect_arrow(frame.mapInArrow(count, _ROWS_SCHEMA))
     partitions = table.column("partition").to_pylist()
     by_partition = dict(zip(partitions, table.column("rows").to_pylist()))
     held_out_by_partition = dict(zip(partitions, table.column("validation_rows").to_pylist()))

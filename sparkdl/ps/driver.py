@@ -43,7 +43,8 @@ def run_parameter_server(
         ))
         try:
             results = launch.run_tasks(training.frame, num_workers,
-                                       lambda batches: run_async_task(batches, job.value, counters), barrier=False)
+                                       lambda batches: run_async_task(batches, job.value, counters), barrier=False,
+                                       timeout=timeout)
         finally:
             job.destroy()
         server_stats = server.stats()

@@ -2,33 +2,32 @@
 
 Like Horovod's ``DistributedOptimizer``: the compiled train step, metrics and
 callbacks stay Keras's; only what happens to a step's gradients changes
-(averaged over a ring, or exchanged with a parameter server). The gradients
-cross into Python once per step as one fused float32 buffer.
+(averaged over a ring or by Horovod, or exchanged with a parameter server).
+With the ring and the parameter server, the gradients cross into Python once
+per step as one fused float32 buffer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Callable, Iterator
 
 import numpy as np
 
+from sparkdl import _compat
+
 
 @contextlib.contextmanager
 def intercept_apply(optimizer, intercept: Callable) -> Iterator[None]:
-    """While the block runs, ``optimizer.apply(grads, variables)`` calls ``intercept(apply, grads, variables)``.
+    """While the block runs, applying gradients calls ``intercept(apply, grads, variables)`` instead.
 
-    ``apply`` is the optimizer's own method, bound. The instance's class is
+    ``apply(grads, variables)`` is the optimizer's own application (Keras 3's
+    ``apply``, Keras 2's ``apply_gradients``; see ``_compat``). The instance's class is
     swapped (not the instance rebuilt) so that its state, its tracking by the
     model and its saved config stay exactly those of the user's optimizer.
     """
     original = type(optimizer)
-
-    def apply(self, grads, trainable_variables=None):
-        return intercept(functools.partial(original.apply, self), list(grads), trainable_variables)
-
-    optimizer.__class__ = type(original.__name__, (original,), {"apply": apply})
+    optimizer.__class__ = _compat.hooked_optimizer_class(original, intercept)
     try:
         yield
     finally:

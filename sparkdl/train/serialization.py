@@ -13,15 +13,16 @@ import tempfile
 
 import numpy as np
 
+from sparkdl import _compat
+
 
 def model_to_bytes(model) -> bytes:
     """The model, its compile settings and optimizer state as ``.keras`` bytes."""
-    if not model.optimizer.built:
-        # Saved unbuilt, the optimizer's slots could not be matched on load and Keras warns on every worker.
-        model.optimizer.build(model.trainable_variables)
+    # Saved unbuilt, the optimizer's slots could not be matched on load and Keras warns on every worker.
+    _compat.build_optimizer(model.optimizer, model.trainable_variables)
     with tempfile.TemporaryDirectory(prefix="sparkdl-") as tmp:
         path = os.path.join(tmp, "model.keras")
-        model.save(path)
+        _compat.save_model(model, path)
         with open(path, "rb") as f:
             return f.read()
 
@@ -33,7 +34,7 @@ def model_from_bytes(data: bytes, custom_objects: dict | None = None):
         path = os.path.join(tmp, "model.keras")
         with open(path, "wb") as f:
             f.write(data)
-        return keras.saving.load_model(path, custom_objects=custom_objects, compile=True)
+        return keras.models.load_model(path, custom_objects=custom_objects, compile=True)
 
 
 def result_to_bytes(model_bytes: bytes, history: dict[str, list[float]]) -> bytes:

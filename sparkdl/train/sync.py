@@ -26,12 +26,18 @@ _REPLICA_TOLERANCE = 1e-5
 
 @contextlib.contextmanager
 def distributed_optimizer(optimizer, comm) -> Iterator[None]:
-    """Makes ``optimizer`` average its gradients over ``comm`` while the block runs."""
+    """Makes ``optimizer`` average its gradients over ``comm`` while the block runs.
+
+    A communicator with its own in-graph collective (Horovod's) averages them
+    there; otherwise they cross into Python once per step, fused, for ``comm.allreduce``.
+    """
 
     def mean_over_ranks(fused: np.ndarray) -> np.ndarray:
         return comm.allreduce(fused, average=True)
 
     def allreduce_then_apply(apply, grads, variables):
+        if hasattr(comm, "average_gradients"):
+            return apply(comm.average_gradients(grads), variables)
         return apply(fused_numpy_call(grads, mean_over_ranks, "sparkdl_allreduce"), variables)
 
     with intercept_apply(optimizer, allreduce_then_apply):

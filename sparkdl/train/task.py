@@ -11,8 +11,9 @@ import numpy as np
 import pyarrow as pa
 from pyspark import TaskContext
 
-from sparkdl import data, launch
-from sparkdl.launch import connect_collective
+from sparkdl import data
+from sparkdl.launch import run_tasks
+from sparkdl.launch.backends import trainer_communicator
 from sparkdl.train import serialization, sync
 
 
@@ -31,11 +32,12 @@ class SyncJob:
     timeout: float
     custom_objects: Optional[dict]
     validate: bool = False  # rows are held out: every rank evaluates its own and the metrics are combined
+    backend: str = "ring"   # whose collectives average the gradients: sparkdl's ring or Horovod's
 
 
 def run_sync(training: data.TrainingData, *, model_bytes: bytes, num_workers: int, epochs: int, batch_size: int,
              steps_per_epoch: int, seed: int, shuffle: bool, timeout: float,
-             custom_objects: Optional[dict]) -> tuple[bytes, dict[str, list[float]]]:
+             custom_objects: Optional[dict], backend: str = "ring") -> tuple[bytes, dict[str, list[float]]]:
     """Runs sync training as one barrier stage; returns rank 0's trained ``.keras`` bytes and the history."""
     job = SyncJob(
         model_bytes=model_bytes,
@@ -49,15 +51,17 @@ def run_sync(training: data.TrainingData, *, model_bytes: bytes, num_workers: in
         timeout=timeout,
         custom_objects=custom_objects,
         validate=training.validation_rows > 0,
+        backend=backend,
     )
-    results = launch.run_tasks(training.frame, num_workers, lambda batches: run_sync_task(batches, job), barrier=True)
+    results = run_tasks(training.frame, num_workers, lambda batches: run_sync_task(batches, job), barrier=True,
+                        timeout=timeout)
     return serialization.result_from_bytes(results[0])
 
 
 def run_sync_task(batches: Iterable[pa.RecordBatch], job: SyncJob) -> Optional[bytes]:
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # before anything in this worker imports Keras
     x, y, x_val, y_val = job.shapes.split_numpy(batches)
-    with connect_collective(job.secret, job.timeout) as comm:
+    with trainer_communicator(job.backend, job.secret, job.timeout) as comm:
         # Every rank learns every rank's training and validation row counts, so that all of them take
         # the same decisions below (raise, validate, how to weigh validation metrics) with no further talk.
         counts = comm.allgather(np.array([len(x), len(x_val)], np.int64))

@@ -1,13 +1,19 @@
-"""Launcher: run one function on N Spark tasks, in barrier mode (all start together) or not.
+"""The launcher: one function on N Spark tasks, in barrier mode (all start together) or not.
 
 The DataFrame is repartitioned to exactly N partitions right before
 ``mapInArrow(..., barrier=...)`` (barrier stages refuse coalesce/union
 lineage), each task gets its partition as Arrow record batches, and each
-task's return value comes back to the driver as binary rows.
+task's return value comes back to the driver as binary rows. While the job
+runs, every task's output is relayed to the driver (``relay``); the first
+task to raise cancels the job and its exception is re-raised on the driver
+as a ``WorkerError`` with the remote traceback. A task that dies without
+raising (a lost executor) is left to Spark's retries.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import time
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -15,7 +21,11 @@ import pyarrow as pa
 from pyspark import BarrierTaskContext, TaskContext
 from pyspark.sql import DataFrame, SparkSession
 
+from sparkdl import _compat
 from sparkdl.collective import Listener, RingCommunicator
+from sparkdl.launch import gpu
+from sparkdl.launch.errors import worker_error
+from sparkdl.launch.relay import OutputRelay, forward_output
 
 _RESULT_SCHEMA = "partition int, chunk int, payload binary"
 _RESULT_ARROW_SCHEMA = pa.schema([("partition", pa.int32()), ("chunk", pa.int32()), ("payload", pa.binary())])
@@ -53,26 +63,61 @@ def check_slots(spark: SparkSession, num_workers: int, wait_seconds: float) -> N
         time.sleep(0.5)
 
 
-def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier: bool) -> dict[int, bytes]:
+# How long the driver waits, after a failed job, for the tasks' last output and error reports.
+_REPORT_GRACE_SECONDS = 10.0
+
+
+def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier: bool,
+              timeout: float = 600.0) -> dict[int, bytes]:
     """Runs ``task`` once per partition of ``frame.repartition(num_workers)``.
 
     Returns the bytes each task returned, by partition index (tasks returning
     None are left out). ``barrier=True`` starts all tasks together, as the
     ring needs; otherwise they are ordinary tasks that Spark may retry alone.
+    ``timeout`` bounds how long a task waits to reach the driver's relay.
     """
+    sc = frame.sparkSession.sparkContext
+    master = sc.master
+    local_mode = master.startswith("local") and not master.startswith("local-cluster")
+    relay_secret = secrets.token_bytes(32)
+    tag = f"sparkdl-{secrets.token_hex(8)}"
+    relay = OutputRelay(sc.getConf().get("spark.driver.host"), relay_secret, num_workers,
+                        on_error=lambda report: sc.cancelJobsWithTag(tag))
+    relay_address = relay.address  # the closure below must not capture the relay itself
 
     def run_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        payload = task(batches)
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TensorFlow's INFO lines, times N workers, are noise
+        context = TaskContext.get()
+        partition = context.partitionId()
+        gpu.pin_task_gpus(context.resources(), partition, local_mode)
+        with forward_output(relay_address, relay_secret, partition, timeout,
+                            keep_local_copy=not local_mode) as report_error:
+            try:
+                payload = task(batches)
+            except BaseException as exc:
+                report_error(exc)
+                raise
         if payload is None:
             return
-        partition = TaskContext.get().partitionId()
         for index, start in enumerate(range(0, max(len(payload), 1), _CHUNK_BYTES)):
             yield pa.RecordBatch.from_pydict(
                 {"partition": [partition], "chunk": [index], "payload": [payload[start : start + _CHUNK_BYTES]]},
                 schema=_RESULT_ARROW_SCHEMA,
             )
 
-    table = frame.repartition(num_workers).mapInArrow(run_task, _RESULT_SCHEMA, barrier=barrier).toArrow()
+    sc.addJobTag(tag)
+    try:
+        table = _compat.collect_arrow(frame.repartition(num_workers).mapInArrow(run_task, _RESULT_SCHEMA,
+                                                                                barrier=barrier))
+    except Exception:
+        relay.wait_until_quiet(_REPORT_GRACE_SECONDS)
+        report = relay.first_error()
+        if report is None:
+            raise  # no task's own code raised (an executor was lost, Spark's retries ran out): Spark's error says it
+        raise worker_error(report, relay.reports) from None
+    finally:
+        sc.removeJobTag(tag)
+        relay.close()
     table = table.sort_by([("partition", "ascending"), ("chunk", "ascending")])
     results: dict[int, list[bytes]] = {}
     for partition, payload in zip(table.column("partition").to_pylist(), table.column("payload").to_pylist()):

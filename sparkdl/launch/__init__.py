@@ -1,0 +1,6 @@
+"""Running functions on Spark tasks: the barrier stage, worker output and errors, GPUs, collective backends."""
+
+from sparkdl.launch.errors import WorkerError
+from sparkdl.launch.stage import check_slots, connect_collective, run_tasks, task_slots
+
+__all__ = ["WorkerError", "check_slots", "connect_collective", "run_tasks", "task_slots"]

@@ -1,0 +1,47 @@
+"""What a barrier task sets up before the training code runs: sparkdl's ring or Horovod."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from typing import Iterator
+
+from sparkdl.collective import context
+from sparkdl.launch.stage import connect_collective
+
+BACKENDS = ("ring", "horovod")
+
+
+def check_backend(backend: str) -> None:
+    """On the driver, before any job: the backend exists, and Horovod is installed if asked for."""
+    if backend not in BACKENDS:
+        raise ValueError(f"Expected `backend` to be one of {list(BACKENDS)}. Received: backend={backend!r}")
+    if backend == "horovod" and importlib.util.find_spec("horovod") is None:
+        raise ValueError("backend='horovod' needs Horovod, which is not installed here. Build the Horovod stack "
+                         "with conf/horovod/install.sh (see the README), or use backend='ring'.")
+
+
+@contextlib.contextmanager
+def trainer_communicator(backend: str, secret: bytes, timeout: float) -> Iterator:
+    """For sparkdl's own trainer: a communicator (rank, size, allreduce, ...) over the chosen backend."""
+    if backend == "ring":
+        with connect_collective(secret, timeout) as comm:
+            yield comm
+        return
+    from sparkdl.collective.horovod import HorovodCommunicator, horovod_environment
+
+    with horovod_environment(timeout), HorovodCommunicator() as comm:
+        yield comm
+
+
+@contextlib.contextmanager
+def user_backend(backend: str, secret: bytes, timeout: float) -> Iterator[None]:
+    """For a user's function: ``sparkdl.collective`` works (ring), or ``hvd.init()`` joins the job (horovod)."""
+    if backend == "ring":
+        with connect_collective(secret, timeout) as comm, context.bound(comm):
+            yield
+        return
+    from sparkdl.collective.horovod import horovod_environment
+
+    with horovod_environment(timeout):
+        yield

@@ -1,0 +1,45 @@
+"""The exception a worker's failure becomes on the driver."""
+
+from __future__ import annotations
+
+import builtins
+import functools
+
+from sparkdl.launch.relay import ErrorReport
+
+
+class WorkerError(Exception):
+    """A rank's function raised; carries that rank, the remote exception type and its traceback.
+
+    When the remote exception is a built-in one (``ValueError``, ``KeyError``,
+    ...), the raised error is also an instance of it, so ``except ValueError``
+    on the driver catches a ``ValueError`` raised in a worker.
+    """
+
+    def __init__(self, message: str, *, rank: int, type_name: str, remote_traceback: str):
+        super().__init__(message)
+        self.rank = rank
+        self.type_name = type_name
+        self.remote_traceback = remote_traceback
+
+
+def worker_error(report: ErrorReport, others: list[ErrorReport] = ()) -> WorkerError:
+    """The driver-side exception for ``report`` (and a line per other rank that failed after it)."""
+    message = f"rank {report.rank} raised {report.type_name}: {report.message}"
+    followers = [f"rank {o.rank}: {o.type_name}: {o.message}" for o in others if o is not report]
+    if followers:
+        message += "\n\nThen, on other ranks:\n  " + "\n  ".join(followers)
+    message += f"\n\nRemote traceback (rank {report.rank}):\n{report.traceback.rstrip()}"
+    return _error_class(report.type_name)(message, rank=report.rank, type_name=report.type_name,
+                                          remote_traceback=report.traceback)
+
+
+@functools.lru_cache(maxsize=None)
+def _error_class(type_name: str) -> type:
+    builtin = getattr(builtins, type_name, None)
+    if not (isinstance(builtin, type) and issubclass(builtin, Exception)) or issubclass(builtin, WorkerError):
+        return WorkerError
+    try:
+        return type(type_name, (WorkerError, builtin), {"__module__": __name__})
+    except TypeError:  # a built-in whose instance layout cannot be combined (e.g. some OSError subclasses)
+        return WorkerError

@@ -1,0 +1,306 @@
+"""Worker output and errors, relayed live from the tasks to the driver.
+
+Each task redirects its stdout and stderr file descriptors (so C++ logs from
+TensorFlow or Horovod come too, not only ``print``) into pipes; a thread per
+pipe copies what arrives to the executor's own log and to the driver, where
+:class:`OutputRelay` prints it line by line prefixed with ``[rank N]``. An
+exception raised by the task's function is sent as a JSON report (type,
+message, formatted traceback), so the driver can re-raise it as a
+:class:`~sparkdl.launch.errors.WorkerError`.
+
+The connection authenticates with a per-job secret like every sparkdl socket;
+frames are a fixed header plus at most ``MAX_FRAME_BYTES`` of text, and
+nothing is unpickled. Forwarding never stalls the task: when the driver stops
+reading, the task drops further output (its executor log still has it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import socket
+import struct
+import sys
+import threading
+import traceback
+from typing import Callable, Iterator, Optional, TextIO
+
+from sparkdl.collective.transport import _HandshakeFailed, bind_listener, connect_authenticated, server_handshake
+
+_log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("!BI")  # kind, payload length
+_STDOUT, _STDERR, _ERROR = 1, 2, 3
+MAX_FRAME_BYTES = 1 << 20
+_RELAY_ID = 0xFFFF_FFFE  # the "rank" the relay proves itself as; tasks authenticate as their partition index
+_HANDSHAKE_TIMEOUT = 30.0
+_READ_BYTES = 64 << 10
+
+# Failures that follow another rank's failure (its ring or Horovod peers vanished): Spark's own
+# retry of the stage is the remedy, so they neither cancel the job nor hide the rank that failed first.
+_SECONDARY_FAILURES = ("CollectiveError", "CollectiveTimeout", "ConnectGaveUp", "HorovodInternalError")
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorReport:
+    """An exception raised in one rank's task, as text."""
+
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+
+    @property
+    def secondary(self) -> bool:
+        return self.type_name.rsplit(".", 1)[-1] in _SECONDARY_FAILURES
+
+    @classmethod
+    def from_exception(cls, rank: int, exc: BaseException) -> "ErrorReport":
+        kind = type(exc)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        return cls(rank, name, str(exc), "".join(traceback.format_exception(exc)))
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()[:MAX_FRAME_BYTES]
+
+    @classmethod
+    def from_json(cls, payload: bytes) -> "ErrorReport":
+        fields = json.loads(payload.decode("utf-8", "replace"))
+        return cls(int(fields["rank"]), str(fields["type_name"]), str(fields["message"]), str(fields["traceback"]))
+
+
+class OutputRelay:
+    """Driver side: accepts the tasks' connections, prints their output, collects their error reports.
+
+    ``on_error`` is called (from a relay thread) with the first report of an
+    error that is not a consequence of another rank's failure, so the launcher
+    can cancel the Spark job at once instead of waiting for timeouts.
+    """
+
+    def __init__(self, host: str, secret: bytes, num_workers: int, *,
+                 on_error: Callable[[ErrorReport], None] = lambda report: None,
+                 stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None):
+        self._secret = secret
+        self._num_workers = num_workers
+        self._on_error = on_error
+        self._streams = {_STDOUT: stdout or sys.stdout, _STDERR: stderr or sys.stderr}
+        self._sock, self.address = bind_listener(host, backlog=4 * num_workers)
+        self._sock.settimeout(0.2)
+        self._lock = threading.Lock()
+        self._reports: list[ErrorReport] = []
+        self._open_connections = 0
+        self._idle = threading.Condition(self._lock)
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._accept_thread = threading.Thread(target=self._accept, name="sparkdl-relay-accept", daemon=True)
+        self._accept_thread.start()
+
+    @property
+    def reports(self) -> list[ErrorReport]:
+        with self._lock:
+            return list(self._reports)
+
+    def first_error(self) -> Optional[ErrorReport]:
+        """The error to raise: the first one that is not a consequence of another rank's failure, if any."""
+        return next((r for r in self.reports if not r.secondary), None)
+
+    def wait_until_quiet(self, timeout: float) -> None:
+        """Waits (bounded) until every task connection has closed, so late error reports are in."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._open_connections == 0, timeout=timeout)
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._accept_thread.join()
+        self._sock.close()
+        for thread in self._threads:
+            thread.join(timeout=1.0)
+
+    def __enter__(self) -> "OutputRelay":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+            with self._lock:
+                self._open_connections += 1
+            thread = threading.Thread(target=self._serve, args=(conn,), name="sparkdl-relay-conn", daemon=True)
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            rank = server_handshake(conn, _RELAY_ID, self._secret, _HANDSHAKE_TIMEOUT,
+                                    client_ranks=range(self._num_workers))
+            conn.settimeout(0.5)
+            self._read_frames(conn, rank)
+        except (_HandshakeFailed, OSError, ValueError) as exc:
+            _log.warning("sparkdl output relay: dropped a connection: %s", exc or type(exc).__name__)
+        finally:
+            conn.close()
+            with self._idle:
+                self._open_connections -= 1
+                self._idle.notify_all()
+
+    def _read_frames(self, conn: socket.socket, rank: int) -> None:
+        partial = {_STDOUT: b"", _STDERR: b""}
+        try:
+            while (header := _recv_exact(conn, _HEADER.size, self._stopping)) is not None:
+                kind, length = _HEADER.unpack(header)
+                if kind not in (_STDOUT, _STDERR, _ERROR) or length > MAX_FRAME_BYTES:
+                    raise ValueError(f"rank {rank} sent a malformed frame (kind {kind}, {length} bytes)")
+                payload = _recv_exact(conn, length, self._stopping)
+                if payload is None:
+                    return
+                if kind == _ERROR:
+                    self._record(ErrorReport.from_json(payload))
+                    continue
+                *lines, partial[kind] = (partial[kind] + payload).split(b"\n")
+                if len(partial[kind]) > MAX_FRAME_BYTES:  # a very long line without a newline: print it as it is
+                    lines, partial[kind] = lines + [partial[kind]], b""
+                self._print(kind, rank, lines)
+        finally:
+            for kind, rest in partial.items():
+                self._print(kind, rank, [rest] if rest else [])
+
+    def _print(self, kind: int, rank: int, lines: list[bytes]) -> None:
+        if not lines:
+            return
+        text = "".join(f"[rank {rank}] {line.decode('utf-8', 'replace').rstrip(chr(13))}\n" for line in lines)
+        stream = self._streams[kind]
+        with self._lock:
+            stream.write(text)
+            stream.flush()
+
+    def _record(self, report: ErrorReport) -> None:
+        with self._lock:
+            first_primary = not report.secondary and not any(not r.secondary for r in self._reports)
+            self._reports.append(report)
+        if first_primary:
+            self._on_error(report)
+
+
+def _recv_exact(conn: socket.socket, size: int, stopping: threading.Event) -> Optional[bytes]:
+    """``size`` bytes, or None when the peer closed cleanly before the first byte (or the relay stops)."""
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    received = 0
+    while received < size:
+        try:
+            count = conn.recv_into(view[received:])
+        except (TimeoutError, socket.timeout):
+            if stopping.is_set():
+                return None
+            continue
+        if count == 0:
+            if received:
+                raise ValueError(f"connection closed in the middle of a frame ({received} of {size} bytes)")
+            return None
+        received += count
+    return bytes(buffer)
+
+
+class _Forwarder:
+    """Task side: one authenticated connection to the relay, shared by the pipe threads and error reports."""
+
+    def __init__(self, address: str, secret: bytes, rank: int, timeout: float):
+        try:
+            self._sock = connect_authenticated(address, rank, _RELAY_ID, secret, timeout=min(timeout, 30.0))
+        except Exception as exc:
+            raise ConnectionError(f"rank {rank} could not reach the driver's output relay at {address}: {exc}. "
+                                  "Executors must be able to connect to spark.driver.host.") from exc
+        self._sock.settimeout(timeout)
+        self._lock = threading.Lock()
+        self._broken = False
+
+    def send(self, kind: int, payload: bytes) -> None:
+        for start in range(0, len(payload), MAX_FRAME_BYTES):
+            chunk = payload[start : start + MAX_FRAME_BYTES]
+            with self._lock:
+                if self._broken:
+                    return
+                try:
+                    self._sock.sendall(_HEADER.pack(kind, len(chunk)) + chunk)
+                except OSError:
+                    self._broken = True  # the driver stopped reading: drop output rather than stall the task
+
+    def close(self) -> None:
+        with self._lock:
+            self._broken = True
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.close()
+
+
+@contextlib.contextmanager
+def forward_output(address: str, secret: bytes, rank: int, timeout: float, *,
+                   keep_local_copy: bool = True) -> Iterator[Callable[[BaseException], None]]:
+    """Inside a task: relays fd 1 and 2 to the driver while the block runs; yields ``report(exc)``.
+
+    ``keep_local_copy`` also writes the output where it went before (the
+    executor's log; in local mode that is the driver's console, so not there).
+    The descriptors are restored afterwards: PySpark reuses its Python workers.
+    """
+    forwarder = _Forwarder(address, secret, rank, timeout)
+    pipes: list[tuple[int, int, threading.Thread]] = []
+    try:
+        for fd, kind, stream in ((1, _STDOUT, sys.stdout), (2, _STDERR, sys.stderr)):
+            with contextlib.suppress(Exception):
+                stream.flush()
+            saved = os.dup(fd)
+            read_end, write_end = os.pipe()
+            os.dup2(write_end, fd)
+            os.close(write_end)
+            thread = threading.Thread(target=_pump, args=(read_end, saved if keep_local_copy else None, kind, forwarder),
+                                      name=f"sparkdl-forward-fd{fd}", daemon=True)
+            thread.start()
+            pipes.append((fd, saved, thread))
+        with _line_buffered(sys.stdout), _line_buffered(sys.stderr):
+            yield lambda exc: forwarder.send(_ERROR, ErrorReport.from_exception(rank, exc).to_json())
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        for fd, saved, _ in pipes:
+            os.dup2(saved, fd)  # drops the pipe's last write end: its thread sees end of file
+        for _, saved, thread in pipes:
+            thread.join(timeout=5.0)
+            os.close(saved)
+        forwarder.close()
+
+
+def _pump(read_end: int, original: Optional[int], kind: int, forwarder: _Forwarder) -> None:
+    """Copies a pipe to the driver (and to the original descriptor, if given) until end of file."""
+    with os.fdopen(read_end, "rb", buffering=0) as pipe:
+        while chunk := pipe.read(_READ_BYTES):
+            if original is not None:
+                with contextlib.suppress(OSError):
+                    os.write(original, chunk)
+            forwarder.send(kind, chunk)
+
+
+@contextlib.contextmanager
+def _line_buffered(stream) -> Iterator[None]:
+    """Python's own buffering would hold a task's prints back until it ends."""
+    reconfigure = getattr(stream, "reconfigure", None)
+    previous = getattr(stream, "line_buffering", None)
+    if reconfigure is None or previous is None:
+        yield
+        return
+    reconfigure(line_buffering=True)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            reconfigure(line_buffering=previous)

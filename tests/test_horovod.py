@@ -1,0 +1,74 @@
+"""The Horovod backend: unchanged Horovod scripts through sparkdl.run, and sparkdl.fit over Horovod's collectives.
+
+Runs in the Horovod stack's environment (conf/horovod/install.sh; CI's second pass, with
+SPARKDL_EXPECT_HOROVOD=1 so that a broken install fails instead of skipping).
+"""
+
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+
+if os.environ.get("SPARKDL_EXPECT_HOROVOD"):
+    import horovod.tensorflow  # noqa: F401  (must be importable: fail, don't skip)
+else:
+    pytest.importorskip("horovod.tensorflow", reason="the Horovod stack is not installed (conf/horovod/install.sh)")
+
+import tensorflow as tf
+
+import sparkdl
+from horovod_script import train
+from models import make_mlp
+
+pytestmark = pytest.mark.horovod
+
+
+def test_an_unchanged_horovod_script_runs_on_two_spark_tasks(spark, capsys):
+    result = sparkdl.run(train, num_workers=2, backend="horovod", kwargs={"epochs": 8})
+
+    assert result["rank"] == 0 and result["size"] == 2
+    assert result["accuracy"] >= 0.93, result
+    assert result["loss"][-1] < result["loss"][0] / 3
+    out = capsys.readouterr().out
+    digests = dict(re.findall(r"\[rank (\d)\] weights (\w+) on rank \d of 2", out))
+    assert set(digests) == {"0", "1"} and digests["0"] == digests["1"], out[-2000:]  # replicas stayed identical
+    assert re.search(r"\[rank 0\] Epoch 8/8", out)  # Keras's own progress lines, streamed from rank 0
+
+
+def test_fit_with_the_horovod_backend_matches_the_ring(spark, digits):
+    x_train, _, y_train, _ = digits
+    df = spark.createDataFrame([(r.tolist(), int(l)) for r, l in zip(x_train[:256], y_train[:256])],
+                               "features array<float>, label long")
+    weights = {}
+    for backend in ("ring", "horovod"):
+        model = make_mlp(hidden=(32,), optimizer=tf.keras.optimizers.SGD(0.1, momentum=0.9), seed=3)
+        result = sparkdl.fit(df, model, num_workers=2, epochs=3, batch_size=16, seed=5, backend=backend)
+        weights[backend] = result.model.get_weights()
+        assert result.history["loss"][-1] < result.history["loss"][0]
+    initial = make_mlp(hidden=(32,), seed=3).get_weights()
+    for ring, horovod, start in zip(weights["ring"], weights["horovod"], initial):
+        assert not np.allclose(ring, start)  # it trained...
+        np.testing.assert_allclose(horovod, ring, rtol=1e-5, atol=1e-6)  # ...to the same weights
+
+
+def fail_after_init_on_rank_1():
+    import horovod.tensorflow as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        raise KeyError("missing shard on rank 1")
+    hvd.allreduce(np.ones(4), name="waits_for_rank_1")  # rank 0 blocks here: the job must not
+    return "unreachable"
+
+
+def test_a_raising_rank_surfaces_with_its_traceback_and_the_next_job_runs(spark):
+    with pytest.raises(KeyError) as caught:
+        sparkdl.run(fail_after_init_on_rank_1, num_workers=2, backend="horovod", timeout=300)
+    assert isinstance(caught.value, sparkdl.WorkerError) and caught.value.rank == 1
+    assert "missing shard on rank 1" in str(caught.value)
+    assert "in fail_after_init_on_rank_1" in caught.value.remote_traceback
+
+    result = sparkdl.run(train, num_workers=2, backend="horovod", kwargs={"epochs": 1})
+    assert result["size"] == 2
