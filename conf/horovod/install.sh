@@ -22,7 +22,7 @@ if ! ls "$wheels"/horovod-*.whl >/dev/null 2>&1; then
   mkdir -p "$wheels"
   HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 \
   HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
-  MAKEFLAGS="-j$(nproc)" \
+  MAKEFLAGS="-j$(nproc)" PATH="$venv/bin:$PATH" \
     "$venv/bin/pip" wheel --disable-pip-version-check --no-build-isolation --no-deps -c "$constraints" \
       -w "$wheels" horovod
 fi
