@@ -41,6 +41,11 @@ def task_slots(spark: SparkSession) -> int:
     return int(sc.maxNumConcurrentTasks(profile))
 
 
+def _is_local_mode(master: str) -> bool:
+    """``local[...]``: tasks are threads of one JVM (fixed slots, no GPU scheduling); not ``local-cluster``."""
+    return master.startswith("local") and not master.startswith("local-cluster")
+
+
 def check_slots(spark: SparkSession, num_workers: int, wait_seconds: float) -> None:
     """Fails fast when the barrier stage could never be scheduled, instead of letting Spark hang or retry.
 
@@ -49,7 +54,7 @@ def check_slots(spark: SparkSession, num_workers: int, wait_seconds: float) -> N
     whose slots are fixed).
     """
     master = spark.sparkContext.master
-    if master.startswith("local") and not master.startswith("local-cluster"):
+    if _is_local_mode(master):
         wait_seconds = 0.0
     deadline = time.monotonic() + wait_seconds
     while (slots := task_slots(spark)) < num_workers:
@@ -77,8 +82,7 @@ def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier
     ``timeout`` bounds how long a task waits to reach the driver's relay.
     """
     sc = frame.sparkSession.sparkContext
-    master = sc.master
-    local_mode = master.startswith("local") and not master.startswith("local-cluster")
+    local_mode = _is_local_mode(sc.master)
     relay_secret = secrets.token_bytes(32)
     tag = f"sparkdl-{secrets.token_hex(8)}"
     relay = OutputRelay(sc.getConf().get("spark.driver.host"), relay_secret, num_workers,
