@@ -101,6 +101,22 @@ def test_bare_keras_model_round_trip(spark, fitted, digits_frames, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_from_keras_takes_a_compiled_model_or_its_file(tmp_path):
+    model = make_mlp(hidden=(8,))
+    model.save(tmp_path / "model.keras")
+    for source in (model, tmp_path / "model.keras", str(tmp_path / "model.keras")):
+        stage = KerasModel.from_keras(source, featuresCol="pixels", probabilityCol="")
+        assert (stage.getFeaturesCol(), stage.getProbabilityCol(), stage.history) == ("pixels", "", {})
+        for a, b in zip(stage.keras_model.get_weights(), model.get_weights()):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(FileNotFoundError, match="missing.keras"):
+        KerasModel.from_keras(tmp_path / "missing.keras")
+    with pytest.raises(ValueError, match="compiled"):
+        KerasModel.from_keras(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+    with pytest.raises(ValueError, match="Received: dict"):
+        KerasModel.from_keras({})
+
+
 def test_unfitted_estimator_saves_and_loads(spark, tmp_path):
     estimator = KerasEstimator(model=make_mlp(hidden=(8,)), featuresCol="scaled", mode="async", pushEvery=2,
                                epochs=3, numServers=2)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import os
+from typing import TYPE_CHECKING, Optional, Union
 
 from pyspark import keyword_only
 from pyspark.ml import Model
@@ -11,6 +12,9 @@ from sparkdl.ml.inference import predict
 from sparkdl.ml.params import HasOutputCols
 from sparkdl.ml.persistence import KerasStagePersistence
 from sparkdl.train import serialization
+
+if TYPE_CHECKING:
+    import keras
 
 
 class KerasModel(HasOutputCols, Model, KerasStagePersistence):
@@ -32,8 +36,34 @@ class KerasModel(HasOutputCols, Model, KerasStagePersistence):
         self.history: dict[str, list[float]] = {}
 
     @classmethod
-    def _from_keras_bytes(cls, keras_bytes: bytes, history: dict) -> "KerasModel":
-        model = cls()
+    def from_keras(cls, model: Union[keras.Model, str, os.PathLike], **params) -> "KerasModel":
+        """A KerasModel that scores with a model trained elsewhere (``sparkdl.fit``, plain Keras, ``jobs/train.py``).
+
+        ``model`` is a compiled ``keras.Model`` or the path of a ``.keras`` file; ``params`` are
+        KerasModel's Params. ``history`` is left empty::
+
+            scorer = KerasModel.from_keras("output/model.keras", featuresCol="features")
+            scored = scorer.transform(df)  # df plus prediction, probability, rawPrediction
+        """
+        if isinstance(model, (str, os.PathLike)):
+            if not os.path.isfile(model):
+                raise FileNotFoundError(f"Expected `model` to be the path of a `.keras` file. "
+                                        f"Received: {os.fspath(model)!r}, which is not a file.")
+            with open(model, "rb") as f:
+                return cls._from_keras_bytes(f.read(), {}, **params)
+        import keras
+
+        if not isinstance(model, keras.Model):
+            raise ValueError(f"Expected `model` to be a keras.Model or the path of a `.keras` file. "
+                             f"Received: {type(model).__name__}")
+        if getattr(model, "optimizer", None) is None:
+            raise ValueError("Expected `model` to be compiled: call model.compile(...) first, or pass the path "
+                             "of its `.keras` file.")
+        return cls._from_keras_bytes(serialization.model_to_bytes(model), {}, **params)
+
+    @classmethod
+    def _from_keras_bytes(cls, keras_bytes: bytes, history: dict, **params) -> "KerasModel":
+        model = cls(**params)
         model._model_bytes = keras_bytes
         model.history = history
         return model
