@@ -3,7 +3,7 @@
 # machine (or container) as the JSON Spark expects, e.g.
 #   {"name": "gpu", "addresses": ["0", "1"]}
 # Set it as spark.executor.resource.gpu.discoveryScript (YARN, Kubernetes) or
-# spark.worker.resource.gpu.discoveryScript (standalone); see conf/spark-gpu.conf.
+# spark.worker.resource.gpu.discoveryScript (standalone); see conf/gpu-cluster/spark-defaults.conf.
 # The addresses are nvidia-smi's indices, which are CUDA's device numbers when
 # CUDA_DEVICE_ORDER=PCI_BUS_ID.
 set -euo pipefail

@@ -176,7 +176,7 @@ def spark_properties(path):
 
 
 def test_gpu_conf_schedules_one_gpu_per_task_with_the_shipped_script():
-    conf = spark_properties(ROOT / "conf" / "spark-gpu.conf")
+    conf = spark_properties(ROOT / "conf" / "gpu-cluster" / "spark-defaults.conf")
     assert conf["spark.task.resource.gpu.amount"] == "1"
     assert int(conf["spark.executor.resource.gpu.amount"]) >= 1
     assert int(conf["spark.task.cpus"]) >= 1
