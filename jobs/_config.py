@@ -1,0 +1,66 @@
+"""Job options from a TOML file (``--config FILE``), overridden by the flags given on the command line.
+
+    spark-submit jobs/train.py --config conf/jobs/train-async.toml --epochs 5
+
+A key is an option's flag in snake_case (``num_workers`` for ``--num-workers``) and its value must
+have the option's type. The file's values become the parser's defaults, so a flag always wins. An
+unknown key or a wrong type stops the job before any Spark session starts, naming the file and key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from typing import Optional, Sequence
+
+# What a TOML value may be for an option of each argparse type (None: argparse's default, str).
+# bool is excluded on purpose: TOML's `true` is not an integer, although Python's bool is an int.
+_ACCEPTED_TYPES = {int: (int,), float: (int, float), str: (str,), None: (str,)}
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", None: "a string"}
+
+
+def job_parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser with the ``--config`` option every job takes."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", metavar="FILE",
+                        help="TOML file of option values (keys in snake_case); flags override them")
+    return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parses ``argv`` with the ``--config`` file's values as defaults; a bad file exits like a bad flag."""
+    config_only = argparse.ArgumentParser(add_help=False)
+    config_only.add_argument("--config")
+    path = config_only.parse_known_args(argv)[0].config
+    if path is not None:
+        try:
+            parser.set_defaults(**load_config(path, parser))
+        except (OSError, ValueError) as e:
+            parser.error(str(e))
+    return parser.parse_args(argv)
+
+
+def load_config(path: str, parser: argparse.ArgumentParser) -> dict:
+    """The file's values, each checked against the parser's option of the same name."""
+    with open(path, "rb") as f:
+        try:
+            values = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path} is not valid TOML: {e}") from None
+    options = {action.dest: action for action in parser._actions if action.dest not in ("help", "config")}
+    unknown = sorted(set(values) - set(options))
+    if unknown:
+        raise ValueError(f"Unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in {path}. "
+                         f"Expected keys among: {', '.join(sorted(options))}")
+    return {key: _checked_value(path, key, value, options[key]) for key, value in values.items()}
+
+
+def _checked_value(path: str, key: str, value, option: argparse.Action):
+    """The value as the option's type would give it (a TOML integer for a float option becomes a float)."""
+    accepted = _ACCEPTED_TYPES[option.type]
+    if isinstance(value, bool) or not isinstance(value, accepted):
+        raise ValueError(f"Expected {key!r} in {path} to be {_TYPE_NAMES[option.type]} "
+                         f"(as {option.option_strings[0]}). Received: {value!r}")
+    if option.choices is not None and value not in option.choices:
+        raise ValueError(f"Expected {key!r} in {path} to be one of {list(option.choices)}. Received: {value!r}")
+    return float(value) if option.type is float else value
