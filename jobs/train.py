@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-staleness", type=int, help="ssp (required): pushes a worker may run ahead")
     parser.add_argument("--num-servers", type=int, help="async/hogwild/ssp: parameter-server shards")
     parser.add_argument("--sync-every", type=int, help="average: local steps between averagings")
-    parser.add_argument("--validation-split", type=float, help="fraction of the training rows held out for val_ metrics")
+    parser.add_argument("--validation-split", type=float, help="training rows held out for val_ metrics (a fraction)")
     parser.add_argument("--checkpoint-dir", help="where sparkdl.fit writes checkpoints to resume from")
     parser.add_argument("--test-fraction", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
