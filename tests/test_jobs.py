@@ -125,7 +125,10 @@ def test_predict_job_scores_every_row_of_a_parquet_dataset(tmp_path, digits, dig
     np.testing.assert_allclose(probability, expected, atol=1e-5)
 
 
-def test_predict_job_reports_a_missing_model_file_before_starting_spark(tmp_path):
+def test_predict_job_needs_data_and_an_existing_model_file_before_starting_spark(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        predict.main(["--model", "model.keras"])
+    assert "Expected --data" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match="no-such-model.keras"):
         predict.main(["--model", str(tmp_path / "no-such-model.keras"), "--data", "rows.parquet"])
 
