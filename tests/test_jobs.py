@@ -73,9 +73,10 @@ def test_python_job_on_user_parquet_with_column_list(tmp_path, spark, digits):
 
 
 def test_async_training_from_its_config_file_on_local_cluster(tmp_path, digits):
-    """The shipped async config on separate executor processes, with a flag overriding the file's epochs."""
+    """The shipped async config on separate executor processes, with a flag overriding the file's epochs;
+    the driver checkpoints the server after every epoch."""
     out = run_job(spark_submit("local-cluster[2,1,1024]", TRAIN_JOB, "--config", str(CONFIGS / "train-async.toml"),
-                               "--epochs", "3"), tmp_path)
+                               "--epochs", "3", "--checkpoint-dir", "ckpt"), tmp_path)
     epochs = re.findall(r"^epoch\s+(\d+)/3\s+accuracy=([\d.]+)\s+loss=([\d.]+)", out, re.M)
     assert [int(e) for e, _, _ in epochs] == [1, 2, 3], out
     assert re.search(r"trained on 2 workers .*\(async mode, \d+ steps/epoch of 16 rows per worker\)", out), out
@@ -84,6 +85,7 @@ def test_async_training_from_its_config_file_on_local_cluster(tmp_path, digits):
     assert saved_model_accuracy(tmp_path / "output" / "model.keras", x_test, y_test) > 0.85
     test_rows = pq.read_table(tmp_path / "output" / "test.parquet")
     assert test_rows.column_names == ["features", "label"] and 250 < test_rows.num_rows < 470
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.json")) == [f"epoch-00000{e}.json" for e in (1, 2, 3)]
 
 
 @pytest.fixture(scope="module")

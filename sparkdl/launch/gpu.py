@@ -2,7 +2,7 @@
 
 On a cluster with GPU scheduling (``spark.executor.resource.gpu.amount``,
 ``spark.task.resource.gpu.amount``, a discovery script; see
-``conf/spark-gpu.conf``) Spark assigns each task its GPU addresses and
+``conf/gpu-cluster/spark-defaults.conf``) Spark assigns each task its GPU addresses and
 ``TaskContext.resources()["gpu"]`` lists them. Local mode assigns nothing, so
 task i takes GPU ``i mod (GPUs on the machine)``. The chosen addresses become
 ``CUDA_VISIBLE_DEVICES``: inside the task its GPU is device 0.
