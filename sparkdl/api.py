@@ -169,8 +169,8 @@ def fit(
     initial_epoch = resumed.epoch if resumed is not None else 0
     common = dict(model_bytes=serialization.model_to_bytes(model), num_workers=num_workers, epochs=epochs,
                   batch_size=batch_size, seed=seed, shuffle=shuffle, custom_objects=custom_objects)
-    logger.info("sparkdl: %s training on %d workers, %d rows (%d held out for validation), %d steps/epoch x %d epochs%s",
-                mode, num_workers, training.num_rows, training.validation_rows, steps, epochs,
+    logger.info("sparkdl: %s training on %d workers, %d rows (%d held out for validation), "
+                "%d steps/epoch x %d epochs%s", mode, num_workers, training.num_rows, training.validation_rows, steps, epochs,
                 f", resuming after epoch {initial_epoch}" if initial_epoch else "")
     listeners = []
     if tensorboard_dir is not None:

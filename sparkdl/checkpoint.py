@@ -173,6 +173,7 @@ class BackgroundWriter:
         self._pending = self._pool.submit(self._store.save, checkpoint)
 
     def close(self) -> None:
+        """Waits for the last save; raises its error."""
         try:
             self._wait()
         finally:
@@ -186,5 +187,11 @@ class BackgroundWriter:
     def __enter__(self) -> "BackgroundWriter":
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # training failed already: that error is the one to raise
+            self.close()
+        except Exception:
+            logger.exception("sparkdl: the last checkpoint of a failed job could not be written")

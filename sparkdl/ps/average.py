@@ -62,6 +62,7 @@ accumulator machinery moves state.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -202,52 +203,54 @@ def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_worker
     state = [_read(v) for v in variables]
     sums: dict[tuple[str, int], list[float]] = {}  # (metric, epoch) -> [sum of value*steps, steps]
     names: list[str] = []
-    publisher = _EpochPublisher(job, monitor, checkpoints, model, variables, sums, names,
+    writer = BackgroundWriter(checkpoints) if checkpoints is not None else None
+    publisher = _EpochPublisher(job, monitor, writer, model, variables, sums, names,
                                 resumed.history if resumed is not None else {})
 
     frame = training.frame.repartition(num_workers).persist(StorageLevel.MEMORY_AND_DISK)
     model_broadcast = sc.broadcast(model_bytes)
     state_broadcast = None
     totals = np.zeros(4, np.int64)
-    try:
-        partition_rows, validation_rows = _rows_per_partition(frame, num_workers)  # also fills the cache
-        logger.info("sparkdl: average mode, %d workers, rows per worker %s, %d steps/epoch x %d epochs, "
-                    "%d rounds of %d steps", num_workers, partition_rows, steps_per_epoch, epochs, rounds, sync_every)
-        for round_index in range(rounds):
-            round_started = time.perf_counter()
-            state_broadcast = sc.broadcast(state)
-            deltas = sc.accumulator([], ArrayListParam())
-            counters = sc.accumulator([], ArrayListParam())
+    with writer or contextlib.nullcontext():  # waits for the last checkpoint; raises if one was not written
+        try:
+            partition_rows, validation_rows = _rows_per_partition(frame, num_workers)  # also fills the cache
+            logger.info("sparkdl: average mode, %d workers, rows per worker %s, %d steps/epoch x %d epochs, "
+                        "%d rounds of %d steps", num_workers, partition_rows, steps_per_epoch, epochs, rounds,
+                        sync_every)
+            for round_index in range(rounds):
+                round_started = time.perf_counter()
+                state_broadcast = sc.broadcast(state)
+                deltas = sc.accumulator([], ArrayListParam())
+                counters = sc.accumulator([], ArrayListParam())
 
-            def round_task(batches, _job=job, _round=round_index, _model=model_broadcast, _state=state_broadcast,
-                           _deltas=deltas, _counters=counters):
-                return _round_task(batches, _job, _round, _model, _state, _deltas, _counters)
+                def round_task(batches, _job=job, _round=round_index, _model=model_broadcast, _state=state_broadcast,
+                               _deltas=deltas, _counters=counters):
+                    return _round_task(batches, _job, _round, _model, _state, _deltas, _counters)
 
-            table = _compat.collect_arrow(frame.mapInArrow(round_task, _METRICS_SCHEMA))
-            state = _apply_average(state, deltas.value, counters.value, num_workers, round_index)
-            totals += counters.value[0].sum(axis=0)
-            _add_metrics(table, sums, names)
-            state_broadcast.unpersist()
-            state_broadcast.destroy()
-            state_broadcast = None
-            publisher.round_done(round_index, state, time.perf_counter() - round_started)
-        if job.validate:  # the last round's epochs: no next round evaluates the final state, so one extra job does
-            state_broadcast = sc.broadcast(state)
+                table = _compat.collect_arrow(frame.mapInArrow(round_task, _METRICS_SCHEMA))
+                state = _apply_average(state, deltas.value, counters.value, num_workers, round_index)
+                totals += counters.value[0].sum(axis=0)
+                _add_metrics(table, sums, names)
+                state_broadcast.unpersist()
+                state_broadcast.destroy()
+                state_broadcast = None
+                publisher.round_done(round_index, state, time.perf_counter() - round_started)
+            if job.validate:  # the last round's epochs: no next round evaluates the final state, so one extra job does
+                state_broadcast = sc.broadcast(state)
 
-            def evaluate_task(batches, _job=job, _model=model_broadcast, _state=state_broadcast):
-                return _evaluate_task(batches, _job, _model, _state, _job.epochs_finished(rounds - 1))
+                def evaluate_task(batches, _job=job, _model=model_broadcast, _state=state_broadcast):
+                    return _evaluate_task(batches, _job, _model, _state, _job.epochs_finished(rounds - 1))
 
-            _add_metrics(_compat.collect_arrow(frame.mapInArrow(evaluate_task, _METRICS_SCHEMA)), sums, names)
-            state_broadcast.unpersist()
-            state_broadcast.destroy()
-            state_broadcast = None
-        publisher.finish()
-    finally:
-        publisher.close()
-        if state_broadcast is not None:
-            state_broadcast.destroy()
-        model_broadcast.destroy()
-        frame.unpersist()
+                _add_metrics(_compat.collect_arrow(frame.mapInArrow(evaluate_task, _METRICS_SCHEMA)), sums, names)
+                state_broadcast.unpersist()
+                state_broadcast.destroy()
+                state_broadcast = None
+            publisher.finish()
+        finally:
+            if state_broadcast is not None:
+                state_broadcast.destroy()
+            model_broadcast.destroy()
+            frame.unpersist()
 
     _assign(variables, state)
     history = merge_histories(publisher.earlier_history, publisher.history(range(initial_epoch, epochs)))
@@ -275,11 +278,11 @@ class _EpochPublisher:
     come with the next round's job (or the final evaluation job), which evaluates that state.
     """
 
-    def __init__(self, job: _AverageJob, monitor: ProgressMonitor, checkpoints: Optional[CheckpointStore], model,
+    def __init__(self, job: _AverageJob, monitor: ProgressMonitor, writer: Optional[BackgroundWriter], model,
                  variables: list, sums: dict, names: list, earlier_history: dict[str, list[float]]):
         self._job = job
         self._monitor = monitor
-        self._writer = BackgroundWriter(checkpoints) if checkpoints is not None else None
+        self._writer = writer
         self._model = model
         self._variables = variables
         self._sums = sums
@@ -313,10 +316,6 @@ class _EpochPublisher:
         if self._waiting is not None:
             waiting, self._waiting = self._waiting, None
             self._publish(*waiting)
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()  # raises if a checkpoint could not be written
 
     def _publish(self, epochs: range, state: list) -> None:
         first = self._job.first_step // self._job.steps_per_epoch

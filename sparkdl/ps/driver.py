@@ -8,6 +8,7 @@ released, when training returns or raises.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
@@ -61,18 +62,17 @@ def run_parameter_server(
             steps_per_epoch=steps_per_epoch, push_every=push_every, seed=seed, shuffle=shuffle, timeout=timeout,
             custom_objects=custom_objects, initial_epoch=initial_epoch, callbacks=tuple(callbacks),
         ))
-        saver = _ServerCheckpoints(checkpoints, server, server_model, mode, earlier_history) if checkpoints else None
-        if saver is not None:
-            monitor.add_listener(saver)
-        try:
-            results = launch.run_tasks(training.frame, num_workers,
-                                       lambda batches, reporter: run_async_task(batches, reporter, job.value, counters),
-                                       barrier=False, timeout=timeout, on_progress=monitor.on_event)
-        finally:
-            job.destroy()
+        with BackgroundWriter(checkpoints) if checkpoints else contextlib.nullcontext() as writer:
+            if writer is not None:
+                monitor.add_listener(_ServerCheckpoints(writer, server, server_model, mode, earlier_history))
+            try:
+                results = launch.run_tasks(
+                    training.frame, num_workers,
+                    lambda batches, reporter: run_async_task(batches, reporter, job.value, counters),
+                    barrier=False, timeout=timeout, on_progress=monitor.on_event)
+            finally:
+                job.destroy()
         server_stats = server.stats()
-    if saver is not None:
-        saver.writer.close()  # raises if a checkpoint could not be written
     stats = {**counters.values(), "max_staleness": server_stats["max_staleness"],
              "versions": server_stats["versions"], "refused_connections": server_stats["refused_connections"]}
     history = merge_histories(earlier_history, combine_histories([json.loads(payload) for payload in results.values()]))
@@ -82,9 +82,9 @@ def run_parameter_server(
 class _ServerCheckpoints:
     """An epoch listener: when every worker has finished an epoch, saves the server's state."""
 
-    def __init__(self, store: CheckpointStore, server: ParameterServer, server_model: ServerModel, mode: str,
+    def __init__(self, writer: BackgroundWriter, server: ParameterServer, server_model: ServerModel, mode: str,
                  earlier_history: dict[str, list[float]]):
-        self.writer = BackgroundWriter(store)
+        self.writer = writer
         self._server = server
         self._server_model = server_model
         self._mode = mode

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -93,20 +94,17 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, job
         earlier_history = resumed.history if resumed else {}
         validation = sync.Validation(x_val, y_val, validation_rows) if job.validate else None
         callbacks = list(job.callbacks)
-        writer = BackgroundWriter(job.checkpoints) if job.checkpoints is not None and comm.rank == 0 else None
-        if comm.rank == 0:  # the ranks hold the same model and (averaged) metrics: one of them reports and saves
-            reporter.progress({"event": "start", "initial_epoch": initial_epoch})
-            callbacks.insert(0, reporting.progress_callback(reporter.progress, steps_per_epoch=job.steps_per_epoch,
-                                                            batch_size=job.batch_size * comm.size))
-        if writer is not None:
-            callbacks.insert(0, reporting.checkpoint_callback(writer, earlier_history, "sync"))
-        try:
+        saving = job.checkpoints is not None and comm.rank == 0
+        with BackgroundWriter(job.checkpoints) if saving else contextlib.nullcontext() as writer:
+            if comm.rank == 0:  # the ranks hold the same model and (averaged) metrics: one of them reports and saves
+                reporter.progress({"event": "start", "initial_epoch": initial_epoch})
+                callbacks.insert(0, reporting.progress_callback(
+                    reporter.progress, steps_per_epoch=job.steps_per_epoch, batch_size=job.batch_size * comm.size))
+            if saving:
+                callbacks.insert(0, reporting.checkpoint_callback(writer, earlier_history, "sync"))
             history = sync.train(model, x, y, comm=comm, epochs=job.epochs, batch_size=job.batch_size,
                                  steps_per_epoch=job.steps_per_epoch, seed=job.seed, shuffle=job.shuffle,
                                  validation=validation, initial_epoch=initial_epoch, callbacks=callbacks)
-        finally:
-            if writer is not None:
-                writer.close()
         if comm.rank != 0:
             return None
         return serialization.result_to_bytes(serialization.model_to_bytes(model),
