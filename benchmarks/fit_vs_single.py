@@ -5,7 +5,10 @@ Same model, same initial weights, same global batch (2 workers x 16 vs 32),
 timing; the first sparkdl.fit (which also starts the Python workers and
 imports TensorFlow in them) is reported separately as the cold start.
 
-    python benchmarks/fit_vs_single.py [--modes sync async hogwild ssp average] [--repeats 3]
+    python benchmarks/fit_vs_single.py [--modes sync async hogwild ssp average] [--repeats 3] [--checkpoints]
+
+``--checkpoints`` adds each mode again with ``checkpoint_dir`` (a fresh local directory per run):
+what saving the model and optimizer state after every epoch costs.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -56,6 +60,7 @@ def main(argv=None) -> None:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=32)
+    parser.add_argument("--checkpoints", action="store_true", help="also run each mode with checkpoint_dir")
     args = parser.parse_args(argv)
 
     import keras
@@ -80,7 +85,8 @@ def main(argv=None) -> None:
     sparkdl.fit(df, model(), num_workers=args.workers, epochs=1, batch_size=batch_size, seed=0)
     cold = time.perf_counter() - started
 
-    runs = ["single"] + args.modes
+    variants = [(mode, False) for mode in args.modes] + [(mode, True) for mode in args.modes if args.checkpoints]
+    runs = ["single"] + [_run_name(mode, checkpointed) for mode, checkpointed in variants]
     timings = {run: [] for run in runs}
     accuracies = {run: [] for run in runs}
     for _ in range(args.repeats):  # interleaved, so load on this shared machine hits every run alike
@@ -89,12 +95,14 @@ def main(argv=None) -> None:
         m.fit(x_train, y_train, batch_size=args.global_batch, epochs=args.epochs, verbose=0)
         timings["single"].append(time.perf_counter() - started)
         accuracies["single"].append(accuracy(m, x_test, y_test))
-        for mode in args.modes:
-            started = time.perf_counter()
-            result = sparkdl.fit(df, model(), num_workers=args.workers, mode=mode, epochs=args.epochs,
-                                 batch_size=batch_size, seed=0, **MODES[mode][0])
-            timings[mode].append(time.perf_counter() - started)
-            accuracies[mode].append(accuracy(result.model, x_test, y_test))
+        for mode, checkpointed in variants:
+            with tempfile.TemporaryDirectory(prefix="sparkdl-bench-") as directory:
+                started = time.perf_counter()
+                result = sparkdl.fit(df, model(), num_workers=args.workers, mode=mode, epochs=args.epochs,
+                                     batch_size=batch_size, seed=0, checkpoint_dir=directory if checkpointed else None,
+                                     **MODES[mode][0])
+                timings[_run_name(mode, checkpointed)].append(time.perf_counter() - started)
+            accuracies[_run_name(mode, checkpointed)].append(accuracy(result.model, x_test, y_test))
 
     single_time, single_accuracy = statistics.median(timings["single"]), np.median(accuracies["single"])
     print(f"\ndigits MLP 64-128-64-10, {len(x_train)} train rows, {args.epochs} epochs, global batch "
@@ -105,13 +113,18 @@ def main(argv=None) -> None:
         if run == "single":
             label, goal = "single-process model.fit", ""
         else:
-            options, limit = MODES[run]
+            mode = run.split()[0]
+            options, limit = MODES[mode]
             label = f"sparkdl {run} " + (" ".join(f"{k}={v}" for k, v in options.items()) or "(defaults)")
-            goal = f"<= {limit:g}x, within 1 pt" if limit else ""
+            goal = f"<= {limit:g}x, within 1 pt" if limit and run == mode else ""
         print(f"{label:<44}{wall:>8.2f}{wall / single_time:>10.2f}{acc:>10.4f}"
               f"{100 * (single_accuracy - acc):>+9.2f}  {goal}")
     print(f"cold start (first fit of the session, 1 epoch, Python workers + TensorFlow import): {cold:.2f}s")
     spark.stop()
+
+
+def _run_name(mode: str, checkpointed: bool) -> str:
+    return f"{mode} +checkpoint_dir" if checkpointed else mode
 
 
 if __name__ == "__main__":

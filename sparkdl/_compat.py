@@ -33,13 +33,14 @@ def hooked_optimizer_class(original: type, intercept) -> type:
 
     ``intercept(apply, grads, variables)`` gets the original application as
     ``apply(grads, variables)``. Keras 3 applies through ``apply(grads, variables)``;
-    Keras 2.12's optimizer through ``apply_gradients(grads_and_vars)``.
+    Keras 2.12's optimizer through ``apply_gradients(grads_and_vars)``. The class
+    remembers ``original`` as ``hooked_from``.
     """
     if keras_major() >= 3:
         def apply(self, grads, trainable_variables=None):
             return intercept(functools.partial(original.apply, self), list(grads), trainable_variables)
 
-        return type(original.__name__, (original,), {"apply": apply})
+        return type(original.__name__, (original,), {"apply": apply, "hooked_from": original})
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads, variables = zip(*list(grads_and_vars))
@@ -49,7 +50,7 @@ def hooked_optimizer_class(original: type, intercept) -> type:
 
         return intercept(apply_original, list(grads), list(variables))
 
-    return type(original.__name__, (original,), {"apply_gradients": apply_gradients})
+    return type(original.__name__, (original,), {"apply_gradients": apply_gradients, "hooked_from": original})
 
 
 def is_compiled(model) -> bool:

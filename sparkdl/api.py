@@ -12,9 +12,11 @@ from typing import Optional
 
 from pyspark.sql import DataFrame
 
-from sparkdl import _compat, data, launch
+from sparkdl import _compat, data, launch, tracking
+from sparkdl.checkpoint import Checkpoint, CheckpointStore
 from sparkdl.data import ColumnSpec
 from sparkdl.launch.backends import check_backend
+from sparkdl.progress import ProgressMonitor, bar_is_visible
 from sparkdl.ps.average import recommended_sync_every, run_average
 from sparkdl.ps.driver import run_parameter_server
 from sparkdl.train import serialization
@@ -34,7 +36,10 @@ class FitResult:
     ``history`` maps each metric to its per-epoch values averaged over workers;
     ``stats`` holds the mode's counters (samples, pushes, pulls, bytes,
     highest staleness seen, rounds); ``validation_rows`` the rows held out
-    for validation (0 without ``validation_col``/``validation_split``).
+    for validation (0 without ``validation_col``/``validation_split``);
+    ``initial_epoch`` the epoch training (re)started from: above 0 when it
+    resumed from a checkpoint in ``checkpoint_dir``, left by an earlier fit or
+    by a failed attempt of this one.
     """
 
     model: object
@@ -44,6 +49,7 @@ class FitResult:
     seconds: float
     stats: dict = dataclasses.field(default_factory=dict)
     validation_rows: int = 0
+    initial_epoch: int = 0
 
 
 def fit(
@@ -67,6 +73,11 @@ def fit(
     timeout: float = 600.0,
     custom_objects: Optional[dict] = None,
     backend: str = "ring",
+    checkpoint_dir: Optional[str] = None,
+    callbacks: Optional[list] = None,
+    progress: bool = True,
+    tensorboard_dir: Optional[str] = None,
+    log_to_mlflow: bool = False,
 ) -> FitResult:
     """Trains a compiled Keras 3 model on a Spark DataFrame with ``num_workers`` Spark tasks.
 
@@ -111,6 +122,20 @@ def fit(
         custom_objects: passed to ``keras.models.load_model`` on the workers.
         backend: sync: whose collectives average the gradients: ``"ring"`` (sparkdl's own) or
             ``"horovod"`` (Horovod's Gloo/NCCL; needs the Horovod stack, ``conf/horovod/install.sh``).
+        checkpoint_dir: a directory (local path, ``file://``, ``hdfs://``, ``s3://``, ...) where the
+            model, its optimizer state and the history are saved after every epoch (by rank 0 in
+            sync mode, by the driver otherwise; see ``sparkdl.checkpoint``). A fit pointed at a
+            directory holding checkpoints continues from the newest one, and in sync mode a stage
+            Spark retries after losing a task resumes from it. On a cluster it must be storage
+            every executor reaches.
+        callbacks: Keras callbacks to run inside every worker (sync mode: after the metrics are
+            averaged over workers, so every rank sees, and decides on, the same values).
+        progress: show a progress bar where one can be seen (terminal, notebook); per-epoch
+            metrics and throughput are logged on the ``sparkdl.progress`` logger either way.
+        tensorboard_dir: write per-epoch metrics and throughput there for TensorBoard (needs the
+            ``tensorboard`` package), from the driver.
+        log_to_mlflow: log the settings and per-epoch metrics to MLflow (the active run, or a new
+            one), from the driver.
 
     Example:
         >>> result = sparkdl.fit(df, model, features_col="features", label_col="label",
@@ -125,30 +150,101 @@ def fit(
     if backend != "ring" and mode != "sync":
         raise ValueError(f"`backend` applies to mode='sync' only. Received: backend={backend!r} with mode={mode!r}")
     check_backend(backend)
+    callbacks = _check_callbacks(callbacks, mode)
+    if not isinstance(progress, bool):
+        raise ValueError(f"Expected `progress` to be True or False. Received: progress={progress!r}")
+    tracking.check_available(tensorboard_dir, log_to_mlflow)
+    checkpoints = CheckpointStore.open(checkpoint_dir) if checkpoint_dir is not None else None
+    resumed = _newest_checkpoint(checkpoints, model, custom_objects)
     launch.check_slots(df.sparkSession, num_workers, wait_seconds=30.0)
     seed = secrets.randbelow(2**31) if seed is None else seed
     training = data.prepare(df, features_col, label_col, num_workers, validation_col=validation_col,
                             validation_split=validation_split, seed=seed)
     steps = data.steps_per_epoch(training.num_rows, num_workers, batch_size)  # training rows only
+    if resumed is not None and resumed.epoch >= epochs:
+        logger.info("sparkdl: %s already holds %d trained epochs (epochs=%d): nothing to train", checkpoint_dir,
+                    resumed.epoch, epochs)
+        return FitResult(serialization.model_from_bytes(resumed.model_bytes, custom_objects), resumed.history,
+                         num_workers, steps, 0.0, {}, training.validation_rows, resumed.epoch)
+    initial_epoch = resumed.epoch if resumed is not None else 0
     common = dict(model_bytes=serialization.model_to_bytes(model), num_workers=num_workers, epochs=epochs,
                   batch_size=batch_size, seed=seed, shuffle=shuffle, custom_objects=custom_objects)
-    logger.info("sparkdl: %s training on %d workers, %d rows (%d held out for validation), %d steps/epoch x %d epochs",
-                mode, num_workers, training.num_rows, training.validation_rows, steps, epochs)
+    logger.info("sparkdl: %s training on %d workers, %d rows (%d held out for validation), %d steps/epoch x %d epochs%s",
+                mode, num_workers, training.num_rows, training.validation_rows, steps, epochs,
+                f", resuming after epoch {initial_epoch}" if initial_epoch else "")
+    listeners = []
+    if tensorboard_dir is not None:
+        listeners.append(tracking.TensorBoardLogger(tensorboard_dir))
+    if log_to_mlflow:
+        listeners.append(tracking.MLflowLogger(dict(
+            mode=mode, num_workers=num_workers, epochs=epochs, batch_size=batch_size, seed=seed, shuffle=shuffle,
+            steps_per_epoch=steps, backend=backend, **{k: v for k, v in options.items() if v is not None})))
+    monitor = ProgressMonitor(epochs=epochs, steps_per_epoch=steps, initial_epoch=initial_epoch,
+                              reporting_ranks=1 if mode in ("sync", "average") else num_workers,
+                              show_bar=progress and bar_is_visible(), listeners=listeners,
+                              description=f"sparkdl {mode} x{num_workers}")
     started = time.perf_counter()
-    if mode == "sync":
-        model_bytes, history = run_sync(training, steps_per_epoch=steps, timeout=timeout, backend=backend, **common)
-        stats = {}
-    elif mode == "average":
-        model_bytes, history, stats = run_average(
-            training, sync_every=options["sync_every"] or recommended_sync_every(steps), **common)
-    else:
-        model_bytes, history, stats = run_parameter_server(
-            df.sparkSession, training, mode=mode, steps_per_epoch=steps, timeout=timeout,
-            push_every=options["push_every"] or 1, max_staleness=options["max_staleness"] or 0,
-            num_servers=options["num_servers"] or 1, **common)
+    with monitor:
+        if mode == "sync":
+            model_bytes, history, initial_epoch = run_sync(
+                training, steps_per_epoch=steps, timeout=timeout, backend=backend, checkpoints=checkpoints,
+                callbacks=callbacks, on_progress=monitor.on_event, **common)
+            stats = {}
+        elif mode == "average":
+            model_bytes, history, stats = run_average(
+                training, sync_every=options["sync_every"] or recommended_sync_every(steps), resumed=resumed,
+                checkpoints=checkpoints, monitor=monitor, **common)
+        else:
+            model_bytes, history, stats = run_parameter_server(
+                df.sparkSession, training, mode=mode, steps_per_epoch=steps, timeout=timeout,
+                push_every=options["push_every"] or 1, max_staleness=options["max_staleness"] or 0,
+                num_servers=options["num_servers"] or 1, resumed=resumed, checkpoints=checkpoints,
+                callbacks=callbacks, monitor=monitor, **common)
     seconds = time.perf_counter() - started
     trained = serialization.model_from_bytes(model_bytes, custom_objects)
-    return FitResult(trained, history, num_workers, steps, seconds, stats, training.validation_rows)
+    return FitResult(trained, history, num_workers, steps, seconds, stats, training.validation_rows, initial_epoch)
+
+
+def _newest_checkpoint(checkpoints: Optional[CheckpointStore], model, custom_objects) -> Optional[Checkpoint]:
+    """The checkpoint a fit continues from; refuses one of a different model rather than train that instead."""
+    latest = checkpoints.latest() if checkpoints is not None else None
+    if latest is None:
+        return None
+    saved = serialization.model_from_bytes(latest.model_bytes, custom_objects)
+    expected = [tuple(w.shape) for w in model.weights]
+    found = [tuple(w.shape) for w in saved.weights]
+    if expected != found:
+        raise ValueError(f"checkpoint_dir={checkpoints.uri!r} holds a checkpoint (epoch {latest.epoch}) of a different "
+                         f"model: its weights have shapes {found}, the model's {expected}. Use another directory "
+                         "for this model, or empty this one.")
+    logger.info("sparkdl: found a checkpoint after epoch %d in %s", latest.epoch, checkpoints.uri)
+    return latest
+
+
+def _check_callbacks(callbacks, mode: str) -> tuple:
+    """Keras callbacks that can travel to the workers (they are pickled into the tasks)."""
+    if not callbacks:
+        return ()
+    import keras
+    from pyspark import cloudpickle
+
+    if mode == "average":
+        raise ValueError("`callbacks` run inside Keras's fit on the workers, which mode='average' does not use (it "
+                         "trains in rounds of train_on_batch). Use mode='sync' or a parameter-server mode, or drop "
+                         f"the callbacks. Received: callbacks={callbacks!r}")
+    if not isinstance(callbacks, (list, tuple)):
+        raise ValueError(f"Expected `callbacks` to be a list of keras.callbacks.Callback. Received: {callbacks!r}")
+    for callback in callbacks:
+        if not isinstance(callback, keras.callbacks.Callback):
+            raise ValueError("Expected `callbacks` to hold keras.callbacks.Callback instances. "
+                             f"Received: {type(callback).__name__}")
+        try:
+            cloudpickle.dumps(callback)
+        except Exception as exc:
+            raise ValueError(f"Callback {type(callback).__name__} cannot be sent to the workers (it must be "
+                             f"picklable; create resources such as files or clients in its on_train_begin): {exc}"
+                             ) from exc
+    return tuple(callbacks)
 
 
 _MODE_OPTIONS = {

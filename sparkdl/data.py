@@ -328,10 +328,14 @@ def epoch_order(num_rows: int, num_samples: int, *, seed: int, rank: int, epoch:
 
 
 def batches(
-    x: np.ndarray, y: np.ndarray, *, batch_size: int, steps: int, epochs: int, seed: int, rank: int, shuffle: bool
+    x: np.ndarray, y: np.ndarray, *, batch_size: int, steps: int, epochs: int, seed: int, rank: int, shuffle: bool,
+    first_epoch: int = 0,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Yields ``steps`` full batches per epoch for ``epochs`` epochs, reshuffled every epoch."""
-    for epoch in range(epochs):
+    """Yields ``steps`` full batches per epoch for epochs ``first_epoch..epochs-1``, reshuffled every epoch.
+
+    Resuming at ``first_epoch`` gives exactly the batches an uninterrupted run would have seen from there.
+    """
+    for epoch in range(first_epoch, epochs):
         order = epoch_order(len(x), steps * batch_size, seed=seed, rank=rank, epoch=epoch, shuffle=shuffle)
         for step in range(steps):
             index = order[step * batch_size : (step + 1) * batch_size]

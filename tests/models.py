@@ -22,12 +22,18 @@ def make_mlp(width=64, hidden=(128, 64), classes=10, optimizer=None, seed=0):
 @keras.utils.register_keras_serializable(package="sparkdl_tests")
 class CrashOnFirstAttempt(keras.layers.Layer):
     """Identity layer that kills its Python worker hard (os._exit) at a given training step,
-    on the first attempt of one Spark task only: a worker lost mid-epoch."""
+    on the first attempt of one Spark task only: a worker lost mid-epoch.
 
-    def __init__(self, partition=0, at_call=5, **kwargs):
+    A retried barrier stage is a new stage attempt whose tasks count attempts from 0 again (and
+    PySpark does not expose the stage attempt), so there ``marker`` names a file that the crash
+    leaves behind: the first attempt is the one that finds no marker.
+    """
+
+    def __init__(self, partition=0, at_call=5, marker=None, **kwargs):
         super().__init__(**kwargs)
         self.partition = partition
         self.at_call = at_call
+        self.marker = marker
         self._calls = 0
 
     def _maybe_crash(self, x):
@@ -37,8 +43,12 @@ class CrashOnFirstAttempt(keras.layers.Layer):
 
         self._calls += 1
         context = TaskContext.get()
-        if (context is not None and context.partitionId() == self.partition and context.attemptNumber() == 0
-                and self._calls == self.at_call):
+        if context is None or context.partitionId() != self.partition or self._calls != self.at_call:
+            return x
+        if self.marker is None and context.attemptNumber() == 0:
+            os._exit(1)
+        if self.marker is not None and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
             os._exit(1)
         return x
 
@@ -51,4 +61,38 @@ class CrashOnFirstAttempt(keras.layers.Layer):
         return tf.ensure_shape(y, x.shape)
 
     def get_config(self):
-        return {**super().get_config(), "partition": self.partition, "at_call": self.at_call}
+        return {**super().get_config(), "partition": self.partition, "at_call": self.at_call, "marker": self.marker}
+
+
+class RecordEpochs(keras.callbacks.Callback):
+    """A user callback for workers: writes the logs it sees at each epoch end to
+    ``<directory>/rank<partition>-epoch<e>.json``; before epoch ``wait_before_epoch`` it waits
+    (up to two minutes) for the file ``wait_for`` to appear."""
+
+    def __init__(self, directory, wait_for=None, wait_before_epoch=1):
+        super().__init__()
+        self.directory = directory
+        self.wait_for = wait_for
+        self.wait_before_epoch = wait_before_epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        import os
+        import time
+
+        if self.wait_for is None or epoch != self.wait_before_epoch:
+            return
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.wait_for):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.wait_for} never appeared: the driver did not see the epoch live")
+            time.sleep(0.05)
+
+    def on_epoch_end(self, epoch, logs=None):
+        import json
+        import os
+
+        from pyspark import TaskContext
+
+        path = os.path.join(self.directory, f"rank{TaskContext.get().partitionId()}-epoch{epoch}.json")
+        with open(path, "w") as f:
+            json.dump({k: float(v) for k, v in logs.items()}, f)

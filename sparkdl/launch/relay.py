@@ -6,7 +6,9 @@ pipe copies what arrives to the executor's own log and to the driver, where
 :class:`OutputRelay` prints it line by line prefixed with ``[rank N]``. An
 exception raised by the task's function is sent as a JSON report (type,
 message, formatted traceback), so the driver can re-raise it as a
-:class:`~sparkdl.launch.errors.WorkerError`.
+:class:`~sparkdl.launch.errors.WorkerError`; training progress (epoch and
+step metrics, see ``sparkdl.progress``) travels the same way as small JSON
+frames.
 
 The connection authenticates with a per-job secret like every sparkdl socket;
 frames are a fixed header plus at most ``MAX_FRAME_BYTES`` of text, and
@@ -21,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import socket
 import struct
 import sys
@@ -33,7 +36,7 @@ from sparkdl.collective.transport import _HandshakeFailed, bind_listener, connec
 _log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!BI")  # kind, payload length
-_STDOUT, _STDERR, _ERROR = 1, 2, 3
+_STDOUT, _STDERR, _ERROR, _PROGRESS = 1, 2, 3, 4
 MAX_FRAME_BYTES = 1 << 20
 _RELAY_ID = 0xFFFF_FFFE  # the "rank" the relay proves itself as; tasks authenticate as their partition index
 _HANDSHAKE_TIMEOUT = 30.0
@@ -42,6 +45,9 @@ _READ_BYTES = 64 << 10
 # Failures that follow another rank's failure (its ring or Horovod peers vanished): Spark's own
 # retry of the stage is the remedy, so they neither cancel the job nor hide the rank that failed first.
 _SECONDARY_FAILURES = ("CollectiveError", "CollectiveTimeout", "ConnectGaveUp", "HorovodInternalError")
+# TensorFlow reports an exception raised inside a tf.numpy_function (the ring's allreduce in the
+# compiled train step) as its own error whose message holds a line "<TypeName>: <message>".
+_WRAPPED_SECONDARY = re.compile(rf"^(?:[\w.]+\.)?(?:{'|'.join(_SECONDARY_FAILURES)}): ", re.M)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +61,8 @@ class ErrorReport:
 
     @property
     def secondary(self) -> bool:
-        return self.type_name.rsplit(".", 1)[-1] in _SECONDARY_FAILURES
+        return (self.type_name.rsplit(".", 1)[-1] in _SECONDARY_FAILURES
+                or _WRAPPED_SECONDARY.search(self.message) is not None)
 
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException) -> "ErrorReport":
@@ -78,14 +85,17 @@ class OutputRelay:
     ``on_error`` is called (from a relay thread) with the first report of an
     error that is not a consequence of another rank's failure, so the launcher
     can cancel the Spark job at once instead of waiting for timeouts.
+    ``on_progress(rank, event)`` gets each progress event a task reports.
     """
 
     def __init__(self, host: str, secret: bytes, num_workers: int, *,
                  on_error: Callable[[ErrorReport], None] = lambda report: None,
+                 on_progress: Callable[[int, dict], None] = lambda rank, event: None,
                  stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None):
         self._secret = secret
         self._num_workers = num_workers
         self._on_error = on_error
+        self._on_progress = on_progress
         self._streams = {_STDOUT: stdout or sys.stdout, _STDERR: stderr or sys.stderr}
         self._sock, self.address = bind_listener(host, backlog=4 * num_workers)
         self._sock.settimeout(0.2)
@@ -158,13 +168,16 @@ class OutputRelay:
         try:
             while (header := _recv_exact(conn, _HEADER.size, self._stopping)) is not None:
                 kind, length = _HEADER.unpack(header)
-                if kind not in (_STDOUT, _STDERR, _ERROR) or length > MAX_FRAME_BYTES:
+                if kind not in (_STDOUT, _STDERR, _ERROR, _PROGRESS) or length > MAX_FRAME_BYTES:
                     raise ValueError(f"rank {rank} sent a malformed frame (kind {kind}, {length} bytes)")
                 payload = _recv_exact(conn, length, self._stopping)
                 if payload is None:
                     return
                 if kind == _ERROR:
                     self._record(ErrorReport.from_json(payload))
+                    continue
+                if kind == _PROGRESS:
+                    self._progress(rank, payload)
                     continue
                 *lines, partial[kind] = (partial[kind] + payload).split(b"\n")
                 if len(partial[kind]) > MAX_FRAME_BYTES:  # a very long line without a newline: print it as it is
@@ -182,6 +195,15 @@ class OutputRelay:
         with self._lock:
             stream.write(text)
             stream.flush()
+
+    def _progress(self, rank: int, payload: bytes) -> None:
+        try:
+            event = json.loads(payload.decode("utf-8"))
+            if not isinstance(event, dict):
+                raise ValueError(f"expected a JSON object, got {type(event).__name__}")
+            self._on_progress(rank, event)
+        except Exception as exc:  # progress is informative only: a bad event must not cost the task its output
+            _log.warning("sparkdl output relay: ignored a progress event from rank %d: %s", rank, exc)
 
     def _record(self, report: ErrorReport) -> None:
         with self._lock:
@@ -243,10 +265,25 @@ class _Forwarder:
             self._sock.close()
 
 
+class TaskReporter:
+    """What a task's code may tell the driver besides its output: its error, and its progress."""
+
+    def __init__(self, forwarder: "_Forwarder", rank: int):
+        self._forwarder = forwarder
+        self._rank = rank
+
+    def error(self, exc: BaseException) -> None:
+        self._forwarder.send(_ERROR, ErrorReport.from_exception(self._rank, exc).to_json())
+
+    def progress(self, event: dict) -> None:
+        """Sends a small JSON-able dict; never blocks the task for long and never raises."""
+        self._forwarder.send(_PROGRESS, json.dumps(event).encode())
+
+
 @contextlib.contextmanager
 def forward_output(address: str, secret: bytes, rank: int, timeout: float, *,
-                   keep_local_copy: bool = True) -> Iterator[Callable[[BaseException], None]]:
-    """Inside a task: relays fd 1 and 2 to the driver while the block runs; yields ``report(exc)``.
+                   keep_local_copy: bool = True) -> Iterator[TaskReporter]:
+    """Inside a task: relays fd 1 and 2 to the driver while the block runs; yields its ``TaskReporter``.
 
     ``keep_local_copy`` also writes the output where it went before (the
     executor's log; in local mode that is the driver's console, so not there).
@@ -267,7 +304,7 @@ def forward_output(address: str, secret: bytes, rank: int, timeout: float, *,
             thread.start()
             pipes.append((fd, saved, thread))
         with _line_buffered(sys.stdout), _line_buffered(sys.stderr):
-            yield lambda exc: forwarder.send(_ERROR, ErrorReport.from_exception(rank, exc).to_json())
+            yield TaskReporter(forwarder, rank)
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):

@@ -55,7 +55,7 @@ def run(train_fn: Callable[..., Any], num_workers: int = 2, *, args: tuple = (),
     secret = secrets.token_bytes(32)
     call_args, call_kwargs = tuple(args), dict(kwargs or {})
 
-    def task(batches) -> Optional[bytes]:
+    def task(batches, reporter) -> Optional[bytes]:
         for _ in batches:  # one placeholder row per task: nothing to read
             pass
         from pyspark import BarrierTaskContext

@@ -25,13 +25,14 @@ from sparkdl import _compat
 from sparkdl.collective import Listener, RingCommunicator
 from sparkdl.launch import gpu
 from sparkdl.launch.errors import worker_error
-from sparkdl.launch.relay import OutputRelay, forward_output
+from sparkdl.launch.relay import OutputRelay, TaskReporter, forward_output
 
 _RESULT_SCHEMA = "partition int, chunk int, payload binary"
 _RESULT_ARROW_SCHEMA = pa.schema([("partition", pa.int32()), ("chunk", pa.int32()), ("payload", pa.binary())])
 _CHUNK_BYTES = 32 << 20  # keeps each binary row far below Arrow's 2 GB limit
 
-TaskFunction = Callable[[Iterable[pa.RecordBatch]], Optional[bytes]]
+# A task gets its partition's batches and its reporter (errors, progress) and returns bytes for the driver.
+TaskFunction = Callable[[Iterable[pa.RecordBatch], TaskReporter], Optional[bytes]]
 
 
 def task_slots(spark: SparkSession) -> int:
@@ -73,20 +74,22 @@ _REPORT_GRACE_SECONDS = 10.0
 
 
 def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier: bool,
-              timeout: float = 600.0) -> dict[int, bytes]:
+              timeout: float = 600.0,
+              on_progress: Callable[[int, dict], None] = lambda rank, event: None) -> dict[int, bytes]:
     """Runs ``task`` once per partition of ``frame.repartition(num_workers)``.
 
     Returns the bytes each task returned, by partition index (tasks returning
     None are left out). ``barrier=True`` starts all tasks together, as the
     ring needs; otherwise they are ordinary tasks that Spark may retry alone.
     ``timeout`` bounds how long a task waits to reach the driver's relay.
+    ``on_progress(rank, event)`` receives the tasks' progress reports as they come.
     """
     sc = frame.sparkSession.sparkContext
     local_mode = _is_local_mode(sc.master)
     relay_secret = secrets.token_bytes(32)
     tag = f"sparkdl-{secrets.token_hex(8)}"
     relay = OutputRelay(sc.getConf().get("spark.driver.host"), relay_secret, num_workers,
-                        on_error=lambda report: sc.cancelJobsWithTag(tag))
+                        on_error=lambda report: sc.cancelJobsWithTag(tag), on_progress=on_progress)
     relay_address = relay.address  # the closure below must not capture the relay itself
 
     def run_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -95,11 +98,11 @@ def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier
         partition = context.partitionId()
         gpu.pin_task_gpus(context.resources(), partition, local_mode)
         with forward_output(relay_address, relay_secret, partition, timeout,
-                            keep_local_copy=not local_mode) as report_error:
+                            keep_local_copy=not local_mode) as reporter:
             try:
-                payload = task(batches)
+                payload = task(batches, reporter)
             except BaseException as exc:
-                report_error(exc)
+                reporter.error(exc)
                 raise
         if payload is None:
             return
@@ -109,10 +112,14 @@ def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier
                 schema=_RESULT_ARROW_SCHEMA,
             )
 
+    results = frame.repartition(num_workers).mapInArrow(run_task, _RESULT_SCHEMA, barrier=barrier)
+    if barrier:
+        # Spark retries a failed barrier stage only when it is a shuffle-map stage (a failed barrier
+        # result stage aborts the job): the shuffle makes the training stage retryable after a lost task.
+        results = results.repartition(1)
     sc.addJobTag(tag)
     try:
-        table = _compat.collect_arrow(frame.repartition(num_workers).mapInArrow(run_task, _RESULT_SCHEMA,
-                                                                                barrier=barrier))
+        table = _compat.collect_arrow(results)
     except Exception:
         relay.wait_until_quiet(_REPORT_GRACE_SECONDS)
         report = relay.first_error()

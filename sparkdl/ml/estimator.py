@@ -30,7 +30,8 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
     def __init__(self, *, model=None, featuresCol="features", labelCol="label", predictionCol="prediction",
                  probabilityCol="probability", rawPredictionCol="rawPrediction", numWorkers=2, mode="sync",
                  epochs=1, batchSize=32, shuffle=True, seed=None, pushEvery=None, maxStaleness=None,
-                 numServers=None, syncEvery=None, validationCol=None, validationSplit=None, timeout=600.0):
+                 numServers=None, syncEvery=None, validationCol=None, validationSplit=None, timeout=600.0,
+                 checkpointDir=None, tensorboardDir=None, logToMlflow=None):
         super().__init__()
         self._set(**self._input_kwargs)
 
@@ -38,7 +39,8 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
     def setParams(self, *, model=None, featuresCol="features", labelCol="label", predictionCol="prediction",
                   probabilityCol="probability", rawPredictionCol="rawPrediction", numWorkers=2, mode="sync",
                   epochs=1, batchSize=32, shuffle=True, seed=None, pushEvery=None, maxStaleness=None,
-                  numServers=None, syncEvery=None, validationCol=None, validationSplit=None, timeout=600.0):
+                  numServers=None, syncEvery=None, validationCol=None, validationSplit=None, timeout=600.0,
+                  checkpointDir=None, tensorboardDir=None, logToMlflow=None):
         return self._set(**self._input_kwargs)
 
     def _fit(self, dataset) -> KerasModel:

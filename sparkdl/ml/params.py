@@ -54,11 +54,19 @@ class KerasTrainingParams(HasOutputCols, HasLabelCol, HasSeed):
                             typeConverter=TypeConverters.toFloat)
     timeout = Param(Params._dummy(), "timeout", "seconds any single network wait may take",
                     typeConverter=TypeConverters.toFloat)
+    checkpointDir = Param(Params._dummy(), "checkpointDir",
+                          "directory (path or URI) for per-epoch checkpoints; a fit resumes from the newest",
+                          typeConverter=TypeConverters.toString)
+    tensorboardDir = Param(Params._dummy(), "tensorboardDir", "directory for TensorBoard logs of per-epoch metrics",
+                           typeConverter=TypeConverters.toString)
+    logToMlflow = Param(Params._dummy(), "logToMlflow", "log settings and per-epoch metrics to MLflow",
+                        typeConverter=TypeConverters.toBoolean)
 
     # Param name -> sparkdl.fit argument, for the settings passed only when set.
     OPTIONAL_FIT_ARGUMENTS = {
         "pushEvery": "push_every", "maxStaleness": "max_staleness", "numServers": "num_servers",
         "syncEvery": "sync_every", "validationCol": "validation_col", "validationSplit": "validation_split",
+        "checkpointDir": "checkpoint_dir", "tensorboardDir": "tensorboard_dir", "logToMlflow": "log_to_mlflow",
     }
 
     def __init__(self) -> None:
@@ -92,6 +100,6 @@ def _add_accessors(cls, names: list[str]) -> None:
 
 _add_accessors(KerasTrainingParams, ["model", "numWorkers", "mode", "epochs", "batchSize", "shuffle", "pushEvery",
                                      "maxStaleness", "numServers", "syncEvery", "validationCol", "validationSplit",
-                                     "timeout"])
+                                     "timeout", "checkpointDir", "tensorboardDir", "logToMlflow"])
 _add_accessors(HasOutputCols, ["featuresCol", "predictionCol", "probabilityCol", "rawPredictionCol"])
 _add_accessors(KerasTrainingParams, ["labelCol", "seed"])

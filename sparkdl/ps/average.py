@@ -75,7 +75,10 @@ from pyspark import StorageLevel, TaskContext
 from pyspark.accumulators import AccumulatorParam
 
 from sparkdl import _compat, data
+from sparkdl.checkpoint import BackgroundWriter, Checkpoint, CheckpointStore
+from sparkdl.progress import ProgressMonitor
 from sparkdl.train import serialization
+from sparkdl.train.reporting import merge_histories
 
 logger = logging.getLogger(__name__)
 
@@ -134,10 +137,15 @@ class _AverageJob:
     shuffle: bool
     custom_objects: Optional[dict]
     validate: bool = False  # rows are held out: evaluate the averaged state at each epoch boundary
+    first_step: int = 0  # resumed from a checkpoint: the global step of its epoch's end
+
+    @property
+    def rounds(self) -> int:
+        return -(-(self.total_steps - self.first_step) // self.sync_every)
 
     def round_steps(self, round_index: int) -> tuple[int, int]:
         """The global steps ``[start, stop)`` that round ``round_index`` trains."""
-        start = round_index * self.sync_every
+        start = self.first_step + round_index * self.sync_every
         return start, min(start + self.sync_every, self.total_steps)
 
     def epochs_finished(self, round_index: int) -> range:
@@ -154,9 +162,15 @@ class _CachedModel:
 
 
 def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_workers: int, epochs: int,
-                batch_size: int, sync_every: int, seed: int, shuffle: bool, custom_objects: dict | None
-                ) -> tuple[bytes, dict[str, list[float]], dict]:
+                batch_size: int, sync_every: int, seed: int, shuffle: bool, custom_objects: dict | None,
+                monitor: Optional[ProgressMonitor] = None, resumed: Optional[Checkpoint] = None,
+                checkpoints: Optional[CheckpointStore] = None) -> tuple[bytes, dict[str, list[float]], dict]:
     """Returns (trained model as .keras bytes incl. optimizer state, history, stats).
+
+    With ``resumed`` training starts from that checkpoint's model and optimizer state at the
+    first step of its epoch (a checkpoint is the averaged state after the round in which its
+    epoch ended, so it may already hold up to ``sync_every - 1`` steps of the next epoch). With
+    ``checkpoints`` that state is saved for every epoch once its metrics are complete.
 
     ``history[name][epoch]`` is the step-weighted mean over workers of the
     training metric over that epoch's steps (like sync mode's history).
@@ -171,23 +185,29 @@ def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_worker
     started = time.perf_counter()
     sc = training.frame.sparkSession.sparkContext
     steps_per_epoch = data.steps_per_epoch(training.num_rows, num_workers, batch_size)
-    total_steps = epochs * steps_per_epoch
-    rounds = -(-total_steps // sync_every)
+    initial_epoch = resumed.epoch if resumed is not None else 0
     job = _AverageJob(
         token=secrets.token_hex(16), shapes=training.shapes, num_workers=num_workers, batch_size=batch_size,
-        steps_per_epoch=steps_per_epoch, total_steps=total_steps, sync_every=sync_every, seed=seed,
+        steps_per_epoch=steps_per_epoch, total_steps=epochs * steps_per_epoch, sync_every=sync_every, seed=seed,
         shuffle=shuffle, custom_objects=custom_objects, validate=training.validation_rows > 0,
+        first_step=initial_epoch * steps_per_epoch,
     )
+    rounds = job.rounds
 
+    if resumed is not None:
+        model_bytes = resumed.model_bytes
     model = serialization.model_from_bytes(model_bytes, custom_objects)
+    monitor = monitor or ProgressMonitor(epochs=epochs, steps_per_epoch=steps_per_epoch, reporting_ranks=1)
     variables = _state_variables(model)
     state = [_read(v) for v in variables]
+    sums: dict[tuple[str, int], list[float]] = {}  # (metric, epoch) -> [sum of value*steps, steps]
+    names: list[str] = []
+    publisher = _EpochPublisher(job, monitor, checkpoints, model, variables, sums, names,
+                                resumed.history if resumed is not None else {})
 
     frame = training.frame.repartition(num_workers).persist(StorageLevel.MEMORY_AND_DISK)
     model_broadcast = sc.broadcast(model_bytes)
     state_broadcast = None
-    sums: dict[tuple[str, int], list[float]] = {}  # (metric, epoch) -> [sum of value*steps, steps]
-    names: list[str] = []
     totals = np.zeros(4, np.int64)
     try:
         partition_rows, validation_rows = _rows_per_partition(frame, num_workers)  # also fills the cache
@@ -210,8 +230,7 @@ def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_worker
             state_broadcast.unpersist()
             state_broadcast.destroy()
             state_broadcast = None
-            logger.debug("sparkdl: round %d of %d took %.3f s", round_index + 1, rounds,
-                         time.perf_counter() - round_started)
+            publisher.round_done(round_index, state, time.perf_counter() - round_started)
         if job.validate:  # the last round's epochs: no next round evaluates the final state, so one extra job does
             state_broadcast = sc.broadcast(state)
 
@@ -222,16 +241,16 @@ def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_worker
             state_broadcast.unpersist()
             state_broadcast.destroy()
             state_broadcast = None
+        publisher.finish()
     finally:
+        publisher.close()
         if state_broadcast is not None:
             state_broadcast.destroy()
         model_broadcast.destroy()
         frame.unpersist()
 
-    for variable, value in zip(variables, state):
-        variable.assign(value)
-    history = {name: [sums[name, e][0] / sums[name, e][1] if (name, e) in sums else float("nan")
-                      for e in range(epochs)] for name in names}
+    _assign(variables, state)
+    history = merge_histories(publisher.earlier_history, publisher.history(range(initial_epoch, epochs)))
     stats = {
         "rounds": rounds,
         "samples": int(totals[_SAMPLES]),
@@ -245,6 +264,75 @@ def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_worker
         "seconds": time.perf_counter() - started,
     }
     return serialization.model_to_bytes(model), history, stats
+
+
+class _EpochPublisher:
+    """After each round: progress for the monitor; each epoch whose metrics are complete goes to the
+    monitor's epoch listeners and, with the averaged state after the round that ended it, to the
+    checkpoints.
+
+    An epoch's training metrics are complete with the round that ends it; its ``val_*`` metrics
+    come with the next round's job (or the final evaluation job), which evaluates that state.
+    """
+
+    def __init__(self, job: _AverageJob, monitor: ProgressMonitor, checkpoints: Optional[CheckpointStore], model,
+                 variables: list, sums: dict, names: list, earlier_history: dict[str, list[float]]):
+        self._job = job
+        self._monitor = monitor
+        self._writer = BackgroundWriter(checkpoints) if checkpoints is not None else None
+        self._model = model
+        self._variables = variables
+        self._sums = sums
+        self._names = names
+        self.earlier_history = earlier_history
+        self._waiting: Optional[tuple[range, list]] = None  # epochs whose val_* metrics are not in yet, their state
+        self._samples_per_second = 0.0
+
+    def history(self, epochs: range) -> dict[str, list[float]]:
+        return {name: [self._sums[name, e][0] / self._sums[name, e][1] if (name, e) in self._sums else float("nan")
+                       for e in epochs] for name in self._names}
+
+    def round_done(self, round_index: int, state: list, seconds: float) -> None:
+        job = self._job
+        start, stop = job.round_steps(round_index)
+        self._samples_per_second = (stop - start) * job.batch_size * job.num_workers / max(seconds, 1e-9)
+        epoch = (stop - 1) // job.steps_per_epoch
+        logs = {name: values[0] for name, values in self.history(range(epoch, epoch + 1)).items()
+                if not name.startswith("val_")}
+        self._monitor.step(0, epoch, stop - epoch * job.steps_per_epoch, logs, self._samples_per_second)
+        logger.debug("sparkdl: round %d of %d took %.3f s", round_index + 1, job.rounds, seconds)
+        finished = job.epochs_finished(round_index)
+        if job.validate:
+            self.finish()
+            self._waiting = (finished, state) if len(finished) else None
+        elif len(finished):
+            self._publish(finished, state)
+
+    def finish(self) -> None:
+        """Publishes the epochs still waiting for their validation metrics."""
+        if self._waiting is not None:
+            waiting, self._waiting = self._waiting, None
+            self._publish(*waiting)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()  # raises if a checkpoint could not be written
+
+    def _publish(self, epochs: range, state: list) -> None:
+        first = self._job.first_step // self._job.steps_per_epoch
+        history = self.history(range(first, epochs[-1] + 1))
+        for epoch in epochs:
+            self._monitor.epoch_end(epoch, {name: values[epoch - first] for name, values in history.items()},
+                                    self._samples_per_second)
+        if self._writer is not None:
+            _assign(self._variables, state)
+            self._writer.save(Checkpoint(epochs[-1] + 1, serialization.model_to_bytes(self._model),
+                                         merge_histories(self.earlier_history, history), "average"))
+
+
+def _assign(variables: list, values: list) -> None:
+    for variable, value in zip(variables, values):
+        variable.assign(value)
 
 
 def _state_variables(model) -> list:

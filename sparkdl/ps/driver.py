@@ -9,27 +9,47 @@ released, when training returns or raises.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
+from typing import Optional, Sequence
 
-import numpy as np
 from pyspark.sql import SparkSession
 
 from sparkdl import launch
+from sparkdl.checkpoint import BackgroundWriter, Checkpoint, CheckpointStore
 from sparkdl.data import TrainingData
+from sparkdl.progress import ProgressMonitor, combine_worker_logs
 from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.server_model import ServerModel
 from sparkdl.ps.worker import AsyncJob, TaskCounters, run_async_task
 from sparkdl.train import serialization
+from sparkdl.train.reporting import merge_histories
+
+logger = logging.getLogger(__name__)
 
 
 def run_parameter_server(
     spark: SparkSession, training: TrainingData, *, model_bytes: bytes, mode: str, num_workers: int,
     num_servers: int, epochs: int, batch_size: int, steps_per_epoch: int, push_every: int, max_staleness: int,
-    seed: int, shuffle: bool, timeout: float, custom_objects,
+    seed: int, shuffle: bool, timeout: float, custom_objects, monitor: ProgressMonitor,
+    resumed: Optional[Checkpoint] = None, checkpoints: Optional[CheckpointStore] = None, callbacks: Sequence = (),
 ) -> tuple[bytes, dict[str, list[float]], dict]:
-    """Trains in ``mode`` ("async", "hogwild" or "ssp"); returns the trained ``.keras`` bytes, history and stats."""
+    """Trains in ``mode`` ("async", "hogwild" or "ssp"); returns the trained ``.keras`` bytes, history and stats.
+
+    With ``resumed`` the server starts from that checkpoint's weights (and its shards'
+    optimizer state, when it was saved by a server of the same layout) and the workers at its
+    epoch. With ``checkpoints`` the server's state is saved each time every worker has
+    finished an epoch (the weights then include whatever faster workers pushed since).
+    """
     sc = spark.sparkContext
+    if resumed is not None:
+        model_bytes = resumed.model_bytes
     server_model = ServerModel(serialization.model_from_bytes(model_bytes, custom_objects), num_servers)
+    if resumed is not None and not server_model.restore_optimizers(resumed.arrays):
+        logger.info("sparkdl: the checkpoint holds no optimizer state for %d server shard(s) of this model: the "
+                    "shards' optimizers start afresh", num_servers)
+    initial_epoch = resumed.epoch if resumed is not None else 0
+    earlier_history = resumed.history if resumed is not None else {}
     host = sc.getConf().get("spark.driver.host")
     secret = secrets.token_bytes(32)
     counters = TaskCounters.create(sc)
@@ -39,19 +59,48 @@ def run_parameter_server(
             model_bytes=model_bytes, secret=secret, addresses=server.addresses, shards=server_model.layout.shards,
             shapes=training.shapes, epochs=epochs, batch_size=batch_size,
             steps_per_epoch=steps_per_epoch, push_every=push_every, seed=seed, shuffle=shuffle, timeout=timeout,
-            custom_objects=custom_objects,
+            custom_objects=custom_objects, initial_epoch=initial_epoch, callbacks=tuple(callbacks),
         ))
+        saver = _ServerCheckpoints(checkpoints, server, server_model, mode, earlier_history) if checkpoints else None
+        if saver is not None:
+            monitor.add_listener(saver)
         try:
             results = launch.run_tasks(training.frame, num_workers,
-                                       lambda batches: run_async_task(batches, job.value, counters), barrier=False,
-                                       timeout=timeout)
+                                       lambda batches, reporter: run_async_task(batches, reporter, job.value, counters),
+                                       barrier=False, timeout=timeout, on_progress=monitor.on_event)
         finally:
             job.destroy()
         server_stats = server.stats()
+    if saver is not None:
+        saver.writer.close()  # raises if a checkpoint could not be written
     stats = {**counters.values(), "max_staleness": server_stats["max_staleness"],
              "versions": server_stats["versions"], "refused_connections": server_stats["refused_connections"]}
-    history = combine_histories([json.loads(payload) for payload in results.values()])
+    history = merge_histories(earlier_history, combine_histories([json.loads(payload) for payload in results.values()]))
     return serialization.model_to_bytes(server_model.model), history, stats
+
+
+class _ServerCheckpoints:
+    """An epoch listener: when every worker has finished an epoch, saves the server's state."""
+
+    def __init__(self, store: CheckpointStore, server: ParameterServer, server_model: ServerModel, mode: str,
+                 earlier_history: dict[str, list[float]]):
+        self.writer = BackgroundWriter(store)
+        self._server = server
+        self._server_model = server_model
+        self._mode = mode
+        self._history = {name: list(values) for name, values in earlier_history.items()}
+
+    def on_epoch(self, epoch: int, logs: dict[str, float], samples_per_second: float) -> None:
+        for name, value in logs.items():
+            self._history.setdefault(name, []).append(value)
+        with self._server.holding_updates():  # weights and optimizer state of one moment
+            model_bytes = serialization.model_to_bytes(self._server_model.model)
+            arrays = self._server_model.optimizer_arrays()
+        self.writer.save(Checkpoint(epoch + 1, model_bytes, {k: list(v) for k, v in self._history.items()},
+                                    self._mode, arrays))
+
+    def close(self) -> None:
+        """The writer is closed by ``run_parameter_server``, which raises its errors."""
 
 
 def combine_histories(results: list[dict]) -> dict[str, list[float]]:
@@ -61,14 +110,10 @@ def combine_histories(results: list[dict]) -> dict[str, list[float]]:
     ``val_*`` metrics are weighted by each worker's held-out rows, so they are the metrics over
     all held-out rows (workers without held-out rows report none and weigh nothing).
     """
-    names = list(dict.fromkeys(name for result in results for name in result["history"]))
-    history = {}
-    for name in names:
-        having = [r for r in results if name in r["history"]]
-        values = np.array([r["history"][name] for r in having], np.float64)
-        if name.startswith("val_"):
-            weights = np.array([r["validation_rows"] for r in having], np.float64)
-        else:
-            weights = np.ones(len(having))
-        history[name] = (weights @ values / weights.sum()).tolist()
+    epochs = max((len(values) for result in results for values in result["history"].values()), default=0)
+    history: dict[str, list[float]] = {}
+    for epoch in range(epochs):
+        logs = [{name: values[epoch] for name, values in r["history"].items() if epoch < len(values)} for r in results]
+        for name, value in combine_worker_logs(logs, [r["validation_rows"] for r in results]).items():
+            history.setdefault(name, []).append(value)
     return history

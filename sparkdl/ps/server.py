@@ -27,11 +27,13 @@ unless a complete, well-formed push arrived.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
 import time
 import typing
+from typing import Iterator
 
 import numpy as np
 
@@ -407,6 +409,18 @@ class ParameterServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+    @contextlib.contextmanager
+    def holding_updates(self) -> Iterator[None]:
+        """While the block runs no shard applies a push or serves a pull: the state of one moment.
+
+        Hogwild shards have no lock: there the state is read as it is, as their workers read it.
+        """
+        with contextlib.ExitStack() as stack:
+            for shard in self._shards:
+                if shard.lock is not None:
+                    stack.enter_context(shard.lock)
+            yield
 
     def stats(self) -> dict:
         """Counters since start.

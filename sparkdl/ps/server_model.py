@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from sparkdl import _compat
 from sparkdl.ps.sharding import ShardLayout, assign_shards
 
 
@@ -28,6 +29,10 @@ class OptimizerShard:
     def read(self) -> np.ndarray:
         return np.concatenate([np.ravel(v.numpy()) for v in self._variables]).astype(np.float32, copy=False)
 
+    @property
+    def optimizer_variables(self) -> list:
+        return _compat.optimizer_variables(self._optimizer)
+
     def apply(self, gradient: np.ndarray) -> None:
         parts = np.split(gradient, np.cumsum([int(np.prod(s)) for s in self._shapes])[:-1])
         self._apply([part.reshape(shape) for part, shape in zip(parts, self._shapes)])
@@ -46,3 +51,22 @@ class ServerModel:
             OptimizerShard([variables[i] for i in shard], type(optimizer), optimizer.get_config())
             for shard in self.layout.shards
         ]
+
+    def optimizer_arrays(self) -> dict[str, np.ndarray]:
+        """Every shard's optimizer state (moments, step counts), for a checkpoint."""
+        return {f"shard{i}/{j}": np.array(v.numpy(), copy=True)
+                for i, shard in enumerate(self.shards) for j, v in enumerate(shard.optimizer_variables)}
+
+    def restore_optimizers(self, arrays: dict[str, np.ndarray]) -> bool:
+        """Sets the shards' optimizer state from ``optimizer_arrays`` of a server of the same layout.
+
+        Returns False, changing nothing, when ``arrays`` do not fit (another number of shards, a
+        checkpoint of sync or average mode, whose optimizer state is in the model itself).
+        """
+        variables = {f"shard{i}/{j}": v for i, shard in enumerate(self.shards)
+                     for j, v in enumerate(shard.optimizer_variables)}
+        if set(arrays) != set(variables) or any(arrays[k].shape != tuple(v.shape) for k, v in variables.items()):
+            return False
+        for name, variable in variables.items():
+            variable.assign(arrays[name])
+        return True

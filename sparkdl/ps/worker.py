@@ -18,16 +18,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
 from pyspark import Accumulator, TaskContext
 
 from sparkdl import data
+from sparkdl.launch.relay import TaskReporter
 from sparkdl.ps.client import ParameterClient
 from sparkdl.ps.sharding import ShardLayout
-from sparkdl.train import serialization
+from sparkdl.train import reporting, serialization
 from sparkdl.train.optimizer_hooks import fused_numpy_call, intercept_apply
 from sparkdl.train.task import limit_threads_to_task_cpus
 
@@ -49,6 +50,8 @@ class AsyncJob:
     shuffle: bool
     timeout: float
     custom_objects: Optional[dict]
+    initial_epoch: int = 0  # resumed from a checkpoint: train epochs initial_epoch..epochs-1
+    callbacks: Sequence = ()  # the user's Keras callbacks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +103,11 @@ class _Exchange:
         return self._layout.join(self._client.pull())
 
 
-def run_async_task(batches: Iterable[pa.RecordBatch], job: AsyncJob, counters: TaskCounters) -> Optional[bytes]:
-    """Trains against the server until this worker's share of steps is done.
+def run_async_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, job: AsyncJob,
+                   counters: TaskCounters) -> Optional[bytes]:
+    """Trains against the server until this worker's share of steps is done, reporting its progress.
 
-    Returns JSON ``{"history": {metric: [per epoch]}, "validation_rows": n}``.
+    Returns JSON ``{"history": {metric: [per epoch from job.initial_epoch]}, "validation_rows": n}``.
     """
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # before anything in this worker imports Keras
     import keras
@@ -121,6 +125,7 @@ def run_async_task(batches: Iterable[pa.RecordBatch], job: AsyncJob, counters: T
                          timeout=job.timeout) as client:
         if len(x) == 0:  # a partition can come out empty; it must not hold back the others
             client.done()  # (its held-out rows, if any, go unevaluated: there is no epoch of its own)
+            reporter.progress({"event": "idle"})  # nor does the driver wait for its epochs
             return None
         exchange = _Exchange(client, layout, job.push_every)
 
@@ -132,15 +137,18 @@ def run_async_task(batches: Iterable[pa.RecordBatch], job: AsyncJob, counters: T
 
         _assign_flat(variables, exchange.weights)
         stream = data.batches(x, y, batch_size=job.batch_size, steps=job.steps_per_epoch, epochs=job.epochs,
-                              seed=job.seed, rank=rank, shuffle=job.shuffle)
+                              seed=job.seed, rank=rank, shuffle=job.shuffle, first_epoch=job.initial_epoch)
         keras.utils.set_random_seed(job.seed + rank)  # dropout and the like differ per worker, by design
+        progress = reporting.progress_callback(reporter.progress, steps_per_epoch=job.steps_per_epoch,
+                                               batch_size=job.batch_size, validation_rows=len(x_val))
         with intercept_apply(model.optimizer, push_then_take_server_weights):
-            history = model.fit(stream, epochs=job.epochs, steps_per_epoch=job.steps_per_epoch, shuffle=False,
-                                verbose=0, validation_data=(x_val, y_val) if len(x_val) else None,
-                                validation_batch_size=job.batch_size)
+            history = model.fit(stream, epochs=job.epochs, initial_epoch=job.initial_epoch,
+                                steps_per_epoch=job.steps_per_epoch, shuffle=False, verbose=0,
+                                validation_data=(x_val, y_val) if len(x_val) else None,
+                                validation_batch_size=job.batch_size, callbacks=[progress, *job.callbacks])
         exchange.flush()
         client.done()
-    counters.samples.add(job.epochs * job.steps_per_epoch * job.batch_size)
+    counters.samples.add((job.epochs - job.initial_epoch) * job.steps_per_epoch * job.batch_size)
     counters.pushes.add(exchange.pushes)
     counters.pulls.add(exchange.pulls)
     counters.bytes.add(4 * sum(layout.shard_sizes) * (exchange.pushes + exchange.pulls))

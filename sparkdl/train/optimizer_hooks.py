@@ -34,6 +34,21 @@ def intercept_apply(optimizer, intercept: Callable) -> Iterator[None]:
         optimizer.__class__ = original
 
 
+@contextlib.contextmanager
+def unhooked(optimizer) -> Iterator[None]:
+    """While the block runs, the optimizer is of the user's own class again (to save it: Keras records the class)."""
+    hooked = type(optimizer)
+    original = getattr(hooked, "hooked_from", None)
+    if original is None:
+        yield
+        return
+    optimizer.__class__ = original
+    try:
+        yield
+    finally:
+        optimizer.__class__ = hooked
+
+
 def fused_numpy_call(tensors: list, fn: Callable[[np.ndarray], np.ndarray], name: str) -> list:
     """Runs ``fn`` on all ``tensors`` fused into one float32 vector; returns its output split back.
 

@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -158,11 +158,14 @@ def check_replicas_identical(model, comm) -> None:
 
 
 def train(model, x: np.ndarray, y: np.ndarray, *, comm, epochs: int, batch_size: int, steps_per_epoch: int,
-          seed: int, shuffle: bool, validation: Optional[Validation] = None) -> dict[str, list[float]]:
+          seed: int, shuffle: bool, validation: Optional[Validation] = None, initial_epoch: int = 0,
+          callbacks: Sequence = ()) -> dict[str, list[float]]:
     """Trains ``model`` in place on this rank's rows, in lockstep with the other ranks; returns the history.
 
     With ``validation``, every rank evaluates its held-out rows at each epoch end (Keras's own
-    ``validation_data``) and the history gains the combined ``val_*`` metrics.
+    ``validation_data``) and the history gains the combined ``val_*`` metrics. Training runs
+    epochs ``initial_epoch..epochs-1`` (the history holds those); ``callbacks`` run after the
+    averaging of metrics over ranks, so they see the global values.
     """
     import keras
 
@@ -172,13 +175,14 @@ def train(model, x: np.ndarray, y: np.ndarray, *, comm, epochs: int, batch_size:
     model.jit_compile = False  # the allreduce runs through tf.numpy_function, which XLA cannot compile
     broadcast_weights(model, comm)
     stream = data.batches(x, y, batch_size=batch_size, steps=steps_per_epoch, epochs=epochs, seed=seed,
-                          rank=comm.rank, shuffle=shuffle)
+                          rank=comm.rank, shuffle=shuffle, first_epoch=initial_epoch)
     validation_data = None
     if validation is not None:
         validation_data = (validation.x, validation.y) if len(validation.x) else (x[:1], y[:1])  # stand-in: weight 0
     callback = _average_across_workers_callback(comm, steps_per_epoch=steps_per_epoch, validation=validation)
     with distributed_optimizer(model.optimizer, comm):
-        history = model.fit(stream, epochs=epochs, steps_per_epoch=steps_per_epoch, shuffle=False, verbose=0,
-                            validation_data=validation_data, validation_batch_size=batch_size, callbacks=[callback])
+        history = model.fit(stream, epochs=epochs, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+                            shuffle=False, verbose=0, validation_data=validation_data,
+                            validation_batch_size=batch_size, callbacks=[callback, *callbacks])
     check_replicas_identical(model, comm)
     return {name: [float(v) for v in values] for name, values in history.history.items()}

@@ -5,16 +5,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
 from pyspark import TaskContext
 
 from sparkdl import data
+from sparkdl.checkpoint import BackgroundWriter, Checkpoint, CheckpointStore
 from sparkdl.launch import run_tasks
+from sparkdl.launch.relay import TaskReporter
 from sparkdl.launch.backends import trainer_communicator
-from sparkdl.train import serialization, sync
+from sparkdl.train import reporting, serialization, sync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +35,21 @@ class SyncJob:
     custom_objects: Optional[dict]
     validate: bool = False  # rows are held out: every rank evaluates its own and the metrics are combined
     backend: str = "ring"   # whose collectives average the gradients: sparkdl's ring or Horovod's
+    checkpoints: Optional[CheckpointStore] = None  # rank 0 resumes from the newest and saves after every epoch
+    callbacks: Sequence = ()  # the user's Keras callbacks, run on every rank
 
 
 def run_sync(training: data.TrainingData, *, model_bytes: bytes, num_workers: int, epochs: int, batch_size: int,
-             steps_per_epoch: int, seed: int, shuffle: bool, timeout: float,
-             custom_objects: Optional[dict], backend: str = "ring") -> tuple[bytes, dict[str, list[float]]]:
-    """Runs sync training as one barrier stage; returns rank 0's trained ``.keras`` bytes and the history."""
+             steps_per_epoch: int, seed: int, shuffle: bool, timeout: float, custom_objects: Optional[dict],
+             backend: str = "ring", checkpoints: Optional[CheckpointStore] = None, callbacks: Sequence = (),
+             on_progress: Callable[[int, dict], None] = lambda rank, event: None
+             ) -> tuple[bytes, dict[str, list[float]], int]:
+    """Runs sync training as one barrier stage.
+
+    Returns rank 0's trained ``.keras`` bytes, the history of all epochs, and the epoch its
+    (last) attempt started from: above 0 when it resumed from a checkpoint, after an earlier
+    ``fit`` or after Spark retried the stage because a task was lost.
+    """
     job = SyncJob(
         model_bytes=model_bytes,
         secret=secrets.token_bytes(32),
@@ -52,13 +63,15 @@ def run_sync(training: data.TrainingData, *, model_bytes: bytes, num_workers: in
         custom_objects=custom_objects,
         validate=training.validation_rows > 0,
         backend=backend,
+        checkpoints=checkpoints,
+        callbacks=tuple(callbacks),
     )
-    results = run_tasks(training.frame, num_workers, lambda batches: run_sync_task(batches, job), barrier=True,
-                        timeout=timeout)
+    results = run_tasks(training.frame, num_workers, lambda batches, reporter: run_sync_task(batches, reporter, job),
+                        barrier=True, timeout=timeout, on_progress=on_progress)
     return serialization.result_from_bytes(results[0])
 
 
-def run_sync_task(batches: Iterable[pa.RecordBatch], job: SyncJob) -> Optional[bytes]:
+def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, job: SyncJob) -> Optional[bytes]:
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # before anything in this worker imports Keras
     x, y, x_val, y_val = job.shapes.split_numpy(batches)
     with trainer_communicator(job.backend, job.secret, job.timeout) as comm:
@@ -74,14 +87,47 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], job: SyncJob) -> Optional[b
         if job.validate and validation_rows.sum() == 0:
             raise ValueError("No worker partition got a validation row: the validation set is empty.")
         limit_threads_to_task_cpus()
-        model = serialization.model_from_bytes(job.model_bytes, job.custom_objects)
+        resumed = _resume_point(comm, job.checkpoints)
+        model = serialization.model_from_bytes(resumed.model_bytes if resumed else job.model_bytes, job.custom_objects)
+        initial_epoch = resumed.epoch if resumed else 0
+        earlier_history = resumed.history if resumed else {}
         validation = sync.Validation(x_val, y_val, validation_rows) if job.validate else None
-        history = sync.train(model, x, y, comm=comm, epochs=job.epochs, batch_size=job.batch_size,
-                             steps_per_epoch=job.steps_per_epoch, seed=job.seed, shuffle=job.shuffle,
-                             validation=validation)
+        callbacks = list(job.callbacks)
+        writer = BackgroundWriter(job.checkpoints) if job.checkpoints is not None and comm.rank == 0 else None
+        if comm.rank == 0:  # the ranks hold the same model and (averaged) metrics: one of them reports and saves
+            reporter.progress({"event": "start", "initial_epoch": initial_epoch})
+            callbacks.insert(0, reporting.progress_callback(reporter.progress, steps_per_epoch=job.steps_per_epoch,
+                                                            batch_size=job.batch_size * comm.size))
+        if writer is not None:
+            callbacks.insert(0, reporting.checkpoint_callback(writer, earlier_history, "sync"))
+        try:
+            history = sync.train(model, x, y, comm=comm, epochs=job.epochs, batch_size=job.batch_size,
+                                 steps_per_epoch=job.steps_per_epoch, seed=job.seed, shuffle=job.shuffle,
+                                 validation=validation, initial_epoch=initial_epoch, callbacks=callbacks)
+        finally:
+            if writer is not None:
+                writer.close()
         if comm.rank != 0:
             return None
-        return serialization.result_to_bytes(serialization.model_to_bytes(model), history)
+        return serialization.result_to_bytes(serialization.model_to_bytes(model),
+                                             reporting.merge_histories(earlier_history, history), initial_epoch)
+
+
+def _resume_point(comm, checkpoints: Optional[CheckpointStore]) -> Optional[Checkpoint]:
+    """Rank 0 reads the newest checkpoint and sends its model to every rank, so only rank 0 touches storage.
+
+    Read in the task, not on the driver: when Spark retries the stage after a lost task, the
+    retry must start from what the failed attempt saved.
+    """
+    if checkpoints is None:
+        return None
+    latest = checkpoints.latest() if comm.rank == 0 else None
+    header = comm.broadcast(np.array([latest.epoch, len(latest.model_bytes)] if latest else [0, 0], np.int64))
+    epoch, size = int(header[0]), int(header[1])
+    if size == 0:
+        return None
+    payload = comm.broadcast(np.frombuffer(latest.model_bytes, np.uint8) if latest else np.empty(size, np.uint8))
+    return latest if latest else Checkpoint(epoch, payload.tobytes(), {}, "sync")
 
 
 def limit_threads_to_task_cpus() -> None:

@@ -1,0 +1,188 @@
+"""Live training progress on the driver: a progress bar, log lines, and epoch-end listeners.
+
+Workers report through their relay connection (``train.reporting``): step
+events at most once a second, and one event per epoch with its metrics and
+throughput. :class:`ProgressMonitor` turns them into
+
+- a ``tqdm`` progress bar (``tqdm.auto``: a widget in Jupyter, text in a terminal),
+  shown where someone can see it and not written into log files;
+- Python logging on the ``sparkdl.progress`` logger: one INFO line per epoch,
+  and a step line at most every ``STEP_LOG_SECONDS`` (what ``spark-submit`` logs keep);
+- calls to the epoch listeners (TensorBoard, MLflow, the parameter-server
+  checkpoint), once per epoch, with the metrics combined over the workers.
+
+In sync mode rank 0 speaks for all ranks (their metrics are averaged already);
+in the parameter-server modes every worker reports and an epoch is complete
+once all of them have finished it. Average mode reports from the driver itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Protocol, Sequence
+
+logger = logging.getLogger("sparkdl.progress")
+
+# Seconds between two step lines in the log (the bar moves with every step event).
+STEP_LOG_SECONDS = 30.0
+
+
+class EpochListener(Protocol):
+    def on_epoch(self, epoch: int, logs: dict[str, float], samples_per_second: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def bar_is_visible() -> bool:
+    """A bar helps in a terminal or a notebook; in a log file it is noise."""
+    try:
+        from IPython import get_ipython
+
+        if get_ipython() is not None and "IPKernelApp" in get_ipython().config:
+            return True
+    except ImportError:
+        pass
+    return sys.stderr.isatty()
+
+
+def format_logs(logs: dict[str, float]) -> str:
+    return " ".join(f"{name}={value:.4g}" for name, value in sorted(logs.items()))
+
+
+class ProgressMonitor:
+    """Collects the workers' progress events (from relay threads) and shows them.
+
+    ``reporting_ranks`` is how many workers report per epoch (1 in sync mode).
+    """
+
+    def __init__(self, *, epochs: int, steps_per_epoch: int, reporting_ranks: int, initial_epoch: int = 0,
+                 show_bar: bool = False, listeners: Sequence[EpochListener] = (), description: str = "sparkdl"):
+        self._epochs = epochs
+        self._steps_per_epoch = steps_per_epoch
+        self._reporting_ranks = reporting_ranks
+        self._listeners = list(listeners)
+        self._lock = threading.Lock()
+        self._epoch_reports: dict[int, dict[int, dict]] = {}  # epoch -> rank -> epoch event
+        self._finished_epochs: set[int] = set()
+        self._positions: dict[int, int] = {}  # rank -> global steps done
+        self._rates: dict[int, float] = {}  # rank -> latest samples/s
+        self._idle_ranks: set[int] = set()  # workers with nothing to train, which report no epochs
+        self._step_logged_at = time.monotonic()
+        self._bar = None
+        if show_bar:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=epochs * steps_per_epoch, initial=initial_epoch * steps_per_epoch,
+                             desc=description, unit="step", dynamic_ncols=True, leave=True)
+
+    # -- from the workers (relay threads) ---------------------------------------------------
+
+    def on_event(self, rank: int, event: dict) -> None:
+        kind = event.get("event")
+        if kind == "start":
+            self._start(rank, int(event["initial_epoch"]))
+        elif kind == "step":
+            self.step(rank, int(event["epoch"]), int(event["step"]), event["logs"],
+                      float(event["samples_per_second"]))
+        elif kind == "epoch":
+            self._worker_epoch(rank, event)
+        elif kind == "idle":
+            with self._lock:
+                if rank not in self._idle_ranks:
+                    self._idle_ranks.add(rank)
+                    self._reporting_ranks -= 1
+
+    # -- from the driver (and the above) -----------------------------------------------------
+
+    def step(self, rank: int, epoch: int, step: int, logs: dict[str, float], samples_per_second: float) -> None:
+        """A worker (or, in average mode, the driver: rank 0) is ``step`` steps into ``epoch``."""
+        with self._lock:
+            self._positions[rank] = epoch * self._steps_per_epoch + step
+            self._rates[rank] = samples_per_second
+            position, rate = self._position(), sum(self._rates.values())
+            self._update_bar(position, logs, rate)
+            if time.monotonic() - self._step_logged_at >= STEP_LOG_SECONDS:
+                self._step_logged_at = time.monotonic()
+                logger.info("epoch %d/%d step %d/%d: %s - %.0f samples/s", epoch + 1, self._epochs,
+                            position - epoch * self._steps_per_epoch, self._steps_per_epoch, format_logs(logs), rate)
+
+    def epoch_end(self, epoch: int, logs: dict[str, float], samples_per_second: float) -> None:
+        """``epoch`` is finished everywhere; ``logs`` are its metrics over all workers."""
+        with self._lock:
+            if epoch in self._finished_epochs:
+                return  # a retried task finishing an epoch again
+            self._finished_epochs.add(epoch)
+            self._update_bar(max(self._position(), (epoch + 1) * self._steps_per_epoch), logs, samples_per_second)
+        logger.info("epoch %d/%d: %s - %.0f samples/s", epoch + 1, self._epochs, format_logs(logs), samples_per_second)
+        for listener in self._listeners:
+            try:
+                listener.on_epoch(epoch, logs, samples_per_second)
+            except Exception:  # a listener failing (a full disk, MLflow down) must not stop training
+                logger.exception("sparkdl: %s failed at epoch %d", type(listener).__name__, epoch + 1)
+
+    def add_listener(self, listener: EpochListener) -> None:
+        self._listeners.append(listener)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        for listener in self._listeners:
+            try:
+                listener.close()
+            except Exception:
+                logger.exception("sparkdl: closing %s failed", type(listener).__name__)
+
+    def __enter__(self) -> "ProgressMonitor":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _start(self, rank: int, initial_epoch: int) -> None:
+        with self._lock:
+            self._positions[rank] = initial_epoch * self._steps_per_epoch
+            if self._bar is not None:
+                self._bar.reset(total=self._epochs * self._steps_per_epoch)
+                self._bar.update(self._position())
+        if initial_epoch:
+            logger.info("rank %d resumes at epoch %d/%d from a checkpoint", rank, initial_epoch + 1, self._epochs)
+
+    def _worker_epoch(self, rank: int, event: dict) -> None:
+        epoch = int(event["epoch"])
+        with self._lock:
+            self._positions[rank] = (epoch + 1) * self._steps_per_epoch
+            reports = self._epoch_reports.setdefault(epoch, {})
+            reports[rank] = event
+            if len(reports) < self._reporting_ranks:
+                return
+            del self._epoch_reports[epoch]
+        logs = combine_worker_logs([r["logs"] for r in reports.values()],
+                                   [r.get("validation_rows", 0) for r in reports.values()])
+        self.epoch_end(epoch, logs, sum(float(r["samples_per_second"]) for r in reports.values()))
+
+    def _position(self) -> int:
+        """Global steps done: the mean over reporting workers (in sync mode, rank 0's)."""
+        return sum(self._positions.values()) // max(len(self._positions), 1)
+
+    def _update_bar(self, position: int, logs: dict[str, float], samples_per_second: float) -> None:
+        if self._bar is None:
+            return
+        self._bar.update(max(position - self._bar.n, 0))
+        self._bar.set_postfix_str(f"{format_logs(logs)} {samples_per_second:.0f} samples/s", refresh=True)
+
+
+def combine_worker_logs(logs: list[dict[str, float]], validation_rows: list[int]) -> dict[str, float]:
+    """One epoch's metrics over workers: training metrics averaged, ``val_*`` weighted by held-out rows."""
+    combined = {}
+    for name in dict.fromkeys(name for worker in logs for name in worker):
+        having = [(worker[name], rows) for worker, rows in zip(logs, validation_rows) if name in worker]
+        if name.startswith("val_") and sum(rows for _, rows in having) > 0:
+            combined[name] = sum(v * rows for v, rows in having) / sum(rows for _, rows in having)
+        else:
+            combined[name] = sum(v for v, _ in having) / len(having)
+    return combined

@@ -1,0 +1,137 @@
+"""Checkpoints and resume (every mode), and surviving a worker killed mid-epoch, on real Spark."""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import sparkdl
+from models import CrashOnFirstAttempt, make_mlp
+from spark_jobs import no_spark_job
+from sparkdl.checkpoint import KEEP, Checkpoint, CheckpointStore
+from sparkdl.ml import KerasEstimator
+
+
+def _files(directory):
+    return sorted(name for name in os.listdir(directory))
+
+
+def test_store_keeps_the_newest_complete_checkpoints_and_never_a_partial_one(tmp_path):
+    store = CheckpointStore.open(f"file://{tmp_path}")
+    assert store.latest() is None
+    for epoch in range(1, 6):
+        store.save(Checkpoint(epoch, f"model {epoch}".encode(), {"loss": [1.0] * epoch}, "sync",
+                              {"shard0/0": np.full(3, epoch, np.float32)}))
+    assert _files(tmp_path) == [f"epoch-{e:06d}.{ext}" for e in range(6 - KEEP, 6) for ext in ("json", "keras", "npz")]
+    # A writer that died mid-checkpoint: a temporary file, and a model whose .json marker never came.
+    (tmp_path / ".tmp-abc-epoch-000006.keras").write_bytes(b"half")
+    (tmp_path / "epoch-000007.keras").write_bytes(b"no marker")
+    latest = CheckpointStore.open(str(tmp_path)).latest()  # a plain path works as well as file://
+    assert (latest.epoch, latest.model_bytes, latest.history, latest.mode) == (5, b"model 5", {"loss": [1.0] * 5}, "sync")
+    np.testing.assert_array_equal(latest.arrays["shard0/0"], np.full(3, 5, np.float32))
+    assert not (tmp_path / ".tmp-abc-epoch-000006.keras").exists()  # cleared when a job opens the store
+
+
+def test_sync_resume_continues_exactly_where_the_first_fit_stopped(spark, digits, tmp_path):
+    """2 epochs through the estimator's checkpointDir, then 2 more with fit: the same weights as 4 at once."""
+    x_train, _, y_train, _ = digits
+    df = spark.createDataFrame([(r.tolist(), int(l)) for r, l in zip(x_train[:320], y_train[:320])],
+                               "features array<float>, label long")
+    settings = dict(numWorkers=2, mode="sync", batchSize=16, seed=5)
+    sgd = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731 - momentum: optimizer state must carry over
+    directory = tmp_path / "ckpt"
+
+    first = KerasEstimator(model=make_mlp(hidden=(32,), optimizer=sgd(), seed=1), epochs=2,
+                           checkpointDir=str(directory), **settings).fit(df)
+    assert [n for n in _files(directory) if n.endswith(".json")] == ["epoch-000001.json", "epoch-000002.json"]
+    resumed = sparkdl.fit(df, make_mlp(hidden=(32,), optimizer=sgd(), seed=1), num_workers=2, epochs=4,
+                          batch_size=16, seed=5, checkpoint_dir=str(directory))
+    uninterrupted = sparkdl.fit(df, make_mlp(hidden=(32,), optimizer=sgd(), seed=1), num_workers=2, epochs=4,
+                                batch_size=16, seed=5)
+
+    assert resumed.initial_epoch == 2 and uninterrupted.initial_epoch == 0
+    assert len(resumed.history["loss"]) == 4 and resumed.history["loss"][:2] == first.history["loss"]
+    np.testing.assert_allclose(resumed.history["loss"], uninterrupted.history["loss"], rtol=1e-4)
+    for got, want in zip(resumed.model.get_weights(), uninterrupted.model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    assert int(resumed.model.optimizer.iterations.numpy()) == 4 * resumed.steps_per_epoch
+
+    done = sparkdl.fit(df, make_mlp(hidden=(32,), optimizer=sgd(), seed=1), num_workers=2, epochs=4,
+                       batch_size=16, seed=5, checkpoint_dir=str(directory))
+    assert done.initial_epoch == 4 and done.seconds == 0.0  # nothing left to train
+    for got, want in zip(done.model.get_weights(), resumed.model.get_weights()):
+        np.testing.assert_array_equal(got, want)
+
+
+def _mlp_with_crash(partition, at_call, marker):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), CrashOnFirstAttempt(partition=partition, at_call=at_call, marker=marker),
+                              keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def test_sync_survives_a_worker_killed_mid_epoch_and_resumes_from_its_checkpoint(digits_df, digits, tmp_path):
+    """Rank 1's Python worker dies hard in its third epoch: Spark retries the barrier stage, which resumes
+    from the checkpoint of epoch 2 instead of epoch 0, and the model is as good as without the fault."""
+    _, x_test, _, y_test = digits
+    steps = sparkdl.data.steps_per_epoch(digits_df.count(), 2, 16)
+    marker = str(tmp_path / "crashed")
+    settings = dict(num_workers=2, epochs=8, batch_size=16, seed=0, timeout=60,
+                    custom_objects={"CrashOnFirstAttempt": CrashOnFirstAttempt})
+
+    faulty = sparkdl.fit(digits_df, _mlp_with_crash(1, 2 * steps + steps // 2, marker),
+                         checkpoint_dir=str(tmp_path / "ckpt"), **settings)
+    clean = sparkdl.fit(digits_df, _mlp_with_crash(-1, 0, None), **settings)  # the same model, never crashing
+
+    assert os.path.exists(marker)  # the worker really died once
+    assert faulty.initial_epoch == 2, "the retried stage should resume after epoch 2, not start over"
+    assert len(faulty.history["loss"]) == 8
+    assert json.loads((tmp_path / "ckpt" / "epoch-000008.json").read_text())["epoch"] == 8
+    accuracy = {name: float(np.mean(r.model.predict(x_test, verbose=0).argmax(axis=1) == y_test))
+                for name, r in (("faulty", faulty), ("clean", clean))}
+    assert accuracy["faulty"] >= accuracy["clean"] - 0.015 and accuracy["faulty"] >= 0.93, accuracy
+    np.testing.assert_allclose(faulty.history["loss"], clean.history["loss"], rtol=0.05)
+
+
+@pytest.mark.parametrize("mode, options", [("async", {"num_servers": 2}), ("average", {"sync_every": 9})])
+def test_server_and_average_modes_checkpoint_and_resume(digits_df, digits, tmp_path, mode, options):
+    _, x_test, _, y_test = digits
+    first = sparkdl.fit(digits_df, make_mlp(), num_workers=2, mode=mode, epochs=3, batch_size=16, seed=0,
+                        checkpoint_dir=str(tmp_path), **options)
+    saved = CheckpointStore.open(str(tmp_path)).latest()
+    assert saved.epoch == 3 and saved.mode == mode
+    assert saved.history.keys() == first.history.keys()  # the driver's checkpoints hold the final history
+    for name, values in first.history.items():
+        assert saved.history[name] == pytest.approx(values)
+    if mode == "async":  # the shards' optimizer state (Adam's moments and step count) travels beside the model
+        assert sorted(saved.arrays)[:2] == ["shard0/0", "shard0/1"] and any(k.startswith("shard1/") for k in saved.arrays)
+
+    resumed = sparkdl.fit(digits_df, make_mlp(), num_workers=2, mode=mode, epochs=5, batch_size=16, seed=0,
+                          checkpoint_dir=str(tmp_path), **options)
+    assert resumed.initial_epoch == 3 and len(resumed.history["loss"]) == 5
+    assert resumed.history["loss"][:3] == pytest.approx(first.history["loss"])
+    assert resumed.stats["samples"] == 2 * resumed.steps_per_epoch * 16 * 2  # only the 2 new epochs were trained
+    assert resumed.history["loss"][-1] < first.history["loss"][-1]
+    accuracy = float(np.mean(resumed.model.predict(x_test, verbose=0).argmax(axis=1) == y_test))
+    assert accuracy >= 0.9, (mode, accuracy)  # 5 epochs; the fault test holds a run to a clean one
+
+
+@pytest.mark.parametrize("location, message", [
+    ("", "Expected `checkpoint_dir` to be a path or URI"),
+    ("nosuchscheme://bucket/dir", "Cannot use checkpoint_dir='nosuchscheme://bucket/dir'"),
+])
+def test_bad_checkpoint_dir_fails_on_the_driver_before_any_job(spark, digits_df, location, message):
+    with no_spark_job(spark), pytest.raises(ValueError, match=message):
+        sparkdl.fit(digits_df, make_mlp(), checkpoint_dir=location)
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_any_job(spark, digits_df, tmp_path):
+    from sparkdl.train import serialization
+
+    CheckpointStore.open(str(tmp_path)).save(
+        Checkpoint(1, serialization.model_to_bytes(make_mlp(hidden=(8,))), {"loss": [1.0]}, "sync"))
+    with no_spark_job(spark), pytest.raises(ValueError, match="holds a checkpoint .* of a different model"):
+        sparkdl.fit(digits_df, make_mlp(hidden=(16,)), checkpoint_dir=str(tmp_path))
