@@ -44,8 +44,14 @@ def stdout_of(cell) -> str:
     return "".join(o.text for o in cell.outputs if o.output_type == "stream" and o.name == "stdout")
 
 
-def results_of(cell, mime):
-    return [o.data[mime] for o in cell.outputs if o.output_type in ("execute_result", "display_data") and mime in o.data]
+def results_of(cell, mime, output_type):
+    return [o.data[mime] for o in cell.outputs if o.output_type == output_type and mime in o.data]
+
+
+def progress_bars(notebook):
+    """The final state of every ipywidgets progress bar, as nbclient stores it in the notebook's metadata."""
+    widgets = notebook.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {})
+    return [w["state"] for w in widgets.get("state", {}).values() if w["model_name"] == "FloatProgressModel"]
 
 
 def test_quickstart_notebook(tmp_path):
@@ -55,10 +61,10 @@ def test_quickstart_notebook(tmp_path):
     assert accuracy, "the evaluation cell printed no test accuracy"
     assert float(accuracy.group(1)) > 0.9
 
-    (png,) = results_of(tagged_cell(notebook, "training-curves"), "image/png")
+    (png,) = results_of(tagged_cell(notebook, "training-curves"), "image/png", "display_data")
     assert base64.b64decode(png).startswith(b"\x89PNG")
 
-    (table,) = results_of(tagged_cell(notebook, "modes"), "text/plain")
+    (table,) = results_of(tagged_cell(notebook, "modes"), "text/plain", "execute_result")
     rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[2:]}  # after the header lines
     assert set(rows) == set(MODES)
     for mode, (seconds, test_accuracy) in rows.items():
@@ -66,3 +72,10 @@ def test_quickstart_notebook(tmp_path):
         assert float(test_accuracy) > 0.8, mode  # 5 epochs reach 0.9-0.97 here
 
     assert "Reloaded predictions agree: True" in stdout_of(tagged_cell(notebook, "save-load"))
+
+    # Each fit showed a live Jupyter progress widget (not text), and every one ran to its last step:
+    # the pipeline fit plus the warm-up and three mode fits.
+    assert len(results_of(tagged_cell(notebook, "modes"), "application/vnd.jupyter.widget-view+json", "display_data")) == 4
+    bars = progress_bars(notebook)
+    assert len(bars) == 5
+    assert all(bar["value"] == bar["max"] > 0 and bar["bar_style"] == "success" for bar in bars), bars
