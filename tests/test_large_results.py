@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -134,6 +135,31 @@ def test_fetching_a_name_the_driver_does_not_offer_fails_on_the_driver_naming_it
 
     with pytest.raises(ValueError, match=r"no payload named 'modle'; it offers \['model'\]"):
         run_tasks(spark.range(1, numPartitions=1), 1, task, barrier=True, offered={"model": b"x"})
+
+
+def test_the_relay_keeps_only_results_of_exactly_the_announced_size():
+    """A task's connection that sends more than it announced, or stops short, is dropped; nothing is kept."""
+    from sparkdl.collective.transport import connect_authenticated
+    from sparkdl.launch.relay import _HEADER, _RELAY_ID, OutputRelay
+
+    exchange = payloads.PayloadExchange()
+    with OutputRelay("127.0.0.1", b"s" * 32, 3, exchange=exchange) as relay:
+        for rank, announced, sent in ((0, 4, b"12345"), (1, 4, b"123"), (2, 3, b"123")):
+            sock = connect_authenticated(relay.address, rank, _RELAY_ID, b"s" * 32, timeout=10)
+            header = json.dumps({"attempt": 7, "size": announced}).encode()
+            sock.sendall(_HEADER.pack(payloads._RESULT, len(header)) + header)
+            sock.sendall(_HEADER.pack(payloads._CHUNK, len(sent)) + sent)
+            if rank == 2:  # the one honest upload is acknowledged
+                sock.settimeout(10)
+                kind, length = _HEADER.unpack(sock.recv(_HEADER.size, socket.MSG_WAITALL))
+                assert kind == payloads._REPLY and json.loads(sock.recv(length, socket.MSG_WAITALL)) == {"received": True}
+            sock.close()
+        relay.wait_until_quiet(10)
+    assert exchange.take(2, 7, 3) == b"123"
+    for rank in (0, 1):
+        with pytest.raises(RuntimeError, match=f"Partition {rank}'s task .attempt 7. finished, but its 4-byte result "
+                                               "never reached the driver's relay"):
+            exchange.take(rank, 7, 4)
 
 
 if __name__ == "__main__":

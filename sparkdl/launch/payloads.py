@@ -92,8 +92,12 @@ class _Session:
         if message is None:
             return
         if kind == _RESULT:
-            header = json.loads(message)
-            self._begin(conn, int(header["attempt"]), int(header["size"]), stopping)
+            try:
+                header = json.loads(message)
+                attempt, size = int(header["attempt"]), int(header["size"])
+            except (KeyError, TypeError) as exc:
+                raise ValueError(f"rank {self._rank} announced a result with a malformed header: {exc!r}") from None
+            self._begin(conn, attempt, size, stopping)
         else:
             self._serve(conn, message.decode("utf-8", "replace"), stopping)
 
