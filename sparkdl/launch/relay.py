@@ -8,10 +8,12 @@ exception raised by the task's function is sent as a JSON report (type,
 message, formatted traceback), so the driver can re-raise it as a
 :class:`~sparkdl.launch.errors.WorkerError`; training progress (epoch and
 step metrics, see ``sparkdl.progress``) travels the same way as small JSON
-frames.
+frames, and so do large payloads in both directions (``sparkdl.launch.payloads``:
+a task's result, a model the task fetches), which the relay hands to its
+``exchange``.
 
 The connection authenticates with a per-job secret like every sparkdl socket;
-frames are a fixed header plus at most ``MAX_FRAME_BYTES`` of text, and
+frames are a fixed header plus at most ``MAX_FRAME_BYTES`` of text or bytes, and
 nothing is unpickled. Forwarding never stalls the task: when the driver stops
 reading, the task drops further output (its executor log still has it).
 """
@@ -86,13 +88,16 @@ class OutputRelay:
     error that is not a consequence of another rank's failure, so the launcher
     can cancel the Spark job at once instead of waiting for timeouts.
     ``on_progress(rank, event)`` gets each progress event a task reports.
+    ``exchange`` (a ``sparkdl.launch.payloads.PayloadExchange``) gets the
+    frames of the kinds it names: the large payloads going up or down.
     """
 
     def __init__(self, host: str, secret: bytes, num_workers: int, *,
                  on_error: Callable[[ErrorReport], None] = lambda report: None,
                  on_progress: Callable[[int, dict], None] = lambda rank, event: None,
-                 stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None):
+                 exchange=None, stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None):
         self._secret = secret
+        self._exchange = exchange
         self._num_workers = num_workers
         self._on_error = on_error
         self._on_progress = on_progress
@@ -155,7 +160,7 @@ class OutputRelay:
                                     client_ranks=range(self._num_workers))
             conn.settimeout(0.5)
             self._read_frames(conn, rank)
-        except (_HandshakeFailed, OSError, ValueError) as exc:
+        except (_HandshakeFailed, OSError, ValueError, MemoryError) as exc:
             _log.warning("sparkdl output relay: dropped a connection: %s", exc or type(exc).__name__)
         finally:
             conn.close()
@@ -165,9 +170,13 @@ class OutputRelay:
 
     def _read_frames(self, conn: socket.socket, rank: int) -> None:
         partial = {_STDOUT: b"", _STDERR: b""}
+        session = self._exchange.open(rank) if self._exchange is not None else None
         try:
             while (header := _recv_exact(conn, _HEADER.size, self._stopping)) is not None:
                 kind, length = _HEADER.unpack(header)
+                if session is not None and kind in session.KINDS:
+                    session.handle(conn, kind, length, self._stopping)
+                    continue
                 if kind not in (_STDOUT, _STDERR, _ERROR, _PROGRESS) or length > MAX_FRAME_BYTES:
                     raise ValueError(f"rank {rank} sent a malformed frame (kind {kind}, {length} bytes)")
                 payload = _recv_exact(conn, length, self._stopping)
@@ -213,30 +222,43 @@ class OutputRelay:
             self._on_error(report)
 
 
-def _recv_exact(conn: socket.socket, size: int, stopping: threading.Event) -> Optional[bytes]:
+def _recv_exact(conn: socket.socket, size: int, stopping: Optional[threading.Event]) -> Optional[bytes]:
     """``size`` bytes, or None when the peer closed cleanly before the first byte (or the relay stops)."""
     buffer = bytearray(size)
-    view = memoryview(buffer)
+    return bytes(buffer) if _recv_into(conn, memoryview(buffer), stopping) else None
+
+
+def _recv_into(conn: socket.socket, view: memoryview, stopping: Optional[threading.Event]) -> bool:
+    """Fills ``view``; False when the peer closed cleanly before the first byte (or ``stopping`` is set).
+
+    Without ``stopping`` (a task's side) the socket's timeout ends the wait with ``TimeoutError``;
+    with it (the driver's side, short socket timeouts) the wait lasts until the relay stops.
+    """
     received = 0
-    while received < size:
+    while received < len(view):
         try:
             count = conn.recv_into(view[received:])
         except (TimeoutError, socket.timeout):
+            if stopping is None:
+                raise
             if stopping.is_set():
-                return None
+                return False
             continue
         if count == 0:
             if received:
-                raise ValueError(f"connection closed in the middle of a frame ({received} of {size} bytes)")
-            return None
+                raise ValueError(f"connection closed in the middle of a frame ({received} of {len(view)} bytes)")
+            return False
         received += count
-    return bytes(buffer)
+    return True
 
 
 class _Forwarder:
-    """Task side: one authenticated connection to the relay, shared by the pipe threads and error reports."""
+    """Task side: one authenticated connection to the relay, shared by the pipe threads, error reports
+    and payloads (which only the task's own thread reads answers for)."""
 
     def __init__(self, address: str, secret: bytes, rank: int, timeout: float):
+        self._rank = rank
+        self._timeout = timeout
         try:
             self._sock = connect_authenticated(address, rank, _RELAY_ID, secret, timeout=min(timeout, 30.0))
         except Exception as exc:
@@ -246,16 +268,40 @@ class _Forwarder:
         self._lock = threading.Lock()
         self._broken = False
 
-    def send(self, kind: int, payload: bytes) -> None:
-        for start in range(0, len(payload), MAX_FRAME_BYTES):
-            chunk = payload[start : start + MAX_FRAME_BYTES]
+    def send(self, kind: int, payload: bytes, *, must_arrive: bool = False) -> None:
+        """Sends ``payload`` as frames of ``kind``. Output is dropped when the driver stopped reading
+        (rather than stall the task); with ``must_arrive`` that raises ``ConnectionError`` instead."""
+        view = memoryview(payload)
+        for start in range(0, len(view), MAX_FRAME_BYTES):
+            chunk = view[start : start + MAX_FRAME_BYTES]
             with self._lock:
-                if self._broken:
-                    return
                 try:
+                    if self._broken:
+                        raise ConnectionError("an earlier send failed")
                     self._sock.sendall(_HEADER.pack(kind, len(chunk)) + chunk)
-                except OSError:
-                    self._broken = True  # the driver stopped reading: drop output rather than stall the task
+                except OSError as exc:
+                    self._broken = True
+                    if must_arrive:
+                        raise ConnectionError(f"rank {self._rank} lost its connection to the driver's relay: "
+                                              f"{exc}") from exc
+                    return
+
+    def receive_header(self) -> tuple[int, int]:
+        """The next frame's kind and length from the driver (only payload answers come this way)."""
+        header = bytearray(_HEADER.size)
+        self.receive_into(memoryview(header))
+        return _HEADER.unpack(header)
+
+    def receive_into(self, view: memoryview) -> None:
+        try:
+            complete = _recv_into(self._sock, view, None)
+        except (TimeoutError, socket.timeout):
+            raise TimeoutError(f"rank {self._rank}: the driver's relay did not answer within {self._timeout} "
+                               "seconds") from None
+        except ValueError as exc:
+            raise ConnectionError(f"rank {self._rank}: the driver's relay {exc}") from None
+        if not complete:
+            raise ConnectionError(f"rank {self._rank}: the driver's relay closed the connection")
 
     def close(self) -> None:
         with self._lock:
@@ -266,18 +312,22 @@ class _Forwarder:
 
 
 class TaskReporter:
-    """What a task's code may tell the driver besides its output: its error, and its progress."""
+    """What a task's code may tell the driver besides its output: its error, and its progress.
+
+    ``connection`` is the task's connection to the driver, over which
+    ``sparkdl.launch.payloads`` moves large bytes either way.
+    """
 
     def __init__(self, forwarder: "_Forwarder", rank: int):
-        self._forwarder = forwarder
+        self.connection = forwarder
         self._rank = rank
 
     def error(self, exc: BaseException) -> None:
-        self._forwarder.send(_ERROR, ErrorReport.from_exception(self._rank, exc).to_json())
+        self.connection.send(_ERROR, ErrorReport.from_exception(self._rank, exc).to_json())
 
     def progress(self, event: dict) -> None:
         """Sends a small JSON-able dict; never blocks the task for long and never raises."""
-        self._forwarder.send(_PROGRESS, json.dumps(event).encode())
+        self.connection.send(_PROGRESS, json.dumps(event).encode())
 
 
 @contextlib.contextmanager

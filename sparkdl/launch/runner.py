@@ -65,5 +65,5 @@ def run(train_fn: Callable[..., Any], num_workers: int = 2, *, args: tuple = (),
         return cloudpickle.dumps(result) if BarrierTaskContext.get().partitionId() == 0 else None
 
     placeholder = spark.range(num_workers, numPartitions=num_workers)
-    results = run_tasks(placeholder, num_workers, task, barrier=True, timeout=timeout)
+    results = run_tasks(placeholder, num_workers, task, barrier=True, timeout=timeout, spark_results=True)
     return cloudpickle.loads(results[0])

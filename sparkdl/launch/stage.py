@@ -3,7 +3,9 @@
 The DataFrame is repartitioned to exactly N partitions right before
 ``mapInArrow(..., barrier=...)`` (barrier stages refuse coalesce/union
 lineage), each task gets its partition as Arrow record batches, and each
-task's return value comes back to the driver as binary rows. While the job
+task's return value comes back to the driver over the task's connection to the
+driver's relay (``payloads``: not through the JVMs, whatever its size), or for
+bytes that will be unpickled as binary rows through Spark. While the job
 runs, every task's output is relayed to the driver (``relay``); the first
 task to raise cancels the job and its exception is re-raised on the driver
 as a ``WorkerError`` with the remote traceback. A task that dies without
@@ -23,12 +25,15 @@ from pyspark.sql import DataFrame, SparkSession
 
 from sparkdl import _compat
 from sparkdl.collective import Listener, RingCommunicator
-from sparkdl.launch import gpu
+from sparkdl.launch import gpu, payloads
 from sparkdl.launch.errors import worker_error
 from sparkdl.launch.relay import OutputRelay, TaskReporter, forward_output
 
-_RESULT_SCHEMA = "partition int, chunk int, payload binary"
-_RESULT_ARROW_SCHEMA = pa.schema([("partition", pa.int32()), ("chunk", pa.int32()), ("payload", pa.binary())])
+# One row per task that returned bytes (the bytes themselves only with spark_results, in chunks): which
+# attempt of the task Spark kept, and how many bytes it returned.
+_RESULT_SCHEMA = "partition int, attempt bigint, size bigint, chunk int, payload binary"
+_RESULT_ARROW_SCHEMA = pa.schema([("partition", pa.int32()), ("attempt", pa.int64()), ("size", pa.int64()),
+                                  ("chunk", pa.int32()), ("payload", pa.binary())])
 _CHUNK_BYTES = 32 << 20  # keeps each binary row far below Arrow's 2 GB limit
 
 # A task gets its partition's batches and its reporter (errors, progress) and returns bytes for the driver.
@@ -75,40 +80,54 @@ _REPORT_GRACE_SECONDS = 10.0
 
 def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier: bool,
               timeout: float = 600.0,
-              on_progress: Callable[[int, dict], None] = lambda rank, event: None) -> dict[int, bytes]:
+              on_progress: Callable[[int, dict], None] = lambda rank, event: None,
+              offered: Optional[dict[str, bytes]] = None, spark_results: bool = False) -> dict[int, bytes]:
     """Runs ``task`` once per partition of ``frame.repartition(num_workers)``.
 
     Returns the bytes each task returned, by partition index (tasks returning
-    None are left out). ``barrier=True`` starts all tasks together, as the
-    ring needs; otherwise they are ordinary tasks that Spark may retry alone.
-    ``timeout`` bounds how long a task waits to reach the driver's relay.
-    ``on_progress(rank, event)`` receives the tasks' progress reports as they come.
+    None are left out). They come over the driver's relay, of any size (as a
+    ``bytearray``, sparing a copy); with ``spark_results`` through Spark's
+    task results instead (the driver JVM's heap, ``spark.driver.maxResultSize``):
+    for bytes the caller unpickles, which must never come from a socket.
+    ``offered`` names payloads the tasks may fetch from the driver's relay
+    (``payloads.fetch(reporter, name)``) instead of carrying them in the
+    closure. ``barrier=True`` starts all tasks together, as the ring needs;
+    otherwise they are ordinary tasks that Spark may retry alone. ``timeout``
+    bounds how long a task waits to reach the driver's relay and each of its
+    answers. ``on_progress(rank, event)`` receives the tasks' progress reports as they come.
     """
     sc = frame.sparkSession.sparkContext
     local_mode = _is_local_mode(sc.master)
     relay_secret = secrets.token_bytes(32)
     tag = f"sparkdl-{secrets.token_hex(8)}"
+    exchange = payloads.PayloadExchange(offered)
     relay = OutputRelay(sc.getConf().get("spark.driver.host"), relay_secret, num_workers,
-                        on_error=lambda report: sc.cancelJobsWithTag(tag), on_progress=on_progress)
+                        on_error=lambda report: sc.cancelJobsWithTag(tag), on_progress=on_progress,
+                        exchange=exchange)
     relay_address = relay.address  # the closure below must not capture the relay itself
 
     def run_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TensorFlow's INFO lines, times N workers, are noise
         context = TaskContext.get()
-        partition = context.partitionId()
+        partition, attempt = context.partitionId(), context.taskAttemptId()
         gpu.pin_task_gpus(context.resources(), partition, local_mode)
         with forward_output(relay_address, relay_secret, partition, timeout,
                             keep_local_copy=not local_mode) as reporter:
             try:
                 payload = task(batches, reporter)
+                if payload is not None and not spark_results:
+                    payloads.upload(reporter, payload, attempt)  # before this attempt can report success
             except BaseException as exc:
                 reporter.error(exc)
                 raise
         if payload is None:
             return
-        for index, start in enumerate(range(0, max(len(payload), 1), _CHUNK_BYTES)):
+        chunks = range(0, max(len(payload), 1), _CHUNK_BYTES) if spark_results else (None,)
+        for index, start in enumerate(chunks):
+            data = None if start is None else payload[start : start + _CHUNK_BYTES]
             yield pa.RecordBatch.from_pydict(
-                {"partition": [partition], "chunk": [index], "payload": [payload[start : start + _CHUNK_BYTES]]},
+                {"partition": [partition], "attempt": [attempt], "size": [len(payload)], "chunk": [index],
+                 "payload": [data]},
                 schema=_RESULT_ARROW_SCHEMA,
             )
 
@@ -129,11 +148,29 @@ def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier
     finally:
         sc.removeJobTag(tag)
         relay.close()
+    try:
+        return _results(table, None if spark_results else exchange)
+    finally:
+        exchange.discard_rest()
+
+
+def _results(table: pa.Table, exchange: Optional[payloads.PayloadExchange]) -> dict[int, bytes]:
+    """Each partition's bytes, from the attempt Spark kept: the relay's upload of that attempt, or the rows' chunks."""
     table = table.sort_by([("partition", "ascending"), ("chunk", "ascending")])
-    results: dict[int, list[bytes]] = {}
-    for partition, payload in zip(table.column("partition").to_pylist(), table.column("payload").to_pylist()):
-        results.setdefault(partition, []).append(payload)
-    return {partition: b"".join(chunks) for partition, chunks in results.items()}
+    kept: dict[int, tuple[int, int]] = {}
+    chunks: dict[int, list[bytes]] = {}
+    for partition, attempt, size, payload in zip(*(table.column(name).to_pylist()
+                                                  for name in ("partition", "attempt", "size", "payload"))):
+        kept[partition] = (attempt, size)
+        chunks.setdefault(partition, []).append(payload)
+    if exchange is not None:
+        return {partition: exchange.take(partition, attempt, size) for partition, (attempt, size) in kept.items()}
+    results = {partition: b"".join(parts) for partition, parts in chunks.items()}
+    for partition, data in results.items():
+        if len(data) != kept[partition][1]:
+            raise RuntimeError(f"Partition {partition}'s task returned {kept[partition][1]} bytes, but {len(data)} "
+                               "arrived through Spark.")
+    return results
 
 
 def connect_collective(secret: bytes, timeout: float) -> RingCommunicator:

@@ -14,17 +14,22 @@ from pyspark import TaskContext
 
 from sparkdl import data
 from sparkdl.checkpoint import BackgroundWriter, Checkpoint, CheckpointStore
-from sparkdl.launch import run_tasks
+from sparkdl.launch import payloads, run_tasks
 from sparkdl.launch.relay import TaskReporter
 from sparkdl.launch.backends import trainer_communicator
 from sparkdl.train import reporting, serialization, sync
 
+_MODEL = "model"  # the name the driver offers the model to train under
+
 
 @dataclasses.dataclass(frozen=True)
 class SyncJob:
-    """Everything a task needs, shipped from the driver in the task closure."""
+    """Everything a task needs but the model, shipped from the driver in the task closure.
 
-    model_bytes: bytes
+    The model, which may be far larger than a closure should be (a Spark Connect
+    message, the driver JVM's heap), is fetched from the driver's relay by rank 0.
+    """
+
     secret: bytes
     shapes: data.ColumnShapes
     epochs: int
@@ -52,7 +57,6 @@ def run_sync(training: data.TrainingData, *, model_bytes: bytes, num_workers: in
     ``fit`` or after Spark retried the stage because a task was lost.
     """
     job = SyncJob(
-        model_bytes=model_bytes,
         secret=secrets.token_bytes(32),
         shapes=training.shapes,
         epochs=epochs,
@@ -68,7 +72,7 @@ def run_sync(training: data.TrainingData, *, model_bytes: bytes, num_workers: in
         callbacks=tuple(callbacks),
     )
     results = run_tasks(training.frame, num_workers, lambda batches, reporter: run_sync_task(batches, reporter, job),
-                        barrier=True, timeout=timeout, on_progress=on_progress)
+                        barrier=True, timeout=timeout, on_progress=on_progress, offered={_MODEL: model_bytes})
     return serialization.result_from_bytes(results[0])
 
 
@@ -88,10 +92,9 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, job
         if job.validate and validation_rows.sum() == 0:
             raise ValueError("No worker partition got a validation row: the validation set is empty.")
         limit_threads_to_task_cpus()
-        resumed = _resume_point(comm, job.checkpoints)
-        model = serialization.model_from_bytes(resumed.model_bytes if resumed else job.model_bytes, job.custom_objects)
-        initial_epoch = resumed.epoch if resumed else 0
-        earlier_history = resumed.history if resumed else {}
+        start = _starting_point(comm, job.checkpoints, reporter)
+        model = serialization.model_from_bytes(start.model_bytes, job.custom_objects)
+        initial_epoch, earlier_history = start.epoch, start.history
         validation = sync.Validation(x_val, y_val, validation_rows) if job.validate else None
         callbacks = list(job.callbacks)
         saving = job.checkpoints is not None and comm.rank == 0
@@ -111,21 +114,20 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, job
                                              reporting.merge_histories(earlier_history, history), initial_epoch)
 
 
-def _resume_point(comm, checkpoints: Optional[CheckpointStore]) -> Optional[Checkpoint]:
-    """Rank 0 reads the newest checkpoint and sends its model to every rank, so only rank 0 touches storage.
+def _starting_point(comm, checkpoints: Optional[CheckpointStore], reporter: TaskReporter) -> Checkpoint:
+    """Rank 0 gets the model to start from, the newest checkpoint's or else the driver's, and sends it to
+    every rank: only rank 0 touches storage and fetches from the driver (other ranks get no history).
 
     Read in the task, not on the driver: when Spark retries the stage after a lost task, the
     retry must start from what the failed attempt saved.
     """
-    if checkpoints is None:
-        return None
-    latest = checkpoints.latest() if comm.rank == 0 else None
-    header = comm.broadcast(np.array([latest.epoch, len(latest.model_bytes)] if latest else [0, 0], np.int64))
-    epoch, size = int(header[0]), int(header[1])
-    if size == 0:
-        return None
-    payload = comm.broadcast(np.frombuffer(latest.model_bytes, np.uint8) if latest else np.empty(size, np.uint8))
-    return latest if latest else Checkpoint(epoch, payload.tobytes(), {}, "sync")
+    start = None
+    if comm.rank == 0:
+        start = (checkpoints.latest() if checkpoints is not None else None) or \
+            Checkpoint(0, payloads.fetch(reporter, _MODEL), {}, "sync")
+    header = comm.broadcast(np.array([start.epoch, len(start.model_bytes)] if start else [0, 0], np.int64))
+    model = comm.broadcast(np.frombuffer(start.model_bytes, np.uint8) if start else np.empty(int(header[1]), np.uint8))
+    return start or Checkpoint(int(header[0]), model.tobytes(), {}, "sync")
 
 
 def limit_threads_to_task_cpus() -> None:
