@@ -156,7 +156,7 @@ def fit(
     tracking.check_available(tensorboard_dir, log_to_mlflow)
     checkpoints = CheckpointStore.open(checkpoint_dir) if checkpoint_dir is not None else None
     resumed = _newest_checkpoint(checkpoints, model, custom_objects)
-    launch.check_slots(df.sparkSession, num_workers, wait_seconds=30.0)
+    launch.check_slots(df.sparkSession, num_workers, wait_seconds=30.0, mode=mode)
     seed = secrets.randbelow(2**31) if seed is None else seed
     training = data.prepare(df, features_col, label_col, num_workers, validation_col=validation_col,
                             validation_split=validation_split, seed=seed)

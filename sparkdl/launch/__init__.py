@@ -1,6 +1,7 @@
 """Running functions on Spark tasks: the barrier stage, worker output and errors, GPUs, collective backends."""
 
 from sparkdl.launch.errors import WorkerError
-from sparkdl.launch.stage import check_slots, connect_collective, run_tasks, task_slots
+from sparkdl.launch.session import task_slots
+from sparkdl.launch.stage import check_slots, connect_collective, run_tasks
 
 __all__ = ["WorkerError", "check_slots", "connect_collective", "run_tasks", "task_slots"]

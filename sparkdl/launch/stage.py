@@ -14,6 +14,7 @@ raising (a lost executor) is left to Spark's retries.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import time
@@ -25,9 +26,11 @@ from pyspark.sql import DataFrame, SparkSession
 
 from sparkdl import _compat
 from sparkdl.collective import Listener, RingCommunicator
-from sparkdl.launch import gpu, payloads
+from sparkdl.launch import gpu, payloads, session
 from sparkdl.launch.errors import worker_error
 from sparkdl.launch.relay import OutputRelay, TaskReporter, forward_output
+
+logger = logging.getLogger(__name__)
 
 # One row per task that returned bytes (the bytes themselves only with spark_results, in chunks): which
 # attempt of the task Spark kept, and how many bytes it returned.
@@ -40,38 +43,43 @@ _CHUNK_BYTES = 32 << 20  # keeps each binary row far below Arrow's 2 GB limit
 TaskFunction = Callable[[Iterable[pa.RecordBatch], TaskReporter], Optional[bytes]]
 
 
-def task_slots(spark: SparkSession) -> int:
-    """How many tasks the cluster can run at once right now (what a barrier stage needs)."""
-    sc = spark.sparkContext._jsc.sc()
-    profile = sc.resourceProfileManager().defaultResourceProfile()
-    return int(sc.maxNumConcurrentTasks(profile))
+def _why_all_at_once(mode: str, slots: int) -> str:
+    """Why ``mode`` needs a slot per worker, for the error that says it has too few."""
+    if mode in ("async", "hogwild", "ssp"):
+        return (f"In mode={mode!r} every worker trains against the parameter server at the same time: workers "
+                "beyond the free slots would wait for one while the server waits for them, until `timeout`")
+    if mode == "average":
+        return (f"In mode='average' the tasks of every round would run in waves of {slots}, each round taking "
+                "that many times longer")
+    return "A barrier stage needs all of its tasks running together"
 
 
-def _is_local_mode(master: str) -> bool:
-    """``local[...]``: tasks are threads of one JVM (fixed slots, no GPU scheduling); not ``local-cluster``."""
-    return master.startswith("local") and not master.startswith("local-cluster")
-
-
-def check_slots(spark: SparkSession, num_workers: int, wait_seconds: float) -> None:
-    """Fails fast when the barrier stage could never be scheduled, instead of letting Spark hang or retry.
+def check_slots(spark: SparkSession, num_workers: int, wait_seconds: float, *, mode: str = "sync") -> None:
+    """Fails fast when the workers could never run together, instead of letting Spark (or the server) hang.
 
     Executors of a freshly started cluster register over a few seconds, so the
     check waits up to ``wait_seconds`` for enough of them (not in local mode,
-    whose slots are fixed).
+    whose slots are fixed, nor under Spark Connect, whose slots are read from
+    the server's settings). ``mode`` is the training mode ("sync" for any
+    barrier stage); the error says why that mode needs the slots.
     """
-    master = spark.sparkContext.master
-    if _is_local_mode(master):
+    master = session.master(spark)
+    if session.is_local_mode(master) or session.is_connect(spark):
         wait_seconds = 0.0
     deadline = time.monotonic() + wait_seconds
-    while (slots := task_slots(spark)) < num_workers:
+    while (slots := session.task_slots(spark)) is not None and slots < num_workers:
         if time.monotonic() >= deadline:
             raise ValueError(
                 f"Expected `num_workers` <= the cluster's task slots. Received num_workers={num_workers}, but the "
                 f"cluster runs {slots} tasks at once (master={master!r}, "
-                f"spark.task.cpus={spark.conf.get('spark.task.cpus', '1')}). A barrier stage needs all of its "
-                "tasks running together: lower num_workers or add executors/cores."
+                f"spark.task.cpus={spark.conf.get('spark.task.cpus', '1')}). {_why_all_at_once(mode, slots)}: "
+                "lower num_workers or add executors/cores."
             )
         time.sleep(0.5)
+    if slots is None:
+        logger.info("sparkdl: the task slots of master=%r cannot be read over Spark Connect (set "
+                    "spark.executor.instances and spark.executor.cores to enable the check): the slot check is "
+                    "skipped, and Spark's own barrier check applies", master)
 
 
 # How long the driver waits, after a failed job, for the tasks' last output and error reports.
@@ -96,14 +104,13 @@ def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier
     bounds how long a task waits to reach the driver's relay and each of its
     answers. ``on_progress(rank, event)`` receives the tasks' progress reports as they come.
     """
-    sc = frame.sparkSession.sparkContext
-    local_mode = _is_local_mode(sc.master)
+    spark = frame.sparkSession
+    local_mode = session.is_local_mode(session.master(spark))
     relay_secret = secrets.token_bytes(32)
-    tag = f"sparkdl-{secrets.token_hex(8)}"
+    tag = session.JobTag(spark)
     exchange = payloads.PayloadExchange(offered)
-    relay = OutputRelay(sc.getConf().get("spark.driver.host"), relay_secret, num_workers,
-                        on_error=lambda report: sc.cancelJobsWithTag(tag), on_progress=on_progress,
-                        exchange=exchange)
+    relay = OutputRelay(session.driver_host(spark), relay_secret, num_workers,
+                        on_error=lambda report: tag.cancel(), on_progress=on_progress, exchange=exchange)
     relay_address = relay.address  # the closure below must not capture the relay itself
 
     def run_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -136,9 +143,9 @@ def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier
         # Spark retries a failed barrier stage only when it is a shuffle-map stage (a failed barrier
         # result stage aborts the job): the shuffle makes the training stage retryable after a lost task.
         results = results.repartition(1)
-    sc.addJobTag(tag)
     try:
-        table = _compat.collect_arrow(results)
+        with tag:
+            table = _compat.collect_arrow(results)
     except Exception:
         relay.wait_until_quiet(_REPORT_GRACE_SECONDS)
         report = relay.first_error()
@@ -146,7 +153,6 @@ def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier
             raise  # no task's own code raised (an executor was lost, Spark's retries ran out): Spark's error says it
         raise worker_error(report, relay.reports) from None
     finally:
-        sc.removeJobTag(tag)
         relay.close()
     try:
         return _results(table, None if spark_results else exchange)

@@ -7,7 +7,8 @@ numpy array without any per-row Python objects, the model runs on ``batch_size``
 and the results go back as Arrow arrays built from the numpy buffers. Only the features column
 travels to Python; every other column stays on the JVM.
 
-The model bytes travel once per executor as a Spark broadcast. Each Python worker process
+The model bytes travel once per executor as a Spark broadcast (under Spark Connect, which has
+no broadcasts, in the UDF's closure, within Connect's gRPC message limit). Each Python worker process
 deserializes a model once, keyed by the SHA-256 of its bytes, and keeps it for later tasks and
 later ``predict`` calls with the same bytes (Python workers are reused,
 ``spark.python.worker.reuse=true``, Spark's default).
@@ -34,6 +35,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from sparkdl import data
+from sparkdl.launch import session
 
 MULTICLASS = "multiclass"  # softmax over >1 units: prediction = argmax, probability = the softmax
 BINARY = "binary"  # one sigmoid unit p: prediction = 1.0 if p > 0.5, probability = [1 - p, p]
@@ -130,7 +132,7 @@ def predict(df: DataFrame, model_bytes: bytes, *, features_col: Union[str, Seque
 
     spec = _TaskSpec(
         digest=digest,
-        model=_broadcast(df.sparkSession, digest, model_bytes),
+        model=_shipped_model(df.sparkSession, digest, model_bytes),
         custom_objects=custom_objects,
         info=info,
         # Error messages name the column a bad value came from: for a list, position i is column i.
@@ -224,14 +226,19 @@ def _driver_model_info(digest: str, model_bytes: bytes, custom_objects: Optional
     return _DRIVER_INFO[digest]
 
 
-def _broadcast(spark, digest: str, model_bytes: bytes):
-    """One broadcast per model and SparkContext, shared by every ``predict`` call with the same bytes."""
+def _shipped_model(spark, digest: str, model_bytes: bytes):
+    """One broadcast per model and SparkContext, shared by every ``predict`` call with the same bytes.
+
+    Under Spark Connect the bytes go in the UDF's closure (checked against the message limit here).
+    """
+    if session.is_connect(spark):
+        return session.ship(spark, model_bytes, size=len(model_bytes), what="the model")
     sc = spark.sparkContext
     cached = _BROADCASTS.get(digest)
     if cached is not None and cached[0] is sc and sc._jsc is not None:
         _BROADCASTS.move_to_end(digest)
         return cached[1]
-    broadcast = sc.broadcast(model_bytes)
+    broadcast = session.ship(spark, model_bytes)
     _BROADCASTS[digest] = (sc, broadcast)
     _BROADCASTS.move_to_end(digest)
     while len(_BROADCASTS) > _DRIVER_CACHE_SIZE:
@@ -289,10 +296,10 @@ def _shape_string(shape: tuple) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class _TaskSpec:
-    """What every task needs; small apart from the broadcast handle (the model bytes are not in it)."""
+    """What every task needs; small apart from the model (a broadcast handle on a classic session)."""
 
     digest: str
-    model: object  # pyspark Broadcast of the .keras bytes
+    model: object  # the .keras bytes as a pyspark Broadcast (classic) or in the closure (Connect): ``.value``
     custom_objects: Optional[dict]
     info: ModelInfo
     feature_names: tuple

@@ -6,14 +6,18 @@ Training runs in ROUNDS, each one ordinary (non-barrier) Spark job:
 1. The driver broadcasts the current state with ``SparkContext.broadcast``: the
    model's weights AND the optimizer's variables (Adam's moments, the iteration
    count, ...) as a list of numpy arrays, so that every round's local
-   optimizers continue where the last round left off.
+   optimizers continue where the last round left off. (Under Spark Connect,
+   which has no broadcasts, the state and the model travel in the round's task
+   closure instead: ``launch.session.ship``.)
 2. One task per partition of ``training.frame.repartition(num_workers)``
    (persisted once for the whole job) sets that state on a Keras model cached
    in its Python worker, trains ``sync_every`` steps on its own rows with the
    model's own optimizer, and adds its DELTA (new state - broadcast state) to
    a Spark accumulator over lists of numpy arrays. Per-task counters
    (contributions, samples, steps, delta bytes) go to a second accumulator,
-   the round's training metrics come back as Arrow rows of the job.
+   the round's training metrics come back as Arrow rows of the job. (Under
+   Spark Connect, which has no accumulators, the delta and the counters come
+   back as binary rows of the same job: ``sparkdl.ps.deltas``.)
 3. The driver averages the deltas (sum / number of contributions), applies
    them, drops the old broadcast and broadcasts the new state.
 
@@ -57,7 +61,9 @@ multiple of it) the evaluated model is exactly the one at the epoch's end.
 Choosing ``sync_every``: see ``recommended_sync_every`` (half an epoch, with the figures).
 
 Nothing here unpickles data from our own sockets: only Spark's broadcast and
-accumulator machinery moves state.
+accumulator machinery (under Connect: the job's closure and its result rows,
+read with ``allow_pickle=False``) moves state, so executors need not reach the
+driver, nor, under Spark Connect, the client.
 """
 
 from __future__ import annotations
@@ -73,19 +79,21 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 import pyarrow as pa
 from pyspark import StorageLevel, TaskContext
-from pyspark.accumulators import AccumulatorParam
 
 from sparkdl import _compat, data
 from sparkdl.checkpoint import BackgroundWriter, Checkpoint, CheckpointStore
+from sparkdl.launch import session
 from sparkdl.progress import ProgressMonitor
+from sparkdl.ps.deltas import ROW_FIELDS, RoundDeltas, Sender
 from sparkdl.train import serialization
 from sparkdl.train.reporting import merge_histories
 
 logger = logging.getLogger(__name__)
 
-_METRICS_SCHEMA = "partition int, epoch int, steps int, metric string, value double"
+# A round's rows: metrics (partition, epoch, steps, metric, value) and, under Connect, delta chunks.
+_METRICS_SCHEMA = "partition int, epoch int, steps int, metric string, value double, chunk int, payload binary"
 _METRICS_ARROW_SCHEMA = pa.schema([("partition", pa.int32()), ("epoch", pa.int32()), ("steps", pa.int32()),
-                                   ("metric", pa.string()), ("value", pa.float64())])
+                                   ("metric", pa.string()), ("value", pa.float64()), *ROW_FIELDS])
 _ROWS_SCHEMA = "partition int, rows long, validation_rows long"
 # Columns of the per-partition counter matrix.
 _CONTRIBUTIONS, _SAMPLES, _STEPS, _DELTA_BYTES = range(4)
@@ -93,34 +101,6 @@ _CONTRIBUTIONS, _SAMPLES, _STEPS, _DELTA_BYTES = range(4)
 # Python workers are reused between tasks (spark.python.worker.reuse=true): the
 # deserialized model stays here between rounds, keyed by the job's token.
 _MODEL_CACHE: dict[str, "_CachedModel"] = {}
-
-
-class ArrayListParam(AccumulatorParam):
-    """Elementwise sum of equally long lists of numpy arrays; ``[]`` is the zero.
-
-    A task's single ``add`` keeps its arrays' own dtype (float32 deltas travel at
-    4 bytes a value); sums on the driver widen to float64 / int64.
-    """
-
-    def zero(self, value):
-        return []
-
-    def addInPlace(self, value1, value2):
-        if len(value1) == 0:
-            return value2
-        if len(value2) == 0:
-            return value1
-        if len(value1) != len(value2):
-            raise ValueError(f"Cannot add lists of {len(value1)} and {len(value2)} arrays.")
-        total = []
-        for a, b in zip(value1, value2):
-            wide = np.float64 if np.issubdtype(a.dtype, np.floating) else np.int64
-            if a.dtype == wide:
-                a += b
-            else:
-                a = a.astype(wide) + b
-            total.append(a)
-        return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +164,7 @@ def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_worker
     """
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     started = time.perf_counter()
-    sc = training.frame.sparkSession.sparkContext
+    spark = training.frame.sparkSession
     steps_per_epoch = data.steps_per_epoch(training.num_rows, num_workers, batch_size)
     initial_epoch = resumed.epoch if resumed is not None else 0
     job = _AverageJob(
@@ -208,7 +188,8 @@ def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_worker
                                 resumed.history if resumed is not None else {})
 
     frame = training.frame.repartition(num_workers).persist(StorageLevel.MEMORY_AND_DISK)
-    model_broadcast = sc.broadcast(model_bytes)
+    model_broadcast = session.ship(spark, model_bytes, size=len(model_bytes), what="the model")
+    state_bytes = len(model_bytes) + sum(array.nbytes for array in state)  # each round's closure holds both
     state_broadcast = None
     totals = np.zeros(4, np.int64)
     with writer or contextlib.nullcontext():  # waits for the last checkpoint; raises if one was not written
@@ -219,24 +200,24 @@ def run_average(training: "data.TrainingData", *, model_bytes: bytes, num_worker
                         sync_every)
             for round_index in range(rounds):
                 round_started = time.perf_counter()
-                state_broadcast = sc.broadcast(state)
-                deltas = sc.accumulator([], ArrayListParam())
-                counters = sc.accumulator([], ArrayListParam())
+                state_broadcast = session.ship(spark, state, size=state_bytes, what="the model and its state")
+                deltas = RoundDeltas(spark)
 
                 def round_task(batches, _job=job, _round=round_index, _model=model_broadcast, _state=state_broadcast,
-                               _deltas=deltas, _counters=counters):
-                    return _round_task(batches, _job, _round, _model, _state, _deltas, _counters)
+                               _sender=deltas.sender()):
+                    return _round_task(batches, _job, _round, _model, _state, _sender)
 
                 table = _compat.collect_arrow(frame.mapInArrow(round_task, _METRICS_SCHEMA))
-                state = _apply_average(state, deltas.value, counters.value, num_workers, round_index)
-                totals += counters.value[0].sum(axis=0)
+                delta_sums, counter_sums = deltas.sums(table)
+                state = _apply_average(state, delta_sums, counter_sums, num_workers, round_index)
+                totals += counter_sums[0].sum(axis=0)
                 _add_metrics(table, sums, names)
                 state_broadcast.unpersist()
                 state_broadcast.destroy()
                 state_broadcast = None
                 publisher.round_done(round_index, state, time.perf_counter() - round_started)
             if job.validate:  # the last round's epochs: no next round evaluates the final state, so one extra job does
-                state_broadcast = sc.broadcast(state)
+                state_broadcast = session.ship(spark, state, size=state_bytes, what="the model and its state")
 
                 def evaluate_task(batches, _job=job, _model=model_broadcast, _state=state_broadcast):
                     return _evaluate_task(batches, _job, _model, _state, _job.epochs_finished(rounds - 1))
@@ -392,6 +373,8 @@ def _apply_average(state: list[np.ndarray], delta_sums: list, counter_sums: list
 
 def _add_metrics(table: pa.Table, sums: dict, names: list) -> None:
     for epoch, steps, name, value in zip(*(table.column(c).to_pylist() for c in ("epoch", "steps", "metric", "value"))):
+        if name is None:  # a row of a delta (Spark Connect), not a metric
+            continue
         if name not in names:
             names.append(name)
         entry = sums.setdefault((name, epoch), [0.0, 0])
@@ -404,15 +387,15 @@ def _add_metrics(table: pa.Table, sums: dict, names: list) -> None:
 
 
 def _round_task(batches: Iterable[pa.RecordBatch], job: _AverageJob, round_index: int, model_broadcast,
-                state_broadcast, deltas, counters) -> Iterator[pa.RecordBatch]:
-    """One worker's round: set the broadcast state, train its steps, add the delta; returns metric rows."""
+                state_broadcast, sender: Sender) -> Iterator[pa.RecordBatch]:
+    """One worker's round: set the shipped state, train its steps, send the delta; returns its rows."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # before anything in this worker imports Keras
     x, y, x_val, y_val = job.shapes.split_numpy(batches)
     rank = TaskContext.get().partitionId()
     if len(x) == 0:
         raise ValueError(f"Worker partition {rank} got no training rows: every worker needs at least one row.")
     cached, state = _load_state(job, model_broadcast, state_broadcast)
-    rows: dict[str, list] = {name: [] for name in _METRICS_ARROW_SCHEMA.names}
+    rows = _empty_rows()
     if job.validate and round_index > 0:  # the state just set is the averaged model after the last round's epochs
         _evaluate(cached.model, x_val, y_val, job, rank, job.epochs_finished(round_index - 1), rows)
     _seed_round(cached, job, rank, round_index)
@@ -432,17 +415,25 @@ def _round_task(batches: Iterable[pa.RecordBatch], job: _AverageJob, round_index
             for name, value in logs.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
         for name, total in totals.items():
-            for column, value in zip(_METRICS_ARROW_SCHEMA.names,
-                                     (rank, epoch, end - position, name, total / (end - position))):
-                rows[column].append(value)
+            _add_row(rows, rank, epoch, end - position, name, total / (end - position))
         position = end
 
     delta = [_delta(_read(variable), old) for variable, old in zip(cached.variables, state)]
     counts = np.zeros((job.num_workers, 4), np.int64)
     counts[rank] = (1, (stop - start) * b, stop - start, sum(d.nbytes for d in delta))
-    deltas.add(delta)
-    counters.add([counts])
+    for chunk, payload in sender.send(delta, counts):
+        _add_row(rows, rank, chunk=chunk, payload=payload)
     return iter([pa.RecordBatch.from_pydict(rows, schema=_METRICS_ARROW_SCHEMA)])
+
+
+def _empty_rows() -> dict[str, list]:
+    return {name: [] for name in _METRICS_ARROW_SCHEMA.names}
+
+
+def _add_row(rows: dict[str, list], partition: int, epoch=None, steps=None, metric=None, value=None, chunk=None,
+             payload=None) -> None:
+    for column, item in zip(_METRICS_ARROW_SCHEMA.names, (partition, epoch, steps, metric, value, chunk, payload)):
+        rows[column].append(item)
 
 
 def _evaluate_task(batches: Iterable[pa.RecordBatch], job: _AverageJob, model_broadcast, state_broadcast,
@@ -450,7 +441,7 @@ def _evaluate_task(batches: Iterable[pa.RecordBatch], job: _AverageJob, model_br
     """The evaluation-only pass after the last round: the final averaged state on this worker's held-out rows."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     _, _, x_val, y_val = job.shapes.split_numpy(batches)
-    rows: dict[str, list] = {name: [] for name in _METRICS_ARROW_SCHEMA.names}
+    rows = _empty_rows()
     if len(x_val):
         cached, _ = _load_state(job, model_broadcast, state_broadcast)
         _evaluate(cached.model, x_val, y_val, job, TaskContext.get().partitionId(), epochs, rows)
@@ -458,7 +449,7 @@ def _evaluate_task(batches: Iterable[pa.RecordBatch], job: _AverageJob, model_br
 
 
 def _load_state(job: _AverageJob, model_broadcast, state_broadcast) -> tuple[_CachedModel, list[np.ndarray]]:
-    """The worker's cached model, set to the broadcast state."""
+    """The worker's cached model, set to the shipped state."""
     cached = _cached_model(job, model_broadcast)
     state = state_broadcast.value
     if len(state) != len(cached.variables):
@@ -476,8 +467,7 @@ def _evaluate(model, x_val: np.ndarray, y_val: np.ndarray, job: _AverageJob, ran
     logs = model.evaluate(x_val, y_val, batch_size=job.batch_size, verbose=0, return_dict=True)
     for epoch in epochs:
         for name, value in logs.items():
-            for column, item in zip(_METRICS_ARROW_SCHEMA.names, (rank, epoch, len(x_val), f"val_{name}", float(value))):
-                rows[column].append(item)
+            _add_row(rows, rank, epoch, len(x_val), f"val_{name}", float(value))
 
 
 def _delta(new: np.ndarray, old: np.ndarray) -> np.ndarray:

@@ -1,8 +1,12 @@
 """The driver side of the parameter-server modes: serve the shards while the worker tasks train.
 
-Spark's own primitives carry what they suit: a broadcast ships the job (model,
-server addresses, secret) to the tasks, and accumulators count what the tasks
-did. The server binds to the driver's address only and is stopped, its ports
+The job (model, server addresses, secret) reaches the tasks as a broadcast on a
+classic session, in the task closure under Spark Connect (``launch.session.ship``).
+What the tasks did (samples, pushes, pulls, bytes) comes back in each task's
+returned payload, on both kinds of session: a payload is kept for the one
+successful attempt of each partition, exactly what accumulators would merge, and
+it needs no JVM (Spark Connect has no accumulators). The server binds to the
+driver's address only (``launch.session.driver_host``) and is stopped, its ports
 released, when training returns or raises.
 """
 
@@ -19,10 +23,11 @@ from pyspark.sql import SparkSession
 from sparkdl import launch
 from sparkdl.checkpoint import BackgroundWriter, Checkpoint, CheckpointStore
 from sparkdl.data import TrainingData
+from sparkdl.launch import session
 from sparkdl.progress import ProgressMonitor, combine_worker_logs
 from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.server_model import ServerModel
-from sparkdl.ps.worker import AsyncJob, TaskCounters, run_async_task
+from sparkdl.ps.worker import COUNTERS, AsyncJob, run_async_task
 from sparkdl.train import serialization
 from sparkdl.train.reporting import merge_histories
 
@@ -42,7 +47,6 @@ def run_parameter_server(
     epoch. With ``checkpoints`` the server's state is saved each time every worker has
     finished an epoch (the weights then include whatever faster workers pushed since).
     """
-    sc = spark.sparkContext
     if resumed is not None:
         model_bytes = resumed.model_bytes
     server_model = ServerModel(serialization.model_from_bytes(model_bytes, custom_objects), num_servers)
@@ -51,31 +55,31 @@ def run_parameter_server(
                     "shards' optimizers start afresh", num_servers)
     initial_epoch = resumed.epoch if resumed is not None else 0
     earlier_history = resumed.history if resumed is not None else {}
-    host = sc.getConf().get("spark.driver.host")
+    host = session.driver_host(spark)
     secret = secrets.token_bytes(32)
-    counters = TaskCounters.create(sc)
     with ParameterServer(server_model.shards, host=host, secret=secret, mode=mode, num_workers=num_workers,
                          max_staleness=max_staleness, timeout=timeout) as server:
-        job = sc.broadcast(AsyncJob(
+        job = session.ship(spark, AsyncJob(
             model_bytes=model_bytes, secret=secret, addresses=server.addresses, shards=server_model.layout.shards,
             shapes=training.shapes, epochs=epochs, batch_size=batch_size,
             steps_per_epoch=steps_per_epoch, push_every=push_every, seed=seed, shuffle=shuffle, timeout=timeout,
             custom_objects=custom_objects, initial_epoch=initial_epoch, callbacks=tuple(callbacks),
-        ))
+        ), size=len(model_bytes), what="the model")
         with BackgroundWriter(checkpoints) if checkpoints else contextlib.nullcontext() as writer:
             if writer is not None:
                 monitor.add_listener(_ServerCheckpoints(writer, server, server_model, mode, earlier_history))
             try:
                 results = launch.run_tasks(
                     training.frame, num_workers,
-                    lambda batches, reporter: run_async_task(batches, reporter, job.value, counters),
+                    lambda batches, reporter: run_async_task(batches, reporter, job.value),
                     barrier=False, timeout=timeout, on_progress=monitor.on_event)
             finally:
                 job.destroy()
         server_stats = server.stats()
-    stats = {**counters.values(), "max_staleness": server_stats["max_staleness"],
-             "versions": server_stats["versions"], "refused_connections": server_stats["refused_connections"]}
-    history = merge_histories(earlier_history, combine_histories([json.loads(payload) for payload in results.values()]))
+    outcomes = [json.loads(payload) for payload in results.values()]
+    stats = {**{name: sum(outcome["counters"][name] for outcome in outcomes) for name in COUNTERS},
+             **{name: server_stats[name] for name in ("max_staleness", "versions", "refused_connections")}}
+    history = merge_histories(earlier_history, combine_histories(outcomes))
     return serialization.model_to_bytes(server_model.model), history, stats
 
 

@@ -22,7 +22,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
-from pyspark import Accumulator, TaskContext
+from pyspark import TaskContext
 
 from sparkdl import data
 from sparkdl.launch.relay import TaskReporter
@@ -54,21 +54,8 @@ class AsyncJob:
     callbacks: Sequence = ()  # the user's Keras callbacks
 
 
-@dataclasses.dataclass(frozen=True)
-class TaskCounters:
-    """Spark accumulators the tasks add their counts to (only successful attempts are merged)."""
-
-    samples: Accumulator
-    pushes: Accumulator
-    pulls: Accumulator
-    bytes: Accumulator
-
-    @classmethod
-    def create(cls, sc) -> "TaskCounters":
-        return cls(sc.accumulator(0), sc.accumulator(0), sc.accumulator(0), sc.accumulator(0))
-
-    def values(self) -> dict[str, int]:
-        return {name: getattr(self, name).value for name in ("samples", "pushes", "pulls", "bytes")}
+# What each task counts and returns in its payload; the driver sums them into the fit's stats.
+COUNTERS = ("samples", "pushes", "pulls", "bytes")
 
 
 class _Exchange:
@@ -103,11 +90,11 @@ class _Exchange:
         return self._layout.join(self._client.pull())
 
 
-def run_async_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, job: AsyncJob,
-                   counters: TaskCounters) -> Optional[bytes]:
+def run_async_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, job: AsyncJob) -> Optional[bytes]:
     """Trains against the server until this worker's share of steps is done, reporting its progress.
 
-    Returns JSON ``{"history": {metric: [per epoch from job.initial_epoch]}, "validation_rows": n}``.
+    Returns JSON ``{"history": {metric: [per epoch from job.initial_epoch]}, "validation_rows": n,
+    "counters": {name: count for name in COUNTERS}}``.
     """
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # before anything in this worker imports Keras
     import keras
@@ -148,12 +135,11 @@ def run_async_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, jo
                                 validation_batch_size=job.batch_size, callbacks=[progress, *job.callbacks])
         exchange.flush()
         client.done()
-    counters.samples.add((job.epochs - job.initial_epoch) * job.steps_per_epoch * job.batch_size)
-    counters.pushes.add(exchange.pushes)
-    counters.pulls.add(exchange.pulls)
-    counters.bytes.add(4 * sum(layout.shard_sizes) * (exchange.pushes + exchange.pulls))
+    counters = dict(zip(COUNTERS, ((job.epochs - job.initial_epoch) * job.steps_per_epoch * job.batch_size,
+                                   exchange.pushes, exchange.pulls,
+                                   4 * sum(layout.shard_sizes) * (exchange.pushes + exchange.pulls))))
     return json.dumps({"history": {name: [float(v) for v in values] for name, values in history.history.items()},
-                       "validation_rows": len(x_val)}).encode()
+                       "validation_rows": len(x_val), "counters": counters}).encode()
 
 
 def _assign_flat(variables: list, flat: np.ndarray) -> None:

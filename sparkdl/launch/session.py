@@ -1,0 +1,194 @@
+"""Classic or Spark Connect: the one place that knows which kind of SparkSession sparkdl runs on.
+
+A classic session drives a JVM in this process (``sparkContext``, broadcasts,
+accumulators, the cluster's live task slots). A Spark Connect session
+(``SparkSession.builder.remote("sc://...")``) talks to a server over gRPC and
+has none of those. Everything sparkdl needs that differs between the two is
+here: the master and the task slots, job tags, the address the driver-side
+listeners (output relay, parameter server) bind and advertise, and how a value
+is shipped to the tasks.
+
+Under Connect the "driver" of sparkdl's own listeners is this Python client:
+the tasks connect back to it, so its address must be one the executors reach.
+``SPARKDL_DRIVER_HOST`` names it explicitly; otherwise, when the Connect server
+runs on this machine, the server's ``spark.driver.host`` (an address of this
+machine its executors already reach) is used, and for a server elsewhere the
+address of the local interface that routes to the server's host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import re
+import secrets
+import socket
+from typing import Any, Optional
+
+from pyspark.sql import SparkSession
+
+logger = logging.getLogger(__name__)
+
+DRIVER_HOST_ENV = "SPARKDL_DRIVER_HOST"
+MAX_MESSAGE_SETTING = "spark.connect.grpc.maxInboundMessageSize"
+_DEFAULT_MAX_MESSAGE = 128 << 20  # Spark Connect's default for that setting and for the Python client's channel
+_MESSAGE_HEADROOM = 1 << 20  # the rest of a plan: the pickled function, the DataFrame's operators
+
+_LOCAL = re.compile(r"local(?:\[(\*|\d+)(?:,\s*\d+)?\])?$")
+_LOCAL_CLUSTER = re.compile(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]$")
+
+
+def is_connect(spark: SparkSession) -> bool:
+    """True for a Spark Connect session (it has no SparkContext, broadcasts or accumulators)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def master(spark: SparkSession) -> str:
+    """The cluster manager URL (``local[2]``, ``yarn``, ``spark://...``); "" when the server does not say."""
+    if not is_connect(spark):
+        return spark.sparkContext.master
+    return spark.conf.get("spark.master", "") or ""
+
+
+def is_local_mode(master_url: str) -> bool:
+    """``local[...]``: tasks are threads of one JVM (fixed slots, no GPU scheduling); not ``local-cluster``."""
+    return master_url.startswith("local") and not master_url.startswith("local-cluster")
+
+
+def task_slots(spark: SparkSession) -> Optional[int]:
+    """How many tasks the cluster can run at once right now, or None when that cannot be known.
+
+    Classic: Spark's own count of the live executors' slots. Connect (no JVM in this
+    process): derived from the server's settings: ``local[N]``, ``local[*]`` (when the
+    server runs on this machine), ``local-cluster[n,c,m]``, or ``spark.executor.instances``
+    x ``spark.executor.cores`` / ``spark.task.cpus`` when both are set.
+    """
+    if not is_connect(spark):
+        sc = spark.sparkContext._jsc.sc()
+        profile = sc.resourceProfileManager().defaultResourceProfile()
+        return int(sc.maxNumConcurrentTasks(profile))
+    task_cpus = int(spark.conf.get("spark.task.cpus", "1") or 1)
+    url = master(spark)
+    if local := _LOCAL.match(url):
+        if local.group(1) is None:
+            return 1
+        if local.group(1) != "*":
+            return int(local.group(1))
+        return (os.cpu_count() or 1) if server_is_on_this_machine(spark) else None
+    if cluster := _LOCAL_CLUSTER.match(url):
+        return int(cluster.group(1)) * (int(cluster.group(2)) // task_cpus)
+    instances, cores = spark.conf.get("spark.executor.instances", None), spark.conf.get("spark.executor.cores", None)
+    if instances and cores:
+        return int(instances) * (int(cores) // task_cpus)
+    return None
+
+
+def server_host(spark: SparkSession) -> str:
+    """The Connect server's host name, as this client reaches it."""
+    return spark.client.host.strip("[]")
+
+
+def server_is_on_this_machine(spark: SparkSession) -> bool:
+    try:
+        address = socket.getaddrinfo(server_host(spark), None)[0][4][0]
+    except OSError:
+        return False
+    if ipaddress.ip_address(address).is_loopback:
+        return True
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
+        probe.bind((address, 0))  # only an address of this machine can be bound
+        return True
+    return False
+
+
+def driver_host(spark: SparkSession) -> str:
+    """The address sparkdl's driver-side listeners bind and tell the tasks (module docstring)."""
+    if not is_connect(spark):
+        return spark.sparkContext.getConf().get("spark.driver.host")
+    if explicit := os.environ.get(DRIVER_HOST_ENV):
+        return explicit
+    if server_is_on_this_machine(spark):
+        return spark.conf.get("spark.driver.host", None) or "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent: it only picks a route
+        probe.connect((server_host(spark), 9))
+        address = probe.getsockname()[0]
+    logger.info("sparkdl: Spark Connect: the tasks will connect back to this client at %s (the interface that "
+                "routes to the server); set %s if the executors reach it under another address",
+                address, DRIVER_HOST_ENV)
+    return address
+
+
+class JobTag:
+    """A tag on the Spark jobs this thread starts while ``with tag:`` runs; ``cancel()`` stops them from any thread."""
+
+    def __init__(self, spark: SparkSession):
+        self._spark = spark
+        self.name = f"sparkdl-{secrets.token_hex(8)}"
+
+    def cancel(self) -> None:
+        if is_connect(self._spark):
+            self._spark.interruptTag(self.name)
+        else:
+            self._spark.sparkContext.cancelJobsWithTag(self.name)
+
+    def __enter__(self) -> "JobTag":
+        if is_connect(self._spark):
+            self._spark.addTag(self.name)
+        else:
+            self._spark.sparkContext.addJobTag(self.name)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if is_connect(self._spark):
+            self._spark.removeTag(self.name)
+        else:
+            self._spark.sparkContext.removeJobTag(self.name)
+
+
+class InClosure:
+    """A value that travels inside the task closure; reads like a Broadcast (``value``, ``destroy``)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def unpersist(self, blocking: bool = False) -> None:
+        """Nothing to release: the value goes with each job's plan."""
+
+    def destroy(self) -> None:
+        """Nothing to release: the value goes with each job's plan."""
+
+
+def ship(spark: SparkSession, value: Any, *, size: int = 0, what: str = "the value"):
+    """Makes ``value`` available to the tasks as ``.value``: a broadcast (classic), or in the closure (Connect).
+
+    Under Connect the closure travels in the job's plan through one gRPC message:
+    ``size`` (the value's bytes) is checked against the limit first, and a value too
+    large fails here, on the driver, naming the setting to raise.
+    """
+    if not is_connect(spark):
+        return spark.sparkContext.broadcast(value)
+    check_message_size(spark, size, what)
+    return InClosure(value)
+
+
+def check_message_size(spark: SparkSession, size: int, what: str) -> None:
+    """Under Connect: fails when ``size`` bytes cannot go to the server in one plan (gRPC message limit)."""
+    server_limit = int(spark.conf.get(MAX_MESSAGE_SETTING, None) or _DEFAULT_MAX_MESSAGE)
+    options = dict(getattr(getattr(spark.client, "_builder", None), "_channel_options", None) or ())
+    client_limit = int(options.get("grpc.max_send_message_length", _DEFAULT_MAX_MESSAGE))
+    limit = min(server_limit, client_limit)
+    if size + _MESSAGE_HEADROOM > limit:
+        raise ValueError(
+            f"Spark Connect sends {what} to the server inside the job's plan, one gRPC message of at most {limit} "
+            f"bytes; it is {size} bytes. Raise the server's {MAX_MESSAGE_SETTING} (now {server_limit}) and the "
+            f"client channel's grpc.max_send_message_length (now {client_limit}) above {size + _MESSAGE_HEADROOM}, "
+            "or use a classic SparkSession (which broadcasts it).")
+
+
+def on_connect_unsupported(spark: SparkSession, feature: str, instead: str) -> None:
+    """Fails on the driver for something that cannot work over Spark Connect."""
+    if is_connect(spark):
+        raise ValueError(f"{feature} is not supported over Spark Connect: {instead}")
+
