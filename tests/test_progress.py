@@ -15,9 +15,7 @@ import termios
 import threading
 import time
 from fcntl import ioctl
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 import sparkdl
@@ -341,3 +339,10 @@ def test_in_a_terminal_the_bar_is_drawn_and_every_epoch_line_stands_whole_above_
     assert all(segment.startswith("epoch ") for (segment, _), in lines.values()), lines
     for noise in _TENSORFLOW_START_UP:
         assert noise not in text, noise
+
+
+def test_the_estimators_progress_param_reaches_fit():
+    from sparkdl.ml import KerasEstimator
+
+    assert KerasEstimator(model=make_mlp(), progress=False).fit_arguments()["progress"] is False
+    assert "progress" not in KerasEstimator(model=make_mlp()).fit_arguments()  # fit's default: shown
