@@ -16,7 +16,7 @@ from sparkdl import _compat, data, launch, tracking
 from sparkdl.checkpoint import Checkpoint, CheckpointStore
 from sparkdl.data import ColumnSpec
 from sparkdl.launch.backends import check_backend
-from sparkdl.progress import ProgressMonitor, bar_is_visible
+from sparkdl.progress import ProgressMonitor
 from sparkdl.ps.average import recommended_sync_every, run_average
 from sparkdl.ps.driver import run_parameter_server
 from sparkdl.train import serialization
@@ -130,8 +130,9 @@ def fit(
             every executor reaches.
         callbacks: Keras callbacks to run inside every worker (sync mode: after the metrics are
             averaged over workers, so every rank sees, and decides on, the same values).
-        progress: show a progress bar where one can be seen (terminal, notebook); per-epoch
-            metrics and throughput are logged on the ``sparkdl.progress`` logger either way.
+        progress: show progress on the console: a bar where one can be seen (terminal, notebook) and
+            one line per epoch (docs/output.md). Epoch lines are logged on the ``sparkdl.progress``
+            logger (INFO) either way.
         tensorboard_dir: write per-epoch metrics and throughput there for TensorBoard (needs the
             ``tensorboard`` package), from the driver.
         log_to_mlflow: log the settings and per-epoch metrics to MLflow (the active run, or a new
@@ -181,7 +182,7 @@ def fit(
             steps_per_epoch=steps, backend=backend, **{k: v for k, v in options.items() if v is not None})))
     monitor = ProgressMonitor(epochs=epochs, steps_per_epoch=steps, initial_epoch=initial_epoch,
                               reporting_ranks=1 if mode in ("sync", "average") else num_workers,
-                              show_bar=progress and bar_is_visible(), listeners=listeners,
+                              console=progress, listeners=listeners,
                               description=f"sparkdl {mode} x{num_workers}")
     started = time.perf_counter()
     with monitor:

@@ -1,4 +1,4 @@
-"""Live training progress on the driver: a progress bar, log lines, and epoch-end listeners.
+"""Live training progress on the driver: a progress bar, one line per epoch, and epoch-end listeners.
 
 Workers report through their relay connection (``train.reporting``): step
 events at most once a second, and one event per epoch with its metrics and
@@ -6,10 +6,18 @@ throughput. :class:`ProgressMonitor` turns them into
 
 - a ``tqdm`` progress bar (``tqdm.auto``: a widget in Jupyter, text in a terminal),
   shown where someone can see it and not written into log files;
-- Python logging on the ``sparkdl.progress`` logger: one INFO line per epoch,
-  and a step line at most every ``STEP_LOG_SECONDS`` (what ``spark-submit`` logs keep);
+- one line per epoch, ``epoch 3/20  loss=0.1234  accuracy=0.9600  (4210 samples/s)``,
+  logged on the ``sparkdl.progress`` logger (INFO) and, where the user's logging
+  configuration would not show that record, printed to stdout by sparkdl itself:
+  exactly one line per epoch either way, without adding handlers or setting levels;
+  a step line at most every ``STEP_LOG_SECONDS`` is logged at DEBUG;
 - calls to the epoch listeners (TensorBoard, MLflow, the parameter-server
   checkpoint), once per epoch, with the metrics combined over the workers.
+
+While a text bar is shown, the epoch lines and everything else written to the
+console (the ``[rank N]`` worker output, ``print``, the root logger's console
+handlers, as tqdm's ``logging_redirect_tqdm`` does) go above it: the bar is
+cleared, the lines written, the bar drawn again, so that they do not garble each other.
 
 In sync mode rank 0 speaks for all ranks (their metrics are averaged already);
 in the parameter-server modes every worker reports and an epoch is complete
@@ -18,6 +26,7 @@ once all of them have finished it. Average mode reports from the driver itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -36,30 +45,63 @@ class EpochListener(Protocol):
     def close(self) -> None: ...
 
 
-def bar_is_visible() -> bool:
-    """A bar helps in a terminal or a notebook; in a log file it is noise."""
+def in_notebook() -> bool:
     try:
         from IPython import get_ipython
-
-        if get_ipython() is not None and "IPKernelApp" in get_ipython().config:
-            return True
     except ImportError:
-        pass
-    return sys.stderr.isatty()
+        return False
+    shell = get_ipython()
+    return shell is not None and "IPKernelApp" in shell.config
+
+
+def bar_is_visible() -> bool:
+    """A bar helps in a terminal or a notebook; in a log file it is noise."""
+    return in_notebook() or sys.stderr.isatty()
 
 
 def format_logs(logs: dict[str, float]) -> str:
-    return " ".join(f"{name}={value:.4g}" for name, value in sorted(logs.items()))
+    """``loss=0.1234  accuracy=0.9600  val_loss=...``: loss first, validation metrics last, as Keras shows them."""
+    names = sorted(logs, key=lambda name: (name.startswith("val_"), name.removeprefix("val_") != "loss"))
+    return "  ".join(f"{name}={_format_value(logs[name])}" for name in names)
+
+
+def _format_value(value: float) -> str:
+    return f"{value:.4f}" if value == 0 or abs(value) >= 1e-3 else f"{value:.4e}"
+
+
+def epoch_line(epoch: int, epochs: int, logs: dict[str, float], samples_per_second: float) -> str:
+    """One epoch's line (``epoch`` counts from 1)."""
+    return f"epoch {epoch}/{epochs}  {format_logs(logs)}  ({samples_per_second:.0f} samples/s)"
+
+
+def _logging_shows(record_logger: logging.Logger, level: int) -> bool:
+    """Whether a record at ``level`` would reach a handler of the user's logging configuration."""
+    if not record_logger.isEnabledFor(level):
+        return False
+    current = record_logger
+    while current is not None:
+        if any(level >= handler.level for handler in current.handlers):
+            return True
+        current = current.parent if current.propagate else None
+    return False
+
+
+def _is_console_handler(handler: logging.Handler) -> bool:
+    return isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr)
 
 
 class ProgressMonitor:
     """Collects the workers' progress events (from relay threads) and shows them.
 
     ``reporting_ranks`` is how many workers report per epoch (1 in sync mode).
+    ``console``: show progress on the console (the bar where one can be seen, and
+    the epoch lines unless the user's logging shows them); without it the epoch
+    lines are only logged. Use it as a context manager: while it is open and a text
+    bar is shown, other console output goes above the bar.
     """
 
     def __init__(self, *, epochs: int, steps_per_epoch: int, reporting_ranks: int, initial_epoch: int = 0,
-                 show_bar: bool = False, listeners: Sequence[EpochListener] = (), description: str = "sparkdl"):
+                 console: bool = False, listeners: Sequence[EpochListener] = (), description: str = "sparkdl"):
         self._epochs = epochs
         self._steps_per_epoch = steps_per_epoch
         self._reporting_ranks = reporting_ranks
@@ -71,8 +113,11 @@ class ProgressMonitor:
         self._rates: dict[int, float] = {}  # rank -> latest samples/s
         self._idle_ranks: set[int] = set()  # workers with nothing to train, which report no epochs
         self._step_logged_at = time.monotonic()
+        self._console = console
+        self._stdout = sys.stdout  # where sparkdl's own lines go, also while the console is redirected above a bar
+        self._redirects = contextlib.ExitStack()
         self._bar = None
-        if show_bar:
+        if console and bar_is_visible():
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=epochs * steps_per_epoch, initial=initial_epoch * steps_per_epoch,
@@ -106,8 +151,8 @@ class ProgressMonitor:
             self._update_bar(position, logs, rate)
             if time.monotonic() - self._step_logged_at >= STEP_LOG_SECONDS:
                 self._step_logged_at = time.monotonic()
-                logger.info("epoch %d/%d step %d/%d: %s - %.0f samples/s", epoch + 1, self._epochs,
-                            position - epoch * self._steps_per_epoch, self._steps_per_epoch, format_logs(logs), rate)
+                logger.debug("epoch %d/%d step %d/%d  %s  (%.0f samples/s)", epoch + 1, self._epochs,
+                             position - epoch * self._steps_per_epoch, self._steps_per_epoch, format_logs(logs), rate)
 
     def epoch_end(self, epoch: int, logs: dict[str, float], samples_per_second: float) -> None:
         """``epoch`` is finished everywhere; ``logs`` are its metrics over all workers."""
@@ -116,7 +161,7 @@ class ProgressMonitor:
                 return  # a retried task finishing an epoch again
             self._finished_epochs.add(epoch)
             self._update_bar(max(self._position(), (epoch + 1) * self._steps_per_epoch), logs, samples_per_second)
-        logger.info("epoch %d/%d: %s - %.0f samples/s", epoch + 1, self._epochs, format_logs(logs), samples_per_second)
+        self._epoch_line(epoch_line(epoch + 1, self._epochs, logs, samples_per_second))
         for listener in self._listeners:
             try:
                 listener.on_epoch(epoch, logs, samples_per_second)
@@ -127,6 +172,7 @@ class ProgressMonitor:
         self._listeners.append(listener)
 
     def close(self) -> None:
+        self._redirects.close()
         if self._bar is not None:
             self._bar.close()
         for listener in self._listeners:
@@ -136,12 +182,27 @@ class ProgressMonitor:
                 logger.exception("sparkdl: closing %s failed", type(listener).__name__)
 
     def __enter__(self) -> "ProgressMonitor":
+        if self._bar is not None and not in_notebook():  # a widget is drawn apart from the text: nothing to garble
+            for handler in logging.root.handlers:  # the user's console logging, as tqdm's logging_redirect_tqdm
+                if _is_console_handler(handler):
+                    original = handler.setStream(_AboveBar(handler.stream, self._bar))
+                    self._redirects.callback(handler.setStream, original)
+            self._stdout = self._redirects.enter_context(contextlib.redirect_stdout(_AboveBar(sys.stdout, self._bar)))
+            self._redirects.enter_context(contextlib.redirect_stderr(_AboveBar(sys.stderr, self._bar)))
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _epoch_line(self, line: str) -> None:
+        """Logged; and printed by sparkdl where the user's logging would not show it (one line either way)."""
+        printed_by_logging = _logging_shows(logger, logging.INFO)
+        logger.info("%s", line)
+        if not self._console or printed_by_logging:
+            return
+        print(line, file=self._stdout, flush=True)  # above the bar while one is shown in a terminal
 
     def _start(self, rank: int, initial_epoch: int) -> None:
         with self._lock:
@@ -174,6 +235,32 @@ class ProgressMonitor:
             return
         self._bar.update(max(position - self._bar.n, 0))
         self._bar.set_postfix_str(f"{format_logs(logs)} {samples_per_second:.0f} samples/s", refresh=True)
+
+
+class _AboveBar:
+    """A console stream whose lines go above a text progress bar: the bar is cleared, the lines written,
+    the bar drawn again, all under tqdm's lock (the bar's own updates take it too)."""
+
+    def __init__(self, stream, bar):
+        self._stream = stream
+        self._bar = bar
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        with self._bar.get_lock():
+            *lines, self._partial = (self._partial + text).split("\n")
+            if lines:
+                self._bar.clear(nolock=True)
+                self._stream.write("".join(line + "\n" for line in lines))
+                self._stream.flush()
+                self._bar.refresh(nolock=True)
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 def combine_worker_logs(logs: list[dict[str, float]], validation_rows: list[int]) -> dict[str, float]:

@@ -15,7 +15,6 @@ raising (a lost executor) is left to Spark's retries.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import time
 from typing import Callable, Iterable, Iterator, Optional
@@ -25,6 +24,7 @@ from pyspark import BarrierTaskContext, TaskContext
 from pyspark.sql import DataFrame, SparkSession
 
 from sparkdl import _compat
+from sparkdl._tf_log import quiet_tensorflow
 from sparkdl.collective import Listener, RingCommunicator
 from sparkdl.launch import gpu, payloads, session
 from sparkdl.launch.errors import worker_error
@@ -114,7 +114,7 @@ def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier
     relay_address = relay.address  # the closure below must not capture the relay itself
 
     def run_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TensorFlow's INFO lines, times N workers, are noise
+        quiet_tensorflow()  # before the task imports TensorFlow: its start-up lines, times N workers, are noise
         context = TaskContext.get()
         partition, attempt = context.partitionId(), context.taskAttemptId()
         gpu.pin_task_gpus(context.resources(), partition, local_mode)

@@ -31,7 +31,7 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
                  probabilityCol="probability", rawPredictionCol="rawPrediction", numWorkers=2, mode="sync",
                  epochs=1, batchSize=32, shuffle=True, seed=None, pushEvery=None, maxStaleness=None,
                  numServers=None, syncEvery=None, validationCol=None, validationSplit=None, timeout=600.0,
-                 checkpointDir=None, tensorboardDir=None, logToMlflow=None):
+                 checkpointDir=None, tensorboardDir=None, logToMlflow=None, progress=None):
         super().__init__()
         self._set(**self._input_kwargs)
 
@@ -40,7 +40,7 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
                   probabilityCol="probability", rawPredictionCol="rawPrediction", numWorkers=2, mode="sync",
                   epochs=1, batchSize=32, shuffle=True, seed=None, pushEvery=None, maxStaleness=None,
                   numServers=None, syncEvery=None, validationCol=None, validationSplit=None, timeout=600.0,
-                  checkpointDir=None, tensorboardDir=None, logToMlflow=None):
+                  checkpointDir=None, tensorboardDir=None, logToMlflow=None, progress=None):
         return self._set(**self._input_kwargs)
 
     def _fit(self, dataset) -> KerasModel:

@@ -61,12 +61,15 @@ class KerasTrainingParams(HasOutputCols, HasLabelCol, HasSeed):
                            typeConverter=TypeConverters.toString)
     logToMlflow = Param(Params._dummy(), "logToMlflow", "log settings and per-epoch metrics to MLflow",
                         typeConverter=TypeConverters.toBoolean)
+    progress = Param(Params._dummy(), "progress", "show a progress bar and one line per epoch on the console",
+                     typeConverter=TypeConverters.toBoolean)
 
     # Param name -> sparkdl.fit argument, for the settings passed only when set.
     OPTIONAL_FIT_ARGUMENTS = {
         "pushEvery": "push_every", "maxStaleness": "max_staleness", "numServers": "num_servers",
         "syncEvery": "sync_every", "validationCol": "validation_col", "validationSplit": "validation_split",
         "checkpointDir": "checkpoint_dir", "tensorboardDir": "tensorboard_dir", "logToMlflow": "log_to_mlflow",
+        "progress": "progress",
     }
 
     def __init__(self) -> None:
@@ -100,6 +103,6 @@ def _add_accessors(cls, names: list[str]) -> None:
 
 _add_accessors(KerasTrainingParams, ["model", "numWorkers", "mode", "epochs", "batchSize", "shuffle", "pushEvery",
                                      "maxStaleness", "numServers", "syncEvery", "validationCol", "validationSplit",
-                                     "timeout", "checkpointDir", "tensorboardDir", "logToMlflow"])
+                                     "timeout", "checkpointDir", "tensorboardDir", "logToMlflow", "progress"])
 _add_accessors(HasOutputCols, ["featuresCol", "predictionCol", "probabilityCol", "rawPredictionCol"])
 _add_accessors(KerasTrainingParams, ["labelCol", "seed"])
