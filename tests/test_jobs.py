@@ -53,7 +53,7 @@ def spark_submit(master, job, *job_args, conf=()):
 def event_log_conf(directory):
     directory.mkdir()
     return ("spark.eventLog.enabled=true", f"spark.eventLog.dir={directory.as_uri()}",
-            "spark.eventLog.rolling.enabled=false")  # one file
+            "spark.eventLog.rolling.enabled=false", "spark.eventLog.compress=false")  # one plain JSON file
 
 
 def read_event_log(directory):
