@@ -1,34 +1,52 @@
 """Train a Keras MLP on a Spark DataFrame with sparkdl, under spark-submit or plain python.
 
     python jobs/train.py                                  # digits, bundled with scikit-learn, on local[*]
-    spark-submit --master local-cluster[2,1,1024] jobs/train.py --num-workers 2
+    spark-submit --master 'local-cluster[2,1,1024]' jobs/train.py --num-workers 2
     spark-submit --properties-file conf/spark-local.conf jobs/train.py --config conf/jobs/train-async.toml --epochs 5
     python jobs/train.py --data some.parquet --features-col features --label-col label
+    python jobs/train.py --remote sc://localhost:15002   # over Spark Connect
 
-Prints per-epoch metrics and the test accuracy, and saves the trained model. Options come from
-flags and from a ``--config`` TOML file (conf/jobs/train-*.toml, one per mode); flags win.
+sparkdl logs one line per epoch; the job then prints the test accuracy and saves the trained model.
+Options come from flags and from a ``--config`` TOML file (conf/jobs/train-*.toml, one per mode);
+flags win. Every option is checked before Spark starts. Deploying: docs/deploying.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import concurrent.futures
 import os
 import sys
 
+import _checks
 import _config
-from _spark import spark_session  # first: it sets the environment before pyspark or keras is imported
+import _output
+import _spark  # first: it sets the environment before pyspark or keras is imported
 
-from sparkdl.api import MODES
+from sparkdl.api import MODES, check_mode_options
 
-# Settings that sparkdl.fit takes only when given: it rejects a setting the chosen mode does not use.
-OPTIONAL_FIT_SETTINGS = ("push_every", "max_staleness", "num_servers", "sync_every", "validation_split",
-                         "checkpoint_dir")
+# Settings that only some modes use (sparkdl.fit rejects one the chosen mode does not use).
+MODE_SETTINGS = ("push_every", "max_staleness", "num_servers", "sync_every")
+# Settings that sparkdl.fit takes only when given.
+OPTIONAL_FIT_SETTINGS = (*MODE_SETTINGS, "validation_split", "checkpoint_dir")
+
+_POSITIVE_INTEGER = (lambda v: v >= 1, "a positive integer")
+_FRACTION = (lambda v: 0 < v < 1, "a fraction in (0, 1)")
+NUMBER_RULES = {
+    "num_workers": _POSITIVE_INTEGER,
+    "epochs": _POSITIVE_INTEGER,
+    "batch_size": _POSITIVE_INTEGER,
+    "learning_rate": (lambda v: v > 0, "a positive number"),
+    "test_fraction": _FRACTION,
+    "validation_split": _FRACTION,
+    "seed": (lambda v: v >= 0, "a non-negative integer"),
+}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = _config.job_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--data", help="Parquet dataset to train on (default: scikit-learn's digits)")
+    parser.add_argument("--data", help="Parquet dataset to train on (default: scikit-learn's digits). A local path "
+                                       "is checked before Spark starts; hdfs://, s3a://, ... are checked by Spark")
     parser.add_argument("--features-col", default="features",
                         help="vector/array column, or comma-separated numeric columns (default: features)")
     parser.add_argument("--label-col", default="label", help="integer class label column (default: label)")
@@ -47,16 +65,78 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="output/model.keras", help="where to save the trained model")
     parser.add_argument("--test-output", help="also write the held-out test rows as Parquet (input for predict.py)")
-    parser.add_argument("--master", help="Spark master when run with plain python (spark-submit sets its own)")
-    return _config.parse_args(parser, argv)
+    _spark.add_arguments(parser)
+    return parser
 
 
-def load_digits_frame(spark):
+def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The options, checked: a bad one ends the job (exit status 2) before Spark starts."""
+    parser = parser or build_parser()
+    args = _config.parse_args(parser, argv)
+    flags = _checks.flag_names(parser)
+    try:
+        _checks.check_numbers(args, flags, NUMBER_RULES)
+        check_mode_options(args.mode, flags, **{name: getattr(args, name) for name in MODE_SETTINGS})
+        _spark.check_arguments(args)
+    except ValueError as e:
+        _checks.fail(parser, str(e))
+    return args
+
+
+def load_in_background(args: argparse.Namespace):
+    """Keras, seeded, and the default data split (None with --data): what the job needs besides Spark."""
+    import keras
+
+    keras.utils.set_random_seed(args.seed)
+    return None if args.data else digits(args.test_fraction, args.seed)
+
+
+def digits(test_fraction: float, seed: int):
+    """scikit-learn's digits, split on the driver into training and held-out test arrays."""
+    import numpy as np
     from sklearn.datasets import load_digits
 
     x, y = load_digits(return_X_y=True)
-    rows = [((pixels / 16.0).tolist(), int(label)) for pixels, label in zip(x, y)]
-    return spark.createDataFrame(rows, "features array<float>, label int")
+    x, y = (x / 16.0).astype(np.float32), y.astype(np.int32)
+    order = np.random.default_rng(seed).permutation(len(x))
+    test, train = order[:round(len(x) * test_fraction)], order[round(len(x) * test_fraction):]
+    return (x[train], y[train]), (x[test], y[test])
+
+
+def digits_frame(spark, x, y):
+    """Rows ``features array<float>, label int``, built from Arrow arrays (no Python object per row)."""
+    import numpy as np
+    import pyarrow as pa
+
+    offsets = pa.array(np.arange(0, x.size + 1, x.shape[1], dtype=np.int32))
+    features = pa.ListArray.from_arrays(offsets, pa.array(x.ravel()))
+    return spark.createDataFrame(pa.table({"features": features, "label": pa.array(y)}))
+
+
+def width_and_classes(df, features, label_col: str) -> tuple[int, int]:
+    """The features' width and the number of classes (largest label + 1), in one Spark job."""
+    from pyspark.sql import functions as F
+
+    from sparkdl.data import features_array
+
+    expr, _ = features_array(df, features)  # checks the columns' types, naming them
+    if label_col not in df.columns:
+        raise ValueError(f"Column {label_col!r} given as `label_col` is not in the data. Available columns: {df.columns}")
+    row = df.agg(F.max(F.size(expr)), F.max(label_col)).first()
+    if row[0] is None:
+        raise ValueError("Expected `data` to hold rows to train on. Received: no rows")
+    return int(row[0]), int(row[1]) + 1
+
+
+def test_arrays(test_df, features, label_col: str, width: int):
+    """The held-out rows as numpy arrays on the driver (one Spark job; fine for a test split of this size)."""
+    from pyspark.sql import functions as F
+
+    from sparkdl.data import features_array
+
+    table = test_df.select(features_array(test_df, features)[0].alias("x"), F.col(label_col).alias("y")).toArrow()
+    x = table.column("x").combine_chunks().flatten().to_numpy(zero_copy_only=False).reshape(-1, width)
+    return x, table.column("y").to_numpy()
 
 
 def build_mlp(width: int, classes: int, learning_rate: float):
@@ -73,53 +153,78 @@ def build_mlp(width: int, classes: int, learning_rate: float):
     return model
 
 
-def test_accuracy(model, test_df, features, label_col: str) -> float:
-    """Scores the held-out split on the driver (fine for the demo's small test split)."""
+def train(spark, args: argparse.Namespace, digits_split) -> None:
+    """Trains, scores and saves; ``digits_split`` is the default data's ``digits()``, None with --data."""
     import numpy as np
-    from sparkdl import data
-
-    prepared = data.prepare(test_df, features, label_col, num_workers=1)
-    x, y = prepared.shapes.to_numpy(prepared.frame.toArrow().to_batches())
-    return float(np.mean(model.predict(x, verbose=0).argmax(axis=1) == y))
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import keras
-    from pyspark.sql import functions as F
 
     import sparkdl
 
-    keras.utils.set_random_seed(args.seed)
-    spark = spark_session("sparkdl-train", args.master)
-    df = spark.read.parquet(args.data) if args.data else load_digits_frame(spark)
+    phase = _output.phase
     features = args.features_col.split(",") if "," in args.features_col else args.features_col
-    train_df, test_df = df.randomSplit([1 - args.test_fraction, args.test_fraction], seed=args.seed)
-    train_df = train_df.cache()
-
-    width = sparkdl.data.prepare(train_df.limit(1), features, args.label_col, num_workers=1).shapes.feature_width
-    classes = int(train_df.agg(F.max(args.label_col)).first()[0]) + 1
+    with phase("data"):
+        if args.data:
+            df = spark.read.parquet(args.data)
+            train_df, test_df = df.randomSplit([1 - args.test_fraction, args.test_fraction], seed=args.seed)
+            train_df = train_df.cache()  # read again by sparkdl's checks and by the training stage
+        else:  # on the driver already: its width and classes cost no Spark job
+            (x_train, y_train), (x_test, y_test) = digits_split
+            train_df, width, classes = digits_frame(spark, x_train, y_train), x_train.shape[1], int(y_train.max()) + 1
+    if args.data:
+        with phase("width_and_classes"):
+            width, classes = width_and_classes(train_df, features, args.label_col)
     model = build_mlp(width, classes, args.learning_rate)
 
     optional = {name: getattr(args, name) for name in OPTIONAL_FIT_SETTINGS if getattr(args, name) is not None}
-    result = sparkdl.fit(train_df, model, features_col=features, label_col=args.label_col,
-                         num_workers=args.num_workers, mode=args.mode, epochs=args.epochs,
-                         batch_size=args.batch_size, seed=args.seed, **optional)
-    for epoch in range(len(result.history["loss"])):
-        metrics = "  ".join(f"{name}={values[epoch]:.4f}" for name, values in result.history.items())
-        print(f"epoch {epoch + 1:3d}/{args.epochs}  {metrics}")
+    with phase("fit"):
+        result = sparkdl.fit(train_df, model, features_col=features, label_col=args.label_col,
+                             num_workers=args.num_workers, mode=args.mode, epochs=args.epochs,
+                             batch_size=args.batch_size, seed=args.seed, **optional)
     print(f"trained on {result.num_workers} workers in {result.seconds:.1f}s ({args.mode} mode, "
           f"{result.steps_per_epoch} steps/epoch of {args.batch_size} rows per worker)")
-    print(f"test accuracy: {test_accuracy(result.model, test_df, features, args.label_col):.4f}")
+    with phase("test"):
+        if args.data:
+            x_test, y_test = test_arrays(test_df, features, args.label_col, width)
+        accuracy = float(np.mean(result.model.predict(x_test, verbose=0).argmax(axis=1) == y_test))
+    print(f"test accuracy: {accuracy:.4f}")
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    result.model.save(args.output)
+    with phase("save"):
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        result.model.save(args.output)
     print(f"saved model to {args.output}")
     if args.test_output:
-        test_df.write.mode("overwrite").parquet(args.test_output)
+        with phase("test_output"):
+            (test_df if args.data else digits_frame(spark, x_test, y_test)).write.mode("overwrite").parquet(
+                args.test_output)
         print(f"wrote the test rows to {args.test_output}")
-    spark.stop()
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parse_args(argv, parser)
+    _output.configure(args.verbose)
+    flags = _checks.flag_names(parser)
+    with _output.phase("checks"):
+        conf = None if _spark.remote_url(args) else _spark.classic_conf(args)
+        if args.data:
+            try:
+                _checks.check_exists("--data", args.data, remote=conf is None,
+                                     plain_path_is_local=conf is not None and _spark.is_local(conf.get("spark.master")))
+            except ValueError as e:
+                _checks.fail(parser, str(e))
+    # Keras (TensorFlow) and the default data load while Spark starts: both mostly wait, on disk and on the JVM.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        loading = pool.submit(load_in_background, args)
+        with _output.phase("session"):
+            spark = _spark.spark_session("sparkdl-train", args, conf)
+        with _output.phase("background"):  # what is left of loading Keras and the data
+            digits_split = loading.result()
+    try:
+        train(spark, args, digits_split)
+    except ValueError as e:  # the library's (and the data's) errors: one line, naming the job's flags
+        _output.logger.info("the error's trace:", exc_info=True)
+        _checks.fail(parser, _checks.in_flags(str(e), flags))
+    finally:
+        spark.stop()
     return 0
 
 

@@ -256,20 +256,41 @@ _MODE_OPTIONS = {
 }
 
 
-def _mode_options(model, mode: str, **options) -> dict:
-    """Checks the mode-specific settings: a setting the chosen mode does not use is an error, not ignored."""
+def check_mode_options(mode: str, names: Optional[dict[str, str]] = None, **options) -> None:
+    """Checks the settings only some modes use: one the mode does not use, or a bad value, is an error.
+
+    ``names`` maps a setting (and ``mode``) to what the errors call it, e.g. a job's flags
+    (``{"mode": "--mode", "max_staleness": "--max-staleness"}``); by default the argument names.
+    """
+    names = names or {}
+
+    def called(name):
+        return names.get(name, f"`{name}`")
+
+    def shown(name, value):
+        return f"{names[name]} {value}" if name in names else f"{name}={value!r}"
+
     for name, value in options.items():
         if value is None:
             continue
         if mode not in _MODE_OPTIONS[name]:
-            modes = " or ".join(repr(m) for m in _MODE_OPTIONS[name])
-            raise ValueError(f"`{name}` applies to mode={modes} only. Received: {name}={value!r} with mode={mode!r}")
+            modes = (f"{names['mode']} {' or '.join(_MODE_OPTIONS[name])}" if "mode" in names
+                     else "mode=" + " or ".join(map(repr, _MODE_OPTIONS[name])))
+            raise ValueError(f"{called(name)} applies to {modes} only. "
+                             f"Received: {shown(name, value)} with {shown('mode', mode)}")
         minimum = 0 if name == "max_staleness" else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             kind = "non-negative" if minimum == 0 else "positive"
-            raise ValueError(f"Expected `{name}` to be a {kind} integer. Received: {name}={value!r}")
-    if mode == "ssp" and options["max_staleness"] is None:
-        raise ValueError("mode='ssp' needs `max_staleness`: how many pushes a worker may run ahead of the slowest.")
+            raise ValueError(f"Expected {called(name)} to be a {kind} integer. "
+                             f"Received: {shown(name, value)}")
+    if mode == "ssp" and options.get("max_staleness") is None:
+        raise ValueError(f"{shown('mode', mode)} needs {called('max_staleness')}: how many "
+                         "pushes a worker may run ahead of the slowest.")
+
+
+def _mode_options(model, mode: str, **options) -> dict:
+    """Checks the mode-specific settings, and that the model has enough variables for ``num_servers`` shards."""
+    check_mode_options(mode, **options)
     variables = len(model.trainable_variables)
     if (options["num_servers"] or 1) > variables:
         raise ValueError(f"Expected `num_servers` <= the model's {variables} trainable variables (a shard holds whole "

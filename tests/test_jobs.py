@@ -1,10 +1,14 @@
-"""The jobs, run the way users run them: spark-submit (also on a cluster of separate executor processes) and python,
-with their TOML config files."""
+"""The jobs, run the way users run them: through the real spark-submit (on a cluster of separate executor processes,
+and on too few slots), with plain python, and with their TOML config files; their checks before Spark starts."""
 
+import importlib.util
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,29 +16,70 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-JOBS = Path(__file__).resolve().parent.parent / "jobs"
-CONFIGS = JOBS.parent / "conf" / "jobs"
+ROOT = Path(__file__).resolve().parent.parent
+JOBS = ROOT / "jobs"
+CONFIGS = ROOT / "conf" / "jobs"
 TRAIN_JOB = str(JOBS / "train.py")
 PREDICT_JOB = str(JOBS / "predict.py")
+SPARK_SUBMIT = os.path.join(os.path.dirname(sys.executable), "spark-submit")
 
 # The jobs import their helpers as top-level modules, as they do when spark-submit runs them.
 sys.path.insert(0, str(JOBS))
+import _spark  # noqa: E402
 import predict  # noqa: E402
 import train  # noqa: E402
 from sparkdl.api import MODES  # noqa: E402
 
 
-def run_job(command, tmp_path):
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+def run_job(command, cwd, expect_rc=0):
+    """Runs a job as a user would (this virtualenv's bin first on PATH, as after `source .venv/bin/activate`);
+    returns its output, stdout and stderr together (spark-submit merges the job's stderr into stdout anyway)."""
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
+    for name in ("PYSPARK_PYTHON", "PYSPARK_GATEWAY_PORT", "SPARK_REMOTE"):
+        env.pop(name, None)  # the jobs find their workers' Python and their session without the test suite's settings
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == expect_rc, output[-6000:]
+    return output
 
 
-def spark_submit(master, job, *job_args):
+def spark_submit(master, job, *job_args, conf=()):
     """A spark-submit command line with this virtualenv's spark-submit, the driver on loopback."""
-    return [os.path.join(os.path.dirname(sys.executable), "spark-submit"), "--master", master,
-            "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.ui.enabled=false", job, *job_args]
+    confs = [item for pair in conf for item in ("--conf", pair)]
+    return [SPARK_SUBMIT, "--master", master, "--conf", "spark.driver.host=127.0.0.1",
+            "--conf", "spark.ui.enabled=false", *confs, job, *job_args]
+
+
+def event_log_conf(directory):
+    directory.mkdir()
+    return ("spark.eventLog.enabled=true", f"spark.eventLog.dir={directory.as_uri()}",
+            "spark.eventLog.rolling.enabled=false", "spark.eventLog.compress=false")  # one plain JSON file
+
+
+def read_event_log(directory):
+    (path,) = directory.iterdir()
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def task_executors(events, *, barrier):
+    """The executor ids that ran the tasks of the barrier stages (barrier=True) or of all other stages, by Spark's
+    own record of where each task ran."""
+    barrier_stages = {e["Stage Info"]["Stage ID"] for e in events if e["Event"] == "SparkListenerStageSubmitted"
+                      and any(rdd.get("Barrier") for rdd in e["Stage Info"]["RDD Info"])}
+    return [e["Task Info"]["Executor ID"] for e in events if e["Event"] == "SparkListenerTaskEnd"
+            and (e["Stage ID"] in barrier_stages) == barrier]
+
+
+def spark_master(events):
+    (environment,) = [e for e in events if e["Event"] == "SparkListenerEnvironmentUpdate"]
+    return environment["Spark Properties"]["spark.master"]
+
+
+def epoch_losses(output, epochs):
+    """The loss of each epoch line (``epoch N/E ... loss=...``, step lines excluded); each epoch must appear once."""
+    lines = re.findall(rf"\bepoch (\d+)/{epochs}\b(?!\s+step)[^\n]*?\bloss=([\d.e+-]+)", output)
+    assert [int(epoch) for epoch, _ in lines] == list(range(1, epochs + 1)), output[-6000:]
+    return [float(loss) for _, loss in lines]
 
 
 def saved_model_accuracy(path, x, y):
@@ -44,18 +89,127 @@ def saved_model_accuracy(path, x, y):
     return float(np.mean(model.predict(x, verbose=0).argmax(axis=1) == y))
 
 
-def test_spark_submit_on_local_cluster(tmp_path, digits):
-    """Two executors in separate JVMs and Python processes: the ring really crosses process boundaries."""
-    out = run_job(spark_submit("local-cluster[2,1,1024]", TRAIN_JOB, "--epochs", "4", "--output", "model.keras"),
-                  tmp_path)
-    epochs = re.findall(r"^epoch\s+(\d+)/4\s+accuracy=([\d.]+)\s+loss=([\d.]+)", out, re.M)
-    assert [int(e) for e, _, _ in epochs] == [1, 2, 3, 4], out
-    losses = [float(loss) for _, _, loss in epochs]
+def test_spark_submit_on_local_cluster_trains_on_the_executors(tmp_path, digits):
+    """spark-submit's --master reaches the job: Spark's event log shows the barrier stage's tasks on the two
+    executor processes, never on the driver. --verbose shows each epoch once and the job's phase times."""
+    events = tmp_path / "events"
+    out = run_job(spark_submit("local-cluster[2,1,1024]", TRAIN_JOB, "--epochs", "3", "--output", "model.keras",
+                               "--verbose", conf=event_log_conf(events)), tmp_path)
+    log = read_event_log(events)
+    assert spark_master(log) == "local-cluster[2,1,1024]"
+    ran_on = task_executors(log, barrier=True)
+    assert sorted(set(ran_on)) == ["0", "1"] and len(ran_on) >= 2, ran_on
+    assert "driver" not in task_executors(log, barrier=False)
+
+    losses = epoch_losses(out, 3)
     assert losses[-1] < losses[0], losses
-    accuracy = float(re.search(r"test accuracy: ([\d.]+)", out).group(1))
-    assert accuracy > 0.85, out
+    assert re.search(r"trained on 2 workers .*\(sync mode", out), out
+    assert float(re.search(r"test accuracy: ([\d.]+)", out).group(1)) > 0.85, out
+    phases = dict(re.findall(r"sparkdl-job phase (\w+): ([\d.]+)s", out))
+    assert {"checks", "session", "data", "fit", "test", "save"} <= set(phases), out
     _, x_test, _, y_test = digits
     assert saved_model_accuracy(tmp_path / "model.keras", x_test, y_test) > 0.85
+
+
+def test_async_config_on_local_cluster_with_the_shipped_spark_conf_is_quiet(tmp_path, digits):
+    """The shipped async config and conf/spark-local.conf (run from the repository, as the docs show), on separate
+    executor processes, a flag overriding the file's epochs: the tasks run on the executors; Spark says nothing
+    below WARN and draws no progress bar; the job prints no epoch line of its own."""
+    events = tmp_path / "events"
+    out = run_job([SPARK_SUBMIT, "--properties-file", "conf/spark-local.conf", "--master", "local-cluster[2,1,1024]",
+                   *[item for pair in event_log_conf(events) for item in ("--conf", pair)],
+                   TRAIN_JOB, "--config", str(CONFIGS / "train-async.toml"), "--epochs", "3",
+                   "--checkpoint-dir", str(tmp_path / "ckpt"), "--output", str(tmp_path / "output" / "model.keras"),
+                   "--test-output", str(tmp_path / "output" / "test.parquet")], ROOT)
+    log = read_event_log(events)
+    assert spark_master(log) == "local-cluster[2,1,1024]"
+    assert sorted(set(task_executors(log, barrier=False))) == ["0", "1"]
+
+    assert not re.search(r" INFO |\[Stage \d+|log4j profile|NativeCodeLoader", out), out
+    assert len(re.findall(r"\bepoch 1/3\b(?!\s+step)", out)) <= 1, out  # sparkdl's line, never a second one
+    assert re.search(r"trained on 2 workers .*\(async mode, \d+ steps/epoch of 16 rows per worker\)", out), out
+    assert float(re.search(r"test accuracy: ([\d.]+)", out).group(1)) > 0.85, out
+    _, x_test, _, y_test = digits
+    assert saved_model_accuracy(tmp_path / "output" / "model.keras", x_test, y_test) > 0.85
+    test_rows = pq.read_table(tmp_path / "output" / "test.parquet")
+    assert test_rows.column_names == ["features", "label"] and 250 < test_rows.num_rows < 470
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.json")) == [f"epoch-00000{e}.json" for e in (1, 2, 3)]
+
+
+def test_spark_submit_on_too_few_slots_is_refused_before_training(tmp_path):
+    """--master local[1] has one task slot: two workers are refused with the slot error, naming the job's flag,
+    before sparkdl launches anything (no training line, no epoch, no barrier stage)."""
+    events = tmp_path / "events"
+    out = run_job(spark_submit("local[1]", TRAIN_JOB, "--num-workers", "2", "--epochs", "2", "--verbose",
+                               conf=event_log_conf(events)), tmp_path, expect_rc=2)
+    assert re.search(r"train\.py: error: Expected --num-workers <= the cluster's task slots\. "
+                     r"Received --num-workers 2, but the cluster runs 1 tasks at once \(master='local\[1\]'", out), out
+    assert "sparkdl-job phase fit" not in out and "training on" not in out and "trained on" not in out, out
+    assert not re.search(r"\bepoch 1/2\b", out), out
+    log = read_event_log(events)
+    assert spark_master(log) == "local[1]" and task_executors(log, barrier=True) == []
+
+
+def test_a_missing_data_path_is_refused_before_spark_starts(tmp_path):
+    """Under spark-submit (whose JVM exists already) and with plain python: one error line, exit status 2, and no
+    SparkContext ever started (its first INFO line would show with --verbose)."""
+    missing = tmp_path / "missing.parquet"
+    for command in (spark_submit("local[1]", TRAIN_JOB, "--data", str(missing), "--verbose"),
+                    [sys.executable, TRAIN_JOB, "--data", f"file://{missing}", "--verbose"]):
+        out = run_job(command, tmp_path, expect_rc=2)
+        assert re.search(rf"^train\.py: error: --data \S*{missing}: no such file or directory", out, re.M), out
+        assert "Running Spark version" not in out and "sparkdl-job phase session" not in out, out
+
+
+def test_mode_settings_are_checked_before_spark_starts_naming_the_flags(tmp_path):
+    """The ssp mode without its setting fails at once, as argparse fails: exit status 2, one line, no trace."""
+    done = subprocess.run([sys.executable, TRAIN_JOB, "--mode", "ssp", "--verbose"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    assert done.stderr.splitlines() == [
+        "train.py: error: --mode ssp needs --max-staleness: how many pushes a worker may run ahead of the slowest."]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mode", "async", "--max-staleness", "2"],
+     "--max-staleness applies to --mode ssp only. Received: --max-staleness 2 with --mode async"),
+    (["--push-every", "2"], "--push-every applies to --mode async or hogwild or ssp only. Received: --push-every 2 "
+                            "with --mode sync"),
+    (["--mode", "average", "--num-servers", "2"], "--num-servers applies to --mode async or hogwild or ssp only"),
+    (["--mode", "ssp", "--max-staleness", "-1"], "Expected --max-staleness to be a non-negative integer. "
+                                                 "Received: --max-staleness -1"),
+    (["--epochs", "0"], "Expected --epochs to be a positive integer. Received: --epochs 0"),
+    (["--test-fraction", "1"], "Expected --test-fraction to be a fraction in (0, 1). Received: --test-fraction 1.0"),
+    (["--learning-rate", "0"], "Expected --learning-rate to be a positive number"),
+])
+def test_bad_settings_stop_the_job_naming_its_flags(capsys, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        train.parse_args(argv)
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and message in error, error
+
+
+def test_master_flag_is_refused_under_spark_submit_and_over_connect(capsys, monkeypatch):
+    """spark-submit's own --master wins: the job's --master (for plain python) is refused, not silently applied."""
+    monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "1")  # what spark-submit sets for the Python it starts
+    with pytest.raises(SystemExit):
+        train.parse_args(["--master", "local[4]"])
+    assert "--master is for plain python; under spark-submit" in capsys.readouterr().err
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT")
+    with pytest.raises(SystemExit):
+        predict.parse_args(["--data", "rows.parquet", "--master", "local[4]", "--remote", "sc://localhost:15002"])
+    assert "--master cannot be used over Spark Connect" in capsys.readouterr().err
+
+
+def test_spark_submit_remote_is_found(monkeypatch):
+    """spark-submit --remote passes the server to the job in its init conf, not as SPARK_REMOTE."""
+    args = train.parse_args([])
+    assert _spark.remote_url(args) is None
+    monkeypatch.setenv("PYSPARK_REMOTE_INIT_CONF_LEN", "1")
+    monkeypatch.setenv("PYSPARK_REMOTE_INIT_CONF_0", json.dumps({"spark.remote": "sc://host:15002"}))
+    assert _spark.remote_url(args) == "sc://host:15002"
+    assert _spark.remote_url(train.parse_args(["--remote", "sc://other:1"])) == "sc://other:1"
 
 
 def test_python_job_on_user_parquet_with_column_list(tmp_path, spark, digits):
@@ -70,22 +224,7 @@ def test_python_job_on_user_parquet_with_column_list(tmp_path, spark, digits):
     assert re.search(r"trained on 2 workers", out)
     assert float(re.search(r"test accuracy: ([\d.]+)", out).group(1)) > 0.8, out
     assert (tmp_path / "out" / "model.keras").exists()
-
-
-def test_async_training_from_its_config_file_on_local_cluster(tmp_path, digits):
-    """The shipped async config on separate executor processes, with a flag overriding the file's epochs;
-    the driver checkpoints the server after every epoch."""
-    out = run_job(spark_submit("local-cluster[2,1,1024]", TRAIN_JOB, "--config", str(CONFIGS / "train-async.toml"),
-                               "--epochs", "3", "--checkpoint-dir", "ckpt"), tmp_path)
-    epochs = re.findall(r"^epoch\s+(\d+)/3\s+accuracy=([\d.]+)\s+loss=([\d.]+)", out, re.M)
-    assert [int(e) for e, _, _ in epochs] == [1, 2, 3], out
-    assert re.search(r"trained on 2 workers .*\(async mode, \d+ steps/epoch of 16 rows per worker\)", out), out
-    assert float(re.search(r"test accuracy: ([\d.]+)", out).group(1)) > 0.85, out
-    _, x_test, _, y_test = digits
-    assert saved_model_accuracy(tmp_path / "output" / "model.keras", x_test, y_test) > 0.85
-    test_rows = pq.read_table(tmp_path / "output" / "test.parquet")
-    assert test_rows.column_names == ["features", "label"] and 250 < test_rows.num_rows < 470
-    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.json")) == [f"epoch-00000{e}.json" for e in (1, 2, 3)]
+    assert not re.search(r" INFO |log4j profile|NativeCodeLoader", out), out  # plain python is quiet too
 
 
 @pytest.fixture(scope="module")
@@ -127,12 +266,64 @@ def test_predict_job_scores_every_row_of_a_parquet_dataset(tmp_path, digits, dig
     np.testing.assert_allclose(probability, expected, atol=1e-5)
 
 
-def test_predict_job_needs_data_and_an_existing_model_file_before_starting_spark(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        predict.main(["--model", "model.keras"])
-    assert "Expected --data" in capsys.readouterr().err
-    with pytest.raises(FileNotFoundError, match="no-such-model.keras"):
-        predict.main(["--model", str(tmp_path / "no-such-model.keras"), "--data", "rows.parquet"])
+def test_predict_job_checks_data_model_and_output_before_starting_spark(tmp_path, capsys, digits_model):
+    _, model_path = digits_model
+    (tmp_path / "rows.parquet").mkdir()
+    (tmp_path / "scored.parquet").mkdir()
+    cases = [
+        (["--model", str(model_path)], "Expected --data"),
+        (["--model", str(tmp_path / "no-such-model.keras"), "--data", str(tmp_path / "rows.parquet")],
+         "--model " + str(tmp_path / "no-such-model.keras") + ": no such file"),
+        (["--model", str(model_path), "--data", str(tmp_path / "none.parquet"), "--master", "local[1]"],
+         "--data " + str(tmp_path / "none.parquet") + ": no such file or directory"),
+        (["--model", str(model_path), "--data", str(tmp_path / "rows.parquet"), "--master", "local[1]",
+          "--output", str(tmp_path / "scored.parquet")], "exists already. Use --mode overwrite"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exited:
+            predict.main(argv)
+        assert exited.value.code == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and message in error, error
+
+
+@pytest.fixture
+def connect_server(tmp_path):
+    """A Spark Connect server (local[2]) in its own process, as spark-submit starts one; stopped afterwards."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [SPARK_SUBMIT, "--class", "org.apache.spark.sql.connect.service.SparkConnectServer", "--master", "local[2]",
+         "--conf", f"spark.connect.grpc.binding.port={port}", "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
+         "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.ui.enabled=false", "spark-internal"],
+        cwd=tmp_path, env={**os.environ, "PYSPARK_PYTHON": sys.executable},
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+                time.sleep(0.5)
+        yield f"sc://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sparkdl.launch.session") is None,
+                    reason="sparkdl.fit over Spark Connect arrives with sparkdl/launch/session.py (issue 13, point 3)")
+def test_train_job_over_spark_connect(tmp_path, connect_server):
+    """--remote makes the job a Spark Connect client: it trains on the server's executors and never starts a JVM."""
+    out = run_job([sys.executable, TRAIN_JOB, "--remote", connect_server, "--epochs", "2", "--output", "model.keras",
+                   "--verbose"], tmp_path)
+    assert re.search(r"trained on 2 workers", out) and (tmp_path / "model.keras").exists(), out
+    assert "Running Spark version" not in out and "log4j" not in out, out  # no Spark driver in the job's process
 
 
 # --- config files --------------------------------------------------------------------------------------------------
