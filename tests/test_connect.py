@@ -22,6 +22,12 @@ import traceback
 import numpy as np
 import pytest
 
+try:  # PySpark's Connect client needs gRPC and protobuf: the `connect` extra
+    import pyspark.sql.connect  # noqa: F401
+except ImportError as missing:
+    pytest.skip(f"Spark Connect's client dependencies are missing ({missing}): pip install -e '.[connect]'",
+                allow_module_level=True)
+
 _SERVER_START_SECONDS = 240  # a cold JVM on a busy 2-core machine
 _CLIENT_SECONDS = 540
 _MODES = ("sync", "async", "hogwild", "ssp", "average")

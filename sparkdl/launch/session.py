@@ -111,8 +111,9 @@ def driver_host(spark: SparkSession) -> str:
         return explicit
     if server_is_on_this_machine(spark):
         return spark.conf.get("spark.driver.host", None) or "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent: it only picks a route
-        probe.connect((server_host(spark), 9))
+    family, _, _, _, server = socket.getaddrinfo(server_host(spark), 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:  # no packet is sent: connect only picks a route
+        probe.connect(server)
         address = probe.getsockname()[0]
     logger.info("sparkdl: Spark Connect: the tasks will connect back to this client at %s (the interface that "
                 "routes to the server); set %s if the executors reach it under another address",
@@ -185,10 +186,3 @@ def check_message_size(spark: SparkSession, size: int, what: str) -> None:
             f"bytes; it is {size} bytes. Raise the server's {MAX_MESSAGE_SETTING} (now {server_limit}) and the "
             f"client channel's grpc.max_send_message_length (now {client_limit}) above {size + _MESSAGE_HEADROOM}, "
             "or use a classic SparkSession (which broadcasts it).")
-
-
-def on_connect_unsupported(spark: SparkSession, feature: str, instead: str) -> None:
-    """Fails on the driver for something that cannot work over Spark Connect."""
-    if is_connect(spark):
-        raise ValueError(f"{feature} is not supported over Spark Connect: {instead}")
-
