@@ -22,10 +22,10 @@ import traceback
 import numpy as np
 import pytest
 
-try:  # PySpark's Connect client needs gRPC and protobuf: the `connect` extra
+try:  # PySpark's Connect client needs gRPC and protobuf: the `cpu`/`gpu` extras bring them (the Horovod stack has none)
     import pyspark.sql.connect  # noqa: F401
 except ImportError as missing:
-    pytest.skip(f"Spark Connect's client dependencies are missing ({missing}): pip install -e '.[connect]'",
+    pytest.skip(f"Spark Connect's client dependencies are missing ({missing}): pip install -e '.[cpu]' (its pyspark[connect])",
                 allow_module_level=True)
 
 _SERVER_START_SECONDS = 240  # a cold JVM on a busy 2-core machine
