@@ -90,9 +90,12 @@ def main(argv=None) -> int:
     from pyspark.sql import functions as F
 
     import sparkdl
+    from sparkdl.launch import probe
 
     keras.utils.set_random_seed(args.seed)
     spark = spark_session("sparkdl-train", args.master)
+    # The executors' Python is checked, and TensorFlow loaded into it, while the data loads (fit waits for it).
+    probe.start_check(spark, args.num_workers, timeout=600.0)
     df = spark.read.parquet(args.data) if args.data else load_digits_frame(spark)
     features = args.features_col.split(",") if "," in args.features_col else args.features_col
     train_df, test_df = df.randomSplit([1 - args.test_fraction, args.test_fraction], seed=args.seed)

@@ -214,7 +214,7 @@ def fit(
     phases.end("training" if mode != "sync" else "result")
     trained = serialization.model_from_bytes(model_bytes, custom_objects)
     phases.end("rebuild")
-    logger.info("sparkdl: phases %s; worker check %.2fs, alongside the data checks", phases, workers.seconds)
+    logger.info("sparkdl: phases %s; %s", phases, workers.summary())
     return FitResult(trained, history, num_workers, steps, seconds, stats, training.validation_rows, initial_epoch)
 
 

@@ -157,7 +157,7 @@ def test_probe_passes_once_per_session_on_the_shared_session(spark):
     """The suite's session: the probe reports this Python, then is remembered (no second job)."""
     pending = probe.start_check(spark, 2, 120.0)
     pending.wait()
-    assert probe.start_check(spark, 2, 120.0)._thread is None  # remembered: nothing runs
+    assert probe.start_check(spark, 2, 120.0) is pending  # remembered: no second job
     reports = probe._run_probe(spark, 2, probe.TRAINING_MODULES)
     assert {r["python"] for r in reports} == {sys.executable}
     assert all(not r["missing"] and r["sparkdl"] == sparkdl.__version__ for r in reports)

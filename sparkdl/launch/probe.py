@@ -38,8 +38,8 @@ _log = logging.getLogger(__name__)
 LAUNCH_MODULES = ("numpy", "pyarrow", "sparkdl")
 TRAINING_MODULES = ("numpy", "pyarrow", "keras", "tensorflow", "sparkdl")
 _DEFAULT_PYTHON = "python3"  # what PySpark starts on the executors when nothing says otherwise
-_passed: set = set()  # sessions (and interpreters) whose workers passed the probe
-_passed_lock = threading.Lock()
+_checks: dict = {}  # (session, interpreter, modules) -> its PendingCheck, running or passed
+_checks_lock = threading.Lock()
 
 
 class WorkerEnvironmentError(RuntimeError):
@@ -65,23 +65,26 @@ def use_driver_python(spark) -> None:
 
 
 def check_workers(spark, num_workers: int, timeout: float, modules: tuple = TRAINING_MODULES) -> None:
-    """Runs the probe (unless it already passed for this session and interpreter); raises if it fails."""
+    """Runs the probe (unless it already passed for this session and interpreter) and waits; raises if it fails."""
     start_check(spark, num_workers, timeout, modules).wait()
 
 
 def start_check(spark, num_workers: int, timeout: float, modules: tuple = TRAINING_MODULES) -> "PendingCheck":
-    """Starts the probe in a background thread (or not at all, when it already passed); ``wait()`` for it.
+    """Starts the probe in a background thread; ``wait()`` for it.
 
     The probe imports ``modules`` in ``num_workers`` tasks; TensorFlow, when among them, stays
-    loaded in those Python workers (unless GPUs are about, see the module's docstring).
+    loaded in those Python workers (unless GPUs are about, see the module's docstring). A check
+    already running or passed for this session, interpreter and modules is returned instead of a
+    new one, so a job can start it as soon as its session exists and ``fit`` waits for that one.
     """
     use_driver_python(spark)
     key = (*_session_key(spark), modules)
-    with _passed_lock:
-        if key in _passed:
-            return PendingCheck(None, timeout, lambda: None)
-    _check_local_python(spark)
-    pending = PendingCheck(spark, timeout, lambda: _remember(key))
+    with _checks_lock:
+        existing = _checks.get(key)
+        if existing is not None:
+            return existing
+        _check_local_python(spark)
+        pending = _checks[key] = PendingCheck(spark, key, timeout)
     pending.start(num_workers, modules)
     return pending
 
@@ -89,15 +92,16 @@ def start_check(spark, num_workers: int, timeout: float, modules: tuple = TRAINI
 class PendingCheck:
     """A probe running in a background thread; ``wait()`` returns when it passed and raises when it did not."""
 
-    def __init__(self, spark, timeout: float, on_pass: Callable[[], None]):
+    def __init__(self, spark, key: tuple, timeout: float):
         self._spark = spark
+        self._key = key
         self._timeout = timeout
-        self._on_pass = on_pass
         self._tag = f"sparkdl-probe-{secrets.token_hex(4)}"
         self._reports: Optional[list[dict]] = None
         self._failure: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
-        self.seconds = 0.0
+        self.seconds = 0.0  # the probe job's duration
+        self.waited = 0.0  # how long the last wait() blocked
 
     def start(self, num_workers: int, modules: tuple) -> None:
         self._thread = threading.Thread(target=self._run, args=(num_workers, modules), name="sparkdl-probe",
@@ -115,21 +119,34 @@ class PendingCheck:
             self.seconds = time.perf_counter() - started
 
     def wait(self) -> None:
-        if self._thread is None:
-            return
+        started = time.perf_counter()
         self._thread.join(self._timeout)
-        if self._thread.is_alive():
-            _cancel_tag(self._spark, self._tag)
-            raise WorkerEnvironmentError(
-                f"sparkdl's check of the executors' Python environment did not finish within timeout={self._timeout}s "
-                "(its job was cancelled): the cluster may be busy, or its Python workers fail to start.")
-        if self._failure is not None:
-            raise WorkerEnvironmentError(_job_failure_message(self._spark, self._failure)) from None
-        _raise_for(self._reports)
-        _log.debug("sparkdl: phase probe %.2fs: %s", self.seconds, "; ".join(
+        self.waited = time.perf_counter() - started
+        try:
+            if self._thread.is_alive():
+                _cancel_tag(self._spark, self._tag)
+                raise WorkerEnvironmentError(
+                    "sparkdl's check of the executors' Python environment did not finish within "
+                    f"timeout={self._timeout}s (its job was cancelled): the cluster may be busy, or its Python "
+                    "workers fail to start.")
+            if self._failure is not None:
+                raise WorkerEnvironmentError(_job_failure_message(self._spark, self._failure)) from None
+            _raise_for(self._reports)
+        except WorkerEnvironmentError:
+            with _checks_lock:  # not remembered: the next fit checks again (after the environment is fixed)
+                if _checks.get(self._key) is self:
+                    del _checks[self._key]
+            raise
+        _log.debug("sparkdl: worker check %s", "; ".join(
             f"{r['host']} pid {r['pid']} {r['python']} (Python {r['version']}): imports {r['seconds']:.2f}s"
             + (", TensorFlow loaded" if r.get("warmed") else "") for r in self._reports))
-        self._on_pass()
+
+    def summary(self) -> str:
+        """What the check cost this caller, in words (for ``fit``'s phase line)."""
+        warmed = sum(bool(r.get("warmed")) for r in self._reports or ())
+        slowest = max((r["seconds"] for r in self._reports or ()), default=0.0)
+        return (f"worker check {self.seconds:.2f}s in the background, waited for {self.waited:.2f}s (imports "
+                f"{slowest:.2f}s" + (f", TensorFlow loaded in {warmed} Python worker(s)" if warmed else "") + ")")
 
 
 def _run_probe(spark, num_workers: int, modules: tuple) -> list[dict]:
@@ -271,11 +288,6 @@ def _session_key(spark) -> tuple:
     if sc is None:
         return ("connect", spark.session_id)
     return ("classic", sc.applicationId, sc.pythonExec)
-
-
-def _remember(key: tuple) -> None:
-    with _passed_lock:
-        _passed.add(key)
 
 
 def _tag_thread(spark, tag: str) -> None:
