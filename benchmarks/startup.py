@@ -93,19 +93,30 @@ def job_kind(job: dict) -> str:
     if "sparkdl-probe" in job["tags"] or "probe.py" in site:
         return "probe"
     if "sparkdl/data.py" in site:
-        return "checks"
+        return "data.py"
     if "sparkdl/" in site:
         return "training"
     return "job"
 
 
 def phases(run: dict) -> dict:
-    """The phase table's figures (seconds) for one run."""
+    """The phase table's figures (seconds) for one run.
+
+    fit's checks are the ``sparkdl/data.py`` jobs right before the training stage (the job calls
+    ``data.prepare`` itself too, before fit and for scoring; with adaptive execution one aggregate
+    shows as two Spark jobs). The probe runs in the background and is listed with the jobs.
+    """
     wall0, jobs = run["started_wall"], run["events"]["jobs"]
     offset = lambda t: t - wall0  # noqa: E731 -- event times are wall-clock seconds
+    first_training = next(i for i, j in enumerate(jobs) if job_kind(j) == "training")
+    checks = []
+    for job in reversed(jobs[:first_training]):
+        if job_kind(job) == "probe":
+            continue
+        if job_kind(job) != "data.py":
+            break
+        checks.insert(0, job)
     training = [j for j in jobs if job_kind(j) == "training"]
-    checks = [j for j in jobs if job_kind(j) == "checks"]
-    fit_jobs = [j for j in jobs if job_kind(j) in ("checks", "probe", "training")]
     train_job = {"start": training[0]["start"], "end": max(j["end"] for j in training)}
     epoch_times: dict[int, float] = {}
     for seconds, text in run["lines"]:
@@ -114,11 +125,12 @@ def phases(run: dict) -> dict:
             epoch_times.setdefault(int(match.group(1)), seconds)
     first_epoch = epoch_times.get(1, offset(train_job["end"]))
     last_epoch = epoch_times[max(epoch_times)] if epoch_times else offset(train_job["end"])
-    checks_end = max((offset(j["end"]) for j in checks), default=offset(fit_jobs[0]["start"]))
+    checks_start = offset(checks[0]["start"]) if checks else offset(train_job["start"])
+    checks_end = max((offset(j["end"]) for j in checks), default=checks_start)
     figures = {
         "session start": offset(run["events"]["app_start"]),
-        "data load": offset(fit_jobs[0]["start"]) - offset(run["events"]["app_start"]),
-        "checks": checks_end - offset(fit_jobs[0]["start"]),
+        "data load": checks_start - offset(run["events"]["app_start"]),
+        "checks": checks_end - checks_start,
         "worker check": offset(train_job["start"]) - checks_end,
         "worker start, TF, model, epoch 1": first_epoch - offset(train_job["start"]),
         "epochs 2..N": last_epoch - first_epoch,
