@@ -24,6 +24,7 @@ import _output
 import _spark  # first: it sets the environment before pyspark or keras is imported
 
 from sparkdl.api import MODES, check_mode_options
+from sparkdl.launch import probe
 
 # Settings that only some modes use (sparkdl.fit rejects one the chosen mode does not use).
 MODE_SETTINGS = ("push_every", "max_staleness", "num_servers", "sync_every")
@@ -216,6 +217,8 @@ def main(argv=None) -> int:
         loading = pool.submit(load_in_background, args)
         with _output.phase("session"):
             spark = _spark.spark_session("sparkdl-train", args, conf)
+        # The executors' Python is checked, and TensorFlow loaded into it, while the data loads (fit waits for it).
+        probe.start_check(spark, args.num_workers, timeout=600.0)
         with _output.phase("background"):  # what is left of loading Keras and the data
             digits_split = loading.result()
     try:

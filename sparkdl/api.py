@@ -7,14 +7,16 @@ import logging
 import numbers
 import os
 import secrets
+import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from pyspark.sql import DataFrame
 
 from sparkdl import _compat, data, launch, tracking
 from sparkdl.checkpoint import Checkpoint, CheckpointStore
 from sparkdl.data import ColumnSpec
+from sparkdl.launch import probe
 from sparkdl.launch.backends import check_backend
 from sparkdl.progress import ProgressMonitor
 from sparkdl.ps.average import recommended_sync_every, run_average
@@ -157,10 +159,17 @@ def fit(
     tracking.check_available(tensorboard_dir, log_to_mlflow)
     checkpoints = CheckpointStore.open(checkpoint_dir) if checkpoint_dir is not None else None
     resumed = _newest_checkpoint(checkpoints, model, custom_objects)
+    phases = _Phases()
     launch.check_slots(df.sparkSession, num_workers, wait_seconds=30.0, mode=mode)
+    # The executors' Python is checked (and TensorFlow loaded into it) while the driver checks the data.
+    workers = probe.start_check(df.sparkSession, num_workers, timeout)
+    phases.end("slots")
     seed = secrets.randbelow(2**31) if seed is None else seed
     training = data.prepare(df, features_col, label_col, num_workers, validation_col=validation_col,
                             validation_split=validation_split, seed=seed)
+    phases.end("checks")
+    workers.wait()
+    phases.end("workers")
     steps = data.steps_per_epoch(training.num_rows, num_workers, batch_size)  # training rows only
     if resumed is not None and resumed.epoch >= epochs:
         logger.info("sparkdl: %s already holds %d trained epochs (epochs=%d): nothing to train", checkpoint_dir,
@@ -185,11 +194,12 @@ def fit(
                               console=progress, listeners=listeners,
                               description=f"sparkdl {mode} x{num_workers}")
     started = time.perf_counter()
+    phases.end("serialize")
     with monitor:
         if mode == "sync":
             model_bytes, history, initial_epoch = run_sync(
                 training, steps_per_epoch=steps, timeout=timeout, backend=backend, checkpoints=checkpoints,
-                callbacks=callbacks, on_progress=monitor.on_event, **common)
+                callbacks=callbacks, on_progress=phases.watch(monitor.on_event), **common)
             stats = {}
         elif mode == "average":
             model_bytes, history, stats = run_average(
@@ -202,8 +212,46 @@ def fit(
                 num_servers=options["num_servers"] or 1, resumed=resumed, checkpoints=checkpoints,
                 callbacks=callbacks, monitor=monitor, **common)
     seconds = time.perf_counter() - started
+    phases.end("training" if mode != "sync" else "result")
     trained = serialization.model_from_bytes(model_bytes, custom_objects)
+    phases.end("rebuild")
+    logger.info("sparkdl: phases %s; %s", phases, workers.summary())
     return FitResult(trained, history, num_workers, steps, seconds, stats, training.validation_rows, initial_epoch)
+
+
+class _Phases:
+    """Wall-clock seconds of ``fit``'s phases, for one log line (``sparkdl: phases settings 0.02s, checks ...``).
+
+    ``watch`` wraps a sync job's progress callback: the first ``start`` event (rank 0 has its data,
+    its ring and its model: Python worker start, TensorFlow import, model load) ends ``startup``, the
+    first epoch event ``epoch 1`` (which includes tracing the train step), the last one ``epochs``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = time.perf_counter()
+        self._seconds: dict[str, float] = {}
+
+    def end(self, name: str) -> None:
+        """Ends the running phase, naming it ``name`` (a name ended again grows by the time since)."""
+        with self._lock:
+            now = time.perf_counter()
+            self._seconds[name] = self._seconds.get(name, 0.0) + now - self._last
+            self._last = now
+
+    def watch(self, on_event: Callable[[int, dict], None]) -> Callable[[int, dict], None]:
+        def on_progress(rank: int, event: dict) -> None:
+            kind = event.get("event")
+            if kind == "start" and "startup" not in self._seconds:
+                self.end("startup")
+            elif kind == "epoch":
+                self.end("epochs" if "epoch 1" in self._seconds else "epoch 1")
+            on_event(rank, event)
+
+        return on_progress
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {seconds:.2f}s" for name, seconds in self._seconds.items())
 
 
 def _newest_checkpoint(checkpoints: Optional[CheckpointStore], model, custom_objects) -> Optional[Checkpoint]:

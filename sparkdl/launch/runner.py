@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 from pyspark import cloudpickle
 from pyspark.sql import SparkSession
 
+from sparkdl.launch import probe
 from sparkdl.launch.backends import check_backend, user_backend
 from sparkdl.launch.stage import check_slots, run_tasks
 
@@ -52,6 +53,7 @@ def run(train_fn: Callable[..., Any], num_workers: int = 2, *, args: tuple = (),
     if spark is None:
         raise ValueError("sparkdl.run needs a SparkSession: create one first or pass `spark=`.")
     check_slots(spark, num_workers, wait_seconds=30.0)
+    probe.check_workers(spark, num_workers, timeout, probe.LAUNCH_MODULES)
     secret = secrets.token_bytes(32)
     call_args, call_kwargs = tuple(args), dict(kwargs or {})
 

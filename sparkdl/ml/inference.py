@@ -35,7 +35,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from sparkdl import data
-from sparkdl.launch import session
+from sparkdl.launch import probe, session
 
 MULTICLASS = "multiclass"  # softmax over >1 units: prediction = argmax, probability = the softmax
 BINARY = "binary"  # one sigmoid unit p: prediction = 1.0 if p > 0.5, probability = [1 - p, p]
@@ -130,6 +130,7 @@ def predict(df: DataFrame, model_bytes: bytes, *, features_col: Union[str, Seque
             f"{info.input_width} values per row (input shape {_shape_string(info.input_shape)})."
         )
 
+    probe.check_workers(df.sparkSession, 1, timeout=120.0)  # before the UDF: it fixes the workers' Python
     spec = _TaskSpec(
         digest=digest,
         model=_shipped_model(df.sparkSession, digest, model_bytes),

@@ -1,0 +1,306 @@
+"""Checks, before any training stage, that the executors' Python can run sparkdl, and starts its workers early.
+
+A wrong worker interpreter (``python3`` from the executors' ``PATH``, without pyarrow or
+TensorFlow) otherwise surfaces as a barrier stage retried several times and a page of Java
+frames ending in ``ModuleNotFoundError``. Here one small job of plain Python UDF tasks
+(``useArrow=False``: it needs nothing but what Spark ships) imports what the training tasks
+import and reports the executor's interpreter; every exception is caught inside the task,
+so no task fails and nothing is retried, and the driver raises one
+:class:`WorkerEnvironmentError` naming the module, the interpreter and the fix.
+
+Where no GPU is in sight, the probe also imports TensorFlow in the executors' Python workers,
+which Spark keeps for later tasks (``spark.python.worker.reuse``, on by default): the training
+stage then starts without paying for that import. Run in a background thread
+(:func:`start_check`), the probe overlaps the driver's data checks.
+
+In local modes the executors are threads of the driver's JVM, on this machine: with neither
+``PYSPARK_PYTHON`` nor ``spark.pyspark.python`` set, PySpark would start ``python3`` from the
+``PATH``; :func:`use_driver_python` makes it the driver's own interpreter instead (classic
+sessions: ``SparkContext.pythonExec``, which PySpark reads whenever it builds a Python UDF or
+``mapInArrow`` function). A passing probe is remembered per session and interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+_log = logging.getLogger(__name__)
+
+# What the tasks import: sparkdl's launcher (``sparkdl.run``), and training or inference on top of it.
+LAUNCH_MODULES = ("numpy", "pyarrow", "sparkdl")
+TRAINING_MODULES = ("numpy", "pyarrow", "keras", "tensorflow", "sparkdl")
+_DEFAULT_PYTHON = "python3"  # what PySpark starts on the executors when nothing says otherwise
+_checks: dict = {}  # (session, interpreter, modules) -> its PendingCheck, running or passed
+_checks_lock = threading.Lock()
+
+
+class WorkerEnvironmentError(RuntimeError):
+    """The executors' Python cannot run sparkdl: a module is missing, or the interpreter does not start."""
+
+
+def use_driver_python(spark) -> None:
+    """Classic sessions: the executors run ``spark.pyspark.python`` if set, else, in local modes, this Python.
+
+    ``PYSPARK_PYTHON`` (the environment variable) always wins: PySpark read it when the
+    SparkContext started. Spark Connect sessions are left alone (their server decides).
+    """
+    sc = _classic_context(spark)
+    if sc is None or os.environ.get("PYSPARK_PYTHON"):
+        return
+    configured = sc.getConf().get("spark.pyspark.python", None)
+    wanted = configured or (sys.executable if sc.master.startswith("local") else None)
+    if wanted and sc.pythonExec == _DEFAULT_PYTHON:
+        # PySpark reads spark.pyspark.python only under spark-submit; as a builder setting it is ignored.
+        _log.info("sparkdl: Python workers run %s (%s)", wanted,
+                  "spark.pyspark.python" if configured else "the driver's Python; local mode")
+        sc.pythonExec = wanted
+
+
+def check_workers(spark, num_workers: int, timeout: float, modules: tuple = TRAINING_MODULES) -> None:
+    """Runs the probe (unless it already passed for this session and interpreter) and waits; raises if it fails."""
+    start_check(spark, num_workers, timeout, modules).wait()
+
+
+def start_check(spark, num_workers: int, timeout: float, modules: tuple = TRAINING_MODULES) -> "PendingCheck":
+    """Starts the probe in a background thread; ``wait()`` for it.
+
+    The probe imports ``modules`` in ``num_workers`` tasks; TensorFlow, when among them, stays
+    loaded in those Python workers (unless GPUs are about, see the module's docstring). A check
+    already running or passed for this session, interpreter and modules is returned instead of a
+    new one, so a job can start it as soon as its session exists and ``fit`` waits for that one.
+    """
+    use_driver_python(spark)
+    key = (*_session_key(spark), modules)
+    with _checks_lock:
+        existing = _checks.get(key)
+        if existing is not None:
+            return existing
+        _check_local_python(spark)
+        pending = _checks[key] = PendingCheck(spark, key, timeout)
+    pending.start(num_workers, modules)
+    return pending
+
+
+class PendingCheck:
+    """A probe running in a background thread; ``wait()`` returns when it passed and raises when it did not."""
+
+    def __init__(self, spark, key: tuple, timeout: float):
+        self._spark = spark
+        self._key = key
+        self._timeout = timeout
+        self._tag = f"sparkdl-probe-{secrets.token_hex(4)}"
+        self._reports: Optional[list[dict]] = None
+        self._failure: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        self.seconds = 0.0  # the probe job's duration
+        self.waited = 0.0  # how long the last wait() blocked
+
+    def start(self, num_workers: int, modules: tuple) -> None:
+        self._thread = threading.Thread(target=self._run, args=(num_workers, modules), name="sparkdl-probe",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, num_workers: int, modules: tuple) -> None:
+        started = time.perf_counter()
+        try:
+            _tag_thread(self._spark, self._tag)
+            self._reports = _run_probe(self._spark, num_workers, modules)
+        except BaseException as exc:  # raised to the caller of wait(), in its thread
+            self._failure = exc
+        finally:
+            self.seconds = time.perf_counter() - started
+
+    def wait(self) -> None:
+        started = time.perf_counter()
+        self._thread.join(self._timeout)
+        self.waited = time.perf_counter() - started
+        try:
+            if self._thread.is_alive():
+                _cancel_tag(self._spark, self._tag)
+                raise WorkerEnvironmentError(
+                    "sparkdl's check of the executors' Python environment did not finish within "
+                    f"timeout={self._timeout}s (its job was cancelled): the cluster may be busy, or its Python "
+                    "workers fail to start.")
+            if self._failure is not None:
+                raise WorkerEnvironmentError(_job_failure_message(self._spark, self._failure)) from None
+            _raise_for(self._reports)
+        except WorkerEnvironmentError:
+            with _checks_lock:  # not remembered: the next fit checks again (after the environment is fixed)
+                if _checks.get(self._key) is self:
+                    del _checks[self._key]
+            raise
+        _log.debug("sparkdl: worker check %s", "; ".join(
+            f"{r['host']} pid {r['pid']} {r['python']} (Python {r['version']}): imports {r['seconds']:.2f}s"
+            + (", TensorFlow loaded" if r.get("warmed") else "") for r in self._reports))
+
+    def summary(self) -> str:
+        """What the check cost this caller, in words (for ``fit``'s phase line)."""
+        warmed = sum(bool(r.get("warmed")) for r in self._reports or ())
+        slowest = max((r["seconds"] for r in self._reports or ()), default=0.0)
+        return (f"worker check {self.seconds:.2f}s in the background, waited for {self.waited:.2f}s (imports "
+                f"{slowest:.2f}s" + (f", TensorFlow loaded in {warmed} Python worker(s)" if warmed else "") + ")")
+
+
+def _run_probe(spark, num_workers: int, modules: tuple) -> list[dict]:
+    from pyspark.sql import functions as F
+
+    probe = F.udf(_probe_function(modules), "string", useArrow=False)
+    rows = spark.range(num_workers, numPartitions=num_workers).select(probe("id")).collect()
+    return [json.loads(row[0]) for row in rows]
+
+
+def _probe_function(modules: tuple) -> Callable[[int], str]:
+    """The task's code, self-contained: pickled by value, so an executor without sparkdl can run it."""
+
+    def probe(_row: int) -> str:
+        import importlib
+        import importlib.util
+        import json
+        import os
+        import platform
+        import shutil
+        import socket
+        import sys
+        import time
+
+        report = {"python": sys.executable, "version": platform.python_version(), "host": socket.gethostname(),
+                  "pid": os.getpid(), "missing": {}, "sparkdl": None, "warmed": False, "seconds": 0.0}
+        started = time.perf_counter()
+        saved = []
+        try:
+            from pyspark import TaskContext
+
+            context = TaskContext.get()
+            gpus = context is not None and "gpu" in context.resources()
+            # Importing TensorFlow before sparkdl pins a task's GPU would fix the devices it sees: check only.
+            warm = "tensorflow" in modules and not gpus and shutil.which("nvidia-smi") is None
+            os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+            os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # TensorFlow's start-up lines go nowhere here (the training tasks, which no longer print them, relay theirs).
+            sink = os.open(os.devnull, os.O_WRONLY)
+            saved = [(fd, os.dup(fd)) for fd in (1, 2)]
+            for fd, _ in saved:
+                os.dup2(sink, fd)
+            os.close(sink)
+            for name in modules:
+                try:
+                    if name in ("keras", "tensorflow") and not warm:
+                        if importlib.util.find_spec(name) is None:
+                            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+                        continue
+                    module = importlib.import_module(name)
+                    if name == "sparkdl":
+                        report["sparkdl"] = getattr(module, "__version__", "unknown")
+                except BaseException as exc:  # noqa: B036 -- nothing may fail the task
+                    missing = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
+                    report["missing"][name] = {"module": missing or name, "error": f"{type(exc).__name__}: {exc}"}
+            report["warmed"] = warm and "tensorflow" in sys.modules
+        except BaseException as exc:  # noqa: B036
+            report["missing"]["probe"] = {"module": "probe", "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            for fd, copy in saved:
+                os.dup2(copy, fd)
+                os.close(copy)
+        report["seconds"] = time.perf_counter() - started
+        return json.dumps(report)
+
+    return probe
+
+
+def _raise_for(reports: list[dict]) -> None:
+    import sparkdl
+
+    for report in reports:
+        where = (f"the executors' Python ({report['python']}, Python {report['version']}, on host "
+                 f"{report['host']})")
+        if report["missing"]:
+            names = ", ".join(dict.fromkeys(problem["module"] for problem in report["missing"].values()))
+            first = next(iter(report["missing"].values()))["error"]
+            raise WorkerEnvironmentError(
+                f"sparkdl cannot run on the executors: {where} cannot import {names} ({first}). {_FIX}")
+        if report["sparkdl"] != sparkdl.__version__:
+            raise WorkerEnvironmentError(
+                f"sparkdl versions differ: the driver runs {sparkdl.__version__}, {where} has "
+                f"{report['sparkdl']}. Install the same sparkdl release on the executors, or {_FIX_SHORT}")
+
+
+_FIX_SHORT = ("set PYSPARK_PYTHON (or spark.pyspark.python) to a Python that has sparkdl installed, "
+              "or ship a packed virtualenv with spark.archives")
+_FIX = ("The executors' Python must have sparkdl and its dependencies installed. Fix: set PYSPARK_PYTHON "
+        f"(or spark.pyspark.python) to a Python with sparkdl installed (this driver runs {sys.executable}); "
+        "or install sparkdl on every executor (pip install 'sparkdl[cpu]'); or ship a packed virtualenv "
+        "with spark.archives (venv-pack, then --archives env.tar.gz#env and spark.pyspark.python=./env/bin/python).")
+
+
+def _job_failure_message(spark, exc: BaseException) -> str:
+    python = _configured_python(spark)
+    return (f"The executors' Python{f' ({python})' if python else ''} failed to run sparkdl's environment check, "
+            f"before any training started: {_root_cause(exc)}\n{_FIX}")
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The telling line of a Spark job failure (the deepest cause), not its pages of Java frames."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for marker in ("Cannot run program", "PYTHON_VERSION_MISMATCH", "Error: ", "Exception: "):
+        found = [line for line in lines if marker in line and not line.startswith("at ")]
+        if found:
+            return found[-1][:500]
+    return (lines[0] if lines else type(exc).__name__)[:500]
+
+
+def _configured_python(spark) -> Optional[str]:
+    """The interpreter the executors were told to start (unknown over Spark Connect: the server decides)."""
+    sc = _classic_context(spark)
+    return sc.pythonExec if sc is not None else None
+
+
+def _check_local_python(spark) -> None:
+    """Local modes run the workers on this machine: a missing interpreter is known before any job."""
+    sc = _classic_context(spark)
+    if sc is None or not sc.master.startswith("local"):
+        return
+    relative = os.sep in sc.pythonExec and not os.path.isabs(sc.pythonExec)  # inside spark.archives, per executor
+    if not relative and shutil.which(sc.pythonExec) is None:
+        raise WorkerEnvironmentError(
+            f"The executors' Python interpreter {sc.pythonExec!r} does not exist or is not executable on this "
+            f"machine (local mode, master={sc.master!r}). {_FIX}")
+
+
+def _classic_context(spark):
+    """The SparkContext of a classic session; None over Spark Connect, which has none."""
+    if "connect" in type(spark).__module__.split("."):
+        return None
+    return spark.sparkContext
+
+
+def _session_key(spark) -> tuple:
+    sc = _classic_context(spark)
+    if sc is None:
+        return ("connect", spark.session_id)
+    return ("classic", sc.applicationId, sc.pythonExec)
+
+
+def _tag_thread(spark, tag: str) -> None:
+    sc = _classic_context(spark)
+    if sc is None:
+        spark.addTag(tag)
+    else:
+        sc.addJobTag(tag)
+
+
+def _cancel_tag(spark, tag: str) -> None:
+    sc = _classic_context(spark)
+    if sc is None:
+        spark.interruptTag(tag)
+    else:
+        sc.cancelJobsWithTag(tag)

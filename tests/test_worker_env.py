@@ -1,0 +1,163 @@
+"""The executors' Python is checked before any training stage, and local modes run the driver's own Python.
+
+Each wrong interpreter gets its own short-lived Spark session in a subprocess (the suite's shared
+session keeps its Python), on ``local[2,4]``: a failing task would be retried up to 4 times there,
+so the event log shows whether anything failed or was retried, and whether a training stage began.
+"""
+
+import glob
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import sparkdl
+from sparkdl.launch import probe
+
+# Runs in a fresh Python: trains (sparkdl.fit) or launches (sparkdl.run) on local[2,4], prints one JSON line.
+_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    os.environ["KERAS_BACKEND"] = "tensorflow"
+    from pyspark.sql import SparkSession
+    import sparkdl
+
+    what, event_dir, conf_python = sys.argv[1], sys.argv[2], sys.argv[3]
+    builder = (SparkSession.builder.master("local[2,4]").config("spark.driver.host", "127.0.0.1")
+               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+               .config("spark.eventLog.enabled", "true").config("spark.eventLog.dir", event_dir)
+               .config("spark.eventLog.compress", "false").config("spark.eventLog.rolling.enabled", "false"))
+    if conf_python:
+        builder = builder.config("spark.pyspark.python", conf_python)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    outcome = {}
+    try:
+        if what == "fit":
+            import keras
+            model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+            df = spark.createDataFrame([([float(i), 1.0], float(i)) for i in range(8)], "features array<float>, label float")
+            sparkdl.fit(df, model, num_workers=2, epochs=1, batch_size=4, progress=False)
+            outcome["result"] = "trained"
+        else:
+            def where():
+                import os, sys
+                return sys.executable, os.getpid(), "tensorflow" in sys.modules
+            if what == "run-after-probe":  # as fit does: check (and load TensorFlow) first
+                from sparkdl.launch import probe
+                probe.check_workers(spark, 2, 120.0)
+            outcome["result"] = sparkdl.run(where, num_workers=2)
+    except Exception as exc:
+        outcome.update(type=type(exc).__name__, message=str(exc), mro=[c.__name__ for c in type(exc).__mro__])
+    spark.stop()
+    print("OUTCOME " + json.dumps(outcome))
+""")
+
+
+def _run_script(tmp_path, what, *, env_python=None, conf_python=None):
+    script = tmp_path / "job.py"
+    script.write_text(_SCRIPT)
+    events = tmp_path / "events"
+    events.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
+    if env_python is not None:
+        env["PYSPARK_PYTHON"] = env_python
+    done = subprocess.run([sys.executable, str(script), what, f"file://{events}", conf_python or ""], env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("OUTCOME ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
+    return json.loads(lines[-1][len("OUTCOME "):]), _spark_events(events), done.stdout + done.stderr
+
+
+def _spark_events(directory) -> dict:
+    """The jobs, stages and task attempts of the subprocess's application, from its event log."""
+    (path,) = glob.glob(f"{directory}/*")
+    events = [json.loads(line) for line in open(path)]
+    jobs = [e for e in events if e["Event"] == "SparkListenerJobStart"]
+    stages = [e["Stage Info"] for e in events if e["Event"] == "SparkListenerStageSubmitted"]
+    tasks = [e for e in events if e["Event"] == "SparkListenerTaskEnd"]
+    return {
+        "job_tags": [(j.get("Properties") or {}).get("spark.job.tags", "") for j in jobs],
+        "barrier_stages": [s["Stage Name"] for s in stages if any(r.get("Barrier") for r in s["RDD Info"])],
+        "attempts": [t["Task Info"]["Attempt"] for t in tasks],
+        "failed_tasks": [t["Task End Reason"] for t in tasks if t["Task End Reason"]["Reason"] != "Success"],
+    }
+
+
+@pytest.fixture(scope="module")
+def python_without_packages(tmp_path_factory):
+    """A Python 3.11 virtualenv with nothing installed: no pyarrow, numpy, TensorFlow or sparkdl."""
+    target = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(target)], check=True, timeout=120)
+    python = target / "bin" / "python"
+    assert subprocess.run([str(python), "-c", "import pyarrow"], capture_output=True).returncode != 0
+    return str(python)
+
+
+@pytest.mark.parametrize("setting", ["PYSPARK_PYTHON", "spark.pyspark.python"])
+def test_fit_names_the_missing_modules_before_training(tmp_path, python_without_packages, setting):
+    outcome, events, output = _run_script(
+        tmp_path, "fit", **({"env_python": python_without_packages} if setting == "PYSPARK_PYTHON"
+                            else {"conf_python": python_without_packages}))
+
+    assert outcome.get("type") == "WorkerEnvironmentError" and "RuntimeError" in outcome["mro"], outcome
+    message = outcome["message"]
+    assert python_without_packages in message  # the executor's interpreter, as the executor reported it
+    for module in ("numpy", "pyarrow", "tensorflow", "sparkdl"):
+        assert module in message
+    assert "No module named 'numpy'" in message
+    assert "PYSPARK_PYTHON" in message and "spark.archives" in message and sys.executable in message
+    # One small job ran (the probe, tagged), nothing failed or was retried, and no training stage began.
+    assert events["barrier_stages"] == []
+    assert events["failed_tasks"] == [] and set(events["attempts"]) == {0}
+    assert any("sparkdl-probe" in tags for tags in events["job_tags"])
+    assert "Traceback" not in output.split("OUTCOME")[0]
+
+
+def test_a_python_that_does_not_start_is_one_clear_error(tmp_path):
+    # Present on the driver (so only the executors find out), but it cannot start a Python worker.
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\nexec /no/such/python \"$@\"\n")
+    broken.chmod(broken.stat().st_mode | stat.S_IEXEC)
+    outcome, events, _ = _run_script(tmp_path, "run", env_python=str(broken))
+
+    assert outcome.get("type") == "WorkerEnvironmentError", outcome
+    message = outcome["message"]
+    assert str(broken) in message and "before any training started" in message
+    assert "PYSPARK_PYTHON" in message and "spark.archives" in message
+    assert len(message.splitlines()) <= 3 and "\tat " not in message  # no Java stack in the message
+    assert events["barrier_stages"] == []
+
+
+def test_a_missing_interpreter_fails_before_any_spark_job(tmp_path):
+    outcome, events, _ = _run_script(tmp_path, "run", env_python="/no/such/python")
+
+    assert outcome.get("type") == "WorkerEnvironmentError", outcome
+    assert "'/no/such/python' does not exist" in outcome["message"]
+    assert events["job_tags"] == []
+
+
+def test_local_mode_workers_run_the_driver_python_with_tensorflow_loaded(tmp_path):
+    """No PYSPARK_PYTHON: the tasks run this Python, in the workers the probe started and loaded TensorFlow into."""
+    outcome, events, _ = _run_script(tmp_path, "run-after-probe")
+
+    ranks = outcome.get("result")
+    assert ranks is not None, outcome
+    executable, pid, tensorflow_loaded = ranks  # rank 0's
+    assert executable == sys.executable
+    assert tensorflow_loaded, "the barrier task did not run in a Python worker the probe had warmed"
+    assert len(events["barrier_stages"]) == 1
+
+
+def test_probe_passes_once_per_session_on_the_shared_session(spark):
+    """The suite's session: the probe reports this Python, then is remembered (no second job)."""
+    pending = probe.start_check(spark, 2, 120.0)
+    pending.wait()
+    assert probe.start_check(spark, 2, 120.0) is pending  # remembered: no second job
+    reports = probe._run_probe(spark, 2, probe.TRAINING_MODULES)
+    assert {r["python"] for r in reports} == {sys.executable}
+    assert all(not r["missing"] and r["sparkdl"] == sparkdl.__version__ for r in reports)
