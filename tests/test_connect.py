@@ -22,6 +22,9 @@ import traceback
 import numpy as np
 import pytest
 
+# A real Spark Connect server and a client process: the slow command.
+pytestmark = pytest.mark.slow
+
 try:  # PySpark's Connect client needs gRPC and protobuf: the `cpu`/`gpu` extras bring them (the Horovod stack has none)
     import pyspark.sql.connect  # noqa: F401
 except ImportError as missing:

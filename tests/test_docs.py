@@ -114,6 +114,9 @@ def test_readme_opens_with_the_two_commands_ci_runs():
     assert tests.startswith("python3.11 -m venv .venv && ") and "pytest" in tests, tests
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert tests in ci, f".ci/run does not run the README's test command verbatim: {tests}"
+    slow = [code.strip() for _, info, code in fenced_blocks((REPO / "README.md").read_text())
+            if info == "bash" and "-m slow" in code]
+    assert slow and slow[0] in ci, f".ci/run does not run the README's command for the slow tests: {slow}"
     horovod = [line for line in ci if "horovod" in line and not line.startswith("#")]
     assert horovod and all(line in (REPO / "docs" / "horovod.md").read_text() for line in horovod), \
         f".ci/run's Horovod stack command is not the one docs/horovod.md shows: {horovod}"
@@ -157,6 +160,7 @@ def prose_lines(text: str) -> list[str]:
     return lines
 
 
+@pytest.mark.slow  # its own Python process and Spark: the slow command
 @pytest.mark.parametrize("page", pages_with_python(), ids=lambda page: str(page.relative_to(REPO)))
 def test_python_snippets_run(page, tmp_path):
     name = str(page.relative_to(REPO))

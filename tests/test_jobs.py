@@ -16,6 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+# Each test starts its own Spark (spark-submit, local-cluster, a Connect server): the slow command.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 JOBS = ROOT / "jobs"
 CONFIGS = ROOT / "conf" / "jobs"

@@ -18,6 +18,9 @@ import time
 import numpy as np
 import pytest
 
+# A child Spark moving a model larger than its JVM heap: the slow command.
+pytestmark = pytest.mark.slow
+
 import sparkdl
 from sparkdl.launch import payloads, run_tasks
 

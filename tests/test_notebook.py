@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import nbformat
+import pytest
 from ipykernel.kernelspec import write_kernel_spec
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
@@ -18,6 +19,9 @@ from nbclient import NotebookClient
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "quickstart.ipynb"
 MODES = ("sync", "async", "average")
+
+# Executes the whole notebook in its own kernel and Spark: the slow command.
+pytestmark = pytest.mark.slow
 
 
 def execute_notebook(workdir: Path) -> nbformat.NotebookNode:

@@ -277,6 +277,7 @@ def _assert_one_true_line_per_epoch(text, epochs, history):
     return lines
 
 
+@pytest.mark.slow  # its own Python process and Spark: the slow command
 def test_a_piped_script_prints_one_line_per_epoch_and_no_tensorflow_start_up_lines(tmp_path):
     """stdout and stderr are files (no terminal): no bar, one epoch line per epoch printed by sparkdl itself;
     once the script configures logging at INFO, the line comes through its logging alone, not twice."""
@@ -327,6 +328,7 @@ def _run_in_terminal(command, env, cwd, timeout):
     return output.decode(errors="replace")
 
 
+@pytest.mark.slow  # its own Python process and Spark: the slow command
 def test_in_a_terminal_the_bar_is_drawn_and_every_epoch_line_stands_whole_above_it(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)

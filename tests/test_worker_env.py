@@ -15,6 +15,9 @@ import textwrap
 
 import pytest
 
+# Most tests start a short-lived Spark with a wrong worker Python: the slow command.
+pytestmark = pytest.mark.slow
+
 import sparkdl
 from sparkdl.launch import probe
 
