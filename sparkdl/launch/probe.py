@@ -25,12 +25,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import shutil
 import sys
 import threading
 import time
 from typing import Callable, Optional
+
+from sparkdl.launch import session
 
 _log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class PendingCheck:
         self._spark = spark
         self._key = key
         self._timeout = timeout
-        self._tag = f"sparkdl-probe-{secrets.token_hex(4)}"
+        self._tag = session.JobTag(spark, "sparkdl-probe")
         self._reports: Optional[list[dict]] = None
         self._failure: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
@@ -111,8 +112,8 @@ class PendingCheck:
     def _run(self, num_workers: int, modules: tuple) -> None:
         started = time.perf_counter()
         try:
-            _tag_thread(self._spark, self._tag)
-            self._reports = _run_probe(self._spark, num_workers, modules)
+            with self._tag:
+                self._reports = _run_probe(self._spark, num_workers, modules)
         except BaseException as exc:  # raised to the caller of wait(), in its thread
             self._failure = exc
         finally:
@@ -124,7 +125,7 @@ class PendingCheck:
         self.waited = time.perf_counter() - started
         try:
             if self._thread.is_alive():
-                _cancel_tag(self._spark, self._tag)
+                self._tag.cancel()
                 raise WorkerEnvironmentError(
                     "sparkdl's check of the executors' Python environment did not finish within "
                     f"timeout={self._timeout}s (its job was cancelled): the cluster may be busy, or its Python "
@@ -289,18 +290,3 @@ def _session_key(spark) -> tuple:
         return ("connect", spark.session_id)
     return ("classic", sc.applicationId, sc.pythonExec)
 
-
-def _tag_thread(spark, tag: str) -> None:
-    sc = _classic_context(spark)
-    if sc is None:
-        spark.addTag(tag)
-    else:
-        sc.addJobTag(tag)
-
-
-def _cancel_tag(spark, tag: str) -> None:
-    sc = _classic_context(spark)
-    if sc is None:
-        spark.interruptTag(tag)
-    else:
-        sc.cancelJobsWithTag(tag)

@@ -124,9 +124,9 @@ def driver_host(spark: SparkSession) -> str:
 class JobTag:
     """A tag on the Spark jobs this thread starts while ``with tag:`` runs; ``cancel()`` stops them from any thread."""
 
-    def __init__(self, spark: SparkSession):
+    def __init__(self, spark: SparkSession, prefix: str = "sparkdl"):
         self._spark = spark
-        self.name = f"sparkdl-{secrets.token_hex(8)}"
+        self.name = f"{prefix}-{secrets.token_hex(8)}"
 
     def cancel(self) -> None:
         if is_connect(self._spark):
