@@ -20,10 +20,13 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import _jvm
+
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 QUIET_LOG4J = Path(__file__).resolve().parent.parent / "conf" / "log4j2.properties"
+_startup: Optional[_jvm.StartupOptions] = None  # the driver JVM's start-up options, when this job starts the JVM
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,16 +73,20 @@ def classic_conf(args: argparse.Namespace):
     """The settings the session will start with: spark-submit's, or plain python's local defaults.
 
     Under spark-submit this reads them from the JVM spark-submit already started (no session starts).
+    With plain python the job starts the JVM: quickly (``_jvm``), and at WARN from its first line.
     """
+    global _startup
     from pyspark import SparkConf, SparkContext
 
     if under_spark_submit():
         SparkContext._ensure_initialized()  # connects to spark-submit's JVM, whose properties SparkConf() reads
         return SparkConf()
     conf = SparkConf().setMaster(args.master or "local[*]")
+    _startup = _jvm.StartupOptions()
+    options = [_startup.options]
     if not args.verbose and QUIET_LOG4J.exists():
-        # The JVM starts below (plain python): its own start-up lines at WARN too.
-        conf.set("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={QUIET_LOG4J}")
+        options.append(f"-Dlog4j2.configurationFile={QUIET_LOG4J}")
+    conf.set("spark.driver.extraJavaOptions", " ".join(options))
     return conf
 
 
@@ -91,6 +98,8 @@ def is_local(master: str) -> bool:
 def spark_session(app_name: str, args: argparse.Namespace, conf=None):
     """The job's session: over Spark Connect when a server is given, else from ``conf`` (``classic_conf``)."""
     from pyspark.sql import SparkSession
+
+    from sparkdl.launch import probe
 
     url = remote_url(args)
     if url:
@@ -107,9 +116,20 @@ def spark_session(app_name: str, args: argparse.Namespace, conf=None):
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         conf.setIfMissing("spark.driver.host", "127.0.0.1")
+        # Python workers forked with TensorFlow loaded (it is this Python's, which has sparkdl): one import, not one each.
+        conf.setIfMissing("spark.python.daemon.module", probe.WORKER_DAEMON)
     spark = SparkSession.builder.config(conf=conf).getOrCreate()
     if args.verbose:
         # spark.log.level=INFO is skipped where log4j's root level is INFO already, yet plain python's (PySpark's
         # shell's) filter still holds lines below WARN back; setting the level lifts it.
         spark.sparkContext.setLogLevel("INFO")
     return spark
+
+
+def stop(spark) -> None:
+    """Stops the session; a JVM this job started then exits (writing its class archive the first time)."""
+    from pyspark import SparkContext
+
+    spark.stop()
+    if _startup is not None:
+        _startup.finish(SparkContext)

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         _output.logger.info("the error's trace:", exc_info=True)
         _checks.fail(parser, _checks.in_flags(str(e), _checks.flag_names(parser)))
     finally:
-        spark.stop()
+        _spark.stop(spark)
     print(f"scored {rows} rows of {args.data} with {args.model}")
     print(f"wrote predictions to {args.output}")
     return 0

@@ -212,13 +212,14 @@ def main(argv=None) -> int:
                                      plain_path_is_local=conf is not None and _spark.is_local(conf.get("spark.master")))
             except ValueError as e:
                 _checks.fail(parser, str(e))
-    # Keras (TensorFlow) and the default data load while Spark starts: both mostly wait, on disk and on the JVM.
+    # Three processes load TensorFlow: this one, and the executors' Python (once, in sparkdl's worker daemon for
+    # local masters). The JVM starts first, alone, so that the executors' import can begin at once; the driver's
+    # import and the default data then load beside it, and fit's data checks run while it ends.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        loading = pool.submit(load_in_background, args)
         with _output.phase("session"):
             spark = _spark.spark_session("sparkdl-train", args, conf)
-        # The executors' Python is checked, and TensorFlow loaded into it, while the data loads (fit waits for it).
-        probe.start_check(spark, args.num_workers, timeout=600.0)
+        probe.start_check(spark, args.num_workers, timeout=600.0)  # fit waits for it
+        loading = pool.submit(load_in_background, args)
         with _output.phase("background"):  # what is left of loading Keras and the data
             digits_split = loading.result()
     try:
@@ -227,7 +228,7 @@ def main(argv=None) -> int:
         _output.logger.info("the error's trace:", exc_info=True)
         _checks.fail(parser, _checks.in_flags(str(e), flags))
     finally:
-        spark.stop()
+        _spark.stop(spark)
     return 0
 
 

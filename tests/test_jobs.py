@@ -73,9 +73,13 @@ def task_executors(events, *, barrier):
             and (e["Stage ID"] in barrier_stages) == barrier]
 
 
-def spark_master(events):
+def spark_property(events, name):
     (environment,) = [e for e in events if e["Event"] == "SparkListenerEnvironmentUpdate"]
-    return environment["Spark Properties"]["spark.master"]
+    return environment["Spark Properties"].get(name)
+
+
+def spark_master(events):
+    return spark_property(events, "spark.master")
 
 
 def epoch_losses(output, epochs):
@@ -100,6 +104,8 @@ def test_spark_submit_on_local_cluster_trains_on_the_executors(tmp_path, digits)
                                "--verbose", conf=event_log_conf(events)), tmp_path)
     log = read_event_log(events)
     assert spark_master(log) == "local-cluster[2,1,1024]"
+    # Executors on this machine run this Python: their workers fork from sparkdl's daemon, TensorFlow loaded once.
+    assert spark_property(log, "spark.python.daemon.module") == "sparkdl.launch.worker_daemon"
     ran_on = task_executors(log, barrier=True)
     assert sorted(set(ran_on)) == ["0", "1"] and len(ran_on) >= 2, ran_on
     assert "driver" not in task_executors(log, barrier=False)
@@ -229,6 +235,46 @@ def test_python_job_on_user_parquet_with_column_list(tmp_path, spark, digits):
     assert float(re.search(r"test accuracy: ([\d.]+)", out).group(1)) > 0.8, out
     assert (tmp_path / "out" / "model.keras").exists()
     assert not re.search(r" INFO |log4j profile|NativeCodeLoader", out), out  # plain python is quiet too
+
+
+def _jvm_maps_of(process, archive, timeout=120.0):
+    """The files mapped by the JVM that ``process`` (a plain-python job) started with ``archive`` in its options."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                # The JVM itself, whose own option it is (spark-submit's launcher sees it inside a --conf).
+                if f"-XX:SharedArchiveFile={archive}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                    time.sleep(1.0)  # the archive is mapped as the JVM initializes, well before Spark starts
+                    return Path(f"/proc/{pid}/maps").read_text()
+            except OSError:
+                continue
+        time.sleep(0.1)
+    raise AssertionError("no JVM with the archive in its options was seen")
+
+
+def test_plain_python_job_writes_a_class_archive_once_and_maps_it_after(tmp_path):
+    """With plain python the job starts its own JVM: the first run writes the classes it loaded to an archive as
+    that JVM exits (nothing printed about it), and the next run's JVM maps the archive instead of loading them."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env.pop("PYSPARK_PYTHON", None)
+    command = [sys.executable, TRAIN_JOB, "--master", "local[2]", "--epochs", "1", "--output", "model.keras"]
+    first = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    archives = list((tmp_path / "cache" / "sparkdl" / "jvm").iterdir())
+    assert [a.suffix for a in archives] == [".jsa"] and archives[0].stat().st_size > 10**7, archives  # no .tmp left
+    assert "cds" not in first.stdout + first.stderr and "[warning]" not in first.stdout + first.stderr
+
+    second = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    try:
+        maps = _jvm_maps_of(second, archives[0])
+        output = second.communicate(timeout=600)[0]
+    finally:
+        second.kill()
+    assert str(archives[0]) in maps  # mapped: the JVM found the archive valid for its classpath
+    assert second.returncode == 0 and "test accuracy" in output, output
+    assert list((tmp_path / "cache" / "sparkdl" / "jvm").iterdir()) == archives
 
 
 @pytest.fixture(scope="module")

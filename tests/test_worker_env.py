@@ -28,13 +28,15 @@ _SCRIPT = textwrap.dedent("""
     from pyspark.sql import SparkSession
     import sparkdl
 
-    what, event_dir, conf_python = sys.argv[1], sys.argv[2], sys.argv[3]
+    what, event_dir, conf_python, daemon = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
     builder = (SparkSession.builder.master("local[2,4]").config("spark.driver.host", "127.0.0.1")
                .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
                .config("spark.eventLog.enabled", "true").config("spark.eventLog.dir", event_dir)
                .config("spark.eventLog.compress", "false").config("spark.eventLog.rolling.enabled", "false"))
     if conf_python:
         builder = builder.config("spark.pyspark.python", conf_python)
+    if daemon:
+        builder = builder.config("spark.python.daemon.module", daemon)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     outcome = {}
@@ -49,7 +51,9 @@ _SCRIPT = textwrap.dedent("""
         else:
             def where():
                 import os, sys
-                return sys.executable, os.getpid(), "tensorflow" in sys.modules
+                with open(f"/proc/{os.getppid()}/cmdline", "rb") as parent:
+                    forked_by = parent.read().replace(b"\\0", b" ").decode()
+                return sys.executable, os.getpid(), "tensorflow" in sys.modules, forked_by
             if what == "run-after-probe":  # as fit does: check (and load TensorFlow) first
                 from sparkdl.launch import probe
                 probe.check_workers(spark, 2, 120.0)
@@ -61,7 +65,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_script(tmp_path, what, *, env_python=None, conf_python=None):
+def _run_script(tmp_path, what, *, env_python=None, conf_python=None, daemon=None):
     script = tmp_path / "job.py"
     script.write_text(_SCRIPT)
     events = tmp_path / "events"
@@ -69,7 +73,8 @@ def _run_script(tmp_path, what, *, env_python=None, conf_python=None):
     env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
     if env_python is not None:
         env["PYSPARK_PYTHON"] = env_python
-    done = subprocess.run([sys.executable, str(script), what, f"file://{events}", conf_python or ""], env=env,
+    done = subprocess.run([sys.executable, str(script), what, f"file://{events}", conf_python or "", daemon or ""],
+                          env=env,
                           capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("OUTCOME ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
@@ -83,8 +88,11 @@ def _spark_events(directory) -> dict:
     jobs = [e for e in events if e["Event"] == "SparkListenerJobStart"]
     stages = [e["Stage Info"] for e in events if e["Event"] == "SparkListenerStageSubmitted"]
     tasks = [e for e in events if e["Event"] == "SparkListenerTaskEnd"]
+    probe_stages = [set(j["Stage IDs"]) for j in jobs
+                    if "sparkdl-probe" in (j.get("Properties") or {}).get("spark.job.tags", "")]
     return {
         "job_tags": [(j.get("Properties") or {}).get("spark.job.tags", "") for j in jobs],
+        "probe_tasks": [sum(t["Stage ID"] in stages for t in tasks) for stages in probe_stages],  # per probe job
         "barrier_stages": [s["Stage Name"] for s in stages if any(r.get("Barrier") for r in s["RDD Info"])],
         "attempts": [t["Task Info"]["Attempt"] for t in tasks],
         "failed_tasks": [t["Task End Reason"] for t in tasks if t["Task End Reason"]["Reason"] != "Success"],
@@ -150,10 +158,31 @@ def test_local_mode_workers_run_the_driver_python_with_tensorflow_loaded(tmp_pat
 
     ranks = outcome.get("result")
     assert ranks is not None, outcome
-    executable, pid, tensorflow_loaded = ranks  # rank 0's
+    executable, pid, tensorflow_loaded, _ = ranks  # rank 0's
     assert executable == sys.executable
     assert tensorflow_loaded, "the barrier task did not run in a Python worker the probe had warmed"
     assert len(events["barrier_stages"]) == 1
+    # The training check runs one task per worker (each Python worker imports TensorFlow itself); run's own check
+    # (numpy, pyarrow and sparkdl only) follows.
+    assert events["probe_tasks"] == [2, 2]
+
+
+def test_sparkdls_worker_daemon_forks_workers_with_tensorflow_loaded(tmp_path):
+    """With spark.python.daemon.module set to sparkdl's, TensorFlow is imported once, before the workers fork.
+
+    The probe then needs one task in local mode (all workers come from the same daemon), which leaves
+    the other task slot free for the data checks that run beside it.
+    """
+    outcome, events, output = _run_script(tmp_path, "run-after-probe", daemon=probe.WORKER_DAEMON)
+
+    ranks = outcome.get("result")
+    assert ranks is not None, outcome
+    executable, _, tensorflow_loaded, forked_by = ranks
+    assert executable == sys.executable
+    assert f"-m {probe.WORKER_DAEMON}" in forked_by, forked_by
+    assert tensorflow_loaded
+    assert events["probe_tasks"] == [1, 1] and events["failed_tasks"] == []
+    assert "found in sys.modules" not in output  # runpy's warning when the daemon module was imported before it ran
 
 
 def test_probe_passes_once_per_session_on_the_shared_session(spark):

@@ -10,8 +10,10 @@ so no task fails and nothing is retried, and the driver raises one
 
 Where no GPU is in sight, the probe also imports TensorFlow in the executors' Python workers,
 which Spark keeps for later tasks (``spark.python.worker.reuse``, on by default): the training
-stage then starts without paying for that import. Run in a background thread
-(:func:`start_check`), the probe overlaps the driver's data checks.
+stage then starts without paying for that import. With sparkdl's worker daemon
+(:data:`WORKER_DAEMON`, which forks every worker with TensorFlow loaded) in local mode, one task
+checks them all. Run in a background thread (:func:`start_check`), the probe overlaps the
+driver's data checks.
 
 In local modes the executors are threads of the driver's JVM, on this machine: with neither
 ``PYSPARK_PYTHON`` nor ``spark.pyspark.python`` set, PySpark would start ``python3`` from the
@@ -39,6 +41,9 @@ _log = logging.getLogger(__name__)
 LAUNCH_MODULES = ("numpy", "pyarrow", "sparkdl")
 TRAINING_MODULES = ("numpy", "pyarrow", "keras", "tensorflow", "sparkdl")
 _DEFAULT_PYTHON = "python3"  # what PySpark starts on the executors when nothing says otherwise
+# spark.python.daemon.module that forks the workers with TensorFlow loaded (a name: importing it here would
+# make ``python -m`` run a module that is already imported).
+WORKER_DAEMON = "sparkdl.launch.worker_daemon"
 _checks: dict = {}  # (session, interpreter, modules) -> its PendingCheck, running or passed
 _checks_lock = threading.Lock()
 
@@ -153,9 +158,22 @@ class PendingCheck:
 def _run_probe(spark, num_workers: int, modules: tuple) -> list[dict]:
     from pyspark.sql import functions as F
 
+    tasks = 1 if _one_preloading_python(spark) else num_workers
     probe = F.udf(_probe_function(modules), "string", useArrow=False)
-    rows = spark.range(num_workers, numPartitions=num_workers).select(probe("id")).collect()
+    rows = spark.range(tasks, numPartitions=tasks).select(probe("id")).collect()
     return [json.loads(row[0]) for row in rows]
+
+
+def _one_preloading_python(spark) -> bool:
+    """Local mode with sparkdl's worker daemon: every task's Python is forked from one that loads TensorFlow.
+
+    One probe task then checks (and warms) them all, and leaves the other task slots free for
+    the data checks that run meanwhile: ``num_workers`` tasks would hold every slot of a small
+    machine while the daemon imports TensorFlow.
+    """
+    sc = _classic_context(spark)
+    return (sc is not None and session.is_local_mode(sc.master)
+            and sc.getConf().get("spark.python.daemon.module", "") == WORKER_DAEMON)
 
 
 def _probe_function(modules: tuple) -> Callable[[int], str]:
@@ -279,9 +297,7 @@ def _check_local_python(spark) -> None:
 
 def _classic_context(spark):
     """The SparkContext of a classic session; None over Spark Connect, which has none."""
-    if "connect" in type(spark).__module__.split("."):
-        return None
-    return spark.sparkContext
+    return None if session.is_connect(spark) else spark.sparkContext
 
 
 def _session_key(spark) -> tuple:
