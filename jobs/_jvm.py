@@ -8,9 +8,9 @@ class loading, which searches the ~250 jars on Spark's classpath for each of ~20
 - ``-XX:TieredStopAtLevel=1`` keeps the quick C1 compiler only: the JVM's hot loops run
   somewhat slower, which a local job (whose heavy work is TensorFlow's, in Python) does not feel.
 - Class data sharing (JDK 13+ dynamic archives): the first run writes the classes it loaded to
-  an archive under ``~/.cache/sparkdl/jvm`` when its JVM exits (:func:`finish`), and later runs
-  map them instead of loading them. The archive is keyed by the Java binary and Spark's jars; a
-  JVM that finds it stale ignores it.
+  an archive under ``~/.cache/sparkdl/jvm`` when its JVM exits (``StartupOptions.finish``), and
+  later runs map them instead of loading them. The archive is keyed by the Java binary and Spark's
+  jars (so each virtualenv has its own); one unused for two weeks is removed when another is written.
 
 Under spark-submit the JVM is started before the job runs: its options are spark-submit's
 (``--driver-java-options``), and nothing here applies.
@@ -18,11 +18,13 @@ Under spark-submit the JVM is started before the job runs: its options are spark
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -31,6 +33,7 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparkd
 # The archive's own notices (classes it skips, a stale archive) are not the user's concern.
 _QUIET_CDS = "-Xlog:cds=off -Xlog:cds+dynamic=off"
 _EXIT_TIMEOUT = 120.0  # seconds for the JVM to write the archive and exit
+_UNUSED_DAYS = 14  # an archive no run has used for this long is removed (each is about 170 MB)
 
 
 class StartupOptions:
@@ -42,6 +45,7 @@ class StartupOptions:
         if self.archive is None:
             self.options = "-XX:TieredStopAtLevel=1"
         elif self.archive.exists():
+            os.utime(self.archive)  # its time says when it was last used (see finish)
             self.options = f"-XX:TieredStopAtLevel=1 -XX:SharedArchiveFile={self.archive} {_QUIET_CDS}"
         else:
             self.writing = self.archive.with_name(f"{self.archive.stem}.{os.getpid()}.tmp")
@@ -61,11 +65,19 @@ class StartupOptions:
         except Exception:  # noqa: BLE001 -- a slow exit only costs the archive
             exited = None
         if exited == 0 and self.writing.exists():
-            for stale in glob.glob(str(CACHE / "spark-*.jsa")):
-                os.remove(stale)
             os.replace(self.writing, self.archive)
+            _remove_unused(self.archive)
         else:
             self.writing.unlink(missing_ok=True)
+
+
+def _remove_unused(keep: Path) -> None:
+    """Drops other archives (another Spark or Java, another virtualenv) that no run has used for a while."""
+    cutoff = time.time() - _UNUSED_DAYS * 86400
+    for other in CACHE.glob("spark-*.jsa"):
+        with contextlib.suppress(OSError):
+            if other != keep and other.stat().st_mtime < cutoff:
+                other.unlink()
 
 
 def _archive_path() -> Optional[Path]:
