@@ -161,12 +161,13 @@ def fit(
     resumed = _newest_checkpoint(checkpoints, model, custom_objects)
     phases = _Phases()
     launch.check_slots(df.sparkSession, num_workers, wait_seconds=30.0, mode=mode)
-    # The executors' Python is checked (and TensorFlow loaded into it) while the driver checks the data.
+    seed = secrets.randbelow(2**31) if seed is None else seed
+    planned = data.plan(df, features_col, label_col, validation_col=validation_col,
+                        validation_split=validation_split, seed=seed)  # the columns: no Spark job yet
+    # The executors' Python is checked (and TensorFlow loaded into it) while the driver checks the rows.
     workers = probe.start_check(df.sparkSession, num_workers, timeout)
     phases.end("slots")
-    seed = secrets.randbelow(2**31) if seed is None else seed
-    training = data.prepare(df, features_col, label_col, num_workers, validation_col=validation_col,
-                            validation_split=validation_split, seed=seed)
+    training = planned.check(num_workers)
     phases.end("checks")
     workers.wait()
     phases.end("workers")
@@ -347,7 +348,7 @@ def _mode_options(model, mode: str, **options) -> dict:
 
 
 def _validation_options(validation_col, validation_split) -> None:
-    """Checks the validation settings (the column itself is checked against the schema in ``data.prepare``)."""
+    """Checks the validation settings (the column itself is checked against the schema in ``data.plan``)."""
     if validation_col is not None and validation_split is not None:
         raise ValueError("`validation_col` and `validation_split` are mutually exclusive: pass one of them. "
                          f"Received: validation_col={validation_col!r}, validation_split={validation_split!r}")

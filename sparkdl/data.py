@@ -87,7 +87,14 @@ class TrainingData:
 def prepare(df: DataFrame, features_col: ColumnSpec, label_col: str, num_workers: int, *,
             validation_col: Optional[str] = None, validation_split: Optional[float] = None,
             seed: int = 0) -> TrainingData:
-    """Validates ``df`` and returns the float32 array columns to train on.
+    """Validates ``df`` and returns the float32 array columns to train on: :func:`plan`, then its ``check``."""
+    return plan(df, features_col, label_col, validation_col=validation_col, validation_split=validation_split,
+                seed=seed).check(num_workers)
+
+
+def plan(df: DataFrame, features_col: ColumnSpec, label_col: str, *, validation_col: Optional[str] = None,
+         validation_split: Optional[float] = None, seed: int = 0) -> "TrainingPlan":
+    """Checks the columns against ``df``'s schema, on the driver and without a Spark job; ``check()`` checks the rows.
 
     ``validation_col`` (a boolean column) or ``validation_split`` (a fraction, selected by
     ``validation_split_mask`` with ``seed``) holds rows out for validation: the frame then has a
@@ -107,41 +114,61 @@ def prepare(df: DataFrame, features_col: ColumnSpec, label_col: str, num_workers
         mask = _boolean_column(df, validation_col)
     elif validation_split is not None:
         mask = validation_split_mask(features_expr, label_expr, validation_split, seed)
+    source = (f"`validation_col`={validation_col!r}" if validation_col is not None
+              else f"`validation_split`={validation_split!r}")
+    return TrainingPlan(df, feature_parts, features_expr, label_col, label_expr, label_is_scalar, mask,
+                        validation_col, source)
 
-    checks = _Checks()
-    for name, expr in feature_parts:
-        checks.add_column(name, expr)
-    checks.add_column(label_col, label_expr)
-    if mask is not None:
-        checks.add_validation(mask, validation_col)
-    stats = checks.run(df)
 
-    total = stats["rows"]
-    if total == 0:
-        raise ValueError("The DataFrame passed to sparkdl.fit is empty: expected at least one row per worker.")
-    held_out = stats.get("validation_rows") or 0
-    num_rows = total - held_out
-    if mask is not None:
-        source = (f"`validation_col`={validation_col!r}" if validation_col is not None
-                  else f"`validation_split`={validation_split!r}")
-        if held_out == 0:
-            raise ValueError(f"The validation set is empty: {source} selected none of the {total} rows. "
-                             "Hold out more rows, or leave validation out.")
-        if num_rows == 0:
-            raise ValueError(f"No rows left to train on: {source} selected all {total} rows for validation.")
-    if num_rows < num_workers:
-        kept = f" (after holding out {held_out} for validation)" if mask is not None else ""
-        raise ValueError(
-            f"Expected at least `num_workers`={num_workers} rows so that every worker gets data. "
-            f"Received: {num_rows} rows{kept}. Use fewer workers or more data."
-        )
-    widths = checks.widths(stats)
-    feature_width = sum(widths[name] for name, _ in feature_parts)
-    columns = [features_expr.alias(FEATURES), label_expr.alias(LABEL)]
-    if mask is not None:
-        columns.append(mask.alias(VALIDATION))
-    frame = df.select(*columns)
-    return TrainingData(frame, num_rows, ColumnShapes(feature_width, widths[label_col], label_is_scalar), held_out)
+@dataclasses.dataclass(frozen=True)
+class TrainingPlan:
+    """Columns that passed the schema checks, and the expressions that turn them into the training columns."""
+
+    df: DataFrame
+    feature_parts: list  # (column name, float array expression) per features column
+    features_expr: Column
+    label_col: str
+    label_expr: Column
+    label_is_scalar: bool
+    mask: Optional[Column]  # true for the rows held out for validation
+    validation_col: Optional[str]
+    validation_source: str  # how the held-out rows were chosen, as the error messages name it
+
+    def check(self, num_workers: int) -> TrainingData:
+        """Checks the rows (one aggregate Spark job) and returns the columns to train on."""
+        checks = _Checks()
+        for name, expr in self.feature_parts:
+            checks.add_column(name, expr)
+        checks.add_column(self.label_col, self.label_expr)
+        if self.mask is not None:
+            checks.add_validation(self.mask, self.validation_col)
+        stats = checks.run(self.df)
+
+        total = stats["rows"]
+        if total == 0:
+            raise ValueError("The DataFrame passed to sparkdl.fit is empty: expected at least one row per worker.")
+        held_out = stats.get("validation_rows") or 0
+        num_rows = total - held_out
+        if self.mask is not None:
+            if held_out == 0:
+                raise ValueError(f"The validation set is empty: {self.validation_source} selected none of the "
+                                 f"{total} rows. Hold out more rows, or leave validation out.")
+            if num_rows == 0:
+                raise ValueError(f"No rows left to train on: {self.validation_source} selected all {total} rows "
+                                 "for validation.")
+        if num_rows < num_workers:
+            kept = f" (after holding out {held_out} for validation)" if self.mask is not None else ""
+            raise ValueError(
+                f"Expected at least `num_workers`={num_workers} rows so that every worker gets data. "
+                f"Received: {num_rows} rows{kept}. Use fewer workers or more data."
+            )
+        widths = checks.widths(stats)
+        feature_width = sum(widths[name] for name, _ in self.feature_parts)
+        columns = [self.features_expr.alias(FEATURES), self.label_expr.alias(LABEL)]
+        if self.mask is not None:
+            columns.append(self.mask.alias(VALIDATION))
+        return TrainingData(self.df.select(*columns), num_rows,
+                            ColumnShapes(feature_width, widths[self.label_col], self.label_is_scalar), held_out)
 
 
 def validation_split_mask(features: Column, label: Column, fraction: float, seed: int) -> Column:

@@ -81,8 +81,9 @@ def test_not_a_dataframe():
 )
 def test_bad_data_is_reported_before_training(spark, rows, schema, features, message):
     df = spark.createDataFrame(rows, schema)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as raised:
         sparkdl.fit(df, small_model(), features_col=features, label_col="label", num_workers=2)
+    assert raised.type is ValueError  # the driver's check, not a worker's error (WorkerError can be a ValueError)
 
 
 def test_vector_column_with_nan(spark):
@@ -90,5 +91,6 @@ def test_vector_column_with_nan(spark):
 
     df = spark.createDataFrame([(Vectors.dense([0.1, float("nan")]), 1), (Vectors.sparse(2, [0], [1.0]), 0)],
                                ["vec", "label"])
-    with pytest.raises(ValueError, match=r"Column 'vec' has 1 rows containing NaN"):
+    with pytest.raises(ValueError, match=r"Column 'vec' has 1 rows containing NaN") as raised:
         sparkdl.fit(df, small_model(), features_col="vec", num_workers=2)
+    assert raised.type is ValueError

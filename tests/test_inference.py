@@ -10,6 +10,7 @@ from pyspark.ml.linalg import DenseVector
 from pyspark.sql import functions as F
 
 from models import make_mlp
+from spark_jobs import no_spark_job
 from sparkdl.ml import inference
 from sparkdl.ml.inference import predict
 from sparkdl.train.serialization import model_to_bytes
@@ -67,10 +68,6 @@ def binary_classifier(digits):
 
 def _by_id(df):
     return sorted(df.collect(), key=lambda r: r.id)
-
-
-def _job_count(spark):
-    return len(spark.sparkContext.statusTracker().getJobIdsForGroup())
 
 
 @pytest.mark.parametrize("kind", ["array", "vector", "columns"])
@@ -162,9 +159,8 @@ def _compiled(model):
 def test_predict_is_lazy_and_keeps_rows(spark):
     model = _dense_model(10, "softmax")
     df = spark.range(0, 1000, 1, 4).select("id", F.array_repeat(F.col("id").cast("float") / 1000, WIDTH).alias("f"))
-    before = _job_count(spark)
-    out = predict(df, model_to_bytes(model), features_col="f", prediction_col="prediction", batch_size=64)
-    assert _job_count(spark) == before
+    with no_spark_job(spark):
+        out = predict(df, model_to_bytes(model), features_col="f", prediction_col="prediction", batch_size=64)
     assert out.count() == 1000 and out.rdd.getNumPartitions() == 4
 
 
@@ -209,10 +205,8 @@ def _assert_fails_before_any_job(spark, match, df, **kwargs):
     model_bytes = kwargs.pop("model_bytes", None) or model_to_bytes(_dense_model(10, "softmax"))
     kwargs.setdefault("features_col", "features")
     kwargs.setdefault("prediction_col", "prediction")
-    before = _job_count(spark)
-    with pytest.raises(ValueError, match=match):
+    with no_spark_job(spark), pytest.raises(ValueError, match=match):
         predict(df, model_bytes, **kwargs)
-    assert _job_count(spark) == before
 
 
 def test_schema_errors_are_raised_on_the_driver(spark, frames):

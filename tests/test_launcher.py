@@ -12,7 +12,7 @@ import pytest
 
 import sparkdl
 from sparkdl import collective
-from sparkdl.collective.transport import connect_authenticated
+from sparkdl.collective.transport import ConnectGaveUp, connect_authenticated
 from sparkdl.launch.relay import _HEADER, _RELAY_ID, OutputRelay
 from sparkdl.collective.horovod import Slot, slot_plan
 from spark_jobs import no_spark_job
@@ -194,7 +194,7 @@ def test_relay_prints_lines_from_an_authenticated_rank():
 def test_relay_refuses_a_wrong_secret_and_a_malformed_frame():
     relay, out, _ = _relay()
     with relay:
-        with pytest.raises(Exception):
+        with pytest.raises(ConnectGaveUp, match="authentication|handshake|closed|reset"):
             connect_authenticated(relay.address, 0, _RELAY_ID, b"x" * 32, timeout=2)
         sock = connect_authenticated(relay.address, 0, _RELAY_ID, b"s" * 32, timeout=10)
         sock.sendall(_HEADER.pack(9, 2**31) + b"junk")  # unknown kind, absurd length: dropped, nothing allocated

@@ -35,6 +35,76 @@ def test_async_one_worker_push_every_step_equals_sequential_training(spark, digi
     assert result.stats["versions"] == [epochs * result.steps_per_epoch]
 
 
+# Exact updates with plain SGD, whose step is proportional to the gradient (Adam's is not: it would hide a
+# gradient summed instead of averaged, a wrong division by the worker count, or a push applied twice). Every
+# case trains on full passes over the rows, so that which row lands in which batch cannot matter:
+@pytest.mark.parametrize("mode, options, workers, batch_size, learning_rate_factor", [
+    # one worker, one batch of all 64 rows per push: plain gradient descent
+    ("async", {"push_every": 1}, 1, 64, 1.0),
+    # one worker, two batches of 32 at the same pulled weights, averaged into one push: the batch of 64
+    ("async", {"push_every": 2}, 1, 32, 1.0),
+    # two workers, one local step each from the same broadcast weights, then the driver averages the weights:
+    # the step of the mean over all 64 rows
+    ("average", {"sync_every": 1}, 2, 32, 1.0),
+])
+def test_plain_sgd_updates_are_exact(spark, digits, mode, options, workers, batch_size, learning_rate_factor):
+    x_train, _, y_train, _ = digits
+    x, y = x_train[:64], y_train[:64].astype(np.int64)
+    df = spark.createDataFrame([(r.tolist(), int(label)) for r, label in zip(x, y)], "features array<float>, label long")
+    epochs, learning_rate = 3, 0.5
+    model = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(learning_rate), seed=4)
+    reference = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(learning_rate * learning_rate_factor), seed=4)
+
+    result = sparkdl.fit(df, model, num_workers=workers, mode=mode, epochs=epochs, batch_size=batch_size, seed=1,
+                         **options)
+
+    assert result.steps_per_epoch == 64 // (workers * batch_size)
+    reference.fit(x, y, batch_size=64, epochs=epochs, shuffle=False, verbose=0)  # 3 steps on all rows at once
+    for got, want, start in zip(result.model.get_weights(), reference.get_weights(), model.get_weights()):
+        assert not np.allclose(want, start, atol=1e-3)  # the steps are large enough to tell a wrong scale
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_two_async_workers_each_push_is_applied_once_at_full_scale(spark, digits):
+    """Two workers push once each (the mean gradient of their 32 rows) and the server applies each push as one
+    full optimizer step. Whether the second worker pulled before or after the first push is a race: the result
+    must be exactly one of the three histories it allows (a summed, halved or doubled push matches none)."""
+    x_train, _, y_train, _ = digits
+    df = spark.createDataFrame([(r.tolist(), int(label)) for r, label in zip(x_train[:64], y_train[:64])],
+                               "features array<float>, label long")
+    learning_rate = 0.5
+    model = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(learning_rate), seed=4)
+    start = model.get_weights()
+
+    result = sparkdl.fit(df, model, num_workers=2, mode="async", epochs=1, batch_size=32, seed=1)
+
+    assert result.steps_per_epoch == 1 and result.stats["pushes"] == 2
+    (xa, ya), (xb, yb) = partitions_as_fit_sees_them(data.prepare(df, "features", "label", 2).frame, 2, 64)
+    stepper = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(learning_rate), seed=4)
+
+    def update(weights, x, y):  # one SGD step's change, taken at `weights` on the batch (x, y)
+        stepper.set_weights(weights)
+        stepper.train_on_batch(x, y.astype(np.int64))
+        return [after - before for after, before in zip(stepper.get_weights(), weights)]
+
+    def plus(weights, change):
+        return [w + c for w, c in zip(weights, change)]
+
+    a_first, b_first = plus(start, update(start, xa, ya)), plus(start, update(start, xb, yb))
+    histories = {
+        "both pulled the initial weights": plus(a_first, update(start, xb, yb)),
+        "the second worker pulled after the first push": plus(a_first, update(a_first, xb, yb)),
+        "the first worker pulled after the second push": plus(b_first, update(b_first, xa, ya)),
+    }
+    names = list(histories)
+    for i, one in enumerate(names):  # the three are told apart by far more than the tolerance below
+        for other in names[i + 1:]:
+            assert not all(np.allclose(u, v, atol=1e-4) for u, v in zip(histories[one], histories[other]))
+    matched = [name for name, want in histories.items()
+               if all(np.allclose(got, w, rtol=1e-4, atol=1e-5) for got, w in zip(result.model.get_weights(), want))]
+    assert len(matched) == 1, "the server's weights match no history of two full-scale pushes"
+
+
 @pytest.mark.parametrize("mode, options", [
     ("async", {}),
     ("hogwild", {"num_servers": 2}),

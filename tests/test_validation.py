@@ -131,8 +131,9 @@ def test_bad_validation_settings_start_no_job(spark, small_df, kwargs, message):
 def test_bad_validation_data(spark, rows, kwargs, message):
     df = spark.createDataFrame([([0.1 * i, 0.2], i % 2, v) for i, v in enumerate(rows)],
                                "features array<double>, label int, v boolean")
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as raised:
         sparkdl.fit(df, make_mlp(width=2, hidden=(4,), classes=2), num_workers=2, **kwargs)
+    assert raised.type is ValueError  # the driver's check, not a worker's error (WorkerError can be a ValueError)
 
 
 def test_average_mode_attributes_each_epoch_to_the_next_averaged_model():
