@@ -13,6 +13,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file_
 import numpy as np
 import pytest
 
+from frames import digits_frame
+
 
 @pytest.fixture(scope="session")
 def spark():
@@ -45,7 +47,4 @@ def digits():
 @pytest.fixture(scope="session")
 def digits_df(spark, digits):
     x_train, _, y_train, _ = digits
-    return spark.createDataFrame(
-        [(row.tolist(), int(label)) for row, label in zip(x_train, y_train)],
-        "features array<float>, label long",
-    ).cache()
+    return digits_frame(spark, x_train, y_train).cache()

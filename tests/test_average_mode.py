@@ -10,14 +10,14 @@ from sparkdl import data
 from sparkdl.ps import average
 from sparkdl.ps.average import run_average
 from sparkdl.train import serialization
+from frames import digits_frame
 from models import make_mlp
 from partitions import partitions_as_fit_sees_them
 
 
 def _small_df(spark, digits, rows=128):
     x_train, _, y_train, _ = digits
-    return spark.createDataFrame([(r.tolist(), int(l)) for r, l in zip(x_train[:rows], y_train[:rows])],
-                                 "features array<float>, label long").coalesce(1)
+    return digits_frame(spark, x_train[:rows], y_train[:rows]).coalesce(1)
 
 
 def _state(model):

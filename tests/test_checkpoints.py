@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import sparkdl
+from frames import digits_frame
 from models import CrashOnFirstAttempt, make_mlp
 from spark_jobs import no_spark_job
 from sparkdl.checkpoint import KEEP, Checkpoint, CheckpointStore
@@ -37,8 +38,7 @@ def test_store_keeps_the_newest_complete_checkpoints_and_never_a_partial_one(tmp
 def test_sync_resume_continues_exactly_where_the_first_fit_stopped(spark, digits, tmp_path):
     """2 epochs through the estimator's checkpointDir, then 2 more with fit: the same weights as 4 at once."""
     x_train, _, y_train, _ = digits
-    df = spark.createDataFrame([(r.tolist(), int(l)) for r, l in zip(x_train[:320], y_train[:320])],
-                               "features array<float>, label long")
+    df = digits_frame(spark, x_train[:320], y_train[:320])
     settings = dict(numWorkers=2, mode="sync", batchSize=16, seed=5)
     sgd = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731 - momentum: optimizer state must carry over
     directory = tmp_path / "ckpt"

@@ -19,6 +19,7 @@ else:
 import tensorflow as tf
 
 import sparkdl
+from frames import digits_frame
 from horovod_script import train
 from models import make_mlp
 
@@ -39,8 +40,7 @@ def test_an_unchanged_horovod_script_runs_on_two_spark_tasks(spark, capsys):
 
 def test_fit_with_the_horovod_backend_matches_the_ring(spark, digits):
     x_train, _, y_train, _ = digits
-    df = spark.createDataFrame([(r.tolist(), int(l)) for r, l in zip(x_train[:256], y_train[:256])],
-                               "features array<float>, label long")
+    df = digits_frame(spark, x_train[:256], y_train[:256])
     weights = {}
     for backend in ("ring", "horovod"):
         model = make_mlp(hidden=(32,), optimizer=tf.keras.optimizers.SGD(0.1, momentum=0.9), seed=3)

@@ -8,6 +8,7 @@ import pytest
 
 import sparkdl
 from sparkdl import data
+from frames import digits_frame
 from models import CrashOnFirstAttempt, make_mlp
 from partitions import partitions_as_fit_sees_them, training_stream
 
@@ -16,8 +17,7 @@ def test_async_one_worker_push_every_step_equals_sequential_training(spark, digi
     """The server applies each pushed gradient with the model's own optimizer: with one worker that is
     exactly plain sequential training."""
     x_train, _, y_train, _ = digits
-    df = spark.createDataFrame([(r.tolist(), int(l)) for r, l in zip(x_train[:96], y_train[:96])],
-                               "features array<float>, label long").coalesce(1)
+    df = digits_frame(spark, x_train[:96], y_train[:96]).coalesce(1)
     b, epochs, seed = 16, 2, 3
     model = make_mlp(hidden=(32,), optimizer=keras.optimizers.Adam(0.01), seed=2)
     reference = make_mlp(hidden=(32,), optimizer=keras.optimizers.Adam(0.01), seed=2)
@@ -50,7 +50,7 @@ def test_async_one_worker_push_every_step_equals_sequential_training(spark, digi
 def test_plain_sgd_updates_are_exact(spark, digits, mode, options, workers, batch_size, learning_rate_factor):
     x_train, _, y_train, _ = digits
     x, y = x_train[:64], y_train[:64].astype(np.int64)
-    df = spark.createDataFrame([(r.tolist(), int(label)) for r, label in zip(x, y)], "features array<float>, label long")
+    df = digits_frame(spark, x, y)
     epochs, learning_rate = 3, 0.5
     model = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(learning_rate), seed=4)
     reference = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(learning_rate * learning_rate_factor), seed=4)
@@ -70,8 +70,7 @@ def test_two_async_workers_each_push_is_applied_once_at_full_scale(spark, digits
     full optimizer step. Whether the second worker pulled before or after the first push is a race: the result
     must be exactly one of the three histories it allows (a summed, halved or doubled push matches none)."""
     x_train, _, y_train, _ = digits
-    df = spark.createDataFrame([(r.tolist(), int(label)) for r, label in zip(x_train[:64], y_train[:64])],
-                               "features array<float>, label long")
+    df = digits_frame(spark, x_train[:64], y_train[:64])
     learning_rate = 0.5
     model = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(learning_rate), seed=4)
     start = model.get_weights()

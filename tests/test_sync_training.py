@@ -7,6 +7,7 @@ import pytest
 
 import sparkdl
 from sparkdl import data
+from frames import digits_frame
 from models import make_mlp
 from partitions import partitions_as_fit_sees_them, training_stream
 
@@ -39,7 +40,7 @@ def test_two_workers_equal_one_worker_with_double_batch(spark, digits):
     """Allreduce SGD is minibatch SGD: N=2 with batch b == 1 process with batch 2b on the same rows."""
     x_train, _, y_train, _ = digits
     x, y = x_train[:128], y_train[:128]
-    df = spark.createDataFrame([(r.tolist(), int(l)) for r, l in zip(x, y)], "features array<float>, label long").coalesce(1)
+    df = digits_frame(spark, x, y).coalesce(1)
     b, epochs, seed = 8, 3, 7
 
     model = make_mlp(hidden=(32,), optimizer=tf.keras.optimizers.SGD(0.1), seed=1)
