@@ -82,8 +82,8 @@ def _remove_unused(keep: Path) -> None:
 
 def _archive_path() -> Optional[Path]:
     """``~/.cache/sparkdl/jvm/spark-<key>.jsa`` for this Java and these Spark jars; None where it cannot be kept."""
-    java = shutil.which("java", path=os.path.join(os.environ["JAVA_HOME"], "bin")) if os.environ.get(
-        "JAVA_HOME") else shutil.which("java")
+    java_home = os.environ.get("JAVA_HOME")
+    java = shutil.which("java", path=os.path.join(java_home, "bin") if java_home else None)  # None: the PATH
     if java is None:
         return None
     import pyspark
