@@ -47,7 +47,8 @@ def slot_plan(hosts: Sequence[str]) -> list[Slot]:
     local rank: index among the ranks on the same host; cross rank: index of
     the host among the hosts that have a rank with that local rank.
     """
-    local_ranks, per_host = [], {}
+    local_ranks: list[int] = []
+    per_host: dict[str, int] = {}
     for host in hosts:
         local_ranks.append(per_host.get(host, 0))
         per_host[host] = local_ranks[-1] + 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+from collections.abc import Sequence
 
 from sparkdl.launch.relay import ErrorReport
 
@@ -23,7 +24,7 @@ class WorkerError(Exception):
         self.remote_traceback = remote_traceback
 
 
-def worker_error(report: ErrorReport, others: list[ErrorReport] = ()) -> WorkerError:
+def worker_error(report: ErrorReport, others: Sequence[ErrorReport] = ()) -> WorkerError:
     """The driver-side exception for ``report`` (and a line per other rank that failed after it)."""
     message = f"rank {report.rank} raised {report.type_name}: {report.message}"
     followers = [f"rank {o.rank}: {o.type_name}: {o.message}" for o in others if o is not report]

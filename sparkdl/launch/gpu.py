@@ -15,7 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 _log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ _log = logging.getLogger(__name__)
 _unpinned_gpus: Optional[list[str]] = None
 
 
-def assigned_gpus(resources: Mapping[str, object], partition: int, local_mode: bool,
+def assigned_gpus(resources: Mapping[str, Any], partition: int, local_mode: bool,
                   machine_gpus: Sequence[str]) -> Optional[list[str]]:
     """The GPU addresses for one task; None leaves the devices as they are (no GPUs to share out).
 
@@ -64,12 +64,12 @@ def machine_gpus() -> list[str]:
     return [line.strip() for line in listing.splitlines() if line.strip()]
 
 
-def pin_task_gpus(resources: Mapping[str, object], partition: int, local_mode: bool) -> Optional[list[str]]:
+def pin_task_gpus(resources: Mapping[str, Any], partition: int, local_mode: bool) -> Optional[list[str]]:
     """Sets ``CUDA_VISIBLE_DEVICES`` to this task's GPUs (if there are any); returns them."""
     global _unpinned_gpus
     if local_mode and _unpinned_gpus is None:
         _unpinned_gpus = machine_gpus()
-    gpus = assigned_gpus(resources, partition, local_mode, _unpinned_gpus if local_mode else ())
+    gpus = assigned_gpus(resources, partition, local_mode, (_unpinned_gpus or []) if local_mode else [])
     if gpus is None:
         return None
     if "tensorflow" in sys.modules and os.environ.get("CUDA_VISIBLE_DEVICES") != ",".join(gpus):

@@ -103,9 +103,8 @@ class PendingCheck:
         self._key = key
         self._timeout = timeout
         self._tag = session.JobTag(spark, "sparkdl-probe")
-        self._reports: Optional[list[dict]] = None
+        self._reports: list[dict] = []
         self._failure: Optional[BaseException] = None
-        self._thread: Optional[threading.Thread] = None
         self.seconds = 0.0  # the probe job's duration
         self.waited = 0.0  # how long the last wait() blocked
 
@@ -190,7 +189,7 @@ def _probe_function(modules: tuple) -> Callable[[int], str]:
         import sys
         import time
 
-        report = {"python": sys.executable, "version": platform.python_version(), "host": socket.gethostname(),
+        report: dict = {"python": sys.executable, "version": platform.python_version(), "host": socket.gethostname(),
                   "pid": os.getpid(), "missing": {}, "sparkdl": None, "warmed": False, "seconds": 0.0}
         started = time.perf_counter()
         saved = []

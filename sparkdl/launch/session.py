@@ -48,7 +48,7 @@ def is_connect(spark: SparkSession) -> bool:
 def master(spark: SparkSession) -> str:
     """The cluster manager URL (``local[2]``, ``yarn``, ``spark://...``); "" when the server does not say."""
     if not is_connect(spark):
-        return spark.sparkContext.master
+        return str(spark.sparkContext.master)
     return spark.conf.get("spark.master", "") or ""
 
 
