@@ -154,7 +154,7 @@ def fit(
     runner = _REGISTRY[mode]
     options = runner.configure(mode, model, values)
     _validation_options(validation_col, validation_split)
-    callbacks = _check_callbacks(callbacks, mode, runner.runs_callbacks)
+    worker_callbacks = _check_callbacks(callbacks, mode, runner.runs_callbacks)
     if not isinstance(progress, bool):
         raise ValueError(f"Expected `progress` to be True or False. Received: progress={progress!r}")
     tracking.check_available(tensorboard_dir, log_to_mlflow)
@@ -185,7 +185,7 @@ def fit(
     settings = Settings(shapes=training.shapes, num_workers=num_workers, epochs=epochs, batch_size=batch_size,
                         steps_per_epoch=steps, seed=seed, shuffle=shuffle, custom_objects=custom_objects,
                         timeout=timeout, initial_epoch=start.epoch, validate=training.validation_rows > 0,
-                        callbacks=callbacks)
+                        callbacks=worker_callbacks)
     logger.info("sparkdl: %s training on %d workers, %d rows (%d held out for validation), "
                 "%d steps/epoch x %d epochs%s", mode, num_workers, training.num_rows, training.validation_rows, steps,
                 epochs, f", resuming after epoch {start.epoch}" if start.epoch else "")

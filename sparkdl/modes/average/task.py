@@ -11,7 +11,7 @@ weighted by the samples behind it (``samples``: rows trained, or held-out rows f
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -33,7 +33,7 @@ _MODEL_CACHE: dict[str, "_CachedModel"] = {}
 
 @dataclasses.dataclass
 class _CachedModel:
-    model: object
+    model: Any  # a keras.Model
     variables: list  # model.weights + optimizer.variables, the order of the broadcast state
     seed_states: list  # (variable, initial value) of the layers' own SeedGenerators
 
