@@ -67,7 +67,7 @@ def main() -> None:
     from pyspark.sql import SparkSession
 
     from sparkdl.ml.inference import predict
-    from sparkdl.train.serialization import model_to_bytes
+    from sparkdl.keras.serialization import model_to_bytes
 
     x = np.random.default_rng(0).random((args.rows, WIDTH), dtype=np.float32)
     model = make_model()

@@ -1,32 +1,33 @@
-"""``sparkdl.fit``: check everything on the driver, launch the workers, rebuild the trained model."""
+"""``sparkdl.fit``: validate, prepare, run the mode, build the result."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import numbers
-import os
 import secrets
 import threading
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 from pyspark.sql import DataFrame
 
 from sparkdl import _compat, data, launch, tracking
 from sparkdl.checkpoint import Checkpoint, CheckpointStore
 from sparkdl.data import ColumnSpec
+from sparkdl.keras import serialization
+from sparkdl.keras.runtime import use_tensorflow_backend
 from sparkdl.launch import probe
-from sparkdl.launch.backends import check_backend
+from sparkdl.modes.base import Job, Settings
+from sparkdl.modes.registry import MODES as _REGISTRY
+from sparkdl.modes.registry import check_mode_options
 from sparkdl.progress import ProgressMonitor
-from sparkdl.ps.average import recommended_sync_every, run_average
-from sparkdl.ps.driver import run_parameter_server
-from sparkdl.train import serialization
-from sparkdl.train.task import run_sync
 
 logger = logging.getLogger(__name__)
 
-MODES = ("sync", "async", "hogwild", "ssp", "average")
+MODES = tuple(_REGISTRY)  # the names ``fit(mode=...)`` accepts, from the one registry (``sparkdl.modes.registry``)
+
+__all__ = ["FitResult", "MODES", "check_mode_options", "fit"]
 
 
 @dataclasses.dataclass
@@ -145,22 +146,25 @@ def fit(
         ...                      num_workers=2, epochs=20, batch_size=16, seed=0)
         >>> result.history["loss"][-1]
     """
-    _check_settings(df, model, num_workers=num_workers, mode=mode, epochs=epochs, batch_size=batch_size,
-                    timeout=timeout, seed=seed)
-    options = _mode_options(model, mode, push_every=push_every, max_staleness=max_staleness,
-                            num_servers=num_servers, sync_every=sync_every)
+    phases = _Phases()
+    _check_settings(df, model, num_workers=num_workers, epochs=epochs, batch_size=batch_size, timeout=timeout,
+                    seed=seed)
+    values = check_mode_options(mode, push_every=push_every, max_staleness=max_staleness, num_servers=num_servers,
+                                sync_every=sync_every, backend=None if backend == "ring" else backend)
+    runner = _REGISTRY[mode]
+    options = runner.configure(mode, model, values)
     _validation_options(validation_col, validation_split)
-    if backend != "ring" and mode != "sync":
-        raise ValueError(f"`backend` applies to mode='sync' only. Received: backend={backend!r} with mode={mode!r}")
-    check_backend(backend)
-    callbacks = _check_callbacks(callbacks, mode)
+    worker_callbacks = _check_callbacks(callbacks, mode, runner.runs_callbacks)
     if not isinstance(progress, bool):
         raise ValueError(f"Expected `progress` to be True or False. Received: progress={progress!r}")
     tracking.check_available(tensorboard_dir, log_to_mlflow)
     checkpoints = CheckpointStore.open(checkpoint_dir) if checkpoint_dir is not None else None
     resumed = _newest_checkpoint(checkpoints, model, custom_objects)
-    phases = _Phases()
-    launch.check_slots(df.sparkSession, num_workers, wait_seconds=30.0, mode=mode)
+    phases.end("settings")
+
+    # Prepare: the slots, the data, the executors' Python, the job.
+    launch.check_slots(df.sparkSession, num_workers, wait_seconds=30.0,
+                       why=lambda slots: runner.why_all_at_once(mode, slots))
     seed = secrets.randbelow(2**31) if seed is None else seed
     planned = data.plan(df, features_col, label_col, validation_col=validation_col,
                         validation_split=validation_split, seed=seed)  # the columns: no Spark job yet
@@ -175,57 +179,57 @@ def fit(
     if resumed is not None and resumed.epoch >= epochs:
         logger.info("sparkdl: %s already holds %d trained epochs (epochs=%d): nothing to train", checkpoint_dir,
                     resumed.epoch, epochs)
-        return FitResult(serialization.model_from_bytes(resumed.model_bytes, custom_objects), resumed.history,
-                         num_workers, steps, 0.0, {}, training.validation_rows, resumed.epoch)
-    initial_epoch = resumed.epoch if resumed is not None else 0
-    common = dict(model_bytes=serialization.model_to_bytes(model), num_workers=num_workers, epochs=epochs,
-                  batch_size=batch_size, seed=seed, shuffle=shuffle, custom_objects=custom_objects)
+        return FitResult(resumed.model, resumed.checkpoint.history, num_workers, steps, 0.0, {},
+                         training.validation_rows, resumed.checkpoint.epoch)
+    start = resumed.checkpoint if resumed is not None else Checkpoint(0, serialization.model_to_bytes(model), {}, mode)
+    settings = Settings(shapes=training.shapes, num_workers=num_workers, epochs=epochs, batch_size=batch_size,
+                        steps_per_epoch=steps, seed=seed, shuffle=shuffle, custom_objects=custom_objects,
+                        timeout=timeout, initial_epoch=start.epoch, validate=training.validation_rows > 0,
+                        callbacks=worker_callbacks)
     logger.info("sparkdl: %s training on %d workers, %d rows (%d held out for validation), "
-                "%d steps/epoch x %d epochs%s", mode, num_workers, training.num_rows, training.validation_rows, steps, epochs,
-                f", resuming after epoch {initial_epoch}" if initial_epoch else "")
-    listeners = []
+                "%d steps/epoch x %d epochs%s", mode, num_workers, training.num_rows, training.validation_rows, steps,
+                epochs, f", resuming after epoch {start.epoch}" if start.epoch else "")
+    monitor = ProgressMonitor(epochs=epochs, steps_per_epoch=steps, initial_epoch=start.epoch,
+                              reporting_ranks=runner.reporting_ranks(num_workers), console=progress,
+                              listeners=_listeners(tensorboard_dir, log_to_mlflow, mode=mode, settings=settings,
+                                                   backend=backend, values=values),
+                              description=f"sparkdl {mode} x{num_workers}", watch=phases.watch)
+    phases.end("serialize")
+
+    # Run the mode.
+    started = time.perf_counter()
+    with monitor:
+        result = runner.run(Job(training=training, start=start, settings=settings, mode=mode, options=options,
+                                monitor=monitor, checkpoints=checkpoints))
+    seconds = time.perf_counter() - started
+    phases.end("result")
+    logger.info("sparkdl: phases %s; %s", phases, workers.summary())
+
+    # Build the result.
+    return FitResult(result.model, result.history, num_workers, steps, seconds, result.stats,
+                     training.validation_rows, result.initial_epoch)
+
+
+def _listeners(tensorboard_dir: Optional[str], log_to_mlflow: bool, *, mode: str, settings: Settings, backend: str,
+               values: dict) -> list:
+    """The driver's epoch listeners: TensorBoard, MLflow."""
+    listeners: list = []
     if tensorboard_dir is not None:
         listeners.append(tracking.TensorBoardLogger(tensorboard_dir))
     if log_to_mlflow:
         listeners.append(tracking.MLflowLogger(dict(
-            mode=mode, num_workers=num_workers, epochs=epochs, batch_size=batch_size, seed=seed, shuffle=shuffle,
-            steps_per_epoch=steps, backend=backend, **{k: v for k, v in options.items() if v is not None})))
-    monitor = ProgressMonitor(epochs=epochs, steps_per_epoch=steps, initial_epoch=initial_epoch,
-                              reporting_ranks=1 if mode in ("sync", "average") else num_workers,
-                              console=progress, listeners=listeners,
-                              description=f"sparkdl {mode} x{num_workers}")
-    started = time.perf_counter()
-    phases.end("serialize")
-    with monitor:
-        if mode == "sync":
-            model_bytes, history, initial_epoch = run_sync(
-                training, steps_per_epoch=steps, timeout=timeout, backend=backend, checkpoints=checkpoints,
-                callbacks=callbacks, on_progress=phases.watch(monitor.on_event), **common)
-            stats = {}
-        elif mode == "average":
-            model_bytes, history, stats = run_average(
-                training, sync_every=options["sync_every"] or recommended_sync_every(steps), resumed=resumed,
-                checkpoints=checkpoints, monitor=monitor, **common)
-        else:
-            model_bytes, history, stats = run_parameter_server(
-                df.sparkSession, training, mode=mode, steps_per_epoch=steps, timeout=timeout,
-                push_every=options["push_every"] or 1, max_staleness=options["max_staleness"] or 0,
-                num_servers=options["num_servers"] or 1, resumed=resumed, checkpoints=checkpoints,
-                callbacks=callbacks, monitor=monitor, **common)
-    seconds = time.perf_counter() - started
-    phases.end("training" if mode != "sync" else "result")
-    trained = serialization.model_from_bytes(model_bytes, custom_objects)
-    phases.end("rebuild")
-    logger.info("sparkdl: phases %s; %s", phases, workers.summary())
-    return FitResult(trained, history, num_workers, steps, seconds, stats, training.validation_rows, initial_epoch)
+            mode=mode, num_workers=settings.num_workers, epochs=settings.epochs, batch_size=settings.batch_size,
+            seed=settings.seed, shuffle=settings.shuffle, steps_per_epoch=settings.steps_per_epoch, backend=backend,
+            **{k: v for k, v in values.items() if v is not None and k != "backend"})))
+    return listeners
 
 
 class _Phases:
     """Wall-clock seconds of ``fit``'s phases, for one log line (``sparkdl: phases settings 0.02s, checks ...``).
 
-    ``watch`` wraps a sync job's progress callback: the first ``start`` event (rank 0 has its data,
-    its ring and its model: Python worker start, TensorFlow import, model load) ends ``startup``, the
-    first epoch event ``epoch 1`` (which includes tracing the train step), the last one ``epochs``.
+    ``watch`` sees the workers' progress events: the first ``start`` event (sync mode's rank 0 has its
+    data, its ring and its model: Python worker start, TensorFlow import, model load) ends ``startup``,
+    the first epoch event ``epoch 1`` (which includes tracing the train step), the last one ``epochs``.
     """
 
     def __init__(self) -> None:
@@ -240,23 +244,30 @@ class _Phases:
             self._seconds[name] = self._seconds.get(name, 0.0) + now - self._last
             self._last = now
 
-    def watch(self, on_event: Callable[[int, dict], None]) -> Callable[[int, dict], None]:
-        def on_progress(rank: int, event: dict) -> None:
-            kind = event.get("event")
-            if kind == "start" and "startup" not in self._seconds:
-                self.end("startup")
-            elif kind == "epoch":
-                self.end("epochs" if "epoch 1" in self._seconds else "epoch 1")
-            on_event(rank, event)
-
-        return on_progress
+    def watch(self, rank: int, event: dict) -> None:
+        kind = event.get("event")
+        if kind == "start" and "startup" not in self._seconds:
+            self.end("startup")
+        elif kind == "epoch":
+            self.end("epochs" if "epoch 1" in self._seconds else "epoch 1")
 
     def __str__(self) -> str:
         return ", ".join(f"{name} {seconds:.2f}s" for name, seconds in self._seconds.items())
 
 
-def _newest_checkpoint(checkpoints: Optional[CheckpointStore], model, custom_objects) -> Optional[Checkpoint]:
-    """The checkpoint a fit continues from; refuses one of a different model rather than train that instead."""
+@dataclasses.dataclass(frozen=True)
+class _Resumed:
+    checkpoint: Checkpoint
+    model: object  # the checkpoint's model, loaded to compare it with the user's
+
+    @property
+    def epoch(self) -> int:
+        return self.checkpoint.epoch
+
+
+def _newest_checkpoint(checkpoints: Optional[CheckpointStore], model, custom_objects) -> Optional[_Resumed]:
+    """The checkpoint a fit continues from (read once, here); refuses one of a different model rather than
+    train that instead."""
     latest = checkpoints.latest() if checkpoints is not None else None
     if latest is None:
         return None
@@ -268,18 +279,18 @@ def _newest_checkpoint(checkpoints: Optional[CheckpointStore], model, custom_obj
                          f"model: its weights have shapes {found}, the model's {expected}. Use another directory "
                          "for this model, or empty this one.")
     logger.info("sparkdl: found a checkpoint after epoch %d in %s", latest.epoch, checkpoints.uri)
-    return latest
+    return _Resumed(latest, saved)
 
 
-def _check_callbacks(callbacks, mode: str) -> tuple:
+def _check_callbacks(callbacks, mode: str, runs_callbacks: bool) -> tuple:
     """Keras callbacks that can travel to the workers (they are pickled into the tasks)."""
     if not callbacks:
         return ()
     import keras
     from pyspark import cloudpickle
 
-    if mode == "average":
-        raise ValueError("`callbacks` run inside Keras's fit on the workers, which mode='average' does not use (it "
+    if not runs_callbacks:
+        raise ValueError(f"`callbacks` run inside Keras's fit on the workers, which mode={mode!r} does not use (it "
                          "trains in rounds of train_on_batch). Use mode='sync' or a parameter-server mode, or drop "
                          f"the callbacks. Received: callbacks={callbacks!r}")
     if not isinstance(callbacks, (list, tuple)):
@@ -297,56 +308,6 @@ def _check_callbacks(callbacks, mode: str) -> tuple:
     return tuple(callbacks)
 
 
-_MODE_OPTIONS = {
-    "push_every": ("async", "hogwild", "ssp"),
-    "max_staleness": ("ssp",),
-    "num_servers": ("async", "hogwild", "ssp"),
-    "sync_every": ("average",),
-}
-
-
-def check_mode_options(mode: str, names: Optional[dict[str, str]] = None, **options) -> None:
-    """Checks the settings only some modes use: one the mode does not use, or a bad value, is an error.
-
-    ``names`` maps a setting (and ``mode``) to what the errors call it, e.g. a job's flags
-    (``{"mode": "--mode", "max_staleness": "--max-staleness"}``); by default the argument names.
-    """
-    names = names or {}
-
-    def called(name):
-        return names.get(name, f"`{name}`")
-
-    def shown(name, value):
-        return f"{names[name]} {value}" if name in names else f"{name}={value!r}"
-
-    for name, value in options.items():
-        if value is None:
-            continue
-        if mode not in _MODE_OPTIONS[name]:
-            modes = (f"{names['mode']} {' or '.join(_MODE_OPTIONS[name])}" if "mode" in names
-                     else "mode=" + " or ".join(map(repr, _MODE_OPTIONS[name])))
-            raise ValueError(f"{called(name)} applies to {modes} only. "
-                             f"Received: {shown(name, value)} with {shown('mode', mode)}")
-        minimum = 0 if name == "max_staleness" else 1
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            kind = "non-negative" if minimum == 0 else "positive"
-            raise ValueError(f"Expected {called(name)} to be a {kind} integer. "
-                             f"Received: {shown(name, value)}")
-    if mode == "ssp" and options.get("max_staleness") is None:
-        raise ValueError(f"{shown('mode', mode)} needs {called('max_staleness')}: how many "
-                         "pushes a worker may run ahead of the slowest.")
-
-
-def _mode_options(model, mode: str, **options) -> dict:
-    """Checks the mode-specific settings, and that the model has enough variables for ``num_servers`` shards."""
-    check_mode_options(mode, **options)
-    variables = len(model.trainable_variables)
-    if (options["num_servers"] or 1) > variables:
-        raise ValueError(f"Expected `num_servers` <= the model's {variables} trainable variables (a shard holds whole "
-                         f"variables). Received: num_servers={options['num_servers']}")
-    return options
-
-
 def _validation_options(validation_col, validation_split) -> None:
     """Checks the validation settings (the column itself is checked against the schema in ``data.plan``)."""
     if validation_col is not None and validation_split is not None:
@@ -361,10 +322,10 @@ def _validation_options(validation_col, validation_split) -> None:
                          f"Received: validation_split={validation_split!r}")
 
 
-def _check_settings(df, model, *, num_workers, mode, epochs, batch_size, timeout, seed) -> None:
+def _check_settings(df, model, *, num_workers, epochs, batch_size, timeout, seed) -> None:
     if not isinstance(df, DataFrame):
         raise ValueError(f"Expected `df` to be a pyspark.sql.DataFrame. Received: {type(df).__name__}")
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    use_tensorflow_backend()
     import keras
 
     if not isinstance(model, keras.Model):
@@ -374,8 +335,6 @@ def _check_settings(df, model, *, num_workers, mode, epochs, batch_size, timeout
     if not _compat.is_compiled(model) or getattr(model, "optimizer", None) is None:
         raise ValueError("Expected a compiled model: call model.compile(optimizer=..., loss=...) before sparkdl.fit.")
     _compat.check_model_supported(model)
-    if mode not in MODES:
-        raise ValueError(f"Expected `mode` to be one of {list(MODES)}. Received: mode={mode!r}")
     for name, value in (("num_workers", num_workers), ("epochs", epochs), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"Expected `{name}` to be a positive integer. Received: {name}={value!r}")

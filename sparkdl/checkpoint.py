@@ -10,10 +10,14 @@ A checkpoint directory is any location ``pyarrow.fs`` reaches: a local path, ``f
 Every file is written under a temporary name and then moved into place, and the ``.json`` goes
 last, so a crash at any moment leaves either the previous complete checkpoint or the new one,
 never half of one (on object stores, where a move is a copy, the ``.json`` still appears only
-once the others are whole). The newest ``KEEP`` complete checkpoints are kept.
+once the others are whole). The newest ``KEEP`` complete checkpoints are kept. On a local
+filesystem the folders sparkdl creates are private to the user (0700) and so is every file (0600):
+they hold the model and its optimizer state.
 
-Only the writer (rank 0 in sync mode, the driver otherwise) and the reader at the start of a
-job touch the directory; on a cluster it must be storage every executor reaches (HDFS, S3, NFS).
+One writer, ``Checkpointer`` (on rank 0 in sync mode, on the driver otherwise), and one resume
+path: the driver reads the newest checkpoint once and the mode starts from it (``modes.base.Job``);
+only a sync stage that Spark retries reads again, for what its failed attempt saved. On a cluster
+the directory must be storage every executor reaches (HDFS, S3, NFS).
 """
 
 from __future__ import annotations
@@ -70,7 +74,10 @@ class CheckpointStore:
         uri = location if "://" in location else os.path.abspath(location)
         try:
             filesystem, path = pafs.FileSystem.from_uri(uri)
-            filesystem.create_dir(path, recursive=True)
+            if _is_local(filesystem):
+                _make_private_dirs(path)
+            else:
+                filesystem.create_dir(path, recursive=True)
         except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... depending on the filesystem
             raise ValueError(f"Cannot use checkpoint_dir={location!r}: {exc}. Expected a writable directory on a "
                              "filesystem pyarrow supports (local path, file://, hdfs://, s3://, gs://).") from exc
@@ -78,10 +85,10 @@ class CheckpointStore:
         store._remove_temporaries(filesystem, path)
         return store
 
-    def latest(self) -> Optional[Checkpoint]:
-        """The newest complete checkpoint, or None."""
+    def latest(self, newer_than: int = -1) -> Optional[Checkpoint]:
+        """The newest complete checkpoint (of more than ``newer_than`` epochs), or None."""
         filesystem, path = self._filesystem()
-        for epoch in sorted(self._complete_epochs(filesystem, path), reverse=True):
+        for epoch in sorted((e for e in self._complete_epochs(filesystem, path) if e > newer_than), reverse=True):
             try:
                 return self._read(filesystem, path, epoch)
             except (OSError, ValueError, KeyError) as exc:  # removed or damaged by someone else: try the previous
@@ -133,8 +140,12 @@ class CheckpointStore:
     @staticmethod
     def _write(filesystem, path: str, name: str, payload: bytes) -> None:
         temporary = f"{path}/{_TEMPORARY_PREFIX}{secrets.token_hex(6)}-{name}"
-        with filesystem.open_output_stream(temporary) as f:
-            f.write(payload)
+        if _is_local(filesystem):  # private from its creation on, not after a chmod
+            with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                f.write(payload)
+        else:
+            with filesystem.open_output_stream(temporary) as f:
+                f.write(payload)
         filesystem.move(temporary, f"{path}/{name}")
 
     @staticmethod
@@ -153,6 +164,25 @@ class CheckpointStore:
         for info in filesystem.get_file_info(pafs.FileSelector(path)):
             if os.path.basename(info.path).startswith(_TEMPORARY_PREFIX):
                 filesystem.delete_file(info.path)
+
+
+def _make_private_dirs(path: str) -> None:
+    """Creates ``path`` and its missing parents as 0700 (``os.makedirs`` gives the mode to the last one only)."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:  # made by someone else meanwhile
+            pass
+
+
+def _is_local(filesystem) -> bool:
+    from pyarrow import fs as pafs
+
+    return isinstance(filesystem, pafs.LocalFileSystem)
 
 
 class BackgroundWriter:
@@ -195,3 +225,31 @@ class BackgroundWriter:
             self.close()
         except Exception:
             logger.exception("sparkdl: the last checkpoint of a failed job could not be written")
+
+
+class Checkpointer:
+    """The one checkpoint writer of every mode: keeps the history so far and saves in the background.
+
+    Starts from ``start`` (its history: the epochs a resumed fit already trained); ``record``
+    adds a finished epoch's metrics (combined over workers), ``save`` writes the state after
+    ``epoch`` complete epochs with the history recorded so far. Errors as ``BackgroundWriter``'s.
+    """
+
+    def __init__(self, store: CheckpointStore, start: Checkpoint, mode: str):
+        self._writer = BackgroundWriter(store)
+        self._mode = mode
+        self._history = {name: list(values) for name, values in start.history.items()}
+
+    def record(self, logs: dict[str, float]) -> None:
+        for name, value in logs.items():
+            self._history.setdefault(name, []).append(value)
+
+    def save(self, epoch: int, model_bytes: bytes, arrays: Optional[dict[str, np.ndarray]] = None) -> None:
+        history = {name: list(values) for name, values in self._history.items()}
+        self._writer.save(Checkpoint(epoch, model_bytes, history, self._mode, arrays or {}))
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._writer.__exit__(*exc_info)

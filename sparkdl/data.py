@@ -304,6 +304,20 @@ class _Checks:
         return {name: stats[f"min_width_{i}"] for i, name in enumerate(self._columns)}
 
 
+def require_rows(rows_by_worker: dict[int, int]) -> None:
+    """The one "at least one training row per worker" rule of every mode: a worker without rows fails the job.
+
+    ``plan().check`` ensures there are at least as many rows as workers, but Spark's repartition
+    may still leave a partition empty. Every mode refuses that rather than train with fewer
+    workers than asked (sync mode could not: its ranks step in lockstep).
+    """
+    empty = sorted(worker for worker, rows in rows_by_worker.items() if rows == 0)
+    if empty:
+        counts = ", ".join(f"worker {worker}: {rows}" for worker, rows in sorted(rows_by_worker.items()))
+        raise ValueError(f"Expected at least one training row on every worker. Received: no rows on worker(s) "
+                         f"{empty} ({counts}). Use fewer workers or more data.")
+
+
 def row_counts(batches: Iterable[pa.RecordBatch]) -> tuple[int, int]:
     """A partition's ``(training rows, held-out validation rows)``, without converting any values."""
     train = held_out = 0
@@ -355,15 +369,21 @@ def epoch_order(num_rows: int, num_samples: int, *, seed: int, rank: int, epoch:
 
 
 def batches(
-    x: np.ndarray, y: np.ndarray, *, batch_size: int, steps: int, epochs: int, seed: int, rank: int, shuffle: bool,
-    first_epoch: int = 0,
+    x: np.ndarray, y: np.ndarray, *, batch_size: int, steps: int, seed: int, rank: int, shuffle: bool, start: int,
+    stop: int,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Yields ``steps`` full batches per epoch for epochs ``first_epoch..epochs-1``, reshuffled every epoch.
+    """The one batch schedule of every mode: the full batches of global steps ``start..stop-1``.
 
-    Resuming at ``first_epoch`` gives exactly the batches an uninterrupted run would have seen from there.
+    An epoch is ``steps`` steps over the rank's rows in ``epoch_order`` (reshuffled every epoch), so
+    any range of steps (a resumed fit's remaining epochs, an average-mode round) gives exactly the
+    batches an uninterrupted run gives for those steps.
     """
-    for epoch in range(first_epoch, epochs):
+    position = start
+    while position < stop:
+        epoch, first = divmod(position, steps)
+        end = min(stop, (epoch + 1) * steps)
         order = epoch_order(len(x), steps * batch_size, seed=seed, rank=rank, epoch=epoch, shuffle=shuffle)
-        for step in range(steps):
+        for step in range(first, end - epoch * steps):
             index = order[step * batch_size : (step + 1) * batch_size]
             yield x[index], y[index]
+        position = end

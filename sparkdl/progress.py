@@ -1,6 +1,6 @@
 """Live training progress on the driver: a progress bar, one line per epoch, and epoch-end listeners.
 
-Workers report through their relay connection (``train.reporting``): step
+Workers report through their relay connection (``keras.callbacks``): step
 events at most once a second, and one event per epoch with its metrics and
 throughput. :class:`ProgressMonitor` turns them into
 
@@ -12,16 +12,18 @@ throughput. :class:`ProgressMonitor` turns them into
   exactly one line per epoch either way, without adding handlers or setting levels;
   a step line at most every ``STEP_LOG_SECONDS`` is logged at DEBUG;
 - calls to the epoch listeners (TensorBoard, MLflow, the parameter-server
-  checkpoint), once per epoch, with the metrics combined over the workers.
+  checkpoint), once per epoch, with the metrics combined over the workers
+  (``metrics.combine_logs``, the one rule every mode uses).
 
 While a text bar is shown, the epoch lines and everything else written to the
 console (the ``[rank N]`` worker output, ``print``, the root logger's console
 handlers, as tqdm's ``logging_redirect_tqdm`` does) go above it: the bar is
 cleared, the lines written, the bar drawn again, so that they do not garble each other.
 
-In sync mode rank 0 speaks for all ranks (their metrics are averaged already);
-in the parameter-server modes every worker reports and an epoch is complete
-once all of them have finished it. Average mode reports from the driver itself.
+How many workers report is the mode's (``Mode.reporting_ranks``): in sync mode rank 0
+speaks for all ranks (their metrics are combined already); in the parameter-server
+modes every worker reports and an epoch is complete once all of them have finished
+it. Average mode reports from the driver itself.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ import logging
 import sys
 import threading
 import time
-from typing import Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
+
+from sparkdl.metrics import combine_logs
 
 logger = logging.getLogger("sparkdl.progress")
 
@@ -96,13 +100,16 @@ class ProgressMonitor:
     ``reporting_ranks`` is how many workers report per epoch (1 in sync mode).
     ``console``: show progress on the console (the bar where one can be seen, and
     the epoch lines unless the user's logging shows them); without it the epoch
-    lines are only logged. Use it as a context manager: while it is open and a text
+    lines are only logged. ``watch(rank, event)`` sees every worker event first (``fit``
+    times its phases with it). Use it as a context manager: while it is open and a text
     bar is shown, other console output goes above the bar.
     """
 
     def __init__(self, *, epochs: int, steps_per_epoch: int, reporting_ranks: int, initial_epoch: int = 0,
-                 console: bool = False, listeners: Sequence[EpochListener] = (), description: str = "sparkdl"):
+                 console: bool = False, listeners: Sequence[EpochListener] = (), description: str = "sparkdl",
+                 watch: Optional[Callable[[int, dict], None]] = None):
         self._epochs = epochs
+        self._watch = watch
         self._steps_per_epoch = steps_per_epoch
         self._reporting_ranks = reporting_ranks
         self._listeners = list(listeners)
@@ -111,7 +118,6 @@ class ProgressMonitor:
         self._finished_epochs: set[int] = set()
         self._positions: dict[int, int] = {}  # rank -> global steps done
         self._rates: dict[int, float] = {}  # rank -> latest samples/s
-        self._idle_ranks: set[int] = set()  # workers with nothing to train, which report no epochs
         self._step_logged_at = time.monotonic()
         self._console = console
         self._stdout = sys.stdout  # where sparkdl's own lines go, also while the console is redirected above a bar
@@ -126,6 +132,8 @@ class ProgressMonitor:
     # -- from the workers (relay threads) ---------------------------------------------------
 
     def on_event(self, rank: int, event: dict) -> None:
+        if self._watch is not None:
+            self._watch(rank, event)
         kind = event.get("event")
         if kind == "start":
             self._start(rank, int(event["initial_epoch"]))
@@ -134,11 +142,6 @@ class ProgressMonitor:
                       float(event["samples_per_second"]))
         elif kind == "epoch":
             self._worker_epoch(rank, event)
-        elif kind == "idle":
-            with self._lock:
-                if rank not in self._idle_ranks:
-                    self._idle_ranks.add(rank)
-                    self._reporting_ranks -= 1
 
     # -- from the driver (and the above) -----------------------------------------------------
 
@@ -222,8 +225,8 @@ class ProgressMonitor:
             if len(reports) < self._reporting_ranks:
                 return
             del self._epoch_reports[epoch]
-        logs = combine_worker_logs([r["logs"] for r in reports.values()],
-                                   [r.get("validation_rows", 0) for r in reports.values()])
+        logs = combine_logs([r["logs"] for r in reports.values()], [r.get("samples", 1) for r in reports.values()],
+                            [r.get("validation_rows", 0) for r in reports.values()])
         self.epoch_end(epoch, logs, sum(float(r["samples_per_second"]) for r in reports.values()))
 
     def _position(self) -> int:
@@ -261,15 +264,3 @@ class _AboveBar:
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
-
-
-def combine_worker_logs(logs: list[dict[str, float]], validation_rows: list[int]) -> dict[str, float]:
-    """One epoch's metrics over workers: training metrics averaged, ``val_*`` weighted by held-out rows."""
-    combined = {}
-    for name in dict.fromkeys(name for worker in logs for name in worker):
-        having = [(worker[name], rows) for worker, rows in zip(logs, validation_rows) if name in worker]
-        if name.startswith("val_") and sum(rows for _, rows in having) > 0:
-            combined[name] = sum(v * rows for v, rows in having) / sum(rows for _, rows in having)
-        else:
-            combined[name] = sum(v for v, _ in having) / len(having)
-    return combined

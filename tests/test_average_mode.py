@@ -7,9 +7,12 @@ import numpy as np
 
 import sparkdl
 from sparkdl import data
-from sparkdl.ps import average
-from sparkdl.ps.average import run_average
-from sparkdl.train import serialization
+from sparkdl.checkpoint import Checkpoint
+from sparkdl.keras import serialization
+from sparkdl.modes.average import mode as average
+from sparkdl.modes.average.mode import AverageMode, AverageOptions
+from sparkdl.modes.base import Job, Settings
+from sparkdl.progress import ProgressMonitor
 from frames import digits_frame
 from models import make_mlp
 from partitions import partitions_as_fit_sees_them
@@ -18,6 +21,19 @@ from partitions import partitions_as_fit_sees_them
 def _small_df(spark, digits, rows=128):
     x_train, _, y_train, _ = digits
     return digits_frame(spark, x_train[:rows], y_train[:rows]).coalesce(1)
+
+
+def run_average(training, *, model_bytes, num_workers, epochs, batch_size, sync_every, seed, shuffle,
+                custom_objects):
+    """The average mode on its own, as ``fit`` runs it: its model, history and stats."""
+    steps = data.steps_per_epoch(training.num_rows, num_workers, batch_size)
+    settings = Settings(shapes=training.shapes, num_workers=num_workers, epochs=epochs, batch_size=batch_size,
+                        steps_per_epoch=steps, seed=seed, shuffle=shuffle, custom_objects=custom_objects)
+    monitor = ProgressMonitor(epochs=epochs, steps_per_epoch=steps, reporting_ranks=1)
+    result = AverageMode().run(Job(training=training, start=Checkpoint(0, model_bytes, {}, "average"),
+                                   settings=settings, mode="average", options=AverageOptions(sync_every),
+                                   monitor=monitor))
+    return result.model, result.history, result.stats
 
 
 def _state(model):
@@ -32,10 +48,10 @@ def test_sgd_every_step_equals_sync_mode(spark, digits):
 
     synced = sparkdl.fit(df, make(), num_workers=2, mode="sync", epochs=epochs, batch_size=b, seed=seed)
     training = data.prepare(df, "features", "label", 2)
-    model_bytes, history, stats = run_average(
+    trained, history, stats = run_average(
         training, model_bytes=serialization.model_to_bytes(make()), num_workers=2, epochs=epochs, batch_size=b,
         sync_every=1, seed=seed, shuffle=True, custom_objects=None)
-    averaged = serialization.model_from_bytes(model_bytes)
+    averaged = trained
 
     steps = synced.steps_per_epoch
     assert steps == 128 // (2 * b)
@@ -56,10 +72,9 @@ def test_digits_adam_reaches_95_percent(digits_df, digits):
     epochs, b, sync_every = 12, 16, 23  # 24 rounds, the last one 11 steps
     model = make_mlp()
     training = data.prepare(digits_df, "features", "label", 2)
-    model_bytes, history, stats = run_average(
+    trained, history, stats = run_average(
         training, model_bytes=serialization.model_to_bytes(model), num_workers=2, epochs=epochs, batch_size=b,
         sync_every=sync_every, seed=0, shuffle=True, custom_objects=None)
-    trained = serialization.model_from_bytes(model_bytes)
 
     accuracy = float(np.mean(trained.predict(x_test, verbose=0).argmax(axis=1) == y_test))
     assert accuracy >= 0.95, accuracy
@@ -84,10 +99,9 @@ def test_rounds_longer_than_an_epoch_match_local_simulation(spark, digits):
     b, epochs, seed, sync_every = 8, 3, 3, 10
     make = lambda: make_mlp(hidden=(16,), optimizer=keras.optimizers.Adam(0.01), seed=2)
     training = data.prepare(df, "features", "label", 2)
-    model_bytes, history, stats = run_average(
+    trained, history, stats = run_average(
         training, model_bytes=serialization.model_to_bytes(make()), num_workers=2, epochs=epochs, batch_size=b,
         sync_every=sync_every, seed=seed, shuffle=True, custom_objects=None)
-    trained = serialization.model_from_bytes(model_bytes)
     steps = 128 // (2 * b)
     assert stats["rounds"] == 3 and stats["steps"] == 2 * epochs * steps and stats["samples"] == 2 * epochs * steps * b
 
@@ -134,22 +148,21 @@ def test_failed_attempts_are_not_double_counted(spark, digits, monkeypatch, tmp_
     marker = str(tmp_path / "failed-once")
 
     def fail_after_adding(batches, job, round_index, *args):
-        import sparkdl.ps.average as on_worker  # the worker's module holds the real task
+        import sparkdl.modes.average.task as on_worker  # the worker's module holds the real task
 
-        rows = list(on_worker._round_task(batches, job, round_index, *args))  # its delta is added by now
+        rows = list(on_worker.round_task(batches, job, round_index, *args))  # its delta is added by now
         context = TaskContext.get()
         if round_index == 1 and context.partitionId() == 0 and context.attemptNumber() == 0:
             open(marker, "w").close()
             raise RuntimeError("injected failure after the delta was added")
         return iter(rows)
 
-    monkeypatch.setattr(average, "_round_task", fail_after_adding)  # pickled by value into the round's closure
+    monkeypatch.setattr(average, "round_task", fail_after_adding)  # pickled by value into the round's closure
     retried, _, retried_stats = run_average(training, model_bytes=model_bytes, **settings)
 
     assert os.path.exists(marker)  # the first attempt did fail after adding its delta; Spark retried it
     # 64 rows, 2 workers x batch 8: 4 steps in rounds of 2 = 2 rounds x 2 tasks.
     assert clean_stats["contributions"] == retried_stats["contributions"] == 4
     assert retried_stats["samples"] == clean_stats["samples"] == 4 * 2 * 8
-    for a, b in zip(serialization.model_from_bytes(clean).get_weights(),
-                    serialization.model_from_bytes(retried).get_weights()):
+    for a, b in zip(clean.get_weights(), retried.get_weights()):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)

@@ -129,7 +129,7 @@ def test_bad_checkpoint_dir_fails_on_the_driver_before_any_job(spark, digits_df,
 
 
 def test_a_checkpoint_of_another_model_is_refused_before_any_job(spark, digits_df, tmp_path):
-    from sparkdl.train import serialization
+    from sparkdl.keras import serialization
 
     CheckpointStore.open(str(tmp_path)).save(
         Checkpoint(1, serialization.model_to_bytes(make_mlp(hidden=(8,))), {"loss": [1.0]}, "sync"))

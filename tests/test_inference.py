@@ -13,7 +13,7 @@ from models import make_mlp
 from spark_jobs import no_spark_job
 from sparkdl.ml import inference
 from sparkdl.ml.inference import predict
-from sparkdl.train.serialization import model_to_bytes
+from sparkdl.keras.serialization import model_to_bytes
 
 WIDTH = 64
 COLUMNS = [f"c{i}" for i in range(WIDTH)]

@@ -9,8 +9,9 @@ from pyspark.sql import functions as F
 
 import sparkdl
 from sparkdl import data
-from sparkdl.ps.average import _AverageJob
-from sparkdl.ps.driver import combine_histories
+from sparkdl.modes.average.rounds import Rounds
+from sparkdl.modes.base import Settings
+from sparkdl.modes.parameter_server.mode import combine_histories
 from spark_jobs import no_spark_job
 from models import make_mlp
 
@@ -137,18 +138,18 @@ def test_bad_validation_data(spark, rows, kwargs, message):
 
 
 def test_average_mode_attributes_each_epoch_to_the_next_averaged_model():
-    job = _AverageJob(token="t", shapes=None, num_workers=2, batch_size=8, steps_per_epoch=18, total_steps=54,
-                      sync_every=7, seed=0, shuffle=True, custom_objects=None, validate=True)
+    settings = Settings(shapes=None, num_workers=2, epochs=3, batch_size=8, steps_per_epoch=18, seed=0, validate=True)
+    job = Rounds(settings, token="t", sync_every=7)
     finished = {r: list(job.epochs_finished(r)) for r in range(8)}
     assert finished == {0: [], 1: [], 2: [0], 3: [], 4: [], 5: [1], 6: [], 7: [2]}  # epoch ends 18, 36, 54
-    long_rounds = _AverageJob(**{**job.__dict__, "sync_every": 40})  # rounds [0,40) [40,54): epochs 0, 1 / 2
+    long_rounds = Rounds(settings, token="t", sync_every=40)  # rounds [0,40) [40,54): epochs 0, 1 / 2
     assert [list(long_rounds.epochs_finished(r)) for r in range(2)] == [[0, 1], [2]]
 
 
 def test_parameter_server_histories_weigh_validation_by_rows():
     history = combine_histories([
-        {"history": {"loss": [1.0, 0.5], "val_loss": [2.0, 1.0]}, "validation_rows": 3},
-        {"history": {"loss": [3.0, 1.5], "val_loss": [4.0, 3.0]}, "validation_rows": 1},
-        {"history": {"loss": [2.0, 1.0]}, "validation_rows": 0},  # a worker without held-out rows
+        {"history": {"loss": [1.0, 0.5], "val_loss": [2.0, 1.0]}, "samples": 64, "validation_rows": 3},
+        {"history": {"loss": [3.0, 1.5], "val_loss": [4.0, 3.0]}, "samples": 64, "validation_rows": 1},
+        {"history": {"loss": [2.0, 1.0]}, "samples": 64, "validation_rows": 0},  # a worker without held-out rows
     ])
     assert history == {"loss": [2.0, 1.0], "val_loss": [2.5, 1.5]}

@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from sparkdl.keras.runtime import use_tensorflow_backend
 from sparkdl.launch import session
 
 _log = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ def _probe_function(modules: tuple) -> Callable[[int], str]:
             gpus = context is not None and "gpu" in context.resources()
             # Importing TensorFlow before sparkdl pins a task's GPU would fix the devices it sees: check only.
             warm = "tensorflow" in modules and not gpus and shutil.which("nvidia-smi") is None
-            os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+            use_tensorflow_backend()
             os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
             sys.stdout.flush()
             sys.stderr.flush()

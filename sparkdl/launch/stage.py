@@ -43,25 +43,19 @@ _CHUNK_BYTES = 32 << 20  # keeps each binary row far below Arrow's 2 GB limit
 TaskFunction = Callable[[Iterable[pa.RecordBatch], TaskReporter], Optional[bytes]]
 
 
-def _why_all_at_once(mode: str, slots: int) -> str:
-    """Why ``mode`` needs a slot per worker, for the error that says it has too few."""
-    if mode in ("async", "hogwild", "ssp"):
-        return (f"In mode={mode!r} every worker trains against the parameter server at the same time: workers "
-                "beyond the free slots would wait for one while the server waits for them, until `timeout`")
-    if mode == "average":
-        return (f"In mode='average' the tasks of every round would run in waves of {slots}, each round taking "
-                "that many times longer")
+def _barrier_reason(slots: int) -> str:
     return "A barrier stage needs all of its tasks running together"
 
 
-def check_slots(spark: SparkSession, num_workers: int, wait_seconds: float, *, mode: str = "sync") -> None:
+def check_slots(spark: SparkSession, num_workers: int, wait_seconds: float, *,
+                why: Callable[[int], str] = _barrier_reason) -> None:
     """Fails fast when the workers could never run together, instead of letting Spark (or the server) hang.
 
     Executors of a freshly started cluster register over a few seconds, so the
     check waits up to ``wait_seconds`` for enough of them (not in local mode,
     whose slots are fixed, nor under Spark Connect, whose slots are read from
-    the server's settings). ``mode`` is the training mode ("sync" for any
-    barrier stage); the error says why that mode needs the slots.
+    the server's settings). ``why(slots)`` says why the job needs a slot per
+    worker (a training mode's ``Mode.why_all_at_once``), for the error.
     """
     master = session.master(spark)
     if session.is_local_mode(master) or session.is_connect(spark):
@@ -72,7 +66,7 @@ def check_slots(spark: SparkSession, num_workers: int, wait_seconds: float, *, m
             raise ValueError(
                 f"Expected `num_workers` <= the cluster's task slots. Received num_workers={num_workers}, but the "
                 f"cluster runs {slots} tasks at once (master={master!r}, "
-                f"spark.task.cpus={spark.conf.get('spark.task.cpus', '1')}). {_why_all_at_once(mode, slots)}: "
+                f"spark.task.cpus={spark.conf.get('spark.task.cpus', '1')}). {why(slots)}: "
                 "lower num_workers or add executors/cores."
             )
         time.sleep(0.5)

@@ -28,7 +28,9 @@ def preload_tensorflow() -> bool:
     """Imports Keras and TensorFlow into this process (CPU machines only); True if they loaded."""
     if shutil.which("nvidia-smi") is not None:
         return False
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    from sparkdl.keras.runtime import use_tensorflow_backend
+
+    use_tensorflow_backend()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     # The daemon's stdout is its channel to the JVM (its port goes there): nothing else may be written to it.
     sys.stdout.flush()

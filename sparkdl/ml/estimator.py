@@ -9,7 +9,7 @@ import sparkdl
 from sparkdl.ml.model import KerasModel
 from sparkdl.ml.params import KerasTrainingParams
 from sparkdl.ml.persistence import KerasStagePersistence
-from sparkdl.train import serialization
+from sparkdl.keras import serialization
 
 
 class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):

@@ -73,7 +73,7 @@ def predict(df: DataFrame, model_bytes: bytes, *, features_col: Union[str, Seque
             custom_objects: Optional[dict] = None, batch_size: int = 4096) -> DataFrame:
     """``df`` with prediction columns appended (all input columns kept), lazily (a normal transformation).
 
-    ``model_bytes`` is a ``.keras`` archive (``sparkdl.train.serialization.model_to_bytes``) of a model
+    ``model_bytes`` is a ``.keras`` archive (what ``model.save(path)`` writes, read as bytes) of a model
     with one input; ``features_col`` is an ML Vector column, an ``array<numeric>`` column, a numeric
     column, or a list of numeric columns, as in ``sparkdl.fit``. Each row's values are reshaped to the
     model's input shape.
@@ -107,7 +107,7 @@ def predict(df: DataFrame, model_bytes: bytes, *, features_col: Union[str, Seque
     if not isinstance(model_bytes, bytes) or not model_bytes:
         raise ValueError(
             "Expected `model_bytes` to be a non-empty `.keras` archive as bytes "
-            f"(sparkdl.train.serialization.model_to_bytes). Received: {type(model_bytes).__name__}"
+            f"(what model.save('model.keras') writes, read back as bytes). Received: {type(model_bytes).__name__}"
         )
     features_expr, feature_names = data.features_array(df, features_col)
     digest = hashlib.sha256(model_bytes).hexdigest()
@@ -213,9 +213,10 @@ _DRIVER_CACHE_SIZE = 4
 
 def _driver_model_info(digest: str, model_bytes: bytes, custom_objects: Optional[dict]) -> ModelInfo:
     if digest not in _DRIVER_INFO:
-        from sparkdl.train import serialization
+        from sparkdl.keras import serialization
+        from sparkdl.keras.runtime import use_tensorflow_backend
 
-        os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+        use_tensorflow_backend()
         try:
             model = serialization.model_from_bytes(model_bytes, custom_objects)
         except Exception as e:
@@ -322,10 +323,10 @@ def _cached_model(spec: _TaskSpec):
         if model is not None:
             _MODELS.move_to_end(spec.digest)
             return model
-        os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-        from sparkdl.train import serialization
-        from sparkdl.train.task import limit_threads_to_task_cpus
+        from sparkdl.keras import serialization
+        from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
 
+        use_tensorflow_backend()
         limit_threads_to_task_cpus()  # takes effect if this process has not started TensorFlow yet
         model = serialization.model_from_bytes(spec.model.value, spec.custom_objects)
         _LOADS[spec.digest] += 1

@@ -11,7 +11,7 @@ from pyspark.ml import Model
 from sparkdl.ml.inference import predict
 from sparkdl.ml.params import HasOutputCols
 from sparkdl.ml.persistence import KerasStagePersistence
-from sparkdl.train import serialization
+from sparkdl.keras import serialization
 
 if TYPE_CHECKING:
     import keras

@@ -59,12 +59,6 @@ class ClockTracker:
             self.done[worker] = True
             self._cond.notify_all()
 
-    def reactivate(self, worker: int) -> None:
-        with self._cond:
-            if self.done[worker]:
-                self.done[worker] = False
-                self._cond.notify_all()
-
     def admit_pull(self, worker: int, timeout: float) -> int:
         """Wait until ``worker`` may pull; record and return its staleness.
 

@@ -1,4 +1,4 @@
-"""The per-worker side of sync training: Keras ``fit`` with gradients averaged every step.
+"""Keeps sync mode's replicas one model: Keras ``fit`` with gradients averaged every step, metrics combined.
 
 The model's own optimizer is hooked (see ``optimizer_hooks``) so that every
 step's gradients, fused into one float32 buffer, are averaged across ranks
@@ -15,7 +15,9 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from sparkdl.train.optimizer_hooks import fused_numpy_call, intercept_apply
+from sparkdl.keras.optimizer_hooks import fused_numpy_call, intercept_apply
+from sparkdl.metrics import combine_logs
+from sparkdl.modes.base import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -50,32 +52,29 @@ class Validation:
 
     A rank with no held-out rows still validates, on a stand-in (one of its training rows), so
     that every rank's epoch logs hold the same keys and every rank makes the same collective
-    calls; its stand-in metrics get weight 0 when the ranks' metrics are combined.
+    calls; its stand-in metrics have no rows behind them, so they weigh nothing (``metrics.combine_logs``).
     """
 
     x: np.ndarray
     y: np.ndarray
     rows_per_rank: np.ndarray
 
-    def weight(self, rank: int) -> float:
-        """This rank's share of the held-out rows, times the number of ranks (the allreduce takes a mean)."""
-        return float(self.rows_per_rank[rank]) * len(self.rows_per_rank) / float(self.rows_per_rank.sum())
 
-
-def _average_across_workers_callback(comm, *, steps_per_epoch: Optional[int] = None,
+def _average_across_workers_callback(comm, *, samples: int, steps_per_epoch: Optional[int] = None,
                                      validation: Optional[Validation] = None):
     import keras
 
-    validation_weight = validation.weight(comm.rank) if validation is not None else 1.0
+    validation_rows = float(validation.rows_per_rank[comm.rank]) if validation is not None else 0.0
 
     class AverageAcrossWorkers(keras.callbacks.Callback):
         """Averages epoch metrics, and statistics such as BatchNorm's moving means, over ranks.
 
         Runs first among the callbacks, so History, EarlyStopping and the
-        user's callbacks all see the global values. Validation metrics
-        (``val_*``) are weighted by each rank's held-out rows, so they equal the
+        user's callbacks all see the global values. Every rank gathers every
+        rank's metrics and combines them by the one rule (``metrics.combine_logs``):
+        ``val_*`` metrics weighted by each rank's held-out rows, so they equal the
         metrics of the (common) model on all held-out rows; a rank with none
-        contributes 0 (see ``Validation``). Statistics are averaged after the
+        weighs nothing (see ``Validation``). Statistics are averaged after the
         epoch's last step, before Keras validates, so that validation sees the
         averaged model (and again at the epoch end only if that did not happen).
         """
@@ -88,11 +87,12 @@ def _average_across_workers_callback(comm, *, steps_per_epoch: Optional[int] = N
                 self._average_statistics()
 
         def on_epoch_end(self, epoch, logs=None):
-            if logs:
+            if logs:  # every rank gathers the same rows, so every rank computes the same combination
                 keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.number)))
-                local = [_weighted(logs[k], validation_weight) if k.startswith("val_") else logs[k] for k in keys]
-                values = comm.allreduce(np.array(local, np.float64), average=True)
-                logs.update(zip(keys, values.tolist()))
+                local = np.array([logs[k] for k in keys] + [samples, validation_rows], np.float64)
+                rows = comm.allgather(local)
+                logs.update(combine_logs([dict(zip(keys, row[:-2].tolist())) for row in rows], rows[:, -2].tolist(),
+                                         rows[:, -1].tolist()))
             if not self._statistics_averaged:
                 self._average_statistics()
 
@@ -105,10 +105,6 @@ def _average_across_workers_callback(comm, *, steps_per_epoch: Optional[int] = N
                     variable.assign(value.astype(variable.dtype))
 
     return AverageAcrossWorkers()
-
-
-def _weighted(value, weight: float) -> float:
-    return 0.0 if weight == 0 else float(value) * weight  # a stand-in's value, even NaN, must not leak in
 
 
 def _is_float(dtype) -> bool:
@@ -157,32 +153,30 @@ def check_replicas_identical(model, comm) -> None:
     logger.warning("Replicas differ by at most %.3g after training (within tolerance).", differences.max())
 
 
-def train(model, x: np.ndarray, y: np.ndarray, *, comm, epochs: int, batch_size: int, steps_per_epoch: int,
-          seed: int, shuffle: bool, validation: Optional[Validation] = None, initial_epoch: int = 0,
-          callbacks: Sequence = ()) -> dict[str, list[float]]:
+def train(model, x: np.ndarray, y: np.ndarray, *, comm, settings: Settings, initial_epoch: int,
+          validation: Optional[Validation] = None, callbacks: Sequence = ()) -> dict[str, list[float]]:
     """Trains ``model`` in place on this rank's rows, in lockstep with the other ranks; returns the history.
 
     With ``validation``, every rank evaluates its held-out rows at each epoch end (Keras's own
     ``validation_data``) and the history gains the combined ``val_*`` metrics. Training runs
     epochs ``initial_epoch..epochs-1`` (the history holds those); ``callbacks`` run after the
-    averaging of metrics over ranks, so they see the global values.
+    combination of metrics over ranks, so they see the global values.
     """
     import keras
 
-    from sparkdl import data
-
-    keras.utils.set_random_seed(seed + comm.rank)  # dropout and the like differ per rank, by design
+    keras.utils.set_random_seed(settings.seed + comm.rank)  # dropout and the like differ per rank, by design
     model.jit_compile = False  # the allreduce runs through tf.numpy_function, which XLA cannot compile
     broadcast_weights(model, comm)
-    stream = data.batches(x, y, batch_size=batch_size, steps=steps_per_epoch, epochs=epochs, seed=seed,
-                          rank=comm.rank, shuffle=shuffle, first_epoch=initial_epoch)
+    steps = settings.steps_per_epoch
+    stream = settings.batches(x, y, comm.rank, start=initial_epoch * steps)
     validation_data = None
     if validation is not None:
         validation_data = (validation.x, validation.y) if len(validation.x) else (x[:1], y[:1])  # stand-in: weight 0
-    callback = _average_across_workers_callback(comm, steps_per_epoch=steps_per_epoch, validation=validation)
+    callback = _average_across_workers_callback(comm, samples=steps * settings.batch_size, steps_per_epoch=steps,
+                                                validation=validation)
     with distributed_optimizer(model.optimizer, comm):
-        history = model.fit(stream, epochs=epochs, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+        history = model.fit(stream, epochs=settings.epochs, initial_epoch=initial_epoch, steps_per_epoch=steps,
                             shuffle=False, verbose=0, validation_data=validation_data,
-                            validation_batch_size=batch_size, callbacks=[callback, *callbacks])
+                            validation_batch_size=settings.batch_size, callbacks=[callback, *callbacks])
     check_replicas_identical(model, comm)
     return {name: [float(v) for v in values] for name, values in history.history.items()}

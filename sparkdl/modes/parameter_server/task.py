@@ -1,4 +1,4 @@
-"""What one Spark task does in the parameter-server modes (async, hogwild, ssp).
+"""What one Spark task does in the parameter-server mode (async, hogwild, ssp).
 
 Keras's ``fit`` runs unchanged; the optimizer hook replaces "apply the
 gradients locally" by "push them to the server shards and take the weights
@@ -10,48 +10,39 @@ Validation (``validation_col``/``validation_split``): a worker evaluates its
 own held-out rows at every epoch end with the weights it holds then (the
 server's, as of its last pull), through Keras's ``validation_data``; it
 returns its held-out row count with its history, and the driver weighs the
-workers' ``val_*`` metrics by it (``driver.combine_histories``).
+workers' ``val_*`` metrics by it (``mode.combine_histories``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 import numpy as np
 import pyarrow as pa
 from pyspark import TaskContext
 
 from sparkdl import data
+from sparkdl.keras import callbacks, serialization
+from sparkdl.keras.optimizer_hooks import fused_numpy_call, intercept_apply
+from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
 from sparkdl.launch.relay import TaskReporter
+from sparkdl.modes.base import Settings
 from sparkdl.ps.client import ParameterClient
 from sparkdl.ps.sharding import ShardLayout
-from sparkdl.train import reporting, serialization
-from sparkdl.train.optimizer_hooks import fused_numpy_call, intercept_apply
-from sparkdl.train.task import limit_threads_to_task_cpus
 
 
 @dataclasses.dataclass(frozen=True)
-class AsyncJob:
-    """Everything a task needs, shipped from the driver in the task closure."""
+class ParameterServerTask:
+    """Everything a task needs, shipped from the driver (broadcast, or in the closure under Connect)."""
 
+    settings: Settings
     model_bytes: bytes
     secret: bytes
     addresses: list[str]
     shards: list[list[int]]
-    shapes: data.ColumnShapes
-    epochs: int
-    batch_size: int
-    steps_per_epoch: int
     push_every: int
-    seed: int
-    shuffle: bool
-    timeout: float
-    custom_objects: Optional[dict]
-    initial_epoch: int = 0  # resumed from a checkpoint: train epochs initial_epoch..epochs-1
-    callbacks: Sequence = ()  # the user's Keras callbacks
 
 
 # What each task counts and returns in its payload; the driver sums them into the fit's stats.
@@ -90,31 +81,31 @@ class _Exchange:
         return self._layout.join(self._client.pull())
 
 
-def run_async_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, job: AsyncJob) -> Optional[bytes]:
+def run_parameter_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter,
+                              task: ParameterServerTask) -> Optional[bytes]:
     """Trains against the server until this worker's share of steps is done, reporting its progress.
 
-    Returns JSON ``{"history": {metric: [per epoch from job.initial_epoch]}, "validation_rows": n,
-    "counters": {name: count for name in COUNTERS}}``.
+    Returns JSON ``{"history": {metric: [per epoch from initial_epoch]}, "samples": per epoch,
+    "validation_rows": n, "counters": {name: count for name in COUNTERS}}``.
     """
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")  # before anything in this worker imports Keras
+    use_tensorflow_backend()  # before anything in this worker imports Keras
     import keras
     import tensorflow as tf
 
+    settings = task.settings
     rank = TaskContext.get().partitionId()
-    x, y, x_val, y_val = job.shapes.split_numpy(batches)
+    x, y, x_val, y_val = settings.shapes.split_numpy(batches)
+    data.require_rows({rank: len(x)})
     limit_threads_to_task_cpus()
-    model = serialization.model_from_bytes(job.model_bytes, job.custom_objects)
+    model = serialization.model_from_bytes(task.model_bytes, settings.custom_objects)
     model.jit_compile = False  # the exchange runs through tf.numpy_function, which XLA cannot compile
     variables = model.trainable_variables
-    layout = ShardLayout([tuple(v.shape) for v in variables], job.shards)
+    layout = ShardLayout([tuple(v.shape) for v in variables], task.shards)
+    samples = settings.steps_per_epoch * settings.batch_size
 
-    with ParameterClient(job.addresses, worker=rank, secret=job.secret, shard_sizes=layout.shard_sizes,
-                         timeout=job.timeout) as client:
-        if len(x) == 0:  # a partition can come out empty; it must not hold back the others
-            client.done()  # (its held-out rows, if any, go unevaluated: there is no epoch of its own)
-            reporter.progress({"event": "idle"})  # nor does the driver wait for its epochs
-            return None
-        exchange = _Exchange(client, layout, job.push_every)
+    with ParameterClient(task.addresses, worker=rank, secret=task.secret, shard_sizes=layout.shard_sizes,
+                         timeout=settings.timeout) as client:
+        exchange = _Exchange(client, layout, task.push_every)
 
         def push_then_take_server_weights(apply, grads, trainable_variables):
             grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, trainable_variables)]
@@ -123,23 +114,22 @@ def run_async_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, jo
             return model.optimizer.iterations.assign_add(1)
 
         _assign_flat(variables, exchange.weights)
-        stream = data.batches(x, y, batch_size=job.batch_size, steps=job.steps_per_epoch, epochs=job.epochs,
-                              seed=job.seed, rank=rank, shuffle=job.shuffle, first_epoch=job.initial_epoch)
-        keras.utils.set_random_seed(job.seed + rank)  # dropout and the like differ per worker, by design
-        progress = reporting.progress_callback(reporter.progress, steps_per_epoch=job.steps_per_epoch,
-                                               batch_size=job.batch_size, validation_rows=len(x_val))
+        stream = settings.batches(x, y, rank)
+        keras.utils.set_random_seed(settings.seed + rank)  # dropout and the like differ per worker, by design
+        progress = callbacks.progress_callback(reporter.progress, steps_per_epoch=settings.steps_per_epoch,
+                                               batch_size=settings.batch_size, validation_rows=len(x_val))
         with intercept_apply(model.optimizer, push_then_take_server_weights):
-            history = model.fit(stream, epochs=job.epochs, initial_epoch=job.initial_epoch,
-                                steps_per_epoch=job.steps_per_epoch, shuffle=False, verbose=0,
+            history = model.fit(stream, epochs=settings.epochs, initial_epoch=settings.initial_epoch,
+                                steps_per_epoch=settings.steps_per_epoch, shuffle=False, verbose=0,
                                 validation_data=(x_val, y_val) if len(x_val) else None,
-                                validation_batch_size=job.batch_size, callbacks=[progress, *job.callbacks])
+                                validation_batch_size=settings.batch_size, callbacks=[progress, *settings.callbacks])
         exchange.flush()
         client.done()
-    counters = dict(zip(COUNTERS, ((job.epochs - job.initial_epoch) * job.steps_per_epoch * job.batch_size,
+    counters = dict(zip(COUNTERS, ((settings.epochs - settings.initial_epoch) * samples,
                                    exchange.pushes, exchange.pulls,
                                    4 * sum(layout.shard_sizes) * (exchange.pushes + exchange.pulls))))
     return json.dumps({"history": {name: [float(v) for v in values] for name, values in history.history.items()},
-                       "validation_rows": len(x_val), "counters": counters}).encode()
+                       "samples": samples, "validation_rows": len(x_val), "counters": counters}).encode()
 
 
 def _assign_flat(variables: list, flat: np.ndarray) -> None:

@@ -22,9 +22,17 @@ def intercept_apply(optimizer, intercept: Callable) -> Iterator[None]:
     """While the block runs, applying gradients calls ``intercept(apply, grads, variables)`` instead.
 
     ``apply(grads, variables)`` is the optimizer's own application (Keras 3's
-    ``apply``, Keras 2's ``apply_gradients``; see ``_compat``). The instance's class is
-    swapped (not the instance rebuilt) so that its state, its tracking by the
-    model and its saved config stay exactly those of the user's optimizer.
+    ``apply``, Keras 2's ``apply_gradients``; see ``_compat``).
+
+    Why the instance's class is swapped rather than the optimizer wrapped, as Keras's own
+    ``LossScaleOptimizer`` wraps an ``inner_optimizer``: a wrapper is a second optimizer object,
+    so the model would have to be compiled again with it (its train step traced anew, which
+    ``model.compile`` resets) and given back its own after ``fit``; its slots would live under the
+    wrapper's path, so a checkpoint or result saved mid-fit would hold a different optimizer
+    (class, config, variable paths) than the user's unless unwrapped for every save; and with
+    Keras 2 (``_compat``) the wrapper would have to mirror ``apply_gradients`` too. The swap
+    changes only which ``apply`` runs: the same instance keeps its variables, its tracking by
+    the model and its config, and ``unhooked`` restores the class for a save in one assignment.
     """
     original = type(optimizer)
     optimizer.__class__ = _compat.hooked_optimizer_class(original, intercept)

@@ -1,0 +1,6 @@
+"""What every training mode needs from Keras: the optimizer hook, model serialization, the worker callbacks.
+
+``optimizer_hooks`` (gradients taken out of Keras's compiled step), ``serialization`` (models as
+``.keras`` bytes), ``callbacks`` (progress and checkpoints from inside a worker's ``fit``),
+``runtime`` (the TensorFlow backend and a task's thread limits).
+"""

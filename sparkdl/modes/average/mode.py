@@ -1,0 +1,304 @@
+"""Average mode's driver side: rounds of Spark jobs whose deltas the driver averages, no sockets of ours.
+
+For executors that cannot reach the driver (or each other) on ports of our own.
+Training runs in ROUNDS, each one ordinary (non-barrier) Spark job:
+
+1. The driver broadcasts the current state with ``SparkContext.broadcast``: the
+   model's weights AND the optimizer's variables (Adam's moments, the iteration
+   count, ...) as a list of numpy arrays, so that every round's local
+   optimizers continue where the last round left off. (Under Spark Connect,
+   which has no broadcasts, the state and the model travel in the round's task
+   closure instead: ``launch.session.ship``.)
+2. One task per partition of ``training.frame.repartition(num_workers)``
+   (persisted once for the whole job) sets that state on a Keras model cached
+   in its Python worker, trains ``sync_every`` steps on its own rows with the
+   model's own optimizer, and adds its DELTA (new state - broadcast state) to
+   a Spark accumulator over lists of numpy arrays. Per-task counters
+   (contributions, samples, steps, delta bytes) go to a second accumulator,
+   the round's training metrics come back as Arrow rows of the job. (Under
+   Spark Connect, which has no accumulators, the delta and the counters come
+   back as binary rows of the same job: ``deltas.py``.)
+3. The driver averages the deltas (sum / number of contributions), applies
+   them, drops the old broadcast and broadcasts the new state.
+
+Accumulators and task retries (checked against PySpark 4 in local mode, see
+``tests/test_average_mode.py::test_failed_attempts_are_not_double_counted``):
+a Python task that raises exits its worker before sending any accumulator
+update (``pyspark/worker.py`` sends them only after the function returned),
+and the JVM merges the updates of failed tasks only for accumulators with
+``countFailedValues`` (internal metrics, not Python's). Updates of a
+successful task are merged on the driver before the job returns, and for the
+result stage each partition's only once, even with speculative copies
+(``DAGScheduler`` skips partitions whose job output is already finished). Our
+deltas are added in the result stage (the persisted repartition is read
+inside it), so a retried task's delta counts once. The average is
+nevertheless divided by the contributions actually merged (counted per
+partition in the counter accumulator), so that a double-counted or missing
+update can never scale the step, and a discrepancy is logged.
+
+Validation (``validation_col``/``validation_split``): the ``val_*`` metrics
+of an epoch describe the AVERAGED model, never a worker's local one. The
+averaged state after the round in which an epoch's last step falls is
+already broadcast to the next round's tasks, so each of them first
+evaluates its held-out rows with that state (before training; a forward
+pass over a few rows, no extra job) and returns the metrics as rows
+attributed to that epoch, weighted by its held-out row count; the driver
+combines them like the training metrics. The last round has no next round:
+one extra evaluation-only job over the persisted frame evaluates the final
+state for it, so the last epoch's ``val_*`` metrics are those of the
+returned model. When an epoch ends inside a round (``sync_every`` not a
+divisor of the epoch's steps) no averaged model exists at that exact step:
+the epoch gets the first averaged model after it (the end of that round, at
+most ``sync_every - 1`` steps later); epochs that end inside the same round
+share its value. With ``sync_every`` dividing ``steps_per_epoch`` (or a
+multiple of it) the evaluated model is exactly the one at the epoch's end.
+
+Choosing ``sync_every``: see ``rounds.recommended_sync_every`` (half an epoch, with the figures).
+
+Nothing here unpickles data from our own sockets: only Spark's broadcast and
+accumulator machinery (under Connect: the job's closure and its result rows,
+read with ``allow_pickle=False``) moves state, so executors need not reach the
+driver, nor, under Spark Connect, the client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import secrets
+import time
+from typing import Iterator, Optional
+
+import numpy as np
+import pyarrow as pa
+from pyspark import StorageLevel, TaskContext
+
+from sparkdl import _compat, data
+from sparkdl.checkpoint import Checkpointer
+from sparkdl.keras import serialization
+from sparkdl.launch import session
+from sparkdl.metrics import merge_histories, weighted_mean
+from sparkdl.modes.average import rounds as schedule
+from sparkdl.modes.average.deltas import RoundDeltas
+from sparkdl.modes.average.task import METRICS_SCHEMA, evaluate_task, read, round_task, state_variables
+from sparkdl.modes.base import Job, Mode, ModeResult, Option
+from sparkdl.progress import ProgressMonitor
+
+logger = logging.getLogger(__name__)
+
+_ROWS_SCHEMA = "partition int, rows long, validation_rows long"
+
+
+@dataclasses.dataclass(frozen=True)
+class AverageOptions:
+    sync_every: Optional[int] = None  # local steps between two averagings (None: half an epoch)
+
+
+class AverageMode(Mode):
+    """Workers train ``sync_every`` local steps, then the driver averages their models (and optimizer state).
+
+    It trains with ``train_on_batch`` in rounds, not Keras's ``fit``: no user callbacks. The
+    driver reports progress and writes the checkpoints, each epoch once its metrics are complete.
+    """
+
+    names = ("average",)
+    runs_callbacks = False
+
+    def options(self, name: str) -> dict[str, Option]:
+        return {"sync_every": Option()}
+
+    def configure(self, name: str, model, values: dict) -> AverageOptions:
+        return AverageOptions(values.get("sync_every"))
+
+    def why_all_at_once(self, name: str, slots: int) -> str:
+        return (f"In mode='average' the tasks of every round would run in waves of {slots}, each round taking "
+                "that many times longer")
+
+    def run(self, job: Job) -> ModeResult:
+        """Trains in rounds from ``job.start``; the model returned holds the averaged weights and optimizer state.
+
+        A checkpoint is the averaged state after the round in which its epoch ended, so it may
+        already hold up to ``sync_every - 1`` steps of the next epoch; a resumed fit starts at the
+        first step of that epoch. ``history[name][epoch]`` is the sample-weighted mean over workers
+        of the training metric over that epoch's steps (like sync mode's history). ``stats`` holds
+        ``rounds``, ``samples``, ``steps``, ``delta_bytes`` (summed over the tasks whose updates
+        were merged), ``contributions`` (task deltas averaged, ``rounds * num_workers`` when nothing
+        went wrong), ``steps_per_epoch``, ``sync_every``, ``partition_rows`` (training rows),
+        ``partition_validation_rows`` and ``seconds``. With held-out rows the history also holds
+        ``val_*``: the averaged model's metrics on them (module docstring).
+        """
+        started = time.perf_counter()
+        settings = job.settings
+        spark = job.training.frame.sparkSession
+        sync_every = job.options.sync_every or schedule.recommended_sync_every(settings.steps_per_epoch)
+        rounds = schedule.Rounds(settings, secrets.token_hex(16), sync_every)
+        model = serialization.model_from_bytes(job.start.model_bytes, settings.custom_objects)
+        variables = state_variables(model)
+        state = [read(v) for v in variables]
+        metrics = _Metrics()
+        checkpointer = Checkpointer(job.checkpoints, job.start, "average") if job.checkpoints else None
+        publisher = _EpochPublisher(rounds, job.monitor, checkpointer, model, variables, metrics)
+
+        frame = job.training.frame.repartition(settings.num_workers).persist(StorageLevel.MEMORY_AND_DISK)
+        model_broadcast = session.ship(spark, job.start.model_bytes, size=len(job.start.model_bytes),
+                                       what="the model")
+        state_bytes = len(job.start.model_bytes) + sum(array.nbytes for array in state)  # each round ships both
+        state_broadcast = None
+        totals = np.zeros(4, np.int64)
+        with checkpointer or contextlib.nullcontext():  # waits for the last checkpoint; raises if one was not written
+            try:
+                partition_rows, validation_rows = _rows_per_partition(frame, settings.num_workers)
+                logger.info("sparkdl: average mode, %d workers, rows per worker %s, %d steps/epoch x %d epochs, "
+                            "%d rounds of %d steps", settings.num_workers, partition_rows, settings.steps_per_epoch,
+                            settings.epochs, rounds.count, sync_every)
+                for round_index in range(rounds.count):
+                    round_started = time.perf_counter()
+                    state_broadcast = session.ship(spark, state, size=state_bytes, what="the model and its state")
+                    deltas = RoundDeltas(spark)
+
+                    def run_round(batches, _rounds=rounds, _round=round_index, _model=model_broadcast,
+                                  _state=state_broadcast, _sender=deltas.sender()):
+                        return round_task(batches, _rounds, _round, _model, _state, _sender)
+
+                    table = _compat.collect_arrow(frame.mapInArrow(run_round, METRICS_SCHEMA))
+                    delta_sums, counter_sums = deltas.sums(table)
+                    state = schedule.apply_average(state, delta_sums, counter_sums, round_index)
+                    totals += counter_sums[0].sum(axis=0)
+                    metrics.add(table)
+                    state_broadcast.unpersist()
+                    state_broadcast.destroy()
+                    state_broadcast = None
+                    publisher.round_done(round_index, state, time.perf_counter() - round_started)
+                if settings.validate:  # the last round's epochs: no next round evaluates the final state; one job does
+                    state_broadcast = session.ship(spark, state, size=state_bytes, what="the model and its state")
+                    last = rounds.epochs_finished(rounds.count - 1)
+
+                    def evaluate(batches, _rounds=rounds, _model=model_broadcast, _state=state_broadcast, _last=last):
+                        return evaluate_task(batches, _rounds, _model, _state, _last)
+
+                    metrics.add(_compat.collect_arrow(frame.mapInArrow(evaluate, METRICS_SCHEMA)))
+                    state_broadcast.unpersist()
+                    state_broadcast.destroy()
+                    state_broadcast = None
+                publisher.finish()
+            finally:
+                if state_broadcast is not None:
+                    state_broadcast.destroy()
+                model_broadcast.destroy()
+                frame.unpersist()
+
+        _assign(variables, state)
+        history = merge_histories(job.start.history, metrics.history(range(settings.initial_epoch, settings.epochs)))
+        stats = {
+            "rounds": rounds.count,
+            "samples": int(totals[schedule.SAMPLES]),
+            "steps": int(totals[schedule.STEPS]),
+            "delta_bytes": int(totals[schedule.DELTA_BYTES]),
+            "contributions": int(totals[schedule.CONTRIBUTIONS]),
+            "steps_per_epoch": settings.steps_per_epoch,
+            "sync_every": sync_every,
+            "partition_rows": partition_rows,
+            "partition_validation_rows": validation_rows,
+            "seconds": time.perf_counter() - started,
+        }
+        return ModeResult(model, history, stats, settings.initial_epoch)
+
+
+class _Metrics:
+    """The rounds' metric rows, combined per (metric, epoch) by the one rule (``metrics.weighted_mean``)."""
+
+    def __init__(self) -> None:
+        self._values: dict[tuple[str, int], list[tuple[float, int]]] = {}  # (metric, epoch) -> [(value, samples)]
+        self._names: list[str] = []
+
+    def add(self, table: pa.Table) -> None:
+        columns = (table.column(c).to_pylist() for c in ("epoch", "samples", "metric", "value"))
+        for epoch, samples, name, value in zip(*columns):
+            if name is None:  # a row of a delta (Spark Connect), not a metric
+                continue
+            if name not in self._names:
+                self._names.append(name)
+            self._values.setdefault((name, epoch), []).append((value, samples))
+
+    def history(self, epochs: range) -> dict[str, list[float]]:
+        return {name: [weighted_mean(self._values.get((name, epoch), ())) for epoch in epochs]
+                for name in self._names}
+
+
+class _EpochPublisher:
+    """After each round: progress for the monitor; each epoch whose metrics are complete goes to the
+    monitor's epoch listeners and, with the averaged state after the round that ended it, to the
+    checkpointer.
+
+    An epoch's training metrics are complete with the round that ends it; its ``val_*`` metrics
+    come with the next round's job (or the final evaluation job), which evaluates that state.
+    """
+
+    def __init__(self, rounds: schedule.Rounds, monitor: ProgressMonitor, checkpointer: Optional[Checkpointer],
+                 model, variables: list, metrics: _Metrics):
+        self._rounds = rounds
+        self._monitor = monitor
+        self._checkpointer = checkpointer
+        self._model = model
+        self._variables = variables
+        self._metrics = metrics
+        self._waiting: Optional[tuple[range, list]] = None  # epochs whose val_* metrics are not in yet, their state
+        self._samples_per_second = 0.0
+
+    def round_done(self, round_index: int, state: list, seconds: float) -> None:
+        settings = self._rounds.settings
+        start, stop = self._rounds.steps(round_index)
+        self._samples_per_second = (stop - start) * settings.batch_size * settings.num_workers / max(seconds, 1e-9)
+        epoch = (stop - 1) // settings.steps_per_epoch
+        logs = {name: values[0] for name, values in self._metrics.history(range(epoch, epoch + 1)).items()
+                if not name.startswith("val_")}
+        self._monitor.step(0, epoch, stop - epoch * settings.steps_per_epoch, logs, self._samples_per_second)
+        logger.debug("sparkdl: round %d of %d took %.3f s", round_index + 1, self._rounds.count, seconds)
+        finished = self._rounds.epochs_finished(round_index)
+        if settings.validate:
+            self.finish()
+            self._waiting = (finished, state) if len(finished) else None
+        elif len(finished):
+            self._publish(finished, state)
+
+    def finish(self) -> None:
+        """Publishes the epochs still waiting for their validation metrics."""
+        if self._waiting is not None:
+            waiting, self._waiting = self._waiting, None
+            self._publish(*waiting)
+
+    def _publish(self, epochs: range, state: list) -> None:
+        history = self._metrics.history(epochs)
+        for index, epoch in enumerate(epochs):
+            logs = {name: values[index] for name, values in history.items()}
+            self._monitor.epoch_end(epoch, logs, self._samples_per_second)
+            if self._checkpointer is not None:
+                self._checkpointer.record(logs)
+        if self._checkpointer is not None:
+            _assign(self._variables, state)
+            self._checkpointer.save(epochs[-1] + 1, serialization.model_to_bytes(self._model))
+
+
+def _assign(variables: list, values: list) -> None:
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
+def _rows_per_partition(frame, num_workers: int) -> tuple[list[int], list[int]]:
+    """Training and held-out rows of each worker's partition (the rule: at least one training row each)."""
+
+    def count(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        rows, held_out = data.row_counts(batches)
+        yield pa.RecordBatch.from_pydict(
+            {"partition": [TaskContext.get().partitionId()], "rows": [rows], "validation_rows": [held_out]},
+            schema=pa.schema([("partition", pa.int32()), ("rows", pa.int64()), ("validation_rows", pa.int64())]))
+
+    table = _compat.collect_arrow(frame.mapInArrow(count, _ROWS_SCHEMA))
+    partitions = table.column("partition").to_pylist()
+    by_partition = dict(zip(partitions, table.column("rows").to_pylist()))
+    held_out_by_partition = dict(zip(partitions, table.column("validation_rows").to_pylist()))
+    rows = [int(by_partition.get(p, 0)) for p in range(num_workers)]
+    held_out = [int(held_out_by_partition.get(p, 0)) for p in range(num_workers)]
+    data.require_rows(dict(enumerate(rows)))
+    return rows, held_out

@@ -1,0 +1,166 @@
+"""What one worker does in an average-mode round: set the shipped state, train its steps, send its delta.
+
+Python workers are reused between tasks (``spark.python.worker.reuse=true``): the deserialized
+model stays cached here between rounds, keyed by the job's token. Every worker runs the batches
+of the one schedule (``Settings.batches``, rank = partition index, global steps carried across
+rounds), so with plain SGD and ``sync_every=1`` averaging the deltas is exactly averaging the
+gradients: the result equals sync mode. A round's metrics come back as rows of its job, each
+weighted by the samples behind it (``samples``: rows trained, or held-out rows for ``val_*``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import pyarrow as pa
+from pyspark import TaskContext
+
+from sparkdl import _compat, data
+from sparkdl.keras import serialization
+from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
+from sparkdl.modes.average.deltas import ROW_FIELDS, Sender
+from sparkdl.modes.average.rounds import Rounds
+
+# A round's rows: metrics (partition, epoch, samples, metric, value) and, under Connect, delta chunks.
+METRICS_SCHEMA = "partition int, epoch int, samples long, metric string, value double, chunk int, payload binary"
+_METRICS_ARROW_SCHEMA = pa.schema([("partition", pa.int32()), ("epoch", pa.int32()), ("samples", pa.int64()),
+                                   ("metric", pa.string()), ("value", pa.float64()), *ROW_FIELDS])
+
+_MODEL_CACHE: dict[str, "_CachedModel"] = {}
+
+
+@dataclasses.dataclass
+class _CachedModel:
+    model: Any  # a keras.Model
+    variables: list  # model.weights + optimizer.variables, the order of the broadcast state
+    seed_states: list  # (variable, initial value) of the layers' own SeedGenerators
+
+
+def state_variables(model) -> list:
+    """The variables a round moves: the model's weights, then the optimizer's (built first)."""
+    _compat.build_optimizer(model.optimizer, model.trainable_variables)
+    return list(model.weights) + _compat.optimizer_variables(model.optimizer)
+
+
+def read(variable) -> np.ndarray:
+    return np.array(variable.numpy(), copy=True)
+
+
+def round_task(batches: Iterable[pa.RecordBatch], rounds: Rounds, round_index: int, model_broadcast,
+               state_broadcast, sender: Sender) -> Iterator[pa.RecordBatch]:
+    """One worker's round: set the shipped state, train its steps, send the delta; returns its rows."""
+    use_tensorflow_backend()  # before anything in this worker imports Keras
+    settings = rounds.settings
+    x, y, x_val, y_val = settings.shapes.split_numpy(batches)
+    rank = TaskContext.get().partitionId()
+    data.require_rows({rank: len(x)})
+    cached, state = _load_state(rounds, model_broadcast, state_broadcast)
+    rows = _empty_rows()
+    if settings.validate and round_index > 0:  # the state just set is the averaged model after the last round's epochs
+        _evaluate(cached.model, x_val, y_val, settings.batch_size, rank, rounds.epochs_finished(round_index - 1), rows)
+    _seed_round(cached, rounds, rank, round_index)
+
+    model, b, steps_per_epoch = cached.model, settings.batch_size, settings.steps_per_epoch
+    start, stop = rounds.steps(round_index)
+    position = start
+    while position < stop:  # one segment per epoch the round touches, its metrics a row each
+        epoch = position // steps_per_epoch
+        end = min(stop, (epoch + 1) * steps_per_epoch)
+        totals: dict[str, float] = {}
+        for x_batch, y_batch in settings.batches(x, y, rank, position, end):
+            logs = model.train_on_batch(x_batch, y_batch, return_dict=True)  # this batch's metrics
+            for name, value in logs.items():
+                totals[name] = totals.get(name, 0.0) + float(value)
+        for name, total in totals.items():
+            _add_row(rows, rank, epoch, (end - position) * b, name, total / (end - position))
+        position = end
+
+    delta = [_delta(read(variable), old) for variable, old in zip(cached.variables, state)]
+    counts = np.zeros((settings.num_workers, 4), np.int64)
+    counts[rank] = (1, (stop - start) * b, stop - start, sum(d.nbytes for d in delta))
+    for chunk, payload in sender.send(delta, counts):
+        _add_row(rows, rank, chunk=chunk, payload=payload)
+    return iter([pa.RecordBatch.from_pydict(rows, schema=_METRICS_ARROW_SCHEMA)])
+
+
+def evaluate_task(batches: Iterable[pa.RecordBatch], rounds: Rounds, model_broadcast, state_broadcast,
+                  epochs: range) -> Iterator[pa.RecordBatch]:
+    """The evaluation-only pass after the last round: the final averaged state on this worker's held-out rows."""
+    use_tensorflow_backend()
+    _, _, x_val, y_val = rounds.settings.shapes.split_numpy(batches)
+    rows = _empty_rows()
+    if len(x_val):
+        cached, _ = _load_state(rounds, model_broadcast, state_broadcast)
+        _evaluate(cached.model, x_val, y_val, rounds.settings.batch_size, TaskContext.get().partitionId(), epochs,
+                  rows)
+    return iter([pa.RecordBatch.from_pydict(rows, schema=_METRICS_ARROW_SCHEMA)])
+
+
+def _empty_rows() -> dict[str, list]:
+    return {name: [] for name in _METRICS_ARROW_SCHEMA.names}
+
+
+def _add_row(rows: dict[str, list], partition: int, epoch=None, samples=None, metric=None, value=None, chunk=None,
+             payload=None) -> None:
+    for column, item in zip(_METRICS_ARROW_SCHEMA.names, (partition, epoch, samples, metric, value, chunk, payload)):
+        rows[column].append(item)
+
+
+def _load_state(rounds: Rounds, model_broadcast, state_broadcast) -> tuple[_CachedModel, list[np.ndarray]]:
+    """The worker's cached model, set to the shipped state."""
+    cached = _cached_model(rounds, model_broadcast)
+    state = state_broadcast.value
+    if len(state) != len(cached.variables):
+        raise RuntimeError(f"Broadcast state has {len(state)} arrays; the model has {len(cached.variables)} variables.")
+    for variable, value in zip(cached.variables, state):
+        variable.assign(value)
+    return cached, state
+
+
+def _evaluate(model, x_val: np.ndarray, y_val: np.ndarray, batch_size: int, rank: int, epochs: range,
+              rows: dict[str, list]) -> None:
+    """Adds ``val_*`` metric rows for ``epochs``, weighted (``samples`` column) by this worker's held-out rows."""
+    if not len(x_val) or not len(epochs):
+        return
+    logs = model.evaluate(x_val, y_val, batch_size=batch_size, verbose=0, return_dict=True)
+    for epoch in epochs:
+        for name, value in logs.items():
+            _add_row(rows, rank, epoch, len(x_val), f"val_{name}", float(value))
+
+
+def _delta(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    if np.issubdtype(old.dtype, np.floating):
+        return new - old  # exact in the variable's dtype while new and old are within 2x (Sterbenz)
+    return new.astype(np.int64) - old.astype(np.int64)
+
+
+def _cached_model(rounds: Rounds, model_broadcast) -> _CachedModel:
+    cached = _MODEL_CACHE.get(rounds.token)
+    if cached is None:
+        _MODEL_CACHE.clear()  # an earlier job's model is done with
+        limit_threads_to_task_cpus()
+        import keras
+
+        settings = rounds.settings
+        keras.utils.set_random_seed((settings.seed + TaskContext.get().partitionId()) % 2**32)  # as sync mode does
+        model = serialization.model_from_bytes(model_broadcast.value, settings.custom_objects)
+        seed_states = [(v, read(v)) for v in model.non_trainable_variables if v.path.endswith("seed_generator_state")]
+        cached = _CachedModel(model, state_variables(model), seed_states)
+        _MODEL_CACHE[rounds.token] = cached
+    return cached
+
+
+def _seed_round(cached: _CachedModel, rounds: Rounds, rank: int, round_index: int) -> None:
+    """Randomness (dropout and the like) differs per worker and per round, reproducibly from ``seed``.
+
+    Layers draw from their own ``SeedGenerator`` (state ``[seed, counter]``), which is set here. The
+    global seed is set once per Python worker (``_cached_model``), not here: ``keras.utils.set_random_seed``
+    makes TensorFlow retrace the train step, which would cost every round about 0.1-0.5 s.
+    """
+    mix = (rounds.settings.seed + rank + rounds.settings.num_workers * round_index) % 2**31
+    for variable, initial in cached.seed_states:
+        value = initial.astype(np.int64)
+        value[0] = (value[0] + 7919 * (mix + 1)) % 2**31
+        variable.assign(value.astype(initial.dtype))

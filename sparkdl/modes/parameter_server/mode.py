@@ -1,0 +1,144 @@
+"""The parameter-server mode's driver side: serve the shards while the worker tasks train.
+
+The job (model, server addresses, secret) reaches the tasks as a broadcast on a
+classic session, in the task closure under Spark Connect (``launch.session.ship``).
+What the tasks did (samples, pushes, pulls, bytes) comes back in each task's
+returned payload, on both kinds of session: a payload is kept for the one
+successful attempt of each partition, exactly what accumulators would merge, and
+it needs no JVM (Spark Connect has no accumulators). The server binds to the
+driver's address only (``launch.session.driver_host``) and is stopped, its ports
+released, when training returns or raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import secrets
+
+from sparkdl import launch
+from sparkdl.checkpoint import Checkpointer
+from sparkdl.keras import serialization
+from sparkdl.launch import session
+from sparkdl.metrics import combine_logs, merge_histories
+from sparkdl.modes.base import Job, Mode, ModeResult, Option
+from sparkdl.modes.parameter_server.task import COUNTERS, ParameterServerTask, run_parameter_server_task
+from sparkdl.ps.server import ParameterServer
+from sparkdl.ps.server_model import ServerModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterServerOptions:
+    push_every: int = 1  # steps whose gradients are averaged into one push
+    num_servers: int = 1  # server shards, balanced by size
+    max_staleness: int = 0  # ssp: pushes a worker may run ahead of the slowest
+
+
+class ParameterServerMode(Mode):
+    """async (updates applied as they arrive, under a lock), hogwild (without the lock), ssp (bounded staleness).
+
+    Every worker reports progress (an epoch is complete once all have finished it); the driver
+    writes the checkpoints, of the server's state, when they have.
+    """
+
+    names = ("async", "hogwild", "ssp")
+
+    def options(self, name: str) -> dict[str, Option]:
+        options = {"push_every": Option(), "num_servers": Option()}
+        if name == "ssp":
+            options["max_staleness"] = Option(minimum=0, required=True,
+                                              meaning="how many pushes a worker may run ahead of the slowest")
+        return options
+
+    def configure(self, name: str, model, values: dict) -> ParameterServerOptions:
+        num_servers = values.get("num_servers") or 1
+        variables = len(model.trainable_variables)
+        if num_servers > variables:
+            raise ValueError(f"Expected `num_servers` <= the model's {variables} trainable variables (a shard holds "
+                             f"whole variables). Received: num_servers={num_servers}")
+        return ParameterServerOptions(values.get("push_every") or 1, num_servers, values.get("max_staleness") or 0)
+
+    def reporting_ranks(self, num_workers: int) -> int:
+        return num_workers
+
+    def why_all_at_once(self, name: str, slots: int) -> str:
+        return (f"In mode={name!r} every worker trains against the parameter server at the same time: workers "
+                "beyond the free slots would wait for one while the server waits for them, until `timeout`")
+
+    def run(self, job: Job) -> ModeResult:
+        """Trains against a server started from ``job.start``: its weights, and its shards' optimizer state when
+        it was saved by a server of the same layout. With ``job.checkpoints`` the server's state is saved each
+        time every worker has finished an epoch (the weights then include whatever faster workers pushed since).
+        """
+        settings, options = job.settings, job.options
+        spark = job.training.frame.sparkSession
+        server_model = ServerModel(serialization.model_from_bytes(job.start.model_bytes, settings.custom_objects),
+                                   options.num_servers)
+        if job.start.epoch and not server_model.restore_optimizers(job.start.arrays):
+            logger.info("sparkdl: the checkpoint holds no optimizer state for %d server shard(s) of this model: the "
+                        "shards' optimizers start afresh", options.num_servers)
+        secret = secrets.token_bytes(32)
+        with ParameterServer(server_model.shards, host=session.driver_host(spark), secret=secret, mode=job.mode,
+                             num_workers=settings.num_workers, max_staleness=options.max_staleness,
+                             timeout=settings.timeout) as server:
+            shipped = session.ship(spark, ParameterServerTask(
+                settings=settings, model_bytes=job.start.model_bytes, secret=secret, addresses=server.addresses,
+                shards=server_model.layout.shards, push_every=options.push_every,
+            ), size=len(job.start.model_bytes), what="the model")
+            with Checkpointer(job.checkpoints, job.start, job.mode) if job.checkpoints else \
+                    contextlib.nullcontext() as checkpointer:
+                if checkpointer is not None:
+                    job.monitor.add_listener(_ServerCheckpoints(checkpointer, server, server_model))
+                try:
+                    results = launch.run_tasks(
+                        job.training.frame, settings.num_workers,
+                        lambda batches, reporter: run_parameter_server_task(batches, reporter, shipped.value),
+                        barrier=False, timeout=settings.timeout, on_progress=job.monitor.on_event)
+                finally:
+                    shipped.destroy()
+            server_stats = server.stats()
+        outcomes = [json.loads(payload) for payload in results.values()]
+        stats = {**{name: sum(outcome["counters"][name] for outcome in outcomes) for name in COUNTERS},
+                 **{name: server_stats[name] for name in ("max_staleness", "versions", "refused_connections")}}
+        history = merge_histories(job.start.history, combine_histories(outcomes))
+        return ModeResult(server_model.model, history, stats, job.start.epoch)
+
+
+class _ServerCheckpoints:
+    """An epoch listener: when every worker has finished an epoch, saves the server's state."""
+
+    def __init__(self, checkpointer: Checkpointer, server: ParameterServer, server_model: ServerModel):
+        self._checkpointer = checkpointer
+        self._server = server
+        self._server_model = server_model
+
+    def on_epoch(self, epoch: int, logs: dict[str, float], samples_per_second: float) -> None:
+        self._checkpointer.record(logs)
+        with self._server.holding_updates():  # weights and optimizer state of one moment
+            model_bytes = serialization.model_to_bytes(self._server_model.model)
+            arrays = self._server_model.optimizer_arrays()
+        self._checkpointer.save(epoch + 1, model_bytes, arrays)
+
+    def close(self) -> None:
+        """The checkpointer is closed by ``ParameterServerMode.run``, which raises its errors."""
+
+
+def combine_histories(results: list[dict]) -> dict[str, list[float]]:
+    """One history from the workers' ``{"history": ..., "samples": n, "validation_rows": n}`` results.
+
+    By the one rule (``metrics.combine_logs``): training metrics weighted by the samples each worker
+    trained per epoch, ``val_*`` metrics by its held-out rows, so they are the metrics over all
+    held-out rows (workers without held-out rows report none and weigh nothing).
+    """
+    epochs = max((len(values) for result in results for values in result["history"].values()), default=0)
+    history: dict[str, list[float]] = {}
+    for epoch in range(epochs):
+        logs = [{name: values[epoch] for name, values in r["history"].items() if epoch < len(values)} for r in results]
+        for name, value in combine_logs(logs, [r["samples"] for r in results],
+                                        [r["validation_rows"] for r in results]).items():
+            history.setdefault(name, []).append(value)
+    return history

@@ -1,0 +1,90 @@
+"""What each task of sync mode's barrier stage does, from its Arrow partition to rank 0's result."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterable, Optional
+
+import numpy as np
+import pyarrow as pa
+
+from sparkdl import data
+from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore
+from sparkdl.keras import callbacks, serialization
+from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
+from sparkdl.launch import payloads
+from sparkdl.launch.backends import trainer_communicator
+from sparkdl.launch.relay import TaskReporter
+from sparkdl.metrics import merge_histories
+from sparkdl.modes.base import Settings
+from sparkdl.modes.sync import replicas
+
+MODEL = "model"  # the name the driver offers the model to start from
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncTask:
+    """Everything a task needs but the model, shipped from the driver in the task closure.
+
+    The model, which may be far larger than a closure should be (a Spark Connect
+    message, the driver JVM's heap), is fetched from the driver's relay by rank 0.
+    """
+
+    settings: Settings
+    secret: bytes
+    start_history: dict = dataclasses.field(default_factory=dict)  # of the epochs a resumed fit trained already
+    backend: str = "ring"  # whose collectives average the gradients: sparkdl's ring or Horovod's
+    checkpoints: Optional[CheckpointStore] = None  # rank 0 saves after every epoch (and a retried stage resumes)
+
+
+def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, task: SyncTask) -> Optional[bytes]:
+    use_tensorflow_backend()  # before anything in this worker imports Keras
+    settings = task.settings
+    x, y, x_val, y_val = settings.shapes.split_numpy(batches)
+    with trainer_communicator(task.backend, task.secret, settings.timeout) as comm:
+        # Every rank learns every rank's training and validation row counts, so that all of them take
+        # the same decisions below (raise, validate, how to weigh validation metrics) with no further talk.
+        counts = comm.allgather(np.array([len(x), len(x_val)], np.int64))
+        rows, validation_rows = counts[:, 0], counts[:, 1]
+        data.require_rows(dict(enumerate(rows.tolist())))
+        if settings.validate and validation_rows.sum() == 0:
+            raise ValueError("No worker partition got a validation row: the validation set is empty.")
+        limit_threads_to_task_cpus()
+        start = _starting_point(comm, task, reporter)
+        model = serialization.model_from_bytes(start.model_bytes, settings.custom_objects)
+        validation = replicas.Validation(x_val, y_val, validation_rows) if settings.validate else None
+        extra = list(settings.callbacks)
+        saving = task.checkpoints is not None and comm.rank == 0
+        with Checkpointer(task.checkpoints, start, "sync") if saving else contextlib.nullcontext() as checkpointer:
+            if comm.rank == 0:  # the ranks hold the same model and (combined) metrics: one of them reports and saves
+                reporter.progress({"event": "start", "initial_epoch": start.epoch})
+                extra.insert(0, callbacks.progress_callback(  # for all ranks: the global batch, all held-out rows
+                    reporter.progress, steps_per_epoch=settings.steps_per_epoch,
+                    batch_size=settings.batch_size * comm.size, validation_rows=int(validation_rows.sum())))
+            if saving:
+                extra.insert(0, callbacks.checkpoint_callback(checkpointer))
+            history = replicas.train(model, x, y, comm=comm, settings=settings, initial_epoch=start.epoch,
+                                     validation=validation, callbacks=extra)
+        if comm.rank != 0:
+            return None
+        return serialization.result_to_bytes(serialization.model_to_bytes(model),
+                                             merge_histories(start.history, history), start.epoch)
+
+
+def _starting_point(comm, task: SyncTask, reporter: TaskReporter) -> Checkpoint:
+    """Rank 0 gets the model to start from and sends it to every rank (other ranks get no history).
+
+    The driver offers what it resumes from (``Job.start``); rank 0 prefers a newer checkpoint, which
+    exists only when Spark retried the stage after a lost task and the failed attempt saved more.
+    """
+    start = None
+    if comm.rank == 0:
+        settings = task.settings
+        if task.checkpoints is not None:
+            start = task.checkpoints.latest(newer_than=settings.initial_epoch)
+        if start is None:
+            start = Checkpoint(settings.initial_epoch, payloads.fetch(reporter, MODEL), task.start_history, "sync")
+    header = comm.broadcast(np.array([start.epoch, len(start.model_bytes)] if start else [0, 0], np.int64))
+    model = comm.broadcast(np.frombuffer(start.model_bytes, np.uint8) if start else np.empty(int(header[1]), np.uint8))
+    return start or Checkpoint(int(header[0]), model.tobytes(), {}, "sync")
