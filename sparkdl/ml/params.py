@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.param.shared import (
@@ -17,6 +18,9 @@ from pyspark.ml.param.shared import (
 
 from sparkdl.api import MODES
 from sparkdl.ml import custom_objects
+
+if TYPE_CHECKING:
+    import keras
 
 
 def _keras_model(value):
