@@ -1,17 +1,19 @@
 """Batch inference (sparkdl.ml.inference.predict) against in-process model.predict, on real Spark and Keras."""
 
+from collections import Counter
+
 import keras
 import numpy as np
-import pyarrow as pa
 import pytest
+from pyspark.errors import PythonException
 from pyspark.ml.evaluation import BinaryClassificationEvaluator, MulticlassClassificationEvaluator
 from pyspark.ml.functions import array_to_vector
 from pyspark.ml.linalg import DenseVector
 from pyspark.sql import functions as F
 
+from custom_layer import LoadLog, pids
 from models import make_mlp
 from spark_jobs import no_spark_job
-from sparkdl.ml import inference
 from sparkdl.ml.inference import predict
 from sparkdl.keras.serialization import model_to_bytes
 
@@ -164,38 +166,32 @@ def test_predict_is_lazy_and_keeps_rows(spark):
     assert out.count() == 1000 and out.rdd.getNumPartitions() == 4
 
 
-def _stats(spark, digest):
-    """{pid: (loads, tasks)} for `digest`, from every Python worker a wide mapInArrow job reaches."""
-
-    def probe(batches):
-        for _ in batches:
-            pass
-        stats = inference.worker_stats()
-        yield pa.RecordBatch.from_pydict({"pid": [stats["pid"]], "loads": [stats["loads"].get(digest, 0)],
-                                          "tasks": [stats["tasks"].get(digest, 0)]})
-
-    rows = spark.range(0, 8, 1, 8).mapInArrow(probe, "pid long, loads long, tasks long").collect()
-    return {r.pid: (r.loads, r.tasks) for r in rows}
-
-
-def test_model_is_loaded_once_per_python_worker(spark, frames):
-    import hashlib
+def test_model_is_loaded_once_per_python_worker(spark, frames, tmp_path):
+    """LoadLog records which processes loaded the model (once per load) and which ran it (once per batch)."""
+    import os
 
     df, _ = frames["array"]
-    model_bytes = model_to_bytes(_dense_model(2, seed=7))  # bytes no other test uses
-    digest = hashlib.sha256(model_bytes).hexdigest()
+    keras.utils.set_random_seed(7)
+    model = _compiled(keras.Sequential([keras.Input((WIDTH,)), LoadLog(str(tmp_path)), keras.layers.Dense(2)]))
+    model_bytes = model_to_bytes(model)
+    settings = dict(features_col="features", custom_objects={"LoadLog": LoadLog})
 
-    predict(df, model_bytes, features_col="features", prediction_col="y").write.format("noop").mode("overwrite").save()
-    first = _stats(spark, digest)
+    def workers(name):
+        return [pid for pid in pids(tmp_path / name) if pid != os.getpid()]  # not the driver's own loads
+
+    predict(df, model_bytes, prediction_col="y", **settings).write.format("noop").mode("overwrite").save()
+    first_calls = workers("calls")
+    first = set(first_calls)
     # A second, separate transformation with the same model: its tasks must reuse the loaded model.
-    predict(df.where("id % 2 = 0"), model_bytes, features_col="features", prediction_col="y2", batch_size=7) \
+    predict(df.where("id % 2 = 0"), model_bytes, prediction_col="y2", batch_size=7, **settings) \
         .write.format("noop").mode("overwrite").save()
-    second = _stats(spark, digest)
+    second = set(workers("calls")[len(first_calls):])
+    loads = Counter(workers("loads"))
 
-    assert sum(tasks for _, tasks in second.values()) >= 4, second  # the probe reached the workers that ran tasks
-    assert all(loads <= 1 for loads, _ in second.values()), second  # never loaded twice in one process
-    reused = [pid for pid, (loads, tasks) in second.items() if first.get(pid, (0, 0))[0] == 1 and tasks > first[pid][1]]
-    assert reused, (first, second)  # a worker that loaded it for the first job ran the second job's tasks with it
+    assert first and set(workers("calls")) <= set(loads), (first, loads)  # every process that ran it loaded it
+    assert all(n == 1 for n in loads.values()), loads  # never loaded twice in one process
+    assert second  # the second job ran the model
+    assert first & second, (first, second)  # a worker that loaded it for the first job ran the second job with it
 
 
 # Bad input ---------------------------------------------------------------------------------------
@@ -228,7 +224,7 @@ def test_schema_errors_are_raised_on_the_driver(spark, frames):
 def _action_error(df, model, **kwargs):
     # One partition: no task with good rows starts TensorFlow in the fresh workers that replace failed ones.
     out = predict(df.coalesce(1), model_to_bytes(model), prediction_col="prediction", **kwargs)
-    with pytest.raises(Exception) as info:
+    with pytest.raises(PythonException) as info:  # the task's ValueError, as Spark re-raises it from the action
         out.write.format("noop").mode("overwrite").save()
     return str(info.value)
 

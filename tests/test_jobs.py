@@ -316,6 +316,16 @@ def test_predict_job_scores_every_row_of_a_parquet_dataset(tmp_path, digits, dig
     np.testing.assert_allclose(probability, expected, atol=1e-5)
 
 
+def test_predict_job_assembles_a_column_list_and_names_a_bad_column(spark):
+    df = spark.createDataFrame([(1.5, 2, True, "a")], "x double, n int, b boolean, s string")
+    (row,) = df.select(predict.features_array(df, ["n", "x", "b"]).alias("f")).collect()
+    assert row.f == [2.0, 1.5, 1.0]
+    with pytest.raises(ValueError, match=r"Column 'nope' given as `features_col` is not in the DataFrame"):
+        predict.features_array(df, ["x", "nope"])
+    with pytest.raises(ValueError, match=r"column 's' is string"):
+        predict.features_array(df, ["x", "s"])
+
+
 def test_predict_job_checks_data_model_and_output_before_starting_spark(tmp_path, capsys, digits_model):
     _, model_path = digits_model
     (tmp_path / "rows.parquet").mkdir()

@@ -1,8 +1,10 @@
 """KerasEstimator / KerasModel as Spark ML stages: Pipeline, persistence, tuning, evaluators."""
 
+import json
 import os
 import subprocess
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -12,8 +14,9 @@ from pyspark.ml.evaluation import MulticlassClassificationEvaluator
 from pyspark.ml.feature import StandardScaler, VectorAssembler
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 
-from sparkdl.ml import KerasEstimator, KerasModel
+from custom_layer import Scale, make_scaled_classifier
 from models import make_mlp
+from sparkdl.ml import KerasEstimator, KerasModel
 
 PIXELS = [f"p{i}" for i in range(64)]
 
@@ -134,7 +137,7 @@ def test_params_follow_spark_ml_conventions():
     explained = estimator.explainParams()
     for name in ["model", "featuresCol", "labelCol", "predictionCol", "probabilityCol", "numWorkers", "mode",
                  "epochs", "batchSize", "shuffle", "seed", "pushEvery", "maxStaleness", "numServers", "syncEvery",
-                 "validationCol", "validationSplit", "timeout"]:
+                 "validationIndicatorCol", "validationSplit", "timeout", "backend", "customObjects"]:
         assert name in explained
     assert estimator.setBatchSize(8) is estimator and estimator.getBatchSize() == 8
     assert estimator.getNumWorkers() == 2 and estimator.getMode() == "sync"
@@ -161,3 +164,118 @@ def test_cross_validator_over_two_settings_and_copies_share_no_trained_state(dig
     for w, b in zip(base.get_weights(), before):
         np.testing.assert_array_equal(w, b)  # the estimator's model was never trained in place
     assert MulticlassClassificationEvaluator(metricName="accuracy").evaluate(cv_model.transform(test)) > 0.85
+
+
+# Every Param reaches sparkdl.fit ------------------------------------------------------------------
+
+# Each Param set to a value that differs from its default, and the fit argument it must become.
+EVERY_PARAM = {
+    "featuresCol": ("f", "features_col", "f"), "labelCol": ("y", "label_col", "y"),
+    "numWorkers": (1, "num_workers", 1), "mode": ("ssp", "mode", "ssp"), "epochs": (4, "epochs", 4),
+    "batchSize": (8, "batch_size", 8), "shuffle": (False, "shuffle", False), "pushEvery": (3, "push_every", 3),
+    "maxStaleness": (2, "max_staleness", 2), "numServers": (2, "num_servers", 2),
+    "syncEvery": (5, "sync_every", 5), "validationIndicatorCol": ("held", "validation_col", "held"),
+    "validationSplit": (0.25, "validation_split", 0.25), "timeout": (30.0, "timeout", 30.0),
+    "checkpointDir": ("/tmp/ck", "checkpoint_dir", "/tmp/ck"), "tensorboardDir": ("/tmp/tb", "tensorboard_dir", "/tmp/tb"),
+    "logToMlflow": (True, "log_to_mlflow", True), "progress": (False, "progress", False),
+    "seed": (7, "seed", 7), "backend": ("horovod", "backend", "horovod"),
+    "customObjects": ({"Scale": Scale}, "custom_objects", {"Scale": Scale}),
+}
+OUTPUT_PARAMS = {"model", "predictionCol", "probabilityCol", "rawPredictionCol"}  # not fit settings
+
+
+def test_every_param_maps_to_its_fit_argument():
+    estimator = KerasEstimator(**{name: value for name, (value, _, _) in EVERY_PARAM.items()})
+    assert {p.name for p in estimator.params} - OUTPUT_PARAMS == set(EVERY_PARAM)  # a new Param needs a row here
+    assert estimator.fit_arguments() == {argument: expected for _, argument, expected in EVERY_PARAM.values()}
+    # The same through the setters, one at a time.
+    for name, (value, argument, expected) in EVERY_PARAM.items():
+        one = KerasEstimator()
+        getattr(one, f"set{name[0].upper()}{name[1:]}")(value)
+        assert one.fit_arguments()[argument] == expected, name
+    default = KerasEstimator().fit_arguments()
+    assert default["backend"] == "ring" and "custom_objects" not in default and "validation_col" not in default
+
+
+def test_validation_col_is_a_deprecated_alias_of_validation_indicator_col(spark, tmp_path):
+    with pytest.warns(DeprecationWarning, match="validationIndicatorCol"):
+        estimator = KerasEstimator(model=make_mlp(hidden=(8,)), validationCol="held")
+    assert estimator.getValidationIndicatorCol() == "held"
+    with pytest.warns(DeprecationWarning):
+        estimator.setParams(validationCol="other")
+    with pytest.warns(DeprecationWarning):
+        assert estimator.setValidationCol("third").getValidationCol() == "third"
+    assert estimator.fit_arguments()["validation_col"] == "third"
+    with pytest.raises(ValueError, match="Received both"):
+        KerasEstimator(validationCol="a", validationIndicatorCol="b")
+
+    # A stage saved before the rename: its metadata names validationCol.
+    path = tmp_path / "old-estimator"
+    estimator.save(str(path))
+    (metadata_file,) = [f for f in (path / "metadata").iterdir() if f.name.startswith("part-")]
+    metadata = json.loads(metadata_file.read_text())
+    metadata["paramMap"]["validationCol"] = metadata["paramMap"].pop("validationIndicatorCol")
+    metadata_file.write_text(json.dumps(metadata))
+    for crc in (path / "metadata").glob(".*.crc"):
+        crc.unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # loading an old stage is not the user's deprecated call
+        assert KerasEstimator.load(str(path)).getValidationIndicatorCol() == "third"
+
+
+@pytest.fixture(scope="module")
+def custom_fit(spark, tmp_path_factory):
+    """One real fit of a model with an unregistered custom layer, with every observable setting switched on."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 4))
+    y = (x[:, 0] > 0).astype(int) + (x[:, 1] > 0).astype(int)
+    rows = [(row.tolist(), int(label), i % 4 == 0) for i, (row, label) in enumerate(zip(x, y))]
+    df = spark.createDataFrame(rows, "f array<double>, y int, held boolean").repartition(2).cache()
+    out = tmp_path_factory.mktemp("custom-fit")
+    estimator = KerasEstimator(model=make_scaled_classifier(), featuresCol="f", labelCol="y", numWorkers=2,
+                               epochs=3, batchSize=8, seed=0, validationIndicatorCol="held", progress=False,
+                               checkpointDir=str(out / "checkpoints"), tensorboardDir=str(out / "tb"),
+                               customObjects={"Scale": Scale})
+    return df, estimator.fit(df), out
+
+
+def test_a_real_fit_applies_the_params(custom_fit):
+    df, model, out = custom_fit
+    assert len(model.history["loss"]) == 3  # epochs
+    assert len(model.history["val_loss"]) == 3 and len(model.history["val_accuracy"]) == 3  # validationIndicatorCol
+    assert any(name.startswith("epoch-000003.") for name in os.listdir(out / "checkpoints"))  # checkpointDir
+    assert any("tfevents" in name for _, _, files in os.walk(out / "tb") for name in files)  # tensorboardDir
+    assert model.getCustomObjects() == {"Scale": Scale} and model.getFeaturesCol() == "f"
+
+
+def test_custom_objects_train_score_save_and_load(custom_fit, tmp_path):
+    df, model, _ = custom_fit
+    assert isinstance(model.keras_model.layers[0], Scale)
+    scored = np.array([r.probability.toArray() for r in model.transform(df).orderBy("f").collect()])
+    assert scored.shape == (96, 3)
+    path = str(tmp_path / "model")
+    model.save(path)
+    loaded = KerasModel.load(path)
+    assert loaded.getCustomObjects() == {"Scale": Scale}
+    again = np.array([r.probability.toArray() for r in loaded.transform(df).orderBy("f").collect()])
+    np.testing.assert_allclose(again, scored, rtol=1e-6)
+
+    estimator = KerasEstimator(model=make_scaled_classifier(), customObjects={"Scale": "custom_layer.Scale"})
+    estimator.save(str(tmp_path / "estimator"))
+    reloaded = KerasEstimator.load(str(tmp_path / "estimator"))
+    assert isinstance(reloaded.getModel().layers[0], Scale) and reloaded.getCustomObjects() == {"Scale": Scale}
+
+
+def test_custom_objects_errors_name_the_missing_class(spark, tmp_path):
+    df = spark.createDataFrame([([0.0] * 4,)], "f array<double>")
+    with pytest.raises(ValueError, match="Scale"):  # not supplied: refused on the driver, naming the class
+        KerasModel.from_keras(make_scaled_classifier(), featuresCol="f").transform(df)
+
+    with pytest.raises(ValueError, match=r"customObjects\['Scale'\] = 'no_such_module.Scale'"):
+        KerasModel(customObjects={"Scale": "no_such_module.Scale"})
+
+    class Local(Scale):
+        pass
+
+    with pytest.raises(ValueError, match=r"Cannot save customObjects\['Local'\]"):
+        KerasModel.from_keras(make_scaled_classifier(), customObjects={"Local": Local}).save(str(tmp_path / "m"))

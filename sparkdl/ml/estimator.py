@@ -6,8 +6,9 @@ from pyspark import keyword_only
 from pyspark.ml import Estimator
 
 import sparkdl
+from sparkdl.ml import custom_objects
 from sparkdl.ml.model import KerasModel
-from sparkdl.ml.params import KerasTrainingParams
+from sparkdl.ml.params import KerasTrainingParams, deprecated_validation_col
 from sparkdl.ml.persistence import KerasStagePersistence
 from sparkdl.keras import serialization
 
@@ -15,8 +16,10 @@ from sparkdl.keras import serialization
 class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
     """Trains a compiled Keras 3 model on a DataFrame; ``fit`` returns a :class:`KerasModel`.
 
-    Every setting of :func:`sparkdl.fit` is a Param (camelCase); ``fit`` calls
-    ``sparkdl.fit`` itself, so every mode is available. The Keras model passed
+    Every setting of :func:`sparkdl.fit` but ``callbacks`` is a Param (camelCase; ``validation_col``
+    is Spark ML's ``validationIndicatorCol``, ``validationCol`` is its deprecated alias); ``fit`` calls
+    ``sparkdl.fit`` itself, so every mode is available. ``customObjects`` is saved as import paths
+    (``sparkdl.ml.custom_objects``). The Keras model passed
     in is never modified, so copies of the estimator (as CrossValidator makes)
     share no trained state.
 
@@ -30,25 +33,27 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
     def __init__(self, *, model=None, featuresCol="features", labelCol="label", predictionCol="prediction",
                  probabilityCol="probability", rawPredictionCol="rawPrediction", numWorkers=2, mode="sync",
                  epochs=1, batchSize=32, shuffle=True, seed=None, pushEvery=None, maxStaleness=None,
-                 numServers=None, syncEvery=None, validationCol=None, validationSplit=None, timeout=600.0,
-                 checkpointDir=None, tensorboardDir=None, logToMlflow=None, progress=None):
+                 numServers=None, syncEvery=None, validationIndicatorCol=None, validationSplit=None,
+                 timeout=600.0, checkpointDir=None, tensorboardDir=None, logToMlflow=None, progress=None,
+                 backend="ring", customObjects=None, validationCol=None):
         super().__init__()
-        self._set(**self._input_kwargs)
+        self._set(**deprecated_validation_col(self._input_kwargs))
 
     @keyword_only
     def setParams(self, *, model=None, featuresCol="features", labelCol="label", predictionCol="prediction",
                   probabilityCol="probability", rawPredictionCol="rawPrediction", numWorkers=2, mode="sync",
                   epochs=1, batchSize=32, shuffle=True, seed=None, pushEvery=None, maxStaleness=None,
-                  numServers=None, syncEvery=None, validationCol=None, validationSplit=None, timeout=600.0,
-                  checkpointDir=None, tensorboardDir=None, logToMlflow=None, progress=None):
-        return self._set(**self._input_kwargs)
+                  numServers=None, syncEvery=None, validationIndicatorCol=None, validationSplit=None,
+                  timeout=600.0, checkpointDir=None, tensorboardDir=None, logToMlflow=None, progress=None,
+                  backend="ring", customObjects=None, validationCol=None):
+        return self._set(**deprecated_validation_col(self._input_kwargs))
 
     def _fit(self, dataset) -> KerasModel:
         if not self.isDefined(self.model):
             raise ValueError("KerasEstimator needs `model`: a compiled keras.Model.")
         result = sparkdl.fit(dataset, self.getModel(), **self.fit_arguments())
         trained = KerasModel._from_keras_bytes(serialization.model_to_bytes(result.model), result.history)
-        return self._copyValues(trained)
+        return self._copyValues(trained)  # featuresCol, output columns, customObjects
 
     def _keras_bytes(self) -> bytes:
         if not self.isDefined(self.model):
@@ -60,4 +65,7 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
 
     @classmethod
     def _from_saved(cls, keras_bytes: bytes, metadata: dict) -> "KerasEstimator":
-        return cls(model=serialization.model_from_bytes(keras_bytes))
+        # The model is loaded before the Params are set: it needs the saved customObjects first.
+        saved = metadata["paramMap"].get("customObjects")
+        objects = custom_objects.to_objects(saved) if saved is not None else None
+        return cls(model=serialization.model_from_bytes(keras_bytes, objects))

@@ -5,7 +5,8 @@
 Python as Arrow record batches through a scalar-iterator Arrow UDF: each batch becomes one float32
 numpy array without any per-row Python objects, the model runs on ``batch_size`` rows at a time,
 and the results go back as Arrow arrays built from the numpy buffers. Only the features column
-travels to Python; every other column stays on the JVM.
+travels to Python; every other column stays on the JVM. This module is the driver's side; what the
+tasks run is ``sparkdl.ml.scoring``.
 
 The model bytes travel once per executor as a Spark broadcast (under Spark Connect, which has
 no broadcasts, in the UDF's closure, within Connect's gRPC message limit). Each Python worker process
@@ -20,15 +21,10 @@ keyed by a fresh UUID per UDF, so a second ``predict`` call would load the model
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import math
-import os
-import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from typing import Iterator, Optional, Sequence, Union
 
-import numpy as np
 import pyarrow as pa
 from pyspark.ml.functions import array_to_vector
 from pyspark.sql import DataFrame
@@ -36,36 +32,10 @@ from pyspark.sql import functions as F
 
 from sparkdl import data
 from sparkdl.launch import probe, session
-
-MULTICLASS = "multiclass"  # softmax over >1 units: prediction = argmax, probability = the softmax
-BINARY = "binary"  # one sigmoid unit p: prediction = 1.0 if p > 0.5, probability = [1 - p, p]
-REGRESSION = "regression"  # one output value: prediction = that value
-ARRAY = "array"  # anything else: prediction = all outputs of the row, flattened, as array<double>
+from sparkdl.ml.scoring import ARRAY, BINARY, MULTICLASS, REGRESSION, ModelInfo, TaskSpec, predict_batches, shape_string
 
 _CLASSIFIER_TYPE = "struct<prediction: double, probability: array<double>>"
 _RETURN_TYPES = {MULTICLASS: _CLASSIFIER_TYPE, BINARY: _CLASSIFIER_TYPE, REGRESSION: "double", ARRAY: "array<double>"}
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelInfo:
-    """What the driver learns from the model once: how to shape its input and read its output."""
-
-    kind: str
-    input_shape: tuple  # one row's input shape, without the batch dimension; None for a free dimension
-
-    @property
-    def input_width(self) -> int:
-        """Values per row for a fixed input shape; for a shape with a free dimension, what the width must divide by."""
-        return math.prod(d for d in self.input_shape if d is not None)
-
-    @property
-    def fixed_width(self) -> bool:
-        return None not in self.input_shape
-
-    def expected(self) -> str:
-        if self.fixed_width:
-            return str(self.input_width)
-        return f"a multiple of {self.input_width}"
 
 
 def predict(df: DataFrame, model_bytes: bytes, *, features_col: Union[str, Sequence[str]], prediction_col: str,
@@ -121,17 +91,17 @@ def predict(df: DataFrame, model_bytes: bytes, *, features_col: Union[str, Seque
     if sum(d is None for d in info.input_shape) > 1:
         raise ValueError(
             f"predict needs a model input shape with at most one unknown dimension besides the batch; "
-            f"this model's is {_shape_string(info.input_shape)}."
+            f"this model's is {shape_string(info.input_shape)}."
         )
     column_list = not isinstance(features_col, str)
     if column_list and info.fixed_width and len(feature_names) != info.input_width:
         raise ValueError(
             f"`features_col` lists {len(feature_names)} columns ({feature_names}); the model expects "
-            f"{info.input_width} values per row (input shape {_shape_string(info.input_shape)})."
+            f"{info.input_width} values per row (input shape {shape_string(info.input_shape)})."
         )
 
     probe.check_workers(df.sparkSession, 1, timeout=120.0)  # before the UDF: it fixes the workers' Python
-    spec = _TaskSpec(
+    spec = TaskSpec(
         digest=digest,
         model=_shipped_model(df.sparkSession, digest, model_bytes),
         custom_objects=custom_objects,
@@ -145,7 +115,7 @@ def predict(df: DataFrame, model_bytes: bytes, *, features_col: Union[str, Seque
     from pyspark.sql.functions import arrow_udf  # PySpark 4.1+
 
     def predict_udf(batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
-        return _predict_batches(spec, batches)
+        return predict_batches(spec, batches)
 
     return_type = _RETURN_TYPES[info.kind] if spec.probabilities or not classifier else "double"
     udf = arrow_udf(predict_udf, return_type)  # a scalar-iterator UDF, from the type hints
@@ -190,20 +160,6 @@ def model_info(model) -> ModelInfo:
     if output_shape in ((), (1,)):
         return ModelInfo(BINARY if activation == "sigmoid" else REGRESSION, input_shape)
     return ModelInfo(ARRAY, input_shape)
-
-
-def worker_stats() -> dict:
-    """This process's model cache counters: ``{"pid", "loads": {sha256: n}, "tasks": {sha256: n}}``.
-
-    ``loads`` counts deserializations, ``tasks`` the UDF invocations (one per task and UDF) that used
-    the model. For tests and diagnostics, e.g. collected from the workers with a small ``mapInArrow``.
-    """
-    with _LOCK:
-        return {"pid": os.getpid(), "loads": dict(_LOADS), "tasks": dict(_TASKS)}
-
-
-# ---------------------------------------------------------------------------------------------
-# Driver side
 
 
 _DRIVER_INFO: "OrderedDict[str, ModelInfo]" = OrderedDict()
@@ -286,163 +242,3 @@ def _final_activation(output) -> Optional[str]:
         return "softmax"
     activation = getattr(layer, "activation", None)
     return getattr(activation, "__name__", None) if callable(activation) else None
-
-
-def _shape_string(shape: tuple) -> str:
-    return str((None,) + tuple(shape))
-
-
-# ---------------------------------------------------------------------------------------------
-# Worker side
-
-
-@dataclasses.dataclass(frozen=True)
-class _TaskSpec:
-    """What every task needs; small apart from the model (a broadcast handle on a classic session)."""
-
-    digest: str
-    model: object  # the .keras bytes as a pyspark Broadcast (classic) or in the closure (Connect): ``.value``
-    custom_objects: Optional[dict]
-    info: ModelInfo
-    feature_names: tuple
-    batch_size: int
-    probabilities: bool  # classifiers: return the struct with the probabilities, not only the class index
-
-
-_LOCK = threading.Lock()
-_MODELS: "OrderedDict[str, object]" = OrderedDict()  # sha256 of the .keras bytes -> loaded keras.Model
-_MODEL_CACHE_SIZE = 3
-_LOADS: Counter = Counter()
-_TASKS: Counter = Counter()
-
-
-def _cached_model(spec: _TaskSpec):
-    with _LOCK:
-        _TASKS[spec.digest] += 1
-        model = _MODELS.get(spec.digest)
-        if model is not None:
-            _MODELS.move_to_end(spec.digest)
-            return model
-        from sparkdl.keras import serialization
-        from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
-
-        use_tensorflow_backend()
-        limit_threads_to_task_cpus()  # takes effect if this process has not started TensorFlow yet
-        model = serialization.model_from_bytes(spec.model.value, spec.custom_objects)
-        _LOADS[spec.digest] += 1
-        _MODELS[spec.digest] = model
-        while len(_MODELS) > _MODEL_CACHE_SIZE:
-            _MODELS.popitem(last=False)
-        return model
-
-
-def _predict_batches(spec: _TaskSpec, batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
-    model = None
-    for column in batches:
-        x = _features(column, spec)  # first: bad data fails the task without loading TensorFlow
-        if model is None:
-            model = _cached_model(spec)
-        yield _to_arrow(_run_model(model, x, spec.batch_size), spec.info.kind, len(x), spec.probabilities)
-
-
-def _run_model(model, x: np.ndarray, batch_size: int) -> np.ndarray:
-    """The model's outputs for ``x`` as one float64 array of shape (rows, values per row)."""
-    n = len(x)
-    if n == 0:
-        chunks = []
-    else:
-        # Equal chunks: an Arrow batch of 10,000 rows runs as 3 x 3,334, not 4,096 + 4,096 + 1,808.
-        pieces = -(-n // batch_size)
-        step = -(-n // pieces)
-        chunks = [_flat_outputs(model.predict_on_batch(x[i : i + step]), min(step, n - i)) for i in range(0, n, step)]
-    if not chunks:
-        return np.empty((0, 0), np.float64)
-    return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
-
-
-def _flat_outputs(out, rows: int) -> np.ndarray:
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (list, tuple)):
-        return np.concatenate([np.asarray(o, np.float64).reshape(rows, -1) for o in out], axis=1)
-    return np.asarray(out, np.float64).reshape(rows, -1)
-
-
-def _to_arrow(y: np.ndarray, kind: str, rows: int, probabilities: bool = True) -> pa.Array:
-    if kind == REGRESSION:
-        return pa.array(y.reshape(rows))
-    if kind == ARRAY:
-        return _list_array(y.reshape(rows, -1))
-    if kind == BINARY:
-        p = y.reshape(rows)
-        probability = np.stack([1.0 - p, p], axis=1)
-        prediction = (p > 0.5).astype(np.float64)
-    else:
-        probability = y.reshape(rows, -1)
-        prediction = probability.argmax(axis=1).astype(np.float64)
-    if not probabilities:
-        return pa.array(prediction)
-    return pa.StructArray.from_arrays([pa.array(prediction), _list_array(probability)], names=["prediction", "probability"])
-
-
-def _list_array(values: np.ndarray) -> pa.Array:
-    """A (rows, width) array as an Arrow list<double> array, sharing the numpy buffer."""
-    rows, width = values.shape
-    offsets = pa.array(np.arange(0, rows * width + 1, width, dtype=np.int32))
-    return pa.ListArray.from_arrays(offsets, pa.array(np.ascontiguousarray(values).reshape(-1)))
-
-
-def _features(column: pa.Array, spec: _TaskSpec) -> np.ndarray:
-    """An Arrow ``list<float>`` batch as a float32 array of shape (rows, *input shape), checked."""
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
-    info, names = spec.info, spec.feature_names
-    rows = len(column)
-    if column.null_count:
-        raise ValueError(
-            f"Column {names[0]!r} has null rows: expected a value in every row "
-            f"(found {column.null_count} in a batch of {rows} rows). "
-            f"Drop or impute them first (e.g. df.dropna(subset=[{names[0]!r}]))."
-        )
-    values = column.flatten()
-    offsets = column.offsets.to_numpy()
-    if values.null_count:
-        first = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
-        row = int(np.searchsorted(offsets, offsets[0] + first, side="right")) - 1
-        position = offsets[0] + first - offsets[row]
-        if len(names) > 1:
-            raise ValueError(
-                f"Column {names[position]!r} has null rows: expected a value in every row. "
-                f"Drop or impute them first (e.g. df.dropna(subset=[{names[position]!r}]))."
-            )
-        raise ValueError(
-            f"Column {names[0]!r} has rows containing null values (a row with a null at position {position}): "
-            "expected numbers only. Drop or impute them first."
-        )
-    widths = np.diff(offsets)
-    expected = info.input_width
-    bad = widths != expected if info.fixed_width else (widths == 0) | (widths % max(expected, 1) != 0)
-    if bad.any():
-        width = int(widths[np.argmax(bad)])
-        raise ValueError(
-            f"Column {_label(names)} has rows with {width} values; the model expects {info.expected()} "
-            f"(input shape {_shape_string(info.input_shape)})."
-        )
-    x = values.to_numpy(zero_copy_only=False)
-    if x.dtype != np.float32:
-        x = x.astype(np.float32)
-    finite = np.isfinite(x)
-    if not finite.all():
-        first = int(np.argmin(finite))
-        name = names[first % len(names)] if len(names) > 1 else names[0]
-        raise ValueError(
-            f"Column {name!r} has rows containing NaN or infinite values (after conversion to float32): "
-            "expected finite numbers."
-        )
-    if rows == 0:
-        return x.reshape((0,) + tuple(d or 0 for d in info.input_shape))
-    return x.reshape((rows,) + tuple(-1 if d is None else d for d in info.input_shape))
-
-
-def _label(names: tuple) -> str:
-    return repr(names[0]) if len(names) == 1 else f"list {list(names)}"

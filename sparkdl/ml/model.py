@@ -23,12 +23,13 @@ class KerasModel(HasOutputCols, Model, KerasStagePersistence):
     ``history`` holds the per-epoch training (and validation) metrics of the
     fit that made it; ``keras_model`` the trained ``keras.Model``. Setting an
     output column to ``""`` leaves it out. Saved with ``write().save(path)``
-    as Spark ML metadata plus a ``model.keras`` file.
+    as Spark ML metadata plus a ``model.keras`` file. A model with custom layers needs ``customObjects``
+    (saved as import paths, ``sparkdl.ml.custom_objects``).
     """
 
     @keyword_only
     def __init__(self, *, featuresCol="features", predictionCol="prediction", probabilityCol="probability",
-                 rawPredictionCol="rawPrediction"):
+                 rawPredictionCol="rawPrediction", customObjects=None):
         super().__init__()
         self._set(**self._input_kwargs)
         self._model_bytes: Optional[bytes] = None
@@ -72,13 +73,14 @@ class KerasModel(HasOutputCols, Model, KerasStagePersistence):
     def keras_model(self):
         """The trained keras.Model, loaded on first use."""
         if self._keras_model is None:
-            self._keras_model = serialization.model_from_bytes(self._model_bytes)
+            self._keras_model = serialization.model_from_bytes(self._model_bytes, self.custom_objects_or_none())
         return self._keras_model
 
     def _transform(self, dataset):
         return predict(dataset, self._model_bytes, features_col=self.getFeaturesCol(),
                        prediction_col=self.getPredictionCol(), probability_col=self.getProbabilityCol() or None,
-                       raw_prediction_col=self.getRawPredictionCol() or None)
+                       raw_prediction_col=self.getRawPredictionCol() or None,
+                       custom_objects=self.custom_objects_or_none())
 
     def copy(self, extra=None) -> "KerasModel":
         copied = super().copy(extra)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
+from typing import TYPE_CHECKING
+
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.param.shared import (
     HasFeaturesCol,
@@ -10,9 +13,14 @@ from pyspark.ml.param.shared import (
     HasProbabilityCol,
     HasRawPredictionCol,
     HasSeed,
+    HasValidationIndicatorCol,
 )
 
 from sparkdl.api import MODES
+from sparkdl.ml import custom_objects
+
+if TYPE_CHECKING:
+    import keras
 
 
 def _keras_model(value):
@@ -23,11 +31,67 @@ def _keras_model(value):
     return value
 
 
-class HasOutputCols(HasFeaturesCol, HasPredictionCol, HasProbabilityCol, HasRawPredictionCol):
-    """The columns a KerasModel reads and writes (Spark's usual names and defaults)."""
+def deprecated_validation_col(kwargs: dict) -> dict:
+    """``kwargs`` with the deprecated ``validationCol`` renamed to ``validationIndicatorCol`` (with a warning)."""
+    if "validationCol" not in kwargs:
+        return kwargs
+    kwargs = dict(kwargs)
+    value = kwargs.pop("validationCol")
+    if "validationIndicatorCol" in kwargs:
+        raise ValueError("Expected one of `validationCol` (deprecated) and `validationIndicatorCol`. "
+                         f"Received both: {value!r} and {kwargs['validationIndicatorCol']!r}")
+    _warn_validation_col(stacklevel=5)  # the caller of the stage's keyword_only __init__/setParams
+    if value is not None:
+        kwargs["validationIndicatorCol"] = value
+    return kwargs
 
 
-class KerasTrainingParams(HasOutputCols, HasLabelCol, HasSeed):
+def _warn_validation_col(stacklevel: int = 3) -> None:
+    warnings.warn("`validationCol` is deprecated: use `validationIndicatorCol` (Spark ML's name for the same setting).",
+                  DeprecationWarning, stacklevel=stacklevel)
+
+
+class HasCustomObjects(Params):
+    """Keras custom objects needed to load the model (saved as import paths: ``sparkdl.ml.custom_objects``)."""
+
+    customObjects = Param(Params._dummy(), "customObjects",
+                          "Keras custom objects (name -> class or function) that loading the model needs",
+                          typeConverter=custom_objects.to_objects)
+
+    def getCustomObjects(self) -> dict:
+        """Gets the Keras custom objects (the value of customObjects)."""
+        return self.getOrDefault(self.customObjects)
+
+    def setCustomObjects(self, value: dict):
+        """Sets the Keras custom objects (the value of customObjects)."""
+        return self._set(customObjects=value)
+
+    def custom_objects_or_none(self):
+        """The custom objects when set, for ``keras.models.load_model``."""
+        return self.getOrDefault(self.customObjects) if self.isDefined(self.customObjects) else None
+
+
+class HasOutputCols(HasFeaturesCol, HasPredictionCol, HasProbabilityCol, HasRawPredictionCol, HasCustomObjects):
+    """The columns a KerasModel reads and writes (Spark's usual names and defaults), and what loading it needs."""
+
+    def setFeaturesCol(self, value: str):
+        """Sets the features column (the value of featuresCol)."""
+        return self._set(featuresCol=value)
+
+    def setPredictionCol(self, value: str):
+        """Sets the prediction column (the value of predictionCol)."""
+        return self._set(predictionCol=value)
+
+    def setProbabilityCol(self, value: str):
+        """Sets the probability column, ``""`` for none (the value of probabilityCol)."""
+        return self._set(probabilityCol=value)
+
+    def setRawPredictionCol(self, value: str):
+        """Sets the raw prediction column, ``""`` for none (the value of rawPredictionCol)."""
+        return self._set(rawPredictionCol=value)
+
+
+class KerasTrainingParams(HasOutputCols, HasLabelCol, HasSeed, HasValidationIndicatorCol):
     """Every training setting of :func:`sparkdl.fit`, under Spark ML's camelCase names."""
 
     model = Param(Params._dummy(), "model", "the compiled keras.Model to train (never modified)",
@@ -48,8 +112,6 @@ class KerasTrainingParams(HasOutputCols, HasLabelCol, HasSeed):
                        typeConverter=TypeConverters.toInt)
     syncEvery = Param(Params._dummy(), "syncEvery", "average: local steps between two averagings",
                       typeConverter=TypeConverters.toInt)
-    validationCol = Param(Params._dummy(), "validationCol", "boolean column marking rows held out for validation",
-                          typeConverter=TypeConverters.toString)
     validationSplit = Param(Params._dummy(), "validationSplit", "random fraction of rows held out for validation",
                             typeConverter=TypeConverters.toFloat)
     timeout = Param(Params._dummy(), "timeout", "seconds any single network wait may take",
@@ -63,46 +125,192 @@ class KerasTrainingParams(HasOutputCols, HasLabelCol, HasSeed):
                         typeConverter=TypeConverters.toBoolean)
     progress = Param(Params._dummy(), "progress", "show a progress bar and one line per epoch on the console",
                      typeConverter=TypeConverters.toBoolean)
+    backend = Param(Params._dummy(), "backend", "sync: whose collectives average the gradients, 'ring' or 'horovod'",
+                    typeConverter=TypeConverters.toString)
 
     # Param name -> sparkdl.fit argument, for the settings passed only when set.
     OPTIONAL_FIT_ARGUMENTS = {
         "pushEvery": "push_every", "maxStaleness": "max_staleness", "numServers": "num_servers",
-        "syncEvery": "sync_every", "validationCol": "validation_col", "validationSplit": "validation_split",
+        "syncEvery": "sync_every", "validationIndicatorCol": "validation_col", "validationSplit": "validation_split",
         "checkpointDir": "checkpoint_dir", "tensorboardDir": "tensorboard_dir", "logToMlflow": "log_to_mlflow",
-        "progress": "progress",
+        "progress": "progress", "customObjects": "custom_objects",
     }
+    # Names that saved stages may still use -> the Param that replaced them.
+    RENAMED_PARAMS = {"validationCol": "validationIndicatorCol"}
 
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(labelCol="label", numWorkers=2, mode="sync", epochs=1, batchSize=32, shuffle=True,
-                         timeout=600.0)
+                         timeout=600.0, backend="ring")
 
     def fit_arguments(self) -> dict:
         """The keyword arguments of sparkdl.fit that these Params describe."""
         arguments = dict(
             features_col=self.getFeaturesCol(), label_col=self.getLabelCol(),
-            num_workers=self.getOrDefault(self.numWorkers), mode=self.getOrDefault(self.mode),
-            epochs=self.getOrDefault(self.epochs), batch_size=self.getOrDefault(self.batchSize),
-            shuffle=self.getOrDefault(self.shuffle),
+            num_workers=self.getNumWorkers(), mode=self.getMode(), epochs=self.getEpochs(),
+            batch_size=self.getBatchSize(), shuffle=self.getShuffle(),
             seed=None if self.getSeed() is None else self.getSeed() % 2**31,  # Spark's default seed is a 64-bit hash
-            timeout=self.getOrDefault(self.timeout),
+            timeout=self.getTimeout(), backend=self.getBackend(),
         )
         for name, argument in self.OPTIONAL_FIT_ARGUMENTS.items():
             if self.isDefined(self.getParam(name)):
                 arguments[argument] = self.getOrDefault(name)
         return arguments
 
+    def setLabelCol(self, value: str):
+        """Sets the label column (the value of labelCol)."""
+        return self._set(labelCol=value)
 
-def _add_accessors(cls, names: list[str]) -> None:
-    """PySpark ML's getX/setX pair for each Param (setters return self, for chaining)."""
-    for name in names:
-        suffix = name[0].upper() + name[1:]
-        setattr(cls, f"get{suffix}", lambda self, _name=name: self.getOrDefault(_name))
-        setattr(cls, f"set{suffix}", lambda self, value, _name=name: self._set(**{_name: value}))
+    def setSeed(self, value: int):
+        """Sets the seed for shuffling and per-worker randomness (the value of seed)."""
+        return self._set(seed=value)
 
+    def setValidationIndicatorCol(self, value: str):
+        """Sets the boolean column whose true rows are held out for validation (validationIndicatorCol)."""
+        return self._set(validationIndicatorCol=value)
 
-_add_accessors(KerasTrainingParams, ["model", "numWorkers", "mode", "epochs", "batchSize", "shuffle", "pushEvery",
-                                     "maxStaleness", "numServers", "syncEvery", "validationCol", "validationSplit",
-                                     "timeout", "checkpointDir", "tensorboardDir", "logToMlflow", "progress"])
-_add_accessors(HasOutputCols, ["featuresCol", "predictionCol", "probabilityCol", "rawPredictionCol"])
-_add_accessors(KerasTrainingParams, ["labelCol", "seed"])
+    def getValidationCol(self) -> str:
+        """Deprecated: use :meth:`getValidationIndicatorCol`."""
+        _warn_validation_col()
+        return self.getValidationIndicatorCol()
+
+    def setValidationCol(self, value: str):
+        """Deprecated: use :meth:`setValidationIndicatorCol`."""
+        _warn_validation_col()
+        return self.setValidationIndicatorCol(value)
+
+    def getModel(self) -> keras.Model:
+        """Gets the Keras model to train (the value of model)."""
+        return self.getOrDefault(self.model)
+
+    def setModel(self, value: keras.Model):
+        """Sets the Keras model to train (the value of model)."""
+        return self._set(model=value)
+
+    def getNumWorkers(self) -> int:
+        """Gets the number of Spark tasks that train together (the value of numWorkers)."""
+        return self.getOrDefault(self.numWorkers)
+
+    def setNumWorkers(self, value: int):
+        """Sets the number of Spark tasks that train together (the value of numWorkers)."""
+        return self._set(numWorkers=value)
+
+    def getMode(self) -> str:
+        """Gets the training mode (the value of mode)."""
+        return self.getOrDefault(self.mode)
+
+    def setMode(self, value: str):
+        """Sets the training mode (the value of mode)."""
+        return self._set(mode=value)
+
+    def getEpochs(self) -> int:
+        """Gets the number of passes over the DataFrame (the value of epochs)."""
+        return self.getOrDefault(self.epochs)
+
+    def setEpochs(self, value: int):
+        """Sets the number of passes over the DataFrame (the value of epochs)."""
+        return self._set(epochs=value)
+
+    def getBatchSize(self) -> int:
+        """Gets the rows per worker per step (the value of batchSize)."""
+        return self.getOrDefault(self.batchSize)
+
+    def setBatchSize(self, value: int):
+        """Sets the rows per worker per step (the value of batchSize)."""
+        return self._set(batchSize=value)
+
+    def getShuffle(self) -> bool:
+        """Gets whether each worker reshuffles its rows every epoch (the value of shuffle)."""
+        return self.getOrDefault(self.shuffle)
+
+    def setShuffle(self, value: bool):
+        """Sets whether each worker reshuffles its rows every epoch (the value of shuffle)."""
+        return self._set(shuffle=value)
+
+    def getPushEvery(self) -> int:
+        """Gets the steps whose gradients make one push (async/hogwild/ssp) (the value of pushEvery)."""
+        return self.getOrDefault(self.pushEvery)
+
+    def setPushEvery(self, value: int):
+        """Sets the steps whose gradients make one push (async/hogwild/ssp) (the value of pushEvery)."""
+        return self._set(pushEvery=value)
+
+    def getMaxStaleness(self) -> int:
+        """Gets the pushes a worker may run ahead of the slowest (ssp) (the value of maxStaleness)."""
+        return self.getOrDefault(self.maxStaleness)
+
+    def setMaxStaleness(self, value: int):
+        """Sets the pushes a worker may run ahead of the slowest (ssp) (the value of maxStaleness)."""
+        return self._set(maxStaleness=value)
+
+    def getNumServers(self) -> int:
+        """Gets the parameter-server shards (async/hogwild/ssp) (the value of numServers)."""
+        return self.getOrDefault(self.numServers)
+
+    def setNumServers(self, value: int):
+        """Sets the parameter-server shards (async/hogwild/ssp) (the value of numServers)."""
+        return self._set(numServers=value)
+
+    def getSyncEvery(self) -> int:
+        """Gets the local steps between two averagings (average) (the value of syncEvery)."""
+        return self.getOrDefault(self.syncEvery)
+
+    def setSyncEvery(self, value: int):
+        """Sets the local steps between two averagings (average) (the value of syncEvery)."""
+        return self._set(syncEvery=value)
+
+    def getValidationSplit(self) -> float:
+        """Gets the random fraction of rows held out for validation (the value of validationSplit)."""
+        return self.getOrDefault(self.validationSplit)
+
+    def setValidationSplit(self, value: float):
+        """Sets the random fraction of rows held out for validation (the value of validationSplit)."""
+        return self._set(validationSplit=value)
+
+    def getTimeout(self) -> float:
+        """Gets the seconds any single network wait may take (the value of timeout)."""
+        return self.getOrDefault(self.timeout)
+
+    def setTimeout(self, value: float):
+        """Sets the seconds any single network wait may take (the value of timeout)."""
+        return self._set(timeout=value)
+
+    def getCheckpointDir(self) -> str:
+        """Gets the directory for per-epoch checkpoints (the value of checkpointDir)."""
+        return self.getOrDefault(self.checkpointDir)
+
+    def setCheckpointDir(self, value: str):
+        """Sets the directory for per-epoch checkpoints (the value of checkpointDir)."""
+        return self._set(checkpointDir=value)
+
+    def getTensorboardDir(self) -> str:
+        """Gets the directory for TensorBoard logs (the value of tensorboardDir)."""
+        return self.getOrDefault(self.tensorboardDir)
+
+    def setTensorboardDir(self, value: str):
+        """Sets the directory for TensorBoard logs (the value of tensorboardDir)."""
+        return self._set(tensorboardDir=value)
+
+    def getLogToMlflow(self) -> bool:
+        """Gets whether settings and per-epoch metrics are logged to MLflow (the value of logToMlflow)."""
+        return self.getOrDefault(self.logToMlflow)
+
+    def setLogToMlflow(self, value: bool):
+        """Sets whether settings and per-epoch metrics are logged to MLflow (the value of logToMlflow)."""
+        return self._set(logToMlflow=value)
+
+    def getProgress(self) -> bool:
+        """Gets whether progress is shown on the console (the value of progress)."""
+        return self.getOrDefault(self.progress)
+
+    def setProgress(self, value: bool):
+        """Sets whether progress is shown on the console (the value of progress)."""
+        return self._set(progress=value)
+
+    def getBackend(self) -> str:
+        """Gets whose collectives average the gradients in sync mode (the value of backend)."""
+        return self.getOrDefault(self.backend)
+
+    def setBackend(self, value: str):
+        """Sets whose collectives average the gradients in sync mode (the value of backend)."""
+        return self._set(backend=value)

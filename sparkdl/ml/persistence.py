@@ -21,6 +21,7 @@ from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable
 from pyspark.sql import SparkSession
 
 from sparkdl.launch import session
+from sparkdl.ml import custom_objects
 
 MODEL_FILE = "model.keras"
 _ARROW_SCHEMES = {"s3a": "s3", "s3n": "s3"}  # Hadoop's names for what pyarrow calls s3
@@ -108,6 +109,8 @@ class KerasStageWriter(MLWriter):
     def _save(self, path: str, mode: str) -> None:
         """Writes what ``DefaultParamsWriter.saveMetadata`` would, with a save mode, then ``model.keras``."""
         params = {p.name: v for p, v in self.instance._paramMap.items() if p.name != "model"}
+        if params.get("customObjects") is not None:
+            params["customObjects"] = custom_objects.to_json(params["customObjects"])
         metadata = DefaultParamsWriter._get_metadata_to_save(self.instance, self.sparkSession,
                                                              extraMetadata=self.instance._extra_metadata(),
                                                              paramMap=params)
@@ -128,6 +131,9 @@ class KerasStageReader(MLReader):
             path = connect_path(self.sparkSession, path)
         metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession,
                                                     expectedClassName=f"{self.cls.__module__}.{self.cls.__name__}")
+        for old, new in getattr(self.cls, "RENAMED_PARAMS", {}).items():  # saved by an older sparkdl
+            if old in metadata["paramMap"]:
+                metadata["paramMap"][new] = metadata["paramMap"].pop(old)
         instance = self.cls._from_saved(read_file(self.sparkSession, os.path.join(path, MODEL_FILE)), metadata)
         instance._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(instance, metadata, skipParams=["model"])
