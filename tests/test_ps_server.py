@@ -18,24 +18,10 @@ from sparkdl.ps import client as client_module
 from sparkdl.ps import protocol
 from sparkdl.ps.client import ParameterClient
 from sparkdl.ps.server import ParameterServer
+from shards import LR, SGDShard
 
 HOST = "127.0.0.1"
 SECRET = b"ps-test-secret"
-LR = np.float32(0.1)
-
-
-class SGDShard:
-    """w -= lr * g on a float32 vector."""
-
-    def __init__(self, init):
-        self.w = np.array(init, dtype=np.float32)
-        self.size = self.w.size
-
-    def read(self):
-        return self.w.copy()
-
-    def apply(self, gradient):
-        self.w -= LR * gradient
 
 
 class OverlapShard(SGDShard):

@@ -202,10 +202,18 @@ class Listener:
         try:
             while (remaining := deadline - time.monotonic()) > 0:
                 ready = acceptor.poll(remaining)
-                for extra, _ in ready[1:]:  # a replayed or duplicate peer: only the first is used
+                for extra, _, _ in ready[1:]:  # a duplicate peer: only the first is used
                     shutdown_and_close(extra)
                 if ready:
-                    return PeerLink(ready[0][0], rank, peer, timeout)
+                    conn, _, proof = ready[0]
+                    try:
+                        conn.settimeout(timeout)
+                        conn.sendall(proof)
+                    except OSError as exc:
+                        conn.close()
+                        acceptor.refuse(f"rank {peer} vanished after authenticating: {exc}")
+                        continue
+                    return PeerLink(conn, rank, peer, timeout)
             raise CollectiveTimeout(
                 f"rank {rank}: no authenticated connection from rank {peer} on "
                 f"{self.address} within {timeout}s (refused {acceptor.refused} other "

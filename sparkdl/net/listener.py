@@ -33,6 +33,10 @@ MAX_PENDING = 64
 MAX_ACCEPT_BACKOFF = 1.0
 
 
+#: (blocking tuned socket, client rank, the server proof still to send) of a client that proved the secret.
+Authenticated = tuple[socket.socket, int, bytes]
+
+
 @dataclass
 class _Pending:
     """Server-side state of one not yet authenticated connection."""
@@ -46,8 +50,7 @@ class HandshakeAcceptor:
     """Accepts and authenticates connections on ``sock`` (a listening socket) in the calling thread.
 
     A client must authenticate as a rank in ``client_ranks`` towards
-    ``server_rank``; :meth:`poll` returns the connections that did, as
-    blocking tuned sockets.  Everything else is dropped and counted in
+    ``server_rank``; :meth:`poll` returns the connections that did.  Everything else is dropped and counted in
     ``refused`` (``last_refusal`` says why).
     """
 
@@ -88,8 +91,13 @@ class HandshakeAcceptor:
         except OSError:
             pass
 
-    def poll(self, timeout: float) -> list[tuple[socket.socket, int]]:
-        """Wait at most ``timeout`` seconds for events; return (socket, client rank) of newly authenticated peers."""
+    def poll(self, timeout: float) -> list[Authenticated]:
+        """Wait at most ``timeout`` seconds for events; return the clients that proved the secret since.
+
+        Each comes with the server's proof, which the caller sends (``sendall``)
+        once it has taken the connection in: the client's handshake completes
+        only then.
+        """
         now = time.monotonic()
         for conn in [c for c, state in self._pending.items() if now >= state.deadline]:
             self._drop(conn, f"no authentication within {self.handshake_timeout}s")
@@ -102,6 +110,7 @@ class HandshakeAcceptor:
         if not self._accepting:
             wake = min(wake, self._resume_at)
         authenticated = []
+        accept = False
         for key, _ in self._selector.select(max(0.0, wake - now)):
             if key.fileobj is self._waker_r:
                 try:
@@ -109,11 +118,13 @@ class HandshakeAcceptor:
                 except OSError:
                     pass
             elif key.fileobj is self._sock:
-                self._accept_all()
+                accept = True
             elif key.fileobj in self._pending:
                 result = self._advance(key.fileobj)
                 if result is not None:
                     authenticated.append(result)
+        if accept:  # after the hellos that arrived: a burst of new connections must not evict those first
+            self._accept_all()
         return authenticated
 
     def close(self) -> None:
@@ -161,7 +172,7 @@ class HandshakeAcceptor:
         self._pending[conn] = _Pending(nonce, time.monotonic() + self.handshake_timeout)
         self._selector.register(conn, selectors.EVENT_READ)
 
-    def _advance(self, conn: socket.socket) -> tuple[socket.socket, int] | None:
+    def _advance(self, conn: socket.socket) -> Authenticated | None:
         state = self._pending[conn]
         try:
             data = conn.recv(auth.CLIENT_HELLO.size - len(state.received))
@@ -187,14 +198,13 @@ class HandshakeAcceptor:
         self._selector.unregister(conn)
         del self._pending[conn]
         try:
-            conn.send(auth.server_proof(self._secret, client_nonce, state.nonce, self._server_rank))
             conn.setblocking(True)
             tune(conn)
         except OSError as exc:
             conn.close()
-            self.refuse(f"rank {client_rank} vanished after authenticating: {exc}")
+            self.refuse(f"rank {client_rank} vanished while authenticating: {exc}")
             return None
-        return conn, client_rank
+        return conn, client_rank, auth.server_proof(self._secret, client_nonce, state.nonce, self._server_rank)
 
     def _drop(self, conn: socket.socket, reason: str) -> None:
         self._selector.unregister(conn)
@@ -281,19 +291,20 @@ class ServingListener:
                     _log.exception("%s: unexpected error in the accept loop", self.name)
                     self._stopping.wait(0.1)
                     continue
-                for conn, rank in ready:
-                    self._serve(conn, rank)
+                for conn, rank, proof in ready:
+                    self._serve(conn, rank, proof)
         finally:
             self._acceptor.close()
             self._sock.close()
 
-    def _serve(self, conn: socket.socket, rank: int) -> None:
+    def _serve(self, conn: socket.socket, rank: int, proof: bytes) -> None:
+        """Take the connection in (counted by :meth:`wait_idle` from now on), then complete its handshake."""
         with self._lock:
             if self._stopping.is_set() or len(self._connections) >= self._max_connections:
                 full = not self._stopping.is_set()
                 thread = None
             else:
-                thread = threading.Thread(target=self._handle, args=(conn, rank), name=f"{self.name}-rank{rank}",
+                thread = threading.Thread(target=self._handle, args=(conn, rank, proof), name=f"{self.name}-rank{rank}",
                                           daemon=True)
                 self._connections[conn] = thread
         if thread is None:
@@ -303,8 +314,13 @@ class ServingListener:
             return
         thread.start()
 
-    def _handle(self, conn: socket.socket, rank: int) -> None:
+    def _handle(self, conn: socket.socket, rank: int, proof: bytes) -> None:
         try:
+            try:
+                conn.sendall(proof)
+            except OSError as exc:
+                _log.info("%s: rank %d vanished after authenticating: %s", self.name, rank, exc)
+                return
             self._handler(conn, rank)
         except Exception:  # never let one connection take the listener down
             _log.exception("%s: unexpected error serving rank %d", self.name, rank)
