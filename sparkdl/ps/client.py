@@ -7,6 +7,9 @@ wait is bounded by ``timeout``; every failure raises
 and its address, the operation and the setting to check.  After a failure the
 client is unusable (the byte stream of the failed connection is in an unknown
 state); a retried Spark task simply creates a new client with the same worker id.
+A push holding NaN or infinity is refused by the server before anything is
+applied; the client raises :class:`NonFiniteGradientError` naming the worker
+and its push.
 
 Idle connections: the server closes a connection that has sent no request for
 its ``timeout``; a connection idle for more than half of this client's
@@ -23,12 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from sparkdl.collective.transport import (
-    CollectiveError,
-    CollectiveTimeout,
-    ConnectGaveUp,
-    connect_authenticated,
-)
+from sparkdl.collective.transport import CollectiveError, CollectiveTimeout
+from sparkdl.net.auth import ConnectGaveUp, connect_authenticated
+from sparkdl.net.io import recv_exact, send_buffers, shutdown_and_close
 from sparkdl.ps import protocol
 from sparkdl.ps.protocol import FLOAT, RESPONSE, Msg, Status
 
@@ -36,6 +36,10 @@ from sparkdl.ps.protocol import FLOAT, RESPONSE, Msg, Status
 #: Shards of more bytes than this are sent and received by one thread each (smaller ones are
 #: pipelined from the calling thread, which measured as fast or faster on 2 cores).
 THREADED_BYTES = 8 << 20
+
+
+class NonFiniteGradientError(ValueError):
+    """A worker pushed NaN or infinite gradients, which the parameter server refused (nothing was applied)."""
 
 
 class _Conn:
@@ -75,11 +79,7 @@ class _Conn:
 
     def close(self) -> None:
         if self.sock is not None:
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self.sock.close()
+            shutdown_and_close(self.sock)
             self.sock = None
 
     def request(self, msg: Msg, payload: np.ndarray | None = None) -> np.ndarray | None:
@@ -100,14 +100,7 @@ class _Conn:
         self._send_error = None
         with self._errors(msg):
             try:
-                if len(body):
-                    sent = self.sock.sendmsg([header, body])
-                    if sent < len(header):
-                        self.sock.sendall(header[sent:])
-                        sent = len(header)
-                    self.sock.sendall(body[sent - len(header):])
-                else:
-                    self.sock.sendall(header)
+                send_buffers(self.sock, [header, body])
             except OSError as exc:
                 # The server may have refused the request and said why: receive() reads that first.
                 self._send_error = exc
@@ -178,21 +171,23 @@ class _Conn:
         message = text.decode("utf-8", "replace")
         if status == Status.STALENESS_TIMEOUT:
             raise CollectiveTimeout(f"{self.where()}: {op} refused under mode='ssp': {message}")
+        if status == Status.BAD_REQUEST and message.startswith(protocol.NON_FINITE):
+            raise NonFiniteGradientError(
+                f"worker {self.client.worker}: push #{self.client.pushes + 1} (this worker's step that sent it) "
+                f"holds NaN or infinite gradients, which the parameter server refused (shard {self.index}: "
+                f"{message}); the training diverged: lower the learning rate, or check the data and the loss "
+                f"for values that overflow")
         if status == Status.STOPPING:
             raise CollectiveError(f"{self.where()}: {op} failed: {message}")
         raise CollectiveError(f"{self.where()}: {op} failed on the server: {message}")
 
     def _recv_exact(self, view: memoryview, op: str) -> None:
-        received = 0
-        while received < len(view):
-            count = self.sock.recv_into(view[received:])
-            if count == 0:
-                raise CollectiveError(
-                    f"{self.where()}: the parameter server closed the connection during {op}; "
-                    f"check that the server is running and that shard_sizes and the secret "
-                    f"match the server's"
-                )
-            received += count
+        if recv_exact(self.sock, view) < len(view):
+            raise CollectiveError(
+                f"{self.where()}: the parameter server closed the connection during {op}; "
+                f"check that the server is running and that shard_sizes and the secret "
+                f"match the server's"
+            )
 
 
 class ParameterClient:
@@ -213,7 +208,8 @@ class ParameterClient:
         self._conns = [_Conn(self, i, a, s) for i, (a, s) in enumerate(zip(addresses, self.shard_sizes))]
         self._pool = (ThreadPoolExecutor(len(self._conns), thread_name_prefix=f"ps-worker{worker}")
                       if len(self._conns) > 1 else None)
-        self._failed: CollectiveError | None = None
+        self._failed: Exception | None = None
+        self.pushes = 0  # pushes completed
         try:
             self._each(lambda conn: conn.connect())
         except BaseException:
@@ -242,6 +238,7 @@ class ParameterClient:
                                  f"values, shard_sizes[{i}] is {size}")
             flat.append(array)
         self._exchange(Msg.PUSH, flat)
+        self.pushes += 1
 
     def done(self) -> None:
         """This worker has finished; under ssp it no longer holds back the others."""
@@ -267,7 +264,7 @@ class ParameterClient:
                                   f"({self._failed}); create a new one")
         try:
             return fn(conn)
-        except CollectiveError as exc:
+        except (CollectiveError, NonFiniteGradientError) as exc:
             self._failed = exc
             raise
 
@@ -290,7 +287,7 @@ class ParameterClient:
             for conn in self._conns:
                 conn.send(msg, None if payloads is None else payloads[conn.index])
             return [conn.receive(msg) for conn in self._conns]
-        except CollectiveError as exc:
+        except (CollectiveError, NonFiniteGradientError) as exc:
             self._failed = exc
             raise
 
@@ -309,7 +306,7 @@ class ParameterClient:
             except BaseException as exc:
                 error = error or exc
         if error is not None:
-            if isinstance(error, CollectiveError):
+            if isinstance(error, (CollectiveError, NonFiniteGradientError)):
                 self._failed = error
             raise error
         return results

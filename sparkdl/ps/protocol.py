@@ -23,7 +23,9 @@ DONE      none                                   none
 The server knows the exact payload size of every request type in advance and
 closes the connection on any other header (bad magic, unknown type, non-zero
 reserved fields, any other length) without allocating from the announced
-length.  A response with a non-OK status carries a short UTF-8 message
+length.  A push holding NaN or infinity is answered with ``BAD_REQUEST`` and
+a message starting with ``NON_FINITE``; nothing of it is applied and the
+connection stays usable.  A response with a non-OK status carries a short UTF-8 message
 (at most ``MAX_MESSAGE_BYTES``) that the client puts into its exception.
 """
 
@@ -41,6 +43,9 @@ RESPONSE_MAGIC = b"SDLR"
 REQUEST = struct.Struct("!4sBBHIQ")
 #: magic, type, status, reserved (0), sequence number, shard version, payload bytes
 RESPONSE = struct.Struct("!4sBBHIQQ")
+
+#: Start of the BAD_REQUEST message refusing a push that holds NaN or infinity.
+NON_FINITE = "non-finite gradient"
 
 #: Longest error message a response may carry; the client rejects longer ones.
 MAX_MESSAGE_BYTES = 1024

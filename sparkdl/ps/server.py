@@ -1,10 +1,11 @@
 """Parameter server: serves shards of a model's parameters to asynchronous workers.
 
 Runs on the Spark driver for the length of a training job.  Each shard has its
-own listening socket on exactly ``host`` and its own accept thread; every
-accepted connection gets its own thread, which first authenticates the client
-with the job secret (challenge/response, see :mod:`sparkdl.ps.protocol`) and
-then answers its requests in order.  The server stores nothing itself: it
+own :class:`~sparkdl.net.listener.ServingListener` on exactly ``host``: clients
+authenticate with the job secret (challenge/response, see
+:mod:`sparkdl.ps.protocol`) on its selector, and every authenticated
+connection gets its own thread (at most a few per worker), which answers its
+requests in order.  The server stores nothing itself: it
 calls the :class:`Shard` objects it was given.
 
 Modes:
@@ -18,11 +19,12 @@ Modes:
   :class:`sparkdl.ps.staleness.ClockTracker`; the shard-0 server advances a
   worker's clock once per push).
 
-Every wait is bounded: a handshake by ``min(timeout, HANDSHAKE_TIMEOUT)``, a
+Every wait is bounded: a handshake by ``min(timeout, handshake_timeout)``, a
 connection with no request for ``timeout`` seconds is closed (clients
 reconnect by themselves before that), sends and the ssp gate by ``timeout``.
 A connection that breaks the protocol is closed; nothing it sent is applied
-unless a complete, well-formed push arrived.
+unless a complete, well-formed push arrived, and a push holding NaN or
+infinity is refused with ``BAD_REQUEST`` before anything is applied.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from typing import Iterator
 
 import numpy as np
 
-from sparkdl.collective.transport import _HandshakeFailed, bind_listener, server_handshake
+from sparkdl.net.io import ReadTimeout, recv_exact, send_buffers
+from sparkdl.net.listener import HANDSHAKE_TIMEOUT, MAX_PENDING, ServingListener
 from sparkdl.ps import protocol
 from sparkdl.ps.protocol import FLOAT, REQUEST, Msg, Status
 from sparkdl.ps.staleness import ClockTracker, ServerStopping, StalenessTimeout
@@ -46,12 +49,6 @@ _log = logging.getLogger(__name__)
 
 MODES = ("async", "hogwild", "ssp")
 
-#: Upper bound on how long a new connection may take to authenticate.
-HANDSHAKE_TIMEOUT = 30.0
-#: Connections per shard still authenticating; more are refused at once.
-MAX_PENDING_HANDSHAKES = 64
-#: How often accept threads look at the stop flag.
-_ACCEPT_POLL = 0.2
 
 
 class Shard(typing.Protocol):
@@ -87,59 +84,22 @@ class _ShardServer:
         self.nbytes = FLOAT.itemsize * self.size
         self.lock = threading.Lock() if server.mode != "hogwild" else None
         self.version = 0
-        self.sock: socket.socket | None = None
+        self.listener: ServingListener | None = None
         self.address = ""
-        self.accept_thread: threading.Thread | None = None
-        self.pending = 0  # connections still authenticating
 
     def start(self) -> str:
-        self.sock, self.address = bind_listener(self.server.host, backlog=128, reuse_address=True)
-        self.sock.settimeout(_ACCEPT_POLL)
-        self.accept_thread = threading.Thread(
-            target=self._accept_loop, name=f"ps-shard{self.index}-accept", daemon=True)
-        self.accept_thread.start()
+        server = self.server
+        self.listener = ServingListener(
+            server.host, server.secret, self.index, range(server.num_workers), self._serve,
+            name=f"ps-shard{self.index}", max_connections=4 * server.num_workers + 4,
+            handshake_timeout=min(server.timeout, server.handshake_timeout), max_pending=server.max_pending,
+            reuse_address=True)
+        self.address = self.listener.address
         return self.address
 
-    # -- accepting -------------------------------------------------------------------------
-
-    def _accept_loop(self) -> None:
+    def _serve(self, conn: socket.socket, worker: int) -> None:
         server = self.server
-        while not server._stopping.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if server._stopping.is_set():
-                    return
-                server._stopping.wait(0.05)  # e.g. ECONNABORTED, EMFILE: keep serving
-                continue
-            with server._lock:
-                if server._stopping.is_set() or self.pending >= MAX_PENDING_HANDSHAKES:
-                    server._counters["refused_connections"] += 1
-                    conn.close()
-                    continue
-                self.pending += 1
-                server._connections.add(conn)
-                thread = threading.Thread(target=self._serve, args=(conn,),
-                                          name=f"ps-shard{self.index}-conn", daemon=True)
-                server._threads.add(thread)
-            thread.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        server = self.server
-        worker = -1
         try:
-            try:
-                worker = server_handshake(conn, self.index, server.secret,
-                                          min(server.timeout, HANDSHAKE_TIMEOUT),
-                                          client_ranks=range(server.num_workers))
-            except (_HandshakeFailed, OSError) as exc:
-                server._refuse(self, f"{exc or type(exc).__name__}")
-                return
-            finally:
-                with server._lock:
-                    self.pending -= 1
             conn.settimeout(server.timeout)
             self._request_loop(conn, worker)
         except _Closed:
@@ -155,14 +115,6 @@ class _ShardServer:
             if not server._stopping.is_set():
                 _log.info("parameter server shard %d: connection of worker %d ended: %s",
                           self.index, worker, exc)
-        except Exception:  # never let one connection take the server down
-            _log.exception("parameter server shard %d: unexpected error serving worker %d",
-                           self.index, worker)
-        finally:
-            with server._lock:
-                server._connections.discard(conn)
-                server._threads.discard(threading.current_thread())
-            _close(conn)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -201,6 +153,14 @@ class _ShardServer:
         gradient = np.empty(self.size, dtype=FLOAT)
         if not _recv_exact(conn, memoryview(gradient.view(np.uint8)), at_boundary=False):
             raise _Closed()
+        if not np.isfinite(gradient).all():
+            bad = int(np.size(gradient) - np.count_nonzero(np.isfinite(gradient)))
+            _log.warning("parameter server shard %d: refused a push of worker %d holding %d non-finite values",
+                         self.index, worker, bad)
+            self._send_error(conn, Msg.PUSH, seq, Status.BAD_REQUEST,
+                             f"{protocol.NON_FINITE}: {bad} of {self.size} values of shard {self.index} are NaN or "
+                             f"infinite; nothing was applied")
+            return
         try:
             if self.lock is not None:
                 with self.lock:
@@ -261,12 +221,7 @@ class _ShardServer:
         else:
             body = payload
         header = protocol.pack_response(msg, status, seq, version, len(body))
-        sent = conn.sendmsg([header, body]) if len(body) else conn.send(header)
-        if sent < len(header):
-            conn.sendall(header[sent:])
-            sent = len(header)
-        if len(body) > sent - len(header):
-            conn.sendall(body[sent - len(header):])
+        send_buffers(conn, [header, body])
         self.server._count(bytes_out=len(header) + len(body))
 
     def _send_error(self, conn: socket.socket, msg: int, seq: int, status: Status, text: str) -> None:
@@ -291,43 +246,33 @@ class _ShardServer:
         except OSError:
             pass
 
-    def close_listener(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
+    def close_listener(self, join_timeout: float) -> None:
+        if self.listener is not None:
+            self.listener.close(join_timeout)
 
 
 def _recv_exact(conn: socket.socket, view: memoryview, *, at_boundary: bool) -> bool:
     """Fill ``view``; False if the peer closed before the first byte (a clean close
     between requests when ``at_boundary``).  A close or idle timeout inside a frame raises."""
-    received = 0
-    while received < len(view):
-        try:
-            count = conn.recv_into(view[received:])
-        except TimeoutError:
-            if at_boundary and received == 0:
-                raise _Closed() from None  # idle for `timeout`: the client reconnects
-            raise _ProtocolViolation("timed out inside a frame (truncated frame)") from None
-        if count == 0:
-            if received == 0 and at_boundary:
-                return False
-            raise _ProtocolViolation(f"closed inside a frame after {received} of {len(view)} bytes")
-        received += count
-    return True
-
-
-def _close(conn: socket.socket) -> None:
     try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    conn.close()
+        received = recv_exact(conn, view)
+    except ReadTimeout as exc:
+        if at_boundary and exc.received == 0:
+            raise _Closed() from None  # idle for `timeout`: the client reconnects
+        raise _ProtocolViolation("timed out inside a frame (truncated frame)") from None
+    if received == 0 and at_boundary:
+        return False
+    if received < len(view):
+        raise _ProtocolViolation(f"closed inside a frame after {received} of {len(view)} bytes")
+    return True
 
 
 class ParameterServer:
     """Serves ``shards`` to :class:`sparkdl.ps.client.ParameterClient` workers; see the module doc."""
 
     def __init__(self, shards: list[Shard], *, host: str, secret: bytes, mode: str,
-                 num_workers: int, max_staleness: int = 0, timeout: float = 600.0):
+                 num_workers: int, max_staleness: int = 0, timeout: float = 600.0,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT, max_pending: int = MAX_PENDING):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not shards:
@@ -354,14 +299,14 @@ class ParameterServer:
         self.num_workers = num_workers
         self.max_staleness = max_staleness
         self.timeout = float(timeout)
+        self.handshake_timeout = float(handshake_timeout)
+        self.max_pending = int(max_pending)
         self.tracker = ClockTracker(num_workers, max_staleness if mode == "ssp" else None)
         self._shards = [_ShardServer(self, i, shard) for i, shard in enumerate(shards)]
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self._connections: set[socket.socket] = set()
-        self._threads: set[threading.Thread] = set()
         self._counters = dict(pushes=0, pulls=0, bytes_in=0, bytes_out=0,
-                              refused_connections=0, protocol_errors=0)
+                              protocol_errors=0)
         self._started = False
         self._stopped = False
         self.addresses: list[str] = []
@@ -387,21 +332,7 @@ class ParameterServer:
         self._stopping.set()
         self.tracker.stop()
         for shard in self._shards:
-            if shard.accept_thread is not None:
-                shard.accept_thread.join(join_timeout)
-            shard.close_listener()
-        with self._lock:
-            connections = list(self._connections)
-            threads = list(self._threads)
-        for conn in connections:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked on it
-            except OSError:
-                pass
-        for thread in threads:
-            thread.join(join_timeout)  # a thread inside shard.apply finishes that call first
-            if thread.is_alive():
-                _log.warning("parameter server: %s did not stop within %ss", thread.name, join_timeout)
+            shard.close_listener(join_timeout)  # a thread inside shard.apply finishes that call first
 
     def __enter__(self) -> "ParameterServer":
         self.start()
@@ -437,6 +368,8 @@ class ParameterServer:
         clocks, max_seen = self.tracker.snapshot()
         with self._lock:
             result = dict(self._counters)
+            result["refused_connections"] = sum(shard.listener.refused for shard in self._shards
+                                                if shard.listener is not None)
             result["versions"] = [shard.version for shard in self._shards]
         result["max_staleness"] = max_seen
         result["clocks"] = clocks
@@ -448,10 +381,3 @@ class ParameterServer:
         with self._lock:
             self._counters["bytes_in"] += bytes_in
             self._counters["bytes_out"] += bytes_out
-
-    def _refuse(self, shard: _ShardServer, reason: str) -> None:
-        with self._lock:
-            self._counters["refused_connections"] += 1
-        if not self._stopping.is_set():
-            _log.warning("parameter server shard %d (%s): refused a connection: %s",
-                         shard.index, shard.address, reason)

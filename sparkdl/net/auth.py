@@ -1,0 +1,116 @@
+"""Mutual HMAC-SHA256 challenge/response with the per-job secret: how every sparkdl connection starts.
+
+server -> client: magic + server nonce; client -> server: client rank +
+client nonce + client MAC; server -> client: server MAC.  Each side proves the
+secret and the ranks it claims ("rank" of a server: the ring rank, the shard
+index or the relay's id), so a client that mixes up addresses fails too.
+Nothing in a handshake is deserialised beyond fixed-size binary fields.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import time
+
+from sparkdl.net.io import parse_address, recv_exact, tune
+
+AUTH_MAGIC = b"SDLA"
+NONCE_BYTES = 32
+MAC_BYTES = hashlib.sha256().digest_size
+SERVER_HELLO_BYTES = len(AUTH_MAGIC) + NONCE_BYTES
+CLIENT_HELLO = struct.Struct(f"!I{NONCE_BYTES}s{MAC_BYTES}s")
+
+
+class HandshakeFailed(Exception):
+    """The other end did not complete a valid handshake; worth retrying from the client's side."""
+
+
+class ConnectGaveUp(Exception):
+    """:func:`connect_authenticated` found no authenticated connection within its timeout."""
+
+    def __init__(self, last_error: str):
+        super().__init__(last_error)
+        self.last_error = last_error
+
+
+def _client_mac(secret: bytes, server_nonce: bytes, client_nonce: bytes, client_rank: int, server_rank: int) -> bytes:
+    message = b"client" + server_nonce + client_nonce + struct.pack("!II", client_rank, server_rank)
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def server_proof(secret: bytes, client_nonce: bytes, server_nonce: bytes, server_rank: int) -> bytes:
+    """The server's last message: proof that it knows the secret too."""
+    message = b"server" + client_nonce + server_nonce + struct.pack("!I", server_rank)
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def server_hello() -> tuple[bytes, bytes]:
+    """(nonce, first message) of a server's side of a new handshake."""
+    nonce = os.urandom(NONCE_BYTES)
+    return nonce, AUTH_MAGIC + nonce
+
+
+def verify_client_hello(secret: bytes, server_nonce: bytes, hello: bytes, server_rank: int) -> tuple[int, bytes] | None:
+    """(client rank, client nonce) of a complete client hello whose MAC is valid, else None."""
+    client_rank, client_nonce, mac = CLIENT_HELLO.unpack(hello)
+    expected = _client_mac(secret, server_nonce, client_nonce, client_rank, server_rank)
+    if not hmac.compare_digest(mac, expected):
+        return None
+    return client_rank, client_nonce
+
+
+def connect_authenticated(address: str, rank: int, peer: int, secret: bytes, timeout: float) -> socket.socket:
+    """A tuned socket connected to ``address`` after mutual authentication as ``rank`` -> ``peer``.
+
+    Refused connections and failed handshakes are retried with backoff (the
+    server may be busy dropping an impostor or not accepting yet); raises
+    :class:`ConnectGaveUp` (with the last error) once ``timeout`` has passed.
+    The returned socket still has the remaining connect time as its timeout.
+    """
+    host, port = parse_address(address)
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    last_error = "no attempt made"
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ConnectGaveUp(last_error)
+        sock = None
+        try:
+            family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+            sock = socket.socket(family, kind, proto)
+            tune(sock)
+            sock.settimeout(remaining)
+            sock.connect(sockaddr)
+            _client_handshake(sock, rank, peer, secret)
+            return sock
+        except (OSError, HandshakeFailed) as exc:
+            if sock is not None:
+                sock.close()
+            last_error = str(exc) or type(exc).__name__
+        time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+        delay = min(2 * delay, 0.5)
+
+
+def _client_handshake(sock: socket.socket, rank: int, peer: int, secret: bytes) -> None:
+    hello = _recv_handshake(sock, SERVER_HELLO_BYTES)
+    if not hello.startswith(AUTH_MAGIC):
+        raise HandshakeFailed("the listener did not speak the sparkdl protocol")
+    server_nonce = hello[len(AUTH_MAGIC):]
+    client_nonce = os.urandom(NONCE_BYTES)
+    mac = _client_mac(secret, server_nonce, client_nonce, rank, peer)
+    sock.sendall(CLIENT_HELLO.pack(rank, client_nonce, mac))
+    proof = _recv_handshake(sock, MAC_BYTES)
+    if not hmac.compare_digest(proof, server_proof(secret, client_nonce, server_nonce, peer)):
+        raise HandshakeFailed(f"rank {peer} failed to prove it knows the job secret")
+
+
+def _recv_handshake(sock: socket.socket, size: int) -> bytes:
+    buffer = bytearray(size)
+    if recv_exact(sock, memoryview(buffer)) < size:
+        raise HandshakeFailed("the peer closed the connection during authentication (different job secret?)")
+    return bytes(buffer)

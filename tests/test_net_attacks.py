@@ -1,0 +1,325 @@
+"""Attacks on every sparkdl listener (ring accept, parameter-server shard, relay) from the same host.
+
+Each test attacks with real sockets (and real processes where a resource limit
+must be lowered) and then asserts that the legitimate peer still finishes its
+work with correct results.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import secrets
+import selectors
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from sparkdl.collective.transport import Listener, Op, connect_peer
+from sparkdl.launch.relay import _ERROR, _HEADER, _RELAY_ID, ErrorReport, OutputRelay
+from sparkdl.net.auth import ConnectGaveUp, connect_authenticated
+from sparkdl.net.io import parse_address
+from sparkdl.ps import protocol
+from sparkdl.ps.client import NonFiniteGradientError, ParameterClient
+from sparkdl.ps.server import ParameterServer
+from shards import LR, SGDShard
+
+HOST = "127.0.0.1"
+SECRET = b"attack-test-secret"
+#: Longer than any test: a hogged slot is freed by eviction only, never by its handshake deadline.
+FOREVER = 3600.0
+
+
+class Hog:
+    """Holds ``count`` idle, unauthenticated connections to ``address`` and re-opens each one the listener drops."""
+
+    def __init__(self, address: str, count: int):
+        self._address = parse_address(address)
+        self._selector = selectors.DefaultSelector()
+        self._stop = threading.Event()
+        for _ in range(count):
+            self._open()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _open(self) -> None:
+        sock = socket.create_connection(self._address, timeout=10)
+        sock.setblocking(False)
+        self._selector.register(sock, selectors.EVENT_READ)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(0.05):
+                try:
+                    data = key.fileobj.recv(4096)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:  # dropped: take the slot again
+                    self._selector.unregister(key.fileobj)
+                    key.fileobj.close()
+                    if not self._stop.is_set():
+                        self._open()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for key in list(self._selector.get_map().values()):
+            key.fileobj.close()
+        self._selector.close()
+
+
+# -- pending-slot hogging -------------------------------------------------------------------------------------------
+
+
+def test_hogged_parameter_server_shard_still_serves_a_real_worker(caplog):
+    shard = SGDShard(np.arange(6))
+    with ParameterServer([shard], host=HOST, secret=SECRET, mode="async", num_workers=1,
+                         handshake_timeout=FOREVER) as ps:
+        hog = Hog(ps.addresses[0], 72)  # the issue's attack: 72 idle connections against 64 pending slots
+        try:
+            with ParameterClient(ps.addresses, worker=0, secret=SECRET, shard_sizes=[6], timeout=30) as worker:
+                worker.push([np.ones(6, np.float32)])
+                (weights,) = worker.pull()
+        finally:
+            hog.close()
+    np.testing.assert_array_equal(weights, np.arange(6, dtype=np.float32) - LR)
+    assert _evictions(caplog) >= 8  # the idle connections beyond the cap were evicted, the newest kept
+
+
+def test_hogged_ring_accept_still_takes_the_real_peer(caplog):
+    with Listener(HOST, handshake_timeout=FOREVER, max_pending=16) as listener:
+        with ThreadPoolExecutor(1) as pool:
+            accepted = pool.submit(listener.accept_peer, 0, 1, SECRET, 30.0)
+            hog = Hog(listener.address, 20)  # accepting already: more than its backlog of 16 may queue
+            try:
+                sender = connect_peer(listener.address, 1, 0, SECRET, 30.0)
+                link = accepted.result(60)
+                sender.send(Op.ALLREDUCE, 7, np.arange(5, dtype=np.float32))
+                out = np.empty(5, np.float32)
+                link.recv_into(Op.ALLREDUCE, 7, out)
+                link.close()
+                sender.close()
+            finally:
+                hog.close()
+    np.testing.assert_array_equal(out, np.arange(5, dtype=np.float32))
+    assert _evictions(caplog) >= 4
+
+
+def test_hogged_relay_still_takes_a_real_task(caplog):
+    out = io.StringIO()
+    with OutputRelay(HOST, SECRET, num_workers=2, stdout=out, handshake_timeout=FOREVER) as relay:
+        hog = Hog(relay.address, 80)  # more than the 64 pending slots
+        try:
+            sock = connect_authenticated(relay.address, 1, _RELAY_ID, SECRET, timeout=30)
+            sock.sendall(_HEADER.pack(1, 6) + b"hello\n")
+            sock.close()
+            relay.wait_until_quiet(30)
+        finally:
+            hog.close()
+    assert out.getvalue() == "[rank 1] hello\n"
+    assert _evictions(caplog) >= 16
+
+
+def _evictions(caplog) -> int:
+    return sum("evicted: more than" in record.getMessage() for record in caplog.records)
+
+
+# -- file descriptors exhausted -------------------------------------------------------------------------------------
+
+_SERVE_WITH_FEW_FILES = r"""
+import json, logging, os, resource, sys
+import numpy as np
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+from sparkdl.collective.transport import Listener, Op
+from sparkdl.ps.server import ParameterServer
+from shards import LR, SGDShard
+kind, secret = sys.argv[1], bytes.fromhex(sys.argv[2])
+
+class Shard:
+    size = 4
+    def __init__(self):
+        self.w = np.zeros(4, np.float32)
+    def read(self):
+        return self.w.copy()
+    def apply(self, gradient):
+        self.w -= gradient
+
+server = (ParameterServer([Shard()], host="127.0.0.1", secret=secret, mode="async", num_workers=1)
+          if kind == "ps" else Listener("127.0.0.1"))
+address = server.start()[0] if kind == "ps" else server.address
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+print(json.dumps(address), flush=True)
+if kind == "ring":
+    link = server.accept_peer(0, 1, secret, 120.0)
+    out = np.empty(4, np.float32)
+    link.recv_into(Op.ALLREDUCE, 0, out)
+    link.send(Op.ALLREDUCE, 0, 2 * out)
+sys.stdin.read()  # until the test is done
+server.stop() if kind == "ps" else server.close()
+"""
+
+
+@pytest.mark.parametrize("kind", ["ps", "ring"])
+def test_listener_survives_running_out_of_file_descriptors(kind):
+    """A flood exhausts the listener's open-file limit (EMFILE): it pauses, frees a slot, and serves the real peer."""
+    secret = secrets.token_bytes(32)
+    process = subprocess.Popen([sys.executable, "-c", _SERVE_WITH_FEW_FILES, kind, secret.hex()],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    log: list[str] = []
+    saw_emfile = threading.Event()
+
+    def read_log():
+        for line in process.stderr:
+            log.append(line)
+            if "accept() failed" in line and "Too many open files" in line:
+                saw_emfile.set()
+
+    threading.Thread(target=read_log, daemon=True).start()
+    flood = []
+    try:
+        address = json.loads(process.stdout.readline())
+        for _ in range(40):
+            flood.append(socket.create_connection(parse_address(address), timeout=10))
+        assert saw_emfile.wait(120), "".join(log)
+        if kind == "ps":
+            with ParameterClient([address], worker=0, secret=secret, shard_sizes=[4], timeout=60) as worker:
+                worker.push([np.ones(4, np.float32)])
+                (weights,) = worker.pull()
+            np.testing.assert_array_equal(weights, -np.ones(4, np.float32))
+        else:
+            link = connect_peer(address, 1, 0, secret, 60.0)
+            link.send(Op.ALLREDUCE, 0, np.arange(4, dtype=np.float32))
+            out = np.empty(4, np.float32)
+            link.recv_into(Op.ALLREDUCE, 0, out)
+            link.close()
+            np.testing.assert_array_equal(out, 2 * np.arange(4, dtype=np.float32))
+    finally:
+        for sock in flood:
+            sock.close()
+        process.communicate("", timeout=60)
+    assert process.returncode == 0, "".join(log)
+
+
+# -- non-finite pushes ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_push_is_refused_before_anything_is_applied(bad):
+    shards = [SGDShard(np.arange(3)), SGDShard(np.arange(4))]
+    with ParameterServer(shards, host=HOST, secret=SECRET, mode="async", num_workers=2) as ps:
+        with ParameterClient(ps.addresses, worker=1, secret=SECRET, shard_sizes=[3, 4], timeout=10) as worker:
+            worker.push([np.ones(3, np.float32), np.ones(4, np.float32)])
+            gradient = np.ones(4, np.float32)
+            gradient[2] = bad
+            with pytest.raises(NonFiniteGradientError, match=r"worker 1: push #2 .*shard 1.*lower the learning rate"):
+                worker.push([np.ones(3, np.float32), gradient])
+        assert ps.stats()["versions"][1] == 1  # the refused push changed nothing on shard 1
+        np.testing.assert_array_equal(shards[1].w, np.arange(4, dtype=np.float32) - LR)
+        # The raw answer is BAD_REQUEST, and the connection stays usable.
+        sock = connect_authenticated(ps.addresses[1], 0, 1, SECRET, timeout=10)
+        sock.sendall(protocol.pack_request(protocol.Msg.PUSH, 1, 16) + gradient.tobytes())
+        response = _recv(sock, protocol.RESPONSE.size)
+        _, msg, status, _, seq, _, length = protocol.RESPONSE.unpack(response)
+        assert (msg, status, seq) == (protocol.Msg.PUSH, protocol.Status.BAD_REQUEST, 1)
+        assert _recv(sock, length).decode().startswith(protocol.NON_FINITE)
+        sock.sendall(protocol.pack_request(protocol.Msg.PULL, 2, 0))
+        _, msg, status, _, seq, version, length = protocol.RESPONSE.unpack(_recv(sock, protocol.RESPONSE.size))
+        assert (status, seq, version, length) == (protocol.Status.OK, 2, 1, 16)
+        np.testing.assert_array_equal(np.frombuffer(_recv(sock, 16), np.float32), np.arange(4, dtype=np.float32) - LR)
+        sock.close()
+
+
+def _recv(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        assert chunk, f"closed after {len(data)} of {size} bytes"
+        data += chunk
+    return data
+
+
+# -- malformed frames -----------------------------------------------------------------------------------------------
+
+
+def test_parameter_server_answers_a_2_to_the_64_length_and_keeps_serving():
+    shard = SGDShard(np.zeros(2))
+    with ParameterServer([shard], host=HOST, secret=SECRET, mode="async", num_workers=1) as ps:
+        for length in (2**64 - 1, 7, 0):
+            sock = connect_authenticated(ps.addresses[0], 0, 0, SECRET, timeout=10)
+            sock.sendall(protocol.REQUEST.pack(protocol.REQUEST_MAGIC, protocol.Msg.PUSH, 0, 0, 1, length))
+            _, _, status, _, _, _, _ = protocol.RESPONSE.unpack(_recv(sock, protocol.RESPONSE.size))
+            assert status == protocol.Status.BAD_REQUEST
+            sock.close()
+        with ParameterClient(ps.addresses, worker=0, secret=SECRET, shard_sizes=[2], timeout=10) as worker:
+            worker.push([np.ones(2, np.float32)])
+        assert ps.stats()["protocol_errors"] == 3
+    np.testing.assert_array_equal(shard.w, [-LR, -LR])
+
+
+def test_relay_ignores_malformed_and_foreign_error_reports():
+    errors = []
+    with OutputRelay(HOST, SECRET, num_workers=2, on_error=errors.append, stdout=io.StringIO()) as relay:
+        sock = connect_authenticated(relay.address, 1, _RELAY_ID, SECRET, timeout=10)
+        foreign = ErrorReport(0, "ValueError", "blame rank 0", "").to_json()
+        own = ErrorReport(1, "ValueError", "real failure", "tb").to_json()
+        for payload in (b"{not json", b"[1, 2]", b'{"rank": 1}', b'{"rank": "x", "type_name": 1, "message": 2, '
+                        b'"traceback": 3}', b"\xff\xfe", foreign, own):
+            sock.sendall(_HEADER.pack(_ERROR, len(payload)) + payload)
+        sock.close()
+        relay.wait_until_quiet(30)
+        # A header announcing 2^32-1 bytes ends that connection only; the relay keeps serving.
+        sock = connect_authenticated(relay.address, 0, _RELAY_ID, SECRET, timeout=10)
+        sock.sendall(struct.pack("!BI", 1, 2**32 - 1))
+        assert sock.recv(1) == b""
+        sock.close()
+        sock = connect_authenticated(relay.address, 0, _RELAY_ID, SECRET, timeout=10)
+        sock.sendall(_HEADER.pack(_ERROR, len(foreign)) + foreign)
+        sock.close()
+        relay.wait_until_quiet(30)
+    assert [(r.rank, r.message) for r in relay.reports] == [(1, "real failure"), (0, "blame rank 0")]
+    assert [r.message for r in errors] == ["real failure"]
+
+
+# -- prompt close ---------------------------------------------------------------------------------------------------
+
+
+def _close_in_thread(close) -> threading.Thread:
+    thread = threading.Thread(target=close, daemon=True)
+    thread.start()
+    thread.join(60)
+    return thread
+
+
+def test_relay_and_shard_close_without_waiting_for_200_idle_connections():
+    """With a handshake deadline of an hour, close() can only return by dropping the idle connections at once."""
+    relay = OutputRelay(HOST, SECRET, num_workers=2, stdout=io.StringIO(), handshake_timeout=FOREVER)
+    ps = ParameterServer([SGDShard(np.zeros(2))], host=HOST, secret=SECRET, mode="async", num_workers=2,
+                         handshake_timeout=FOREVER)
+    ps.start()
+    idle = [socket.create_connection(parse_address(address), timeout=10)
+            for address in (relay.address, ps.addresses[0]) for _ in range(100)]
+    # Authenticated but silent tasks too, as many as the relay runs threads for (2 * num_workers + 2); one more is
+    # refused before the relay proves itself, so that task's connect retries and gives up.
+    tasks = [connect_authenticated(relay.address, i % 2, _RELAY_ID, SECRET, timeout=10) for i in range(6)]
+    try:
+        with pytest.raises(ConnectGaveUp):
+            connect_authenticated(relay.address, 0, _RELAY_ID, SECRET, timeout=1)
+        assert len(relay._listener.threads()) == 1 + 6
+        threads = relay._listener.threads() + ps._shards[0].listener.threads()
+        assert not _close_in_thread(relay.close).is_alive()
+        assert not _close_in_thread(ps.stop).is_alive()
+        assert not any(thread.is_alive() for thread in threads)
+    finally:
+        for sock in idle + tasks:
+            sock.close()
