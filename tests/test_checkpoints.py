@@ -131,6 +131,7 @@ def test_server_and_average_modes_checkpoint_and_resume(digits_df, digits, tmp_p
     assert accuracy >= 0.9, (mode, accuracy)  # 5 epochs; the fault test holds a run to a clean one
 
 
+@pytest.mark.slow  # two fits of 12 averaging rounds, each a Spark job
 def test_average_mode_resumes_from_a_checkpoint_taken_mid_round(digits_df, tmp_path):
     """sync_every=20 does not divide the 45-step epoch: the checkpoint of epoch 2 (step 90) is the averaged state
     after the round of steps 80..99, 10 steps into epoch 3. A fit that died in epoch 3 resumes from it at the first
