@@ -96,3 +96,44 @@ class RecordEpochs(keras.callbacks.Callback):
         path = os.path.join(self.directory, f"rank{TaskContext.get().partitionId()}-epoch{epoch}.json")
         with open(path, "w") as f:
             json.dump({k: float(v) for k, v in logs.items()}, f)
+
+
+@keras.utils.register_keras_serializable(package="sparkdl_tests")
+class RecordBatches(keras.layers.Layer):
+    """Identity layer that saves every training batch it sees, as ``<directory>/rank<partition>-call<n>.npy``:
+    which rows each rank trained on, in which order, read back by the test without the library's help."""
+
+    def __init__(self, directory=None, **kwargs):
+        super().__init__(**kwargs)
+        self.directory = directory
+        self._calls = 0
+
+    def _record(self, x):
+        import os
+
+        import numpy as np
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        if context is not None and self.directory is not None:
+            np.save(os.path.join(self.directory, f"rank{context.partitionId()}-call{self._calls:05d}.npy"), x)
+            self._calls += 1
+        return x
+
+    def call(self, x, training=None):
+        if not training:
+            return x
+        y = tf.numpy_function(self._record, [x], x.dtype, stateful=True)
+        return tf.ensure_shape(y, x.shape)
+
+    def get_config(self):
+        return {**super().get_config(), "directory": self.directory}
+
+
+def recorded_batches(directory, rank):
+    """The batches ``RecordBatches`` saved for one rank, in the order it trained on them."""
+    import glob
+
+    import numpy as np
+
+    return [np.load(path) for path in sorted(glob.glob(f"{directory}/rank{rank}-call*.npy"))]

@@ -4,6 +4,7 @@ Runs in the Horovod stack's environment (conf/horovod/install.sh; CI's second pa
 SPARKDL_EXPECT_HOROVOD=1 so that a broken install fails instead of skipping).
 """
 
+import json
 import os
 import re
 import sys
@@ -22,6 +23,7 @@ import sparkdl
 from frames import digits_frame
 from horovod_script import train
 from models import make_mlp
+from worker_callbacks import RecordHorovod
 
 pytestmark = pytest.mark.horovod
 
@@ -38,15 +40,25 @@ def test_an_unchanged_horovod_script_runs_on_two_spark_tasks(spark, capsys):
     assert re.search(r"\[rank 0\] Epoch 8/8", out)  # Keras's own progress lines, streamed from rank 0
 
 
-def test_fit_with_the_horovod_backend_matches_the_ring(spark, digits):
+def test_fit_with_the_horovod_backend_runs_horovod_on_every_rank_and_matches_the_ring(spark, digits, tmp_path):
+    """Same weights as the ring, and Horovod, asked from inside each rank during training, is initialised there
+    with that rank and size 2 (the ring run shows it is not otherwise: a backend that silently fell back fails)."""
     x_train, _, y_train, _ = digits
     df = digits_frame(spark, x_train[:256], y_train[:256])
-    weights = {}
+    weights, horovod_state = {}, {}
     for backend in ("ring", "horovod"):
+        directory = tmp_path / backend
+        directory.mkdir()
         model = make_mlp(hidden=(32,), optimizer=tf.keras.optimizers.SGD(0.1, momentum=0.9), seed=3)
-        result = sparkdl.fit(df, model, num_workers=2, epochs=3, batch_size=16, seed=5, backend=backend)
+        result = sparkdl.fit(df, model, num_workers=2, epochs=3, batch_size=16, seed=5, backend=backend,
+                             callbacks=[RecordHorovod(str(directory))])
         weights[backend] = result.model.get_weights()
+        horovod_state[backend] = {rank: json.loads((directory / f"horovod-rank{rank}.json").read_text())
+                                  for rank in (0, 1)}
         assert result.history["loss"][-1] < result.history["loss"][0]
+    assert horovod_state["ring"] == {rank: {"initialized": False, "epoch": 2} for rank in (0, 1)}
+    assert horovod_state["horovod"] == {rank: {"initialized": True, "epoch": 2, "rank": rank, "size": 2}
+                                        for rank in (0, 1)}
     initial = make_mlp(hidden=(32,), seed=3).get_weights()
     for ring, horovod, start in zip(weights["ring"], weights["horovod"], initial):
         assert not np.allclose(ring, start)  # it trained...

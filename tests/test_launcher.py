@@ -108,7 +108,7 @@ def fail_on_rank_1(kind):
 
 
 def test_a_raising_rank_is_reraised_on_the_driver_with_its_traceback(spark):
-    started = time.monotonic()
+    """(That the job is cancelled at once, not left to retries and timeouts, is counted in test_sync_failures.py.)"""
     with pytest.raises(ValueError) as caught:
         sparkdl.run(fail_on_rank_1, num_workers=2, args=("value",), timeout=300)
     error = caught.value
@@ -117,8 +117,6 @@ def test_a_raising_rank_is_reraised_on_the_driver_with_its_traceback(spark):
     assert str(error).startswith("rank 1 raised ValueError: bad thing on rank 1")
     assert "in inner" in error.remote_traceback and "in fail_on_rank_1" in error.remote_traceback
     assert "Remote traceback (rank 1)" in str(error)
-    # Rank 0 was cancelled with the job, not left to its 300 s collective timeout.
-    assert time.monotonic() - started < 200
 
 
 def test_a_non_builtin_exception_becomes_a_worker_error_naming_its_type(spark):
@@ -128,7 +126,7 @@ def test_a_non_builtin_exception_becomes_a_worker_error_naming_its_type(spark):
 
 
 def test_the_next_run_after_a_failure_works(spark):
-    with pytest.raises(ValueError):
+    with pytest.raises(sparkdl.WorkerError, match=r"^rank 1 raised ValueError: bad thing on rank 1"):
         sparkdl.run(fail_on_rank_1, num_workers=2, args=("value",), timeout=300)
     assert sparkdl.run(allreduce_scaled, num_workers=2, args=(1.0,))["total"] == [3.0, 3.0, 3.0]
 
