@@ -9,7 +9,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from pyspark.ml import Pipeline, PipelineModel
+from pyspark.ml import Pipeline
 from pyspark.ml.evaluation import MulticlassClassificationEvaluator
 from pyspark.ml.feature import StandardScaler, VectorAssembler
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
@@ -140,6 +140,12 @@ def test_params_follow_spark_ml_conventions():
                  "validationIndicatorCol", "validationSplit", "timeout", "backend", "customObjects"]:
         assert name in explained
     assert estimator.setBatchSize(8) is estimator and estimator.getBatchSize() == 8
+    for name in [p.name for p in estimator.params] + ["validationCol"]:  # every Param's getX/setX pair
+        suffix = name[0].upper() + name[1:]
+        assert callable(getattr(estimator, f"get{suffix}")) and callable(getattr(estimator, f"set{suffix}")), name
+    for param in KerasModel().params:
+        suffix = param.name[0].upper() + param.name[1:]
+        assert callable(getattr(KerasModel, f"get{suffix}")) and callable(getattr(KerasModel, f"set{suffix}"))
     assert estimator.getNumWorkers() == 2 and estimator.getMode() == "sync"
     copied = estimator.copy({estimator.epochs: 7})
     assert copied.getEpochs() == 7 and estimator.getEpochs() == 3
