@@ -17,30 +17,37 @@ class Scale(keras.layers.Layer):
         return {**super().get_config(), "factor": self.factor}
 
 
-def make_scaled_classifier(width=4, classes=3, seed=0):
+def make_scaled_classifier(width=4, classes=3, seed=0, log_dir=None):
+    """A classifier with a Scale layer (and a LoadLog layer when ``log_dir`` is given)."""
     keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.Input((width,)), Scale(0.5), keras.layers.Dense(classes, activation="softmax")])
+    logs = [LoadLog(log_dir)] if log_dir else []
+    model = keras.Sequential([keras.Input((width,)), *logs, Scale(0.5),
+                              keras.layers.Dense(classes, activation="softmax")])
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
 
 
 class LoadLog(keras.layers.Layer):
     """Identity layer that appends this process's pid to ``<log_dir>/loads`` when it is built from its config
-    (once per model load) and to ``<log_dir>/calls`` each time it runs: which processes loaded and ran a model."""
+    (once per model load), and its pid and Spark partition (-1 outside a task) to ``<log_dir>/calls`` each time it
+    runs: which processes loaded and ran a model, and in how many tasks."""
 
     def __init__(self, log_dir, **kwargs):
         super().__init__(**kwargs)
         self.log_dir = log_dir
         self._append("loads")
 
-    def _append(self, name):
+    def _append(self, name, *fields):
         import os
 
         with open(os.path.join(self.log_dir, name), "a") as f:
-            f.write(f"{os.getpid()}\n")
+            f.write(" ".join(map(str, (os.getpid(), *fields))) + "\n")
 
     def _record_call(self, x):
-        self._append("calls")
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        self._append("calls", -1 if context is None else context.partitionId())
         return x
 
     def call(self, x):
@@ -54,11 +61,11 @@ class LoadLog(keras.layers.Layer):
         return {**super().get_config(), "log_dir": self.log_dir}
 
 
-def pids(path) -> list:
-    """The pids a LoadLog file holds, one per logged event (empty when the file does not exist yet)."""
+def logged(path, field=0) -> list:
+    """One field of every line of a LoadLog file (0: the pid, 1: the partition); empty when there is no file yet."""
     import os
 
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [int(line) for line in f.read().split()]
+        return [int(line.split()[field]) for line in f.read().splitlines()]

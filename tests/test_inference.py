@@ -11,7 +11,7 @@ from pyspark.ml.functions import array_to_vector
 from pyspark.ml.linalg import DenseVector
 from pyspark.sql import functions as F
 
-from custom_layer import LoadLog, pids
+from custom_layer import LoadLog, logged
 from models import make_mlp
 from spark_jobs import no_spark_job
 from sparkdl.ml.inference import predict
@@ -177,7 +177,7 @@ def test_model_is_loaded_once_per_python_worker(spark, frames, tmp_path):
     settings = dict(features_col="features", custom_objects={"LoadLog": LoadLog})
 
     def workers(name):
-        return [pid for pid in pids(tmp_path / name) if pid != os.getpid()]  # not the driver's own loads
+        return [pid for pid in logged(tmp_path / name) if pid != os.getpid()]  # not the driver's own loads
 
     predict(df, model_bytes, prediction_col="y", **settings).write.format("noop").mode("overwrite").save()
     first_calls = workers("calls")

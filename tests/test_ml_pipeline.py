@@ -9,12 +9,12 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from pyspark.ml import Pipeline, PipelineModel
+from pyspark.ml import Pipeline
 from pyspark.ml.evaluation import MulticlassClassificationEvaluator
 from pyspark.ml.feature import StandardScaler, VectorAssembler
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 
-from custom_layer import Scale, make_scaled_classifier
+from custom_layer import LoadLog, Scale, logged, make_scaled_classifier
 from models import make_mlp
 from sparkdl.ml import KerasEstimator, KerasModel
 
@@ -140,6 +140,12 @@ def test_params_follow_spark_ml_conventions():
                  "validationIndicatorCol", "validationSplit", "timeout", "backend", "customObjects"]:
         assert name in explained
     assert estimator.setBatchSize(8) is estimator and estimator.getBatchSize() == 8
+    for name in [p.name for p in estimator.params] + ["validationCol"]:  # every Param's getX/setX pair
+        suffix = name[0].upper() + name[1:]
+        assert callable(getattr(estimator, f"get{suffix}")) and callable(getattr(estimator, f"set{suffix}")), name
+    for param in KerasModel().params:
+        suffix = param.name[0].upper() + param.name[1:]
+        assert callable(getattr(KerasModel, f"get{suffix}")) and callable(getattr(KerasModel, f"set{suffix}"))
     assert estimator.getNumWorkers() == 2 and estimator.getMode() == "sync"
     copied = estimator.copy({estimator.epochs: 7})
     assert copied.getEpochs() == 7 and estimator.getEpochs() == 3
@@ -176,7 +182,8 @@ EVERY_PARAM = {
     "maxStaleness": (2, "max_staleness", 2), "numServers": (2, "num_servers", 2),
     "syncEvery": (5, "sync_every", 5), "validationIndicatorCol": ("held", "validation_col", "held"),
     "validationSplit": (0.25, "validation_split", 0.25), "timeout": (30.0, "timeout", 30.0),
-    "checkpointDir": ("/tmp/ck", "checkpoint_dir", "/tmp/ck"), "tensorboardDir": ("/tmp/tb", "tensorboard_dir", "/tmp/tb"),
+    "checkpointDir": ("/tmp/ck", "checkpoint_dir", "/tmp/ck"),
+    "tensorboardDir": ("/tmp/tb", "tensorboard_dir", "/tmp/tb"),
     "logToMlflow": (True, "log_to_mlflow", True), "progress": (False, "progress", False),
     "seed": (7, "seed", 7), "backend": ("horovod", "backend", "horovod"),
     "customObjects": ({"Scale": Scale}, "custom_objects", {"Scale": Scale}),
@@ -232,11 +239,14 @@ def custom_fit(spark, tmp_path_factory):
     rows = [(row.tolist(), int(label), i % 4 == 0) for i, (row, label) in enumerate(zip(x, y))]
     df = spark.createDataFrame(rows, "f array<double>, y int, held boolean").repartition(2).cache()
     out = tmp_path_factory.mktemp("custom-fit")
-    estimator = KerasEstimator(model=make_scaled_classifier(), featuresCol="f", labelCol="y", numWorkers=2,
-                               epochs=3, batchSize=8, seed=0, validationIndicatorCol="held", progress=False,
-                               checkpointDir=str(out / "checkpoints"), tensorboardDir=str(out / "tb"),
-                               customObjects={"Scale": Scale})
-    return df, estimator.fit(df), out
+    (out / "log").mkdir()
+    estimator = KerasEstimator(model=make_scaled_classifier(log_dir=str(out / "log")), featuresCol="f", labelCol="y",
+                               numWorkers=1, epochs=3, batchSize=8, seed=0, validationIndicatorCol="held",
+                               progress=False, checkpointDir=str(out / "checkpoints"), tensorboardDir=str(out / "tb"),
+                               customObjects={"Scale": Scale, "LoadLog": LoadLog})
+    model = estimator.fit(df)
+    (out / "log" / "calls").rename(out / "log" / "training-calls")  # before anything else runs the model
+    return df, model, out
 
 
 def test_a_real_fit_applies_the_params(custom_fit):
@@ -245,18 +255,20 @@ def test_a_real_fit_applies_the_params(custom_fit):
     assert len(model.history["val_loss"]) == 3 and len(model.history["val_accuracy"]) == 3  # validationIndicatorCol
     assert any(name.startswith("epoch-000003.") for name in os.listdir(out / "checkpoints"))  # checkpointDir
     assert any("tfevents" in name for _, _, files in os.walk(out / "tb") for name in files)  # tensorboardDir
-    assert model.getCustomObjects() == {"Scale": Scale} and model.getFeaturesCol() == "f"
+    partitions = set(logged(out / "log" / "training-calls", field=1)) - {-1}  # -1: the driver, outside a task
+    assert partitions == {0}  # numWorkers: one task trained (two, the default, would log 0 and 1)
+    assert model.getCustomObjects() == {"Scale": Scale, "LoadLog": LoadLog} and model.getFeaturesCol() == "f"
 
 
 def test_custom_objects_train_score_save_and_load(custom_fit, tmp_path):
     df, model, _ = custom_fit
-    assert isinstance(model.keras_model.layers[0], Scale)
+    assert isinstance(model.keras_model.layers[1], Scale)
     scored = np.array([r.probability.toArray() for r in model.transform(df).orderBy("f").collect()])
     assert scored.shape == (96, 3)
     path = str(tmp_path / "model")
     model.save(path)
     loaded = KerasModel.load(path)
-    assert loaded.getCustomObjects() == {"Scale": Scale}
+    assert loaded.getCustomObjects() == {"Scale": Scale, "LoadLog": LoadLog}
     again = np.array([r.probability.toArray() for r in loaded.transform(df).orderBy("f").collect()])
     np.testing.assert_allclose(again, scored, rtol=1e-6)
 

@@ -130,7 +130,8 @@ def _to_arrow(y: np.ndarray, kind: str, rows: int, probabilities: bool = True) -
         prediction = probability.argmax(axis=1).astype(np.float64)
     if not probabilities:
         return pa.array(prediction)
-    return pa.StructArray.from_arrays([pa.array(prediction), _list_array(probability)], names=["prediction", "probability"])
+    return pa.StructArray.from_arrays([pa.array(prediction), _list_array(probability)],
+                                      names=["prediction", "probability"])
 
 
 def _list_array(values: np.ndarray) -> pa.Array:
