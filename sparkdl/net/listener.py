@@ -138,7 +138,8 @@ class HandshakeAcceptor:
         self._waker_w.close()
 
     def _accept_all(self) -> None:
-        while True:
+        """Accept what is queued, at most ``max_pending`` per round, so a flood cannot starve the handshakes."""
+        for _ in range(self.max_pending):
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):

@@ -1,7 +1,7 @@
 """Wire format of the parameter server.
 
-A connection starts with the collective layer's mutual HMAC-SHA256
-challenge/response (:mod:`sparkdl.collective.transport`): the client proves
+A connection starts with the network layer's mutual HMAC-SHA256
+challenge/response (:mod:`sparkdl.net.auth`): the client proves
 the job secret as "rank" = its worker id towards "rank" = the shard index, so a
 client that mixes up shard addresses fails authentication too.  After that the
 client sends requests and the server answers each one, in order:
