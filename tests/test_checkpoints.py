@@ -135,7 +135,7 @@ def test_server_and_average_modes_checkpoint_and_resume(digits_df, digits, tmp_p
 def test_average_mode_resumes_from_a_checkpoint_taken_mid_round(digits_df, tmp_path):
     """sync_every=20 does not divide the 45-step epoch: the checkpoint of epoch 2 (step 90) is the averaged state
     after the round of steps 80..99, 10 steps into epoch 3. A fit that died in epoch 3 resumes from it at the first
-    step of epoch 3, with that state's optimizer (sparkdl/ps/average.py, run_average): the step count runs on from
+    step of epoch 3, with that state's optimizer (sparkdl/modes/average): the step count runs on from
     the checkpoint's 100, so the 10 steps already in it are trained again."""
     settings = dict(num_workers=2, mode="average", batch_size=16, seed=0, sync_every=20, checkpoint_dir=str(tmp_path))
     first = sparkdl.fit(digits_df, make_mlp(), epochs=3, **settings)

@@ -91,10 +91,6 @@ def test_two_workers_equal_one_worker_with_double_batch(spark, digits, tmp_path,
     assert moved, "training did not change the weights, so the comparison proves nothing"
 
 
-@pytest.mark.xfail(int(keras.__version__.split(".")[0]) < 3, strict=True, raises=sparkdl.WorkerError,
-                   reason="sparkdl/train/sync.py _is_float: np.dtype(str(v.dtype)) fails on tf.keras 2.12's DType "
-                          "(\"<dtype: 'float32'>\" not understood), so on the Horovod stack any model with "
-                          "non-trainable variables (BatchNorm) fails at the first epoch's statistics averaging")
 def test_batchnorm_statistics_are_averaged_over_ranks_and_dropout_trains(spark, digits, tmp_path):
     """BatchNorm right after the input: its moving statistics depend on the rows only, so the test can follow
     each rank's from the batches the rank saw. At each epoch end they are averaged over the ranks (README):

@@ -102,13 +102,18 @@ def _average_across_workers_callback(comm, *, samples: int, steps_per_epoch: Opt
             if statistics:
                 averaged = comm.allreduce(_concat([np.asarray(v.numpy(), np.float64) for v in statistics]), average=True)
                 for variable, value in zip(statistics, _split(averaged, statistics)):
-                    variable.assign(value.astype(variable.dtype))
+                    variable.assign(value.astype(_numpy_dtype(variable.dtype)))
 
     return AverageAcrossWorkers()
 
 
+def _numpy_dtype(dtype) -> np.dtype:
+    """A variable's dtype as numpy's: Keras 3 gives a name ("float32"), tf.keras 2 a ``tf.DType``."""
+    return np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
+
+
 def _is_float(dtype) -> bool:
-    return np.issubdtype(np.dtype(str(dtype)), np.floating)
+    return np.issubdtype(_numpy_dtype(dtype), np.floating)
 
 
 def _concat(arrays: list[np.ndarray]) -> np.ndarray:
