@@ -76,8 +76,7 @@ def raw_loopback_throughput(nbytes: int, rounds: int) -> float:
     return nbytes / statistics.median(times[1:])
 
 
-def _raw_ring_rank(rank: int, size: int, address_queue: mp.Queue, conn, sizes: list[int],
-                   repeats: int) -> None:
+def _raw_ring_rank(rank: int, size: int, address_queue: mp.Queue, conn, sizes: list[int], repeats: int) -> None:
     """Move the ring allreduce's per-rank traffic over plain sockets, with no reduction.
 
     Each rank streams 2(N-1)/N * K bytes to rank+1 while receiving as much from
@@ -112,8 +111,7 @@ def _raw_ring_rank(rank: int, size: int, address_queue: mp.Queue, conn, sizes: l
         sock.close()
 
 
-def _allreduce_rank(rank: int, size: int, address_queue: mp.Queue, conn, sizes: list[int],
-                    repeats: int) -> None:
+def _allreduce_rank(rank: int, size: int, address_queue: mp.Queue, conn, sizes: list[int], repeats: int) -> None:
     listener = Listener("127.0.0.1")
     address_queue.put((rank, listener.address))
     addresses, secret = conn.recv()
@@ -142,8 +140,7 @@ def run_ring(target, size: int, sizes: list[int], repeats: int) -> tuple[bool, d
     address_queue = ctx.Queue()
     pipes = [ctx.Pipe() for _ in range(size)]
     procs = [
-        ctx.Process(target=target, args=(r, size, address_queue, pipes[r][1], sizes, repeats))
-        for r in range(size)
+        ctx.Process(target=target, args=(r, size, address_queue, pipes[r][1], sizes, repeats)) for r in range(size)
     ]
     for proc in procs:
         proc.start()
@@ -177,17 +174,21 @@ def main(argv=None) -> None:
     print(f"raw TCP loopback, one stream, 64 MB sendall -> recv_into: {raw / 1e9:.2f} GB/s")
     print("ceiling = the same per-rank traffic over plain sockets in a ring of N processes, no reduction")
     print("(the 1 MB ceiling is dominated by thread start-up and scheduling noise)")
-    print(f"{'N':>2} {'size':>7} {'time ms':>9} {'busbw GB/s':>11} {'vs raw':>7} "
-          f"{'ceiling GB/s':>13} {'vs ceiling':>11}  verified")
+    print(
+        f"{'N':>2} {'size':>7} {'time ms':>9} {'busbw GB/s':>11} {'vs raw':>7} "
+        f"{'ceiling GB/s':>13} {'vs ceiling':>11}  verified"
+    )
     for size in args.ranks:
         _, ceilings = run_ring(_raw_ring_rank, size, sizes, args.repeats)
         verified, medians = run_ring(_allreduce_rank, size, sizes, args.repeats)
         for nbytes in sizes:
             traffic = 2 * (size - 1) / size * nbytes
             busbw, ceiling = traffic / medians[nbytes], traffic / ceilings[nbytes]
-            print(f"{size:>2} {nbytes // MB:>4} MB {medians[nbytes] * 1e3:>9.1f} {busbw / 1e9:>11.2f} "
-                  f"{busbw / raw:>7.0%} {ceiling / 1e9:>13.2f} {busbw / ceiling:>11.0%}  "
-                  f"{'yes' if verified else 'NO'}")
+            print(
+                f"{size:>2} {nbytes // MB:>4} MB {medians[nbytes] * 1e3:>9.1f} {busbw / 1e9:>11.2f} "
+                f"{busbw / raw:>7.0%} {ceiling / 1e9:>13.2f} {busbw / ceiling:>11.0%}  "
+                f"{'yes' if verified else 'NO'}"
+            )
 
 
 if __name__ == "__main__":

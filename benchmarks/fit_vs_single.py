@@ -27,7 +27,6 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "jobs"))
 
 import numpy as np  # noqa: E402
-
 from train import build_mlp  # noqa: E402  (the main job's model, so the figures describe it)
 
 
@@ -68,12 +67,17 @@ def main(argv=None) -> None:
 
     import sparkdl
 
-    spark = (SparkSession.builder.master(f"local[{args.workers}]").config("spark.driver.host", "127.0.0.1")
-             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+    spark = (
+        SparkSession.builder.master(f"local[{args.workers}]")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.ui.showConsoleProgress", "false")
+        .getOrCreate()
+    )
     spark.sparkContext.setLogLevel("ERROR")
     x_train, x_test, y_train, y_test = digits_split()
-    df = spark.createDataFrame([(r.tolist(), int(l)) for r, l in zip(x_train, y_train)],
-                               "features array<float>, label int").cache()
+    df = spark.createDataFrame(
+        [(r.tolist(), int(l)) for r, l in zip(x_train, y_train)], "features array<float>, label int"
+    ).cache()
     df.count()
     batch_size = args.global_batch // args.workers
 
@@ -98,15 +102,25 @@ def main(argv=None) -> None:
         for mode, checkpointed in variants:
             with tempfile.TemporaryDirectory(prefix="sparkdl-bench-") as directory:
                 started = time.perf_counter()
-                result = sparkdl.fit(df, model(), num_workers=args.workers, mode=mode, epochs=args.epochs,
-                                     batch_size=batch_size, seed=0, checkpoint_dir=directory if checkpointed else None,
-                                     **MODES[mode][0])
+                result = sparkdl.fit(
+                    df,
+                    model(),
+                    num_workers=args.workers,
+                    mode=mode,
+                    epochs=args.epochs,
+                    batch_size=batch_size,
+                    seed=0,
+                    checkpoint_dir=directory if checkpointed else None,
+                    **MODES[mode][0],
+                )
                 timings[_run_name(mode, checkpointed)].append(time.perf_counter() - started)
             accuracies[_run_name(mode, checkpointed)].append(accuracy(result.model, x_test, y_test))
 
     single_time, single_accuracy = statistics.median(timings["single"]), np.median(accuracies["single"])
-    print(f"\ndigits MLP 64-128-64-10, {len(x_train)} train rows, {args.epochs} epochs, global batch "
-          f"{args.global_batch} ({args.workers} workers x {batch_size}), median of {args.repeats} interleaved runs")
+    print(
+        f"\ndigits MLP 64-128-64-10, {len(x_train)} train rows, {args.epochs} epochs, global batch "
+        f"{args.global_batch} ({args.workers} workers x {batch_size}), median of {args.repeats} interleaved runs"
+    )
     print(f"{'run':<44}{'wall s':>8}{'x single':>10}{'test acc':>10}{'gap pts':>9}  goal")
     for run in runs:
         wall, acc = statistics.median(timings[run]), np.median(accuracies[run])
@@ -117,8 +131,10 @@ def main(argv=None) -> None:
             options, limit = MODES[mode]
             label = f"sparkdl {run} " + (" ".join(f"{k}={v}" for k, v in options.items()) or "(defaults)")
             goal = f"<= {limit:g}x, within 1 pt" if limit and run == mode else ""
-        print(f"{label:<44}{wall:>8.2f}{wall / single_time:>10.2f}{acc:>10.4f}"
-              f"{100 * (single_accuracy - acc):>+9.2f}  {goal}")
+        print(
+            f"{label:<44}{wall:>8.2f}{wall / single_time:>10.2f}{acc:>10.4f}"
+            f"{100 * (single_accuracy - acc):>+9.2f}  {goal}"
+        )
     print(f"cold start (first fit of the session, 1 epoch, Python workers + TensorFlow import): {cold:.2f}s")
     spark.stop()
 

@@ -21,7 +21,6 @@ os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
 import numpy as np  # noqa: E402
-
 from fit_vs_single import accuracy, digits_split  # noqa: E402
 
 
@@ -51,8 +50,14 @@ def model():
     import tensorflow as tf
 
     tf.keras.utils.set_random_seed(0)
-    net = tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(128, activation="relu"),
-                               tf.keras.layers.Dense(64, activation="relu"), tf.keras.layers.Dense(10, activation="softmax")])
+    net = tf.keras.Sequential(
+        [
+            tf.keras.Input((64,)),
+            tf.keras.layers.Dense(128, activation="relu"),
+            tf.keras.layers.Dense(64, activation="relu"),
+            tf.keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
     net.compile(optimizer=tf.keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return net
 
@@ -68,8 +73,12 @@ def main(argv=None) -> None:
 
     import sparkdl
 
-    spark = (SparkSession.builder.master("local[2]").config("spark.driver.host", "127.0.0.1")
-             .config("spark.ui.enabled", "false").getOrCreate())
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.ui.enabled", "false")
+        .getOrCreate()
+    )
     spark.sparkContext.setLogLevel("ERROR")
     sparkdl.run(ring_allreduce, num_workers=2)  # starts the Python workers: not part of any figure
 
@@ -84,21 +93,28 @@ def main(argv=None) -> None:
         seconds[name], result = timed(launch, args.repeats)
         assert result == [3.0] * 4, (name, result)
         print(f"{name:34s} {seconds[name]:6.2f} s")
-    print(f"horovod.spark.run / sparkdl.run(horovod): "
-          f"{seconds['horovod.spark.run'] / seconds['sparkdl.run(backend=' + repr('horovod') + ')']:.2f}x")
+    print(
+        f"horovod.spark.run / sparkdl.run(horovod): "
+        f"{seconds['horovod.spark.run'] / seconds['sparkdl.run(backend=' + repr('horovod') + ')']:.2f}x"
+    )
 
     print(f"\n== (2) sparkdl.fit sync, 2 workers x 16, {args.epochs} epochs, median of {args.repeats} ==")
     x_train, x_test, y_train, y_test = digits_split()
-    df = spark.createDataFrame([(r.tolist(), int(l)) for r, l in zip(x_train, y_train)],
-                               "features array<float>, label long").cache()
+    df = spark.createDataFrame(
+        [(r.tolist(), int(l)) for r, l in zip(x_train, y_train)], "features array<float>, label long"
+    ).cache()
     df.count()
     fits = {}
     for backend in ("ring", "horovod"):
-        run = lambda: sparkdl.fit(df, model(), num_workers=2, epochs=args.epochs, batch_size=16, seed=0,  # noqa: E731
-                                  backend=backend)
+
+        def run(backend=backend):
+            return sparkdl.fit(df, model(), num_workers=2, epochs=args.epochs, batch_size=16, seed=0, backend=backend)
+
         run()  # warm-up (TensorFlow graph tracing in the workers)
         fits[backend], result = timed(run, args.repeats)
-        print(f"backend={backend!r:10s} {fits[backend]:6.2f} s   test accuracy {accuracy(result.model, x_test, y_test):.4f}")
+        print(
+            f"backend={backend!r:10s} {fits[backend]:6.2f} s   test accuracy {accuracy(result.model, x_test, y_test):.4f}"
+        )
     print(f"horovod / ring wall time: {fits['horovod'] / fits['ring']:.2f}x")
     spark.stop()
 

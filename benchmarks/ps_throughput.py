@@ -54,8 +54,7 @@ def _worker(commands: mp.Queue, results: mp.Queue, go) -> None:
         addresses, sizes, worker, secret, seconds = job
         rng = np.random.default_rng(worker)
         gradients = [rng.standard_normal(n).astype(np.float32) for n in sizes]
-        with ParameterClient(addresses, worker=worker, secret=secret, shard_sizes=sizes,
-                             timeout=60) as client:
+        with ParameterClient(addresses, worker=worker, secret=secret, shard_sizes=sizes, timeout=60) as client:
             client.pull()
             client.push(gradients)
             results.put(("ready", worker))
@@ -81,24 +80,30 @@ def main(argv=None) -> None:
 
     ctx = mp.get_context("spawn")
     commands, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    pool = [ctx.Process(target=_worker, args=(commands, results, go), daemon=True)
-            for _ in range(max(args.workers))]
+    pool = [ctx.Process(target=_worker, args=(commands, results, go), daemon=True) for _ in range(max(args.workers))]
     for process in pool:
         process.start()
     secret = secrets.token_bytes(32)
-    print(f"parameter server throughput, mode=async, numpy SGD shards, {os.cpu_count()} cores, "
-          f"{args.seconds}s per row, workers = separate processes")
-    print(f"| params | shards | workers | pushes/s | push MB/s | ms/step |")
-    print(f"|---|---|---|---|---|---|")
+    print(
+        f"parameter server throughput, mode=async, numpy SGD shards, {os.cpu_count()} cores, "
+        f"{args.seconds}s per row, workers = separate processes"
+    )
+    print("| params | shards | workers | pushes/s | push MB/s | ms/step |")
+    print("|---|---|---|---|---|---|")
     started = time.perf_counter()
     try:
         for params in args.params:
             for shards in args.shards:
                 sizes = [len(part) for part in np.array_split(np.arange(params), shards)]
                 for workers in args.workers:
-                    ps = ParameterServer([SGDShard(n) for n in sizes], host="127.0.0.1",
-                                         secret=secret, mode="async", num_workers=workers,
-                                         timeout=60)
+                    ps = ParameterServer(
+                        [SGDShard(n) for n in sizes],
+                        host="127.0.0.1",
+                        secret=secret,
+                        mode="async",
+                        num_workers=workers,
+                        timeout=60,
+                    )
                     with ps:
                         go.clear()
                         for w in range(workers):
@@ -109,8 +114,11 @@ def main(argv=None) -> None:
                         outcomes = [results.get(timeout=120) for _ in range(workers)]
                     rate = sum(count / elapsed for _, count, elapsed in outcomes)
                     step_ms = 1e3 * np.mean([elapsed / max(count, 1) for _, count, elapsed in outcomes])
-                    print(f"| {params:,} | {shards} | {workers} | {rate:,.0f} | "
-                          f"{rate * 4 * params / MB:,.0f} | {step_ms:.2f} |", flush=True)
+                    print(
+                        f"| {params:,} | {shards} | {workers} | {rate:,.0f} | "
+                        f"{rate * 4 * params / MB:,.0f} | {step_ms:.2f} |",
+                        flush=True,
+                    )
     finally:
         for _ in pool:
             commands.put(None)

@@ -37,28 +37,47 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOAL_SECONDS = 12.0
-ROWS = ("session start", "data load", "checks", "worker check", "worker start, TF, model, epoch 1",
-        "epochs 2..N", "result", "scoring, save")
+ROWS = (
+    "session start",
+    "data load",
+    "checks",
+    "worker check",
+    "worker start, TF, model, epoch 1",
+    "epochs 2..N",
+    "result",
+    "scoring, save",
+)
 _EPOCH_LINE = re.compile(r"epoch\s+(\d+)/(\d+)")
 
 
 def run_job(tree: str, work: str, verbose: bool) -> dict:
     """One ``jobs/train.py`` run from ``tree``: wall time, timed output lines, Spark events."""
     events = tempfile.mkdtemp(dir=work, prefix="events-")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")])),
-               PYSPARK_SUBMIT_ARGS=" ".join([
-                   "--conf spark.eventLog.enabled=true", f"--conf spark.eventLog.dir=file://{events}",
-                   "--conf spark.eventLog.compress=false", "--conf spark.eventLog.rolling.enabled=false",
-                   "pyspark-shell"]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")])),
+        PYSPARK_SUBMIT_ARGS=" ".join(
+            [
+                "--conf spark.eventLog.enabled=true",
+                f"--conf spark.eventLog.dir=file://{events}",
+                "--conf spark.eventLog.compress=false",
+                "--conf spark.eventLog.rolling.enabled=false",
+                "pyspark-shell",
+            ]
+        ),
+    )
     command = [sys.executable, os.path.join(tree, "jobs", "train.py"), "--output", os.path.join(work, "model.keras")]
     if verbose:
         command.append("--verbose")
     lines: list[tuple[float, str]] = []
     started_wall, started = time.time(), time.perf_counter()
-    process = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, bufsize=1)
-    reader = threading.Thread(target=lambda: lines.extend((time.perf_counter() - started, line.rstrip("\n"))
-                                                          for line in process.stdout), daemon=True)
+    process = subprocess.Popen(
+        command, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
+    reader = threading.Thread(
+        target=lambda: lines.extend((time.perf_counter() - started, line.rstrip("\n")) for line in process.stdout),
+        daemon=True,
+    )
     reader.start()
     if process.wait(timeout=1200) != 0:
         reader.join(5)
@@ -80,9 +99,12 @@ def read_events(path: str) -> dict:
                 app_start = event["Timestamp"] / 1000
             elif kind == "SparkListenerJobStart":
                 properties = event.get("Properties") or {}
-                jobs[event["Job ID"]] = {"site": properties.get("callSite.short", "?"),
-                                         "tags": properties.get("spark.job.tags", ""),
-                                         "start": event["Submission Time"] / 1000, "end": None}
+                jobs[event["Job ID"]] = {
+                    "site": properties.get("callSite.short", "?"),
+                    "tags": properties.get("spark.job.tags", ""),
+                    "start": event["Submission Time"] / 1000,
+                    "end": None,
+                }
             elif kind == "SparkListenerJobEnd":
                 jobs[event["Job ID"]]["end"] = event["Completion Time"] / 1000
     return {"app_start": app_start, "jobs": [jobs[j] for j in sorted(jobs)]}
@@ -139,8 +161,9 @@ def phases(run: dict) -> dict:
         "total": run["total"],
     }
     figures["_checks_jobs"] = len(checks)
-    figures["_fit_line"] = next((text.split("sparkdl: phases ", 1)[1] for _, text in run["lines"]
-                                 if "sparkdl: phases " in text), None)
+    figures["_fit_line"] = next(
+        (text.split("sparkdl: phases ", 1)[1] for _, text in run["lines"] if "sparkdl: phases " in text), None
+    )
     figures["_jobs"] = [(job_kind(j), j["site"], j["end"] - j["start"], offset(j["start"])) for j in jobs]
     return figures
 
@@ -149,8 +172,9 @@ def phases(run: dict) -> dict:
 def baseline_tree(ref: str, work: str):
     """A detached worktree of ``ref``, removed afterwards."""
     path = os.path.join(work, "baseline")
-    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", path, ref], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        ["git", "-C", ROOT, "worktree", "add", "--detach", path, ref], check=True, capture_output=True, timeout=120
+    )
     try:
         yield path
     finally:
@@ -158,8 +182,13 @@ def baseline_tree(ref: str, work: str):
 
 
 def accepts_verbose(tree: str) -> bool:
-    done = subprocess.run([sys.executable, os.path.join(tree, "jobs", "train.py"), "--help"], capture_output=True,
-                          text=True, timeout=300, cwd=tree)
+    done = subprocess.run(
+        [sys.executable, os.path.join(tree, "jobs", "train.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tree,
+    )
     return "--verbose" in done.stdout
 
 
@@ -173,8 +202,10 @@ def main() -> int:
         with contextlib.ExitStack() as stack:
             variants = {"this tree": ROOT}
             if args.baseline:
-                variants = {f"before ({args.baseline})": stack.enter_context(baseline_tree(args.baseline, work)),
-                            **variants}
+                variants = {
+                    f"before ({args.baseline})": stack.enter_context(baseline_tree(args.baseline, work)),
+                    **variants,
+                }
             for name, tree in variants.items():
                 verbose = accepts_verbose(tree)
                 for run in range(args.runs):
@@ -185,8 +216,9 @@ def main() -> int:
     print(f"\njobs/train.py default run (warm: run {args.runs} of {args.runs}), seconds")
     print(f"{'phase':34s}" + "".join(f"{n:>22s}" for n in names))
     for row in (*ROWS, "total"):
-        label = row + (" [" + ", ".join(str(results[n]["_checks_jobs"]) for n in names) + " job(s)]"
-                       if row == "checks" else "")
+        label = row + (
+            " [" + ", ".join(str(results[n]["_checks_jobs"]) for n in names) + " job(s)]" if row == "checks" else ""
+        )
         print(f"{label:34s}" + "".join(f"{results[n][row]:22.1f}" for n in names))
     if len(names) == 2:
         before, after = (results[n]["total"] for n in names)

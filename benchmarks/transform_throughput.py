@@ -39,8 +39,14 @@ def make_model():
     import keras
 
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((WIDTH,)), keras.layers.Dense(128, activation="relu"),
-                              keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10, activation="softmax")])
+    model = keras.Sequential(
+        [
+            keras.Input((WIDTH,)),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     return model
 
@@ -60,14 +66,18 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--arrow-batch", type=int, default=10_000,
-                        help="spark.sql.execution.arrow.maxRecordsPerBatch (Spark's default: 10000)")
+    parser.add_argument(
+        "--arrow-batch",
+        type=int,
+        default=10_000,
+        help="spark.sql.execution.arrow.maxRecordsPerBatch (Spark's default: 10000)",
+    )
     args = parser.parse_args()
 
     from pyspark.sql import SparkSession
 
-    from sparkdl.ml.inference import predict
     from sparkdl.keras.serialization import model_to_bytes
+    from sparkdl.ml.inference import predict
 
     x = np.random.default_rng(0).random((args.rows, WIDTH), dtype=np.float32)
     model = make_model()
@@ -91,8 +101,9 @@ def main() -> None:
 
         def run_spark() -> float:
             start = time.perf_counter()
-            out = predict(df, model_bytes, features_col="features", prediction_col="prediction",
-                          batch_size=args.batch_size)
+            out = predict(
+                df, model_bytes, features_col="features", prediction_col="prediction", batch_size=args.batch_size
+            )
             out.write.format("noop").mode("overwrite").save()
             return time.perf_counter() - start
 
@@ -110,13 +121,19 @@ def main() -> None:
 
     spark_s, local_s = statistics.median(spark_times), statistics.median(local_times)
     spark_rate, local_rate = args.rows / spark_s, args.rows / local_s
-    print(f"rows: {args.rows:,} x {WIDTH} float32 from Parquet ({partitions} partitions), model 64-128-64-10 softmax, "
-          f"batch_size {args.batch_size}, {args.master}, arrow maxRecordsPerBatch {args.arrow_batch}")
+    print(
+        f"rows: {args.rows:,} x {WIDTH} float32 from Parquet ({partitions} partitions), model 64-128-64-10 softmax, "
+        f"batch_size {args.batch_size}, {args.master}, arrow maxRecordsPerBatch {args.arrow_batch}"
+    )
     print(f"warm-up passes: spark {warm_spark:.2f} s, in-process {warm_local:.2f} s")
-    print(f"spark predict + noop write : {spark_s:6.2f} s  {spark_rate:12,.0f} rows/s   "
-          f"(runs: {', '.join(f'{t:.2f}' for t in spark_times)})")
-    print(f"in-process model.predict   : {local_s:6.2f} s  {local_rate:12,.0f} rows/s   "
-          f"(runs: {', '.join(f'{t:.2f}' for t in local_times)})")
+    print(
+        f"spark predict + noop write : {spark_s:6.2f} s  {spark_rate:12,.0f} rows/s   "
+        f"(runs: {', '.join(f'{t:.2f}' for t in spark_times)})"
+    )
+    print(
+        f"in-process model.predict   : {local_s:6.2f} s  {local_rate:12,.0f} rows/s   "
+        f"(runs: {', '.join(f'{t:.2f}' for t in local_times)})"
+    )
     print(f"spark / in-process throughput: {spark_rate / local_rate:.0%} (goal: >= 50%)")
 
 

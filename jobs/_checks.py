@@ -22,8 +22,11 @@ def fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
 
 def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
     """Each option's flag by its name in snake_case (``max_staleness``: ``--max-staleness``), and ``mode``."""
-    return {action.dest: action.option_strings[0] for action in parser._actions
-            if action.option_strings and action.option_strings[0].startswith("--")}
+    return {
+        action.dest: action.option_strings[0]
+        for action in parser._actions
+        if action.option_strings and action.option_strings[0].startswith("--")
+    }
 
 
 def in_flags(message: str, flags: dict[str, str]) -> str:

@@ -10,8 +10,9 @@ unknown key or a wrong type stops the job before any Spark session starts, namin
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+
 import tomllib
-from typing import Optional, Sequence
 
 # What a TOML value may be for an option of each argparse type (None: argparse's default, str).
 # bool is excluded on purpose: TOML's `true` is not an integer, although Python's bool is an int.
@@ -22,12 +23,13 @@ _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", None: "a s
 def job_parser(description: str) -> argparse.ArgumentParser:
     """An argument parser with the ``--config`` option every job takes."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", metavar="FILE",
-                        help="TOML file of option values (keys in snake_case); flags override them")
+    parser.add_argument(
+        "--config", metavar="FILE", help="TOML file of option values (keys in snake_case); flags override them"
+    )
     return parser
 
 
-def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses ``argv`` with the ``--config`` file's values as defaults; a bad file exits like a bad flag."""
     config_only = argparse.ArgumentParser(add_help=False)
     config_only.add_argument("--config")
@@ -50,8 +52,10 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict:
     options = {action.dest: action for action in parser._actions if action.dest not in ("help", "config")}
     unknown = sorted(set(values) - set(options))
     if unknown:
-        raise ValueError(f"Unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in {path}. "
-                         f"Expected keys among: {', '.join(sorted(options))}")
+        raise ValueError(
+            f"Unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in {path}. "
+            f"Expected keys among: {', '.join(sorted(options))}"
+        )
     return {key: _checked_value(path, key, value, options[key]) for key, value in values.items()}
 
 
@@ -59,8 +63,10 @@ def _checked_value(path: str, key: str, value, option: argparse.Action):
     """The value as the option's type would give it (a TOML integer for a float option becomes a float)."""
     accepted = _ACCEPTED_TYPES[option.type]
     if isinstance(value, bool) or not isinstance(value, accepted):
-        raise ValueError(f"Expected {key!r} in {path} to be {_TYPE_NAMES[option.type]} "
-                         f"(as {option.option_strings[0]}). Received: {value!r}")
+        raise ValueError(
+            f"Expected {key!r} in {path} to be {_TYPE_NAMES[option.type]} "
+            f"(as {option.option_strings[0]}). Received: {value!r}"
+        )
     if option.choices is not None and value not in option.choices:
         raise ValueError(f"Expected {key!r} in {path} to be one of {list(option.choices)}. Received: {value!r}")
     return float(value) if option.type is float else value

@@ -26,7 +26,6 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
 
 _log = logging.getLogger("sparkdl-job")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparkdl" / "jvm"
@@ -41,7 +40,7 @@ class StartupOptions:
 
     def __init__(self) -> None:
         self.archive = _archive_path()
-        self.writing: Optional[Path] = None
+        self.writing: Path | None = None
         if self.archive is None:
             self.options = "-XX:TieredStopAtLevel=1"
         elif self.archive.exists():
@@ -80,7 +79,7 @@ def _remove_unused(keep: Path) -> None:
                 other.unlink()
 
 
-def _archive_path() -> Optional[Path]:
+def _archive_path() -> Path | None:
     """``~/.cache/sparkdl/jvm/spark-<key>.jsa`` for this Java and these Spark jars; None where it cannot be kept."""
     java_home = os.environ.get("JAVA_HOME")
     java = shutil.which("java", path=os.path.join(java_home, "bin") if java_home else None)  # None: the PATH

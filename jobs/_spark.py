@@ -18,7 +18,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import _jvm
 
@@ -26,18 +25,27 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 QUIET_LOG4J = Path(__file__).resolve().parent.parent / "conf" / "log4j2.properties"
-_startup: Optional[_jvm.StartupOptions] = None  # the driver JVM's start-up options, when this job starts the JVM
+_startup: _jvm.StartupOptions | None = None  # the driver JVM's start-up options, when this job starts the JVM
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every job takes to choose its Spark session and how much it prints."""
     spark = parser.add_argument_group("Spark")
-    spark.add_argument("--master", help="Spark master with plain python (default: local[*]). Under spark-submit, "
-                                        "give spark-submit's own --master instead: the job refuses this flag there")
-    spark.add_argument("--remote", metavar="URL",
-                       help="run over Spark Connect (sc://host:port); SPARK_REMOTE or spark-submit --remote do too")
-    spark.add_argument("--verbose", action="store_true",
-                       help="Spark's and sparkdl's INFO logs, and the seconds each phase of the job takes")
+    spark.add_argument(
+        "--master",
+        help="Spark master with plain python (default: local[*]). Under spark-submit, "
+        "give spark-submit's own --master instead: the job refuses this flag there",
+    )
+    spark.add_argument(
+        "--remote",
+        metavar="URL",
+        help="run over Spark Connect (sc://host:port); SPARK_REMOTE or spark-submit --remote do too",
+    )
+    spark.add_argument(
+        "--verbose",
+        action="store_true",
+        help="Spark's and sparkdl's INFO logs, and the seconds each phase of the job takes",
+    )
 
 
 def under_spark_submit() -> bool:
@@ -45,7 +53,7 @@ def under_spark_submit() -> bool:
     return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
-def remote_url(args: argparse.Namespace) -> Optional[str]:
+def remote_url(args: argparse.Namespace) -> str | None:
     """The Spark Connect server to use: ``--remote``, else ``SPARK_REMOTE``, else spark-submit's ``--remote``."""
     if args.remote:
         return args.remote
@@ -61,12 +69,16 @@ def remote_url(args: argparse.Namespace) -> Optional[str]:
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuses Spark options that contradict how the job was started, before anything starts."""
     if args.master and under_spark_submit():
-        raise ValueError(f"--master is for plain python; under spark-submit, spark-submit's own --master (before the "
-                         f"job's path) sets the master: spark-submit --master '{args.master}' jobs/... "
-                         f"Received: --master {args.master}")
+        raise ValueError(
+            f"--master is for plain python; under spark-submit, spark-submit's own --master (before the "
+            f"job's path) sets the master: spark-submit --master '{args.master}' jobs/... "
+            f"Received: --master {args.master}"
+        )
     if args.master and remote_url(args):
-        raise ValueError(f"--master cannot be used over Spark Connect ({remote_url(args)}): the Connect server's "
-                         f"master is chosen where the server starts. Received: --master {args.master}")
+        raise ValueError(
+            f"--master cannot be used over Spark Connect ({remote_url(args)}): the Connect server's "
+            f"master is chosen where the server starts. Received: --master {args.master}"
+        )
 
 
 def classic_conf(args: argparse.Namespace):

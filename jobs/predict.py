@@ -26,16 +26,27 @@ import _spark  # first: it sets the environment before pyspark or keras is impor
 def build_parser() -> argparse.ArgumentParser:
     parser = _config.job_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="output/model.keras", help="the .keras file to score with")
-    parser.add_argument("--data", help="Parquet dataset to score (required, here or in --config). A local path "
-                                       "is checked before Spark starts; hdfs://, s3a://, ... are checked by Spark")
+    parser.add_argument(
+        "--data",
+        help="Parquet dataset to score (required, here or in --config). A local path "
+        "is checked before Spark starts; hdfs://, s3a://, ... are checked by Spark",
+    )
     parser.add_argument("--output", default="output/predictions.parquet", help="where to write the scored rows")
-    parser.add_argument("--features-col", default="features",
-                        help="vector/array column, or comma-separated numeric columns (default: features)")
+    parser.add_argument(
+        "--features-col",
+        default="features",
+        help="vector/array column, or comma-separated numeric columns (default: features)",
+    )
     parser.add_argument("--prediction-col", default="prediction")
-    parser.add_argument("--probability-col", default="probability",
-                        help="class probabilities of a classifier; empty to leave them out")
-    parser.add_argument("--mode", choices=("error", "overwrite"), default="error",
-                        help="when --output exists: fail (error) or replace it (overwrite)")
+    parser.add_argument(
+        "--probability-col", default="probability", help="class probabilities of a classifier; empty to leave them out"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("error", "overwrite"),
+        default="error",
+        help="when --output exists: fail (error) or replace it (overwrite)",
+    )
     _spark.add_arguments(parser)
     return parser
 
@@ -78,11 +89,14 @@ def features_array(df, columns: list[str]):
 
     for name in columns:
         if name not in df.columns:
-            raise ValueError(f"Column {name!r} given as `features_col` is not in the DataFrame. "
-                             f"Available columns: {df.columns}")
+            raise ValueError(
+                f"Column {name!r} given as `features_col` is not in the DataFrame. Available columns: {df.columns}"
+            )
         if not isinstance(df.schema[name].dataType, (NumericType, BooleanType)):
-            raise ValueError(f"Expected every column in the `features_col` list to be numeric; column {name!r} is "
-                             f"{df.schema[name].dataType.simpleString()}.")
+            raise ValueError(
+                f"Expected every column in the `features_col` list to be numeric; column {name!r} is "
+                f"{df.schema[name].dataType.simpleString()}."
+            )
     return F.array(*(F.col(name).cast("float") for name in columns))
 
 
@@ -102,8 +116,9 @@ def check_paths(args: argparse.Namespace, conf) -> None:
     _checks.check_exists("--data", args.data, remote=remote, plain_path_is_local=plain_path_is_local)
     output = _checks.local_path(args.output)
     if args.mode == "error" and output is not None and plain_path_is_local and os.path.exists(output):
-        raise ValueError(f"--output {args.output} exists already. Use --mode overwrite to replace it, or another "
-                         "--output.")
+        raise ValueError(
+            f"--output {args.output} exists already. Use --mode overwrite to replace it, or another --output."
+        )
 
 
 def main(argv=None) -> int:
@@ -117,8 +132,9 @@ def main(argv=None) -> int:
         _checks.fail(parser, str(e))
     from sparkdl.ml import KerasModel
 
-    scorer = KerasModel.from_keras(args.model, predictionCol=args.prediction_col,
-                                   probabilityCol=args.probability_col, rawPredictionCol="")
+    scorer = KerasModel.from_keras(
+        args.model, predictionCol=args.prediction_col, probabilityCol=args.probability_col, rawPredictionCol=""
+    )
     spark = _spark.spark_session("sparkdl-predict", args, conf)
     try:
         score(spark.read.parquet(args.data), scorer, args.features_col).write.mode(args.mode).parquet(args.output)

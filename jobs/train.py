@@ -46,10 +46,16 @@ NUMBER_RULES = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _config.job_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--data", help="Parquet dataset to train on (default: scikit-learn's digits). A local path "
-                                       "is checked before Spark starts; hdfs://, s3a://, ... are checked by Spark")
-    parser.add_argument("--features-col", default="features",
-                        help="vector/array column, or comma-separated numeric columns (default: features)")
+    parser.add_argument(
+        "--data",
+        help="Parquet dataset to train on (default: scikit-learn's digits). A local path "
+        "is checked before Spark starts; hdfs://, s3a://, ... are checked by Spark",
+    )
+    parser.add_argument(
+        "--features-col",
+        default="features",
+        help="vector/array column, or comma-separated numeric columns (default: features)",
+    )
     parser.add_argument("--label-col", default="label", help="integer class label column (default: label)")
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--mode", choices=MODES, default="sync", help="how the workers combine their work")
@@ -100,7 +106,7 @@ def digits(test_fraction: float, seed: int):
     x, y = load_digits(return_X_y=True)
     x, y = (x / 16.0).astype(np.float32), y.astype(np.int32)
     order = np.random.default_rng(seed).permutation(len(x))
-    test, train = order[:round(len(x) * test_fraction)], order[round(len(x) * test_fraction):]
+    test, train = order[: round(len(x) * test_fraction)], order[round(len(x) * test_fraction) :]
     return (x[train], y[train]), (x[test], y[test])
 
 
@@ -122,7 +128,9 @@ def width_and_classes(df, features, label_col: str) -> tuple[int, int]:
 
     expr, _ = features_array(df, features)  # checks the columns' types, naming them
     if label_col not in df.columns:
-        raise ValueError(f"Column {label_col!r} given as `label_col` is not in the data. Available columns: {df.columns}")
+        raise ValueError(
+            f"Column {label_col!r} given as `label_col` is not in the data. Available columns: {df.columns}"
+        )
     row = df.agg(F.max(F.size(expr)), F.max(label_col)).first()
     if row[0] is None:
         raise ValueError("Expected `data` to hold rows to train on. Received: no rows")
@@ -143,14 +151,17 @@ def test_arrays(test_df, features, label_col: str, width: int):
 def build_mlp(width: int, classes: int, learning_rate: float):
     import keras
 
-    model = keras.Sequential([
-        keras.Input((width,)),
-        keras.layers.Dense(128, activation="relu"),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(classes, activation="softmax"),
-    ])
-    model.compile(optimizer=keras.optimizers.Adam(learning_rate), loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
+    model = keras.Sequential(
+        [
+            keras.Input((width,)),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(classes, activation="softmax"),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(learning_rate), loss="sparse_categorical_crossentropy", metrics=["accuracy"]
+    )
     return model
 
 
@@ -177,11 +188,22 @@ def train(spark, args: argparse.Namespace, digits_split) -> None:
 
     optional = {name: getattr(args, name) for name in OPTIONAL_FIT_SETTINGS if getattr(args, name) is not None}
     with phase("fit"):
-        result = sparkdl.fit(train_df, model, features_col=features, label_col=args.label_col,
-                             num_workers=args.num_workers, mode=args.mode, epochs=args.epochs,
-                             batch_size=args.batch_size, seed=args.seed, **optional)
-    print(f"trained on {result.num_workers} workers in {result.seconds:.1f}s ({args.mode} mode, "
-          f"{result.steps_per_epoch} steps/epoch of {args.batch_size} rows per worker)")
+        result = sparkdl.fit(
+            train_df,
+            model,
+            features_col=features,
+            label_col=args.label_col,
+            num_workers=args.num_workers,
+            mode=args.mode,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            **optional,
+        )
+    print(
+        f"trained on {result.num_workers} workers in {result.seconds:.1f}s ({args.mode} mode, "
+        f"{result.steps_per_epoch} steps/epoch of {args.batch_size} rows per worker)"
+    )
     with phase("test"):
         if args.data:
             x_test, y_test = test_arrays(test_df, features, args.label_col, width)
@@ -195,7 +217,8 @@ def train(spark, args: argparse.Namespace, digits_split) -> None:
     if args.test_output:
         with phase("test_output"):
             (test_df if args.data else digits_frame(spark, x_test, y_test)).write.mode("overwrite").parquet(
-                args.test_output)
+                args.test_output
+            )
         print(f"wrote the test rows to {args.test_output}")
 
 
@@ -208,8 +231,12 @@ def main(argv=None) -> int:
         conf = None if _spark.remote_url(args) else _spark.classic_conf(args)
         if args.data:
             try:
-                _checks.check_exists("--data", args.data, remote=conf is None,
-                                     plain_path_is_local=conf is not None and _spark.is_local(conf.get("spark.master")))
+                _checks.check_exists(
+                    "--data",
+                    args.data,
+                    remote=conf is None,
+                    plain_path_is_local=conf is not None and _spark.is_local(conf.get("spark.master")),
+                )
             except ValueError as e:
                 _checks.fail(parser, str(e))
     # Three processes load TensorFlow: this one, and the executors' Python (once, in sparkdl's worker daemon for

@@ -37,6 +37,7 @@ def hooked_optimizer_class(original: type, intercept) -> type:
     remembers ``original`` as ``hooked_from``.
     """
     if keras_major() >= 3:
+
         def apply(self, grads, trainable_variables=None):
             return intercept(functools.partial(original.apply, self), list(grads), trainable_variables)
 
@@ -86,4 +87,5 @@ def check_model_supported(model) -> None:
         raise ValueError(
             f"Expected a tf.keras.optimizers optimizer on Keras {__import__('keras').__version__}. Received: "
             f"{type(model.optimizer).__module__}.{type(model.optimizer).__name__} (a legacy optimizer, which the "
-            ".keras format cannot save). Compile with e.g. tf.keras.optimizers.Adam().")
+            ".keras format cannot save). Compile with e.g. tf.keras.optimizers.Adam()."
+        )

@@ -8,7 +8,6 @@ import numbers
 import secrets
 import threading
 import time
-from typing import Optional
 
 from pyspark.sql import DataFrame
 
@@ -66,20 +65,20 @@ def fit(
     epochs: int = 1,
     batch_size: int = 32,
     shuffle: bool = True,
-    seed: Optional[int] = None,
-    push_every: Optional[int] = None,
-    max_staleness: Optional[int] = None,
-    num_servers: Optional[int] = None,
-    sync_every: Optional[int] = None,
-    validation_col: Optional[str] = None,
-    validation_split: Optional[float] = None,
+    seed: int | None = None,
+    push_every: int | None = None,
+    max_staleness: int | None = None,
+    num_servers: int | None = None,
+    sync_every: int | None = None,
+    validation_col: str | None = None,
+    validation_split: float | None = None,
     timeout: float = 600.0,
-    custom_objects: Optional[dict] = None,
+    custom_objects: dict | None = None,
     backend: str = "ring",
-    checkpoint_dir: Optional[str] = None,
-    callbacks: Optional[list] = None,
+    checkpoint_dir: str | None = None,
+    callbacks: list | None = None,
     progress: bool = True,
-    tensorboard_dir: Optional[str] = None,
+    tensorboard_dir: str | None = None,
     log_to_mlflow: bool = False,
 ) -> FitResult:
     """Trains a compiled Keras 3 model on a Spark DataFrame with ``num_workers`` Spark tasks.
@@ -147,10 +146,17 @@ def fit(
         >>> result.history["loss"][-1]
     """
     phases = _Phases()
-    _check_settings(df, model, num_workers=num_workers, epochs=epochs, batch_size=batch_size, timeout=timeout,
-                    seed=seed)
-    values = check_mode_options(mode, push_every=push_every, max_staleness=max_staleness, num_servers=num_servers,
-                                sync_every=sync_every, backend=None if backend == "ring" else backend)
+    _check_settings(
+        df, model, num_workers=num_workers, epochs=epochs, batch_size=batch_size, timeout=timeout, seed=seed
+    )
+    values = check_mode_options(
+        mode,
+        push_every=push_every,
+        max_staleness=max_staleness,
+        num_servers=num_servers,
+        sync_every=sync_every,
+        backend=None if backend == "ring" else backend,
+    )
     runner = _REGISTRY[mode]
     options = runner.configure(mode, model, values)
     _validation_options(validation_col, validation_split)
@@ -163,11 +169,13 @@ def fit(
     phases.end("settings")
 
     # Prepare: the slots, the data, the executors' Python, the job.
-    launch.check_slots(df.sparkSession, num_workers, wait_seconds=30.0,
-                       why=lambda slots: runner.why_all_at_once(mode, slots))
+    launch.check_slots(
+        df.sparkSession, num_workers, wait_seconds=30.0, why=lambda slots: runner.why_all_at_once(mode, slots)
+    )
     seed = secrets.randbelow(2**31) if seed is None else seed
-    planned = data.plan(df, features_col, label_col, validation_col=validation_col,
-                        validation_split=validation_split, seed=seed)  # the columns: no Spark job yet
+    planned = data.plan(
+        df, features_col, label_col, validation_col=validation_col, validation_split=validation_split, seed=seed
+    )  # the columns: no Spark job yet
     # The executors' Python is checked (and TensorFlow loaded into it) while the driver checks the rows.
     workers = probe.start_check(df.sparkSession, num_workers, timeout)
     phases.end("slots")
@@ -177,50 +185,115 @@ def fit(
     phases.end("workers")
     steps = data.steps_per_epoch(training.num_rows, num_workers, batch_size)  # training rows only
     if resumed is not None and resumed.epoch >= epochs:
-        logger.info("sparkdl: %s already holds %d trained epochs (epochs=%d): nothing to train", checkpoint_dir,
-                    resumed.epoch, epochs)
-        return FitResult(resumed.model, resumed.checkpoint.history, num_workers, steps, 0.0, {},
-                         training.validation_rows, resumed.checkpoint.epoch)
+        logger.info(
+            "sparkdl: %s already holds %d trained epochs (epochs=%d): nothing to train",
+            checkpoint_dir,
+            resumed.epoch,
+            epochs,
+        )
+        return FitResult(
+            resumed.model,
+            resumed.checkpoint.history,
+            num_workers,
+            steps,
+            0.0,
+            {},
+            training.validation_rows,
+            resumed.checkpoint.epoch,
+        )
     start = resumed.checkpoint if resumed is not None else Checkpoint(0, serialization.model_to_bytes(model), {}, mode)
-    settings = Settings(shapes=training.shapes, num_workers=num_workers, epochs=epochs, batch_size=batch_size,
-                        steps_per_epoch=steps, seed=seed, shuffle=shuffle, custom_objects=custom_objects,
-                        timeout=timeout, initial_epoch=start.epoch, validate=training.validation_rows > 0,
-                        callbacks=worker_callbacks)
-    logger.info("sparkdl: %s training on %d workers, %d rows (%d held out for validation), "
-                "%d steps/epoch x %d epochs%s", mode, num_workers, training.num_rows, training.validation_rows, steps,
-                epochs, f", resuming after epoch {start.epoch}" if start.epoch else "")
-    monitor = ProgressMonitor(epochs=epochs, steps_per_epoch=steps, initial_epoch=start.epoch,
-                              reporting_ranks=runner.reporting_ranks(num_workers), console=progress,
-                              listeners=_listeners(tensorboard_dir, log_to_mlflow, mode=mode, settings=settings,
-                                                   backend=backend, values=values),
-                              description=f"sparkdl {mode} x{num_workers}", watch=phases.watch)
+    settings = Settings(
+        shapes=training.shapes,
+        num_workers=num_workers,
+        epochs=epochs,
+        batch_size=batch_size,
+        steps_per_epoch=steps,
+        seed=seed,
+        shuffle=shuffle,
+        custom_objects=custom_objects,
+        timeout=timeout,
+        initial_epoch=start.epoch,
+        validate=training.validation_rows > 0,
+        callbacks=worker_callbacks,
+    )
+    logger.info(
+        "sparkdl: %s training on %d workers, %d rows (%d held out for validation), %d steps/epoch x %d epochs%s",
+        mode,
+        num_workers,
+        training.num_rows,
+        training.validation_rows,
+        steps,
+        epochs,
+        f", resuming after epoch {start.epoch}" if start.epoch else "",
+    )
+    monitor = ProgressMonitor(
+        epochs=epochs,
+        steps_per_epoch=steps,
+        initial_epoch=start.epoch,
+        reporting_ranks=runner.reporting_ranks(num_workers),
+        console=progress,
+        listeners=_listeners(
+            tensorboard_dir, log_to_mlflow, mode=mode, settings=settings, backend=backend, values=values
+        ),
+        description=f"sparkdl {mode} x{num_workers}",
+        watch=phases.watch,
+    )
     phases.end("serialize")
 
     # Run the mode.
     started = time.perf_counter()
     with monitor:
-        result = runner.run(Job(training=training, start=start, settings=settings, mode=mode, options=options,
-                                monitor=monitor, checkpoints=checkpoints))
+        result = runner.run(
+            Job(
+                training=training,
+                start=start,
+                settings=settings,
+                mode=mode,
+                options=options,
+                monitor=monitor,
+                checkpoints=checkpoints,
+            )
+        )
     seconds = time.perf_counter() - started
     phases.end("result")
     logger.info("sparkdl: phases %s; %s", phases, workers.summary())
 
     # Build the result.
-    return FitResult(result.model, result.history, num_workers, steps, seconds, result.stats,
-                     training.validation_rows, result.initial_epoch)
+    return FitResult(
+        result.model,
+        result.history,
+        num_workers,
+        steps,
+        seconds,
+        result.stats,
+        training.validation_rows,
+        result.initial_epoch,
+    )
 
 
-def _listeners(tensorboard_dir: Optional[str], log_to_mlflow: bool, *, mode: str, settings: Settings, backend: str,
-               values: dict) -> list:
+def _listeners(
+    tensorboard_dir: str | None, log_to_mlflow: bool, *, mode: str, settings: Settings, backend: str, values: dict
+) -> list:
     """The driver's epoch listeners: TensorBoard, MLflow."""
     listeners: list = []
     if tensorboard_dir is not None:
         listeners.append(tracking.TensorBoardLogger(tensorboard_dir))
     if log_to_mlflow:
-        listeners.append(tracking.MLflowLogger(dict(
-            mode=mode, num_workers=settings.num_workers, epochs=settings.epochs, batch_size=settings.batch_size,
-            seed=settings.seed, shuffle=settings.shuffle, steps_per_epoch=settings.steps_per_epoch, backend=backend,
-            **{k: v for k, v in values.items() if v is not None and k != "backend"})))
+        listeners.append(
+            tracking.MLflowLogger(
+                dict(
+                    mode=mode,
+                    num_workers=settings.num_workers,
+                    epochs=settings.epochs,
+                    batch_size=settings.batch_size,
+                    seed=settings.seed,
+                    shuffle=settings.shuffle,
+                    steps_per_epoch=settings.steps_per_epoch,
+                    backend=backend,
+                    **{k: v for k, v in values.items() if v is not None and k != "backend"},
+                )
+            )
+        )
     return listeners
 
 
@@ -265,7 +338,7 @@ class _Resumed:
         return self.checkpoint.epoch
 
 
-def _newest_checkpoint(checkpoints: Optional[CheckpointStore], model, custom_objects) -> Optional[_Resumed]:
+def _newest_checkpoint(checkpoints: CheckpointStore | None, model, custom_objects) -> _Resumed | None:
     """The checkpoint a fit continues from (read once, here); refuses one of a different model rather than
     train that instead."""
     latest = checkpoints.latest() if checkpoints is not None else None
@@ -275,9 +348,11 @@ def _newest_checkpoint(checkpoints: Optional[CheckpointStore], model, custom_obj
     expected = [tuple(w.shape) for w in model.weights]
     found = [tuple(w.shape) for w in saved.weights]
     if expected != found:
-        raise ValueError(f"checkpoint_dir={checkpoints.uri!r} holds a checkpoint (epoch {latest.epoch}) of a different "
-                         f"model: its weights have shapes {found}, the model's {expected}. Use another directory "
-                         "for this model, or empty this one.")
+        raise ValueError(
+            f"checkpoint_dir={checkpoints.uri!r} holds a checkpoint (epoch {latest.epoch}) of a different "
+            f"model: its weights have shapes {found}, the model's {expected}. Use another directory "
+            "for this model, or empty this one."
+        )
     logger.info("sparkdl: found a checkpoint after epoch %d in %s", latest.epoch, checkpoints.uri)
     return _Resumed(latest, saved)
 
@@ -290,36 +365,45 @@ def _check_callbacks(callbacks, mode: str, runs_callbacks: bool) -> tuple:
     from pyspark import cloudpickle
 
     if not runs_callbacks:
-        raise ValueError(f"`callbacks` run inside Keras's fit on the workers, which mode={mode!r} does not use (it "
-                         "trains in rounds of train_on_batch). Use mode='sync' or a parameter-server mode, or drop "
-                         f"the callbacks. Received: callbacks={callbacks!r}")
+        raise ValueError(
+            f"`callbacks` run inside Keras's fit on the workers, which mode={mode!r} does not use (it "
+            "trains in rounds of train_on_batch). Use mode='sync' or a parameter-server mode, or drop "
+            f"the callbacks. Received: callbacks={callbacks!r}"
+        )
     if not isinstance(callbacks, (list, tuple)):
         raise ValueError(f"Expected `callbacks` to be a list of keras.callbacks.Callback. Received: {callbacks!r}")
     for callback in callbacks:
         if not isinstance(callback, keras.callbacks.Callback):
-            raise ValueError("Expected `callbacks` to hold keras.callbacks.Callback instances. "
-                             f"Received: {type(callback).__name__}")
+            raise ValueError(
+                f"Expected `callbacks` to hold keras.callbacks.Callback instances. Received: {type(callback).__name__}"
+            )
         try:
             cloudpickle.dumps(callback)
         except Exception as exc:
-            raise ValueError(f"Callback {type(callback).__name__} cannot be sent to the workers (it must be "
-                             f"picklable; create resources such as files or clients in its on_train_begin): {exc}"
-                             ) from exc
+            raise ValueError(
+                f"Callback {type(callback).__name__} cannot be sent to the workers (it must be "
+                f"picklable; create resources such as files or clients in its on_train_begin): {exc}"
+            ) from exc
     return tuple(callbacks)
 
 
 def _validation_options(validation_col, validation_split) -> None:
     """Checks the validation settings (the column itself is checked against the schema in ``data.plan``)."""
     if validation_col is not None and validation_split is not None:
-        raise ValueError("`validation_col` and `validation_split` are mutually exclusive: pass one of them. "
-                         f"Received: validation_col={validation_col!r}, validation_split={validation_split!r}")
+        raise ValueError(
+            "`validation_col` and `validation_split` are mutually exclusive: pass one of them. "
+            f"Received: validation_col={validation_col!r}, validation_split={validation_split!r}"
+        )
     if validation_col is not None and not isinstance(validation_col, str):
         raise ValueError(f"Expected `validation_col` to be a column name. Received: validation_col={validation_col!r}")
-    if validation_split is not None and (isinstance(validation_split, bool)
-                                         or not isinstance(validation_split, numbers.Real)
-                                         or not 0 < validation_split < 1):
-        raise ValueError(f"Expected `validation_split` to be a float in (0, 1). "
-                         f"Received: validation_split={validation_split!r}")
+    if validation_split is not None and (
+        isinstance(validation_split, bool)
+        or not isinstance(validation_split, numbers.Real)
+        or not 0 < validation_split < 1
+    ):
+        raise ValueError(
+            f"Expected `validation_split` to be a float in (0, 1). Received: validation_split={validation_split!r}"
+        )
 
 
 def _check_settings(df, model, *, num_workers, epochs, batch_size, timeout, seed) -> None:

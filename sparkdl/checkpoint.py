@@ -31,7 +31,6 @@ import os
 import re
 import secrets
 import time
-from typing import Optional
 
 import numpy as np
 
@@ -61,7 +60,7 @@ class CheckpointStore:
     uri: str
 
     @classmethod
-    def open(cls, location: str) -> "CheckpointStore":
+    def open(cls, location: str) -> CheckpointStore:
         """On the driver, before any job: checks the location, creates the directory, clears stale temporaries.
 
         A plain relative path is made absolute here, because executors run in other directories.
@@ -69,8 +68,10 @@ class CheckpointStore:
         from pyarrow import fs as pafs
 
         if not isinstance(location, str) or not location.strip():
-            raise ValueError(f"Expected `checkpoint_dir` to be a path or URI (file://, hdfs://, s3://, ...). "
-                             f"Received: checkpoint_dir={location!r}")
+            raise ValueError(
+                f"Expected `checkpoint_dir` to be a path or URI (file://, hdfs://, s3://, ...). "
+                f"Received: checkpoint_dir={location!r}"
+            )
         uri = location if "://" in location else os.path.abspath(location)
         try:
             filesystem, path = pafs.FileSystem.from_uri(uri)
@@ -79,13 +80,15 @@ class CheckpointStore:
             else:
                 filesystem.create_dir(path, recursive=True)
         except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... depending on the filesystem
-            raise ValueError(f"Cannot use checkpoint_dir={location!r}: {exc}. Expected a writable directory on a "
-                             "filesystem pyarrow supports (local path, file://, hdfs://, s3://, gs://).") from exc
+            raise ValueError(
+                f"Cannot use checkpoint_dir={location!r}: {exc}. Expected a writable directory on a "
+                "filesystem pyarrow supports (local path, file://, hdfs://, s3://, gs://)."
+            ) from exc
         store = cls(uri)
         store._remove_temporaries(filesystem, path)
         return store
 
-    def latest(self, newer_than: int = -1) -> Optional[Checkpoint]:
+    def latest(self, newer_than: int = -1) -> Checkpoint | None:
         """The newest complete checkpoint (of more than ``newer_than`` epochs), or None."""
         filesystem, path = self._filesystem()
         for epoch in sorted((e for e in self._complete_epochs(filesystem, path) if e > newer_than), reverse=True):
@@ -104,8 +107,14 @@ class CheckpointStore:
             buffer = io.BytesIO()
             np.savez(buffer, **checkpoint.arrays)
             self._write(filesystem, path, f"{stem}.npz", buffer.getvalue())
-        meta = {"format": _FORMAT, "epoch": checkpoint.epoch, "history": checkpoint.history, "mode": checkpoint.mode,
-                "arrays": sorted(checkpoint.arrays), "written": time.time()}
+        meta = {
+            "format": _FORMAT,
+            "epoch": checkpoint.epoch,
+            "history": checkpoint.history,
+            "mode": checkpoint.mode,
+            "arrays": sorted(checkpoint.arrays),
+            "written": time.time(),
+        }
         self._write(filesystem, path, f"{stem}.json", json.dumps(meta).encode())
         for old in sorted(self._complete_epochs(filesystem, path))[:-KEEP]:
             self._delete(filesystem, path, old)
@@ -119,8 +128,7 @@ class CheckpointStore:
         from pyarrow import fs as pafs
 
         names = {os.path.basename(info.path) for info in filesystem.get_file_info(pafs.FileSelector(path))}
-        return [int(m.group(1)) for name in names if (m := _NAME.match(name))
-                and f"epoch-{m.group(1)}.keras" in names]
+        return [int(m.group(1)) for name in names if (m := _NAME.match(name)) and f"epoch-{m.group(1)}.keras" in names]
 
     def _read(self, filesystem, path, epoch: int) -> Checkpoint:
         stem = f"{path}/epoch-{epoch:06d}"
@@ -196,7 +204,7 @@ class BackgroundWriter:
     def __init__(self, store: CheckpointStore):
         self._store = store
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkdl-checkpoint")
-        self._pending: Optional[concurrent.futures.Future] = None
+        self._pending: concurrent.futures.Future | None = None
 
     def save(self, checkpoint: Checkpoint) -> None:
         self._wait()
@@ -214,7 +222,7 @@ class BackgroundWriter:
             pending, self._pending = self._pending, None
             pending.result()
 
-    def __enter__(self) -> "BackgroundWriter":
+    def __enter__(self) -> BackgroundWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -244,11 +252,11 @@ class Checkpointer:
         for name, value in logs.items():
             self._history.setdefault(name, []).append(value)
 
-    def save(self, epoch: int, model_bytes: bytes, arrays: Optional[dict[str, np.ndarray]] = None) -> None:
+    def save(self, epoch: int, model_bytes: bytes, arrays: dict[str, np.ndarray] | None = None) -> None:
         history = {name: list(values) for name, values in self._history.items()}
         self._writer.save(Checkpoint(epoch, model_bytes, history, self._mode, arrays or {}))
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -20,7 +20,7 @@ identical rows always land on the same side.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Iterator, Optional, Sequence, Union
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -36,7 +36,7 @@ FEATURES = "_sparkdl_features"
 LABEL = "_sparkdl_label"
 VALIDATION = "_sparkdl_validation"  # boolean; only present when rows are held out for validation
 
-ColumnSpec = Union[str, Sequence[str]]
+ColumnSpec = str | Sequence[str]
 
 _NUMERIC_TYPES = (T.NumericType, T.BooleanType)
 
@@ -84,16 +84,31 @@ class TrainingData:
     validation_rows: int = 0  # rows held out for validation (VALIDATION true)
 
 
-def prepare(df: DataFrame, features_col: ColumnSpec, label_col: str, num_workers: int, *,
-            validation_col: Optional[str] = None, validation_split: Optional[float] = None,
-            seed: int = 0) -> TrainingData:
+def prepare(
+    df: DataFrame,
+    features_col: ColumnSpec,
+    label_col: str,
+    num_workers: int,
+    *,
+    validation_col: str | None = None,
+    validation_split: float | None = None,
+    seed: int = 0,
+) -> TrainingData:
     """Validates ``df`` and returns the float32 array columns to train on: :func:`plan`, then its ``check``."""
-    return plan(df, features_col, label_col, validation_col=validation_col, validation_split=validation_split,
-                seed=seed).check(num_workers)
+    return plan(
+        df, features_col, label_col, validation_col=validation_col, validation_split=validation_split, seed=seed
+    ).check(num_workers)
 
 
-def plan(df: DataFrame, features_col: ColumnSpec, label_col: str, *, validation_col: Optional[str] = None,
-         validation_split: Optional[float] = None, seed: int = 0) -> "TrainingPlan":
+def plan(
+    df: DataFrame,
+    features_col: ColumnSpec,
+    label_col: str,
+    *,
+    validation_col: str | None = None,
+    validation_split: float | None = None,
+    seed: int = 0,
+) -> TrainingPlan:
     """Checks the columns against ``df``'s schema, on the driver and without a Spark job; ``check()`` checks the rows.
 
     ``validation_col`` (a boolean column) or ``validation_split`` (a fraction, selected by
@@ -103,21 +118,25 @@ def plan(df: DataFrame, features_col: ColumnSpec, label_col: str, *, validation_
     """
     feature_parts = _feature_columns(df, features_col)
     label_expr, label_is_scalar = _float_array(df, label_col, "label_col")
-    features_expr = (
-        feature_parts[0][1] if len(feature_parts) == 1 else F.concat(*(expr for _, expr in feature_parts))
-    )
+    features_expr = feature_parts[0][1] if len(feature_parts) == 1 else F.concat(*(expr for _, expr in feature_parts))
     if validation_col is not None and validation_split is not None:
-        raise ValueError("`validation_col` and `validation_split` are mutually exclusive: pass one of them. "
-                         f"Received: validation_col={validation_col!r}, validation_split={validation_split!r}")
+        raise ValueError(
+            "`validation_col` and `validation_split` are mutually exclusive: pass one of them. "
+            f"Received: validation_col={validation_col!r}, validation_split={validation_split!r}"
+        )
     mask = None
     if validation_col is not None:
         mask = _boolean_column(df, validation_col)
     elif validation_split is not None:
         mask = validation_split_mask(features_expr, label_expr, validation_split, seed)
-    source = (f"`validation_col`={validation_col!r}" if validation_col is not None
-              else f"`validation_split`={validation_split!r}")
-    return TrainingPlan(df, feature_parts, features_expr, label_col, label_expr, label_is_scalar, mask,
-                        validation_col, source)
+    source = (
+        f"`validation_col`={validation_col!r}"
+        if validation_col is not None
+        else f"`validation_split`={validation_split!r}"
+    )
+    return TrainingPlan(
+        df, feature_parts, features_expr, label_col, label_expr, label_is_scalar, mask, validation_col, source
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +149,8 @@ class TrainingPlan:
     label_col: str
     label_expr: Column
     label_is_scalar: bool
-    mask: Optional[Column]  # true for the rows held out for validation
-    validation_col: Optional[str]
+    mask: Column | None  # true for the rows held out for validation
+    validation_col: str | None
     validation_source: str  # how the held-out rows were chosen, as the error messages name it
 
     def check(self, num_workers: int) -> TrainingData:
@@ -151,11 +170,14 @@ class TrainingPlan:
         num_rows = total - held_out
         if self.mask is not None:
             if held_out == 0:
-                raise ValueError(f"The validation set is empty: {self.validation_source} selected none of the "
-                                 f"{total} rows. Hold out more rows, or leave validation out.")
+                raise ValueError(
+                    f"The validation set is empty: {self.validation_source} selected none of the "
+                    f"{total} rows. Hold out more rows, or leave validation out."
+                )
             if num_rows == 0:
-                raise ValueError(f"No rows left to train on: {self.validation_source} selected all {total} rows "
-                                 "for validation.")
+                raise ValueError(
+                    f"No rows left to train on: {self.validation_source} selected all {total} rows for validation."
+                )
         if num_rows < num_workers:
             kept = f" (after holding out {held_out} for validation)" if self.mask is not None else ""
             raise ValueError(
@@ -167,8 +189,12 @@ class TrainingPlan:
         columns = [self.features_expr.alias(FEATURES), self.label_expr.alias(LABEL)]
         if self.mask is not None:
             columns.append(self.mask.alias(VALIDATION))
-        return TrainingData(self.df.select(*columns), num_rows,
-                            ColumnShapes(feature_width, widths[self.label_col], self.label_is_scalar), held_out)
+        return TrainingData(
+            self.df.select(*columns),
+            num_rows,
+            ColumnShapes(feature_width, widths[self.label_col], self.label_is_scalar),
+            held_out,
+        )
 
 
 def validation_split_mask(features: Column, label: Column, fraction: float, seed: int) -> Column:
@@ -186,12 +212,15 @@ def validation_split_mask(features: Column, label: Column, fraction: float, seed
 
 def _boolean_column(df: DataFrame, name: str) -> Column:
     if not isinstance(name, str) or name not in df.columns:
-        raise ValueError(f"Column {name!r} given as `validation_col` is not in the DataFrame. "
-                         f"Available columns: {df.columns}")
+        raise ValueError(
+            f"Column {name!r} given as `validation_col` is not in the DataFrame. Available columns: {df.columns}"
+        )
     data_type = df.schema[name].dataType
     if not isinstance(data_type, T.BooleanType):
-        raise ValueError(f"Expected column {name!r} (`validation_col`) to be boolean (true: hold the row out for "
-                         f"validation). Received type: {data_type.simpleString()}")
+        raise ValueError(
+            f"Expected column {name!r} (`validation_col`) to be boolean (true: hold the row out for "
+            f"validation). Received type: {data_type.simpleString()}"
+        )
     return F.col(name)
 
 
@@ -231,7 +260,9 @@ def _feature_columns(df: DataFrame, features_col: ColumnSpec) -> list[tuple[str,
 def _float_array(df: DataFrame, name: str, setting: str) -> tuple[Column, bool]:
     """The column as an ``array<float>`` expression, and whether it was a scalar."""
     if name not in df.columns:
-        raise ValueError(f"Column {name!r} given as `{setting}` is not in the DataFrame. Available columns: {df.columns}")
+        raise ValueError(
+            f"Column {name!r} given as `{setting}` is not in the DataFrame. Available columns: {df.columns}"
+        )
     data_type = df.schema[name].dataType
     column = F.col(name)
     if isinstance(data_type, (VectorUDT, MLlibVectorUDT)):
@@ -252,7 +283,7 @@ class _Checks:
     def __init__(self) -> None:
         self._aggs: list[Column] = [F.count(F.lit(1)).alias("rows")]
         self._columns: list[str] = []
-        self._validation_col: Optional[str] = None
+        self._validation_col: str | None = None
 
     def add_column(self, name: str, expr: Column) -> None:
         i = len(self._columns)
@@ -265,7 +296,7 @@ class _Checks:
             F.max(F.size(expr)).alias(f"max_width_{i}"),
         ]
 
-    def add_validation(self, mask: Column, column: Optional[str]) -> None:
+    def add_validation(self, mask: Column, column: str | None) -> None:
         """Counts the held-out rows (and, for a ``validation_col``, its nulls) in the same job."""
         self._validation_col = column
         self._aggs.append(F.sum(F.when(mask, 1).otherwise(0)).alias("validation_rows"))
@@ -314,8 +345,10 @@ def require_rows(rows_by_worker: dict[int, int]) -> None:
     empty = sorted(worker for worker, rows in rows_by_worker.items() if rows == 0)
     if empty:
         counts = ", ".join(f"worker {worker}: {rows}" for worker, rows in sorted(rows_by_worker.items()))
-        raise ValueError(f"Expected at least one training row on every worker. Received: no rows on worker(s) "
-                         f"{empty} ({counts}). Use fewer workers or more data.")
+        raise ValueError(
+            f"Expected at least one training row on every worker. Received: no rows on worker(s) "
+            f"{empty} ({counts}). Use fewer workers or more data."
+        )
 
 
 def row_counts(batches: Iterable[pa.RecordBatch]) -> tuple[int, int]:
@@ -328,7 +361,9 @@ def row_counts(batches: Iterable[pa.RecordBatch]) -> tuple[int, int]:
     return train, held_out
 
 
-def arrow_to_numpy(batches: Iterable[pa.RecordBatch], feature_width: int, label_width: int) -> tuple[np.ndarray, np.ndarray]:
+def arrow_to_numpy(
+    batches: Iterable[pa.RecordBatch], feature_width: int, label_width: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Concatenates a partition's record batches into ``(x, y)`` float32 arrays."""
     xs, ys = [], []
     for batch in batches:
@@ -369,7 +404,15 @@ def epoch_order(num_rows: int, num_samples: int, *, seed: int, rank: int, epoch:
 
 
 def batches(
-    x: np.ndarray, y: np.ndarray, *, batch_size: int, steps: int, seed: int, rank: int, shuffle: bool, start: int,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    batch_size: int,
+    steps: int,
+    seed: int,
+    rank: int,
+    shuffle: bool,
+    start: int,
     stop: int,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The one batch schedule of every mode: the full batches of global steps ``start..stop-1``.

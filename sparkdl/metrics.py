@@ -9,7 +9,7 @@ stand-in validation, a worker without held-out rows) never leaks in, even as NaN
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 def weighted_mean(pairs: Iterable[tuple[float, float]]) -> float:
@@ -22,15 +22,17 @@ def weighted_mean(pairs: Iterable[tuple[float, float]]) -> float:
     return total / weights if weights > 0 else float("nan")
 
 
-def combine_logs(logs: Sequence[dict[str, float]], samples: Sequence[float],
-                 validation_rows: Sequence[float]) -> dict[str, float]:
+def combine_logs(
+    logs: Sequence[dict[str, float]], samples: Sequence[float], validation_rows: Sequence[float]
+) -> dict[str, float]:
     """One epoch's metrics over workers: each worker's ``logs`` weighed by its ``samples`` (training metrics)
     or its ``validation_rows`` (``val_*`` metrics). A name some workers lack is combined over the others."""
     combined = {}
     for name in dict.fromkeys(name for worker in logs for name in worker):
         weights = validation_rows if name.startswith("val_") else samples
-        combined[name] = weighted_mean((worker[name], weight) for worker, weight in zip(logs, weights)
-                                       if name in worker)
+        combined[name] = weighted_mean(
+            (worker[name], weight) for worker, weight in zip(logs, weights) if name in worker
+        )
     return combined
 
 

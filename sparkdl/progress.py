@@ -33,7 +33,8 @@ import logging
 import sys
 import threading
 import time
-from typing import Callable, Optional, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from sparkdl.metrics import combine_logs
 
@@ -105,9 +106,18 @@ class ProgressMonitor:
     bar is shown, other console output goes above the bar.
     """
 
-    def __init__(self, *, epochs: int, steps_per_epoch: int, reporting_ranks: int, initial_epoch: int = 0,
-                 console: bool = False, listeners: Sequence[EpochListener] = (), description: str = "sparkdl",
-                 watch: Optional[Callable[[int, dict], None]] = None):
+    def __init__(
+        self,
+        *,
+        epochs: int,
+        steps_per_epoch: int,
+        reporting_ranks: int,
+        initial_epoch: int = 0,
+        console: bool = False,
+        listeners: Sequence[EpochListener] = (),
+        description: str = "sparkdl",
+        watch: Callable[[int, dict], None] | None = None,
+    ):
         self._epochs = epochs
         self._watch = watch
         self._steps_per_epoch = steps_per_epoch
@@ -126,8 +136,14 @@ class ProgressMonitor:
         if console and bar_is_visible():
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=epochs * steps_per_epoch, initial=initial_epoch * steps_per_epoch,
-                             desc=description, unit="step", dynamic_ncols=True, leave=True)
+            self._bar = tqdm(
+                total=epochs * steps_per_epoch,
+                initial=initial_epoch * steps_per_epoch,
+                desc=description,
+                unit="step",
+                dynamic_ncols=True,
+                leave=True,
+            )
 
     # -- from the workers (relay threads) ---------------------------------------------------
 
@@ -138,8 +154,7 @@ class ProgressMonitor:
         if kind == "start":
             self._start(rank, int(event["initial_epoch"]))
         elif kind == "step":
-            self.step(rank, int(event["epoch"]), int(event["step"]), event["logs"],
-                      float(event["samples_per_second"]))
+            self.step(rank, int(event["epoch"]), int(event["step"]), event["logs"], float(event["samples_per_second"]))
         elif kind == "epoch":
             self._worker_epoch(rank, event)
 
@@ -154,8 +169,15 @@ class ProgressMonitor:
             self._update_bar(position, logs, rate)
             if time.monotonic() - self._step_logged_at >= STEP_LOG_SECONDS:
                 self._step_logged_at = time.monotonic()
-                logger.debug("epoch %d/%d step %d/%d  %s  (%.0f samples/s)", epoch + 1, self._epochs,
-                             position - epoch * self._steps_per_epoch, self._steps_per_epoch, format_logs(logs), rate)
+                logger.debug(
+                    "epoch %d/%d step %d/%d  %s  (%.0f samples/s)",
+                    epoch + 1,
+                    self._epochs,
+                    position - epoch * self._steps_per_epoch,
+                    self._steps_per_epoch,
+                    format_logs(logs),
+                    rate,
+                )
 
     def epoch_end(self, epoch: int, logs: dict[str, float], samples_per_second: float) -> None:
         """``epoch`` is finished everywhere; ``logs`` are its metrics over all workers."""
@@ -184,7 +206,7 @@ class ProgressMonitor:
             except Exception:
                 logger.exception("sparkdl: closing %s failed", type(listener).__name__)
 
-    def __enter__(self) -> "ProgressMonitor":
+    def __enter__(self) -> ProgressMonitor:
         if self._bar is not None and not in_notebook():  # a widget is drawn apart from the text: nothing to garble
             for handler in logging.root.handlers:  # the user's console logging, as tqdm's logging_redirect_tqdm
                 if _is_console_handler(handler):
@@ -225,8 +247,11 @@ class ProgressMonitor:
             if len(reports) < self._reporting_ranks:
                 return
             del self._epoch_reports[epoch]
-        logs = combine_logs([r["logs"] for r in reports.values()], [r.get("samples", 1) for r in reports.values()],
-                            [r.get("validation_rows", 0) for r in reports.values()])
+        logs = combine_logs(
+            [r["logs"] for r in reports.values()],
+            [r.get("samples", 1) for r in reports.values()],
+            [r.get("validation_rows", 0) for r in reports.values()],
+        )
         self.epoch_end(epoch, logs, sum(float(r["samples_per_second"]) for r in reports.values()))
 
     def _position(self) -> int:

@@ -18,13 +18,17 @@ def check_available(tensorboard_dir, log_to_mlflow: bool) -> None:
         if not isinstance(tensorboard_dir, str) or not tensorboard_dir:
             raise ValueError(f"Expected `tensorboard_dir` to be a directory path. Received: {tensorboard_dir!r}")
         if importlib.util.find_spec("tensorboard") is None:
-            raise ValueError("`tensorboard_dir` needs the tensorboard package, which is not installed: "
-                             "pip install tensorboard (or sparkdl[tracking]).")
+            raise ValueError(
+                "`tensorboard_dir` needs the tensorboard package, which is not installed: "
+                "pip install tensorboard (or sparkdl[tracking])."
+            )
     if not isinstance(log_to_mlflow, bool):
         raise ValueError(f"Expected `log_to_mlflow` to be True or False. Received: {log_to_mlflow!r}")
     if log_to_mlflow and importlib.util.find_spec("mlflow") is None:
-        raise ValueError("`log_to_mlflow=True` needs MLflow, which is not installed: pip install mlflow-skinny "
-                         "(or sparkdl[tracking]).")
+        raise ValueError(
+            "`log_to_mlflow=True` needs MLflow, which is not installed: pip install mlflow-skinny "
+            "(or sparkdl[tracking])."
+        )
 
 
 class TensorBoardLogger:
@@ -51,7 +55,7 @@ class TensorBoardLogger:
         with self._validation.as_default(step=epoch):
             for name, value in logs.items():
                 if name.startswith("val_"):
-                    self._tf.summary.scalar(f"epoch_{name[len('val_'):]}", value)
+                    self._tf.summary.scalar(f"epoch_{name[len('val_') :]}", value)
         self._train.flush()
         self._validation.flush()
 

@@ -12,7 +12,6 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file_
 
 import numpy as np
 import pytest
-
 from frames import digits_frame
 
 

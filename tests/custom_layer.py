@@ -21,8 +21,9 @@ def make_scaled_classifier(width=4, classes=3, seed=0, log_dir=None):
     """A classifier with a Scale layer (and a LoadLog layer when ``log_dir`` is given)."""
     keras.utils.set_random_seed(seed)
     logs = [LoadLog(log_dir)] if log_dir else []
-    model = keras.Sequential([keras.Input((width,)), *logs, Scale(0.5),
-                              keras.layers.Dense(classes, activation="softmax")])
+    model = keras.Sequential(
+        [keras.Input((width,)), *logs, Scale(0.5), keras.layers.Dense(classes, activation="softmax")]
+    )
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
 

@@ -29,8 +29,9 @@ def report():
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
     gathered = collective.allgather(np.stack([encode(addresses), encode(visible)]))
     decode = lambda row: "".join(chr(c) for c in row if c)  # noqa: E731
-    return [{"rank": r, "spark_gpus": decode(g[0]), "cuda_visible_devices": decode(g[1])}
-            for r, g in enumerate(gathered)]
+    return [
+        {"rank": r, "spark_gpus": decode(g[0]), "cuda_visible_devices": decode(g[1])} for r, g in enumerate(gathered)
+    ]
 
 
 def main(argv):

@@ -4,6 +4,9 @@ import os
 
 import keras
 import numpy as np
+from frames import digits_frame
+from models import make_mlp
+from partitions import partitions_as_fit_sees_them
 
 import sparkdl
 from sparkdl import data
@@ -13,9 +16,6 @@ from sparkdl.modes.average import mode as average
 from sparkdl.modes.average.mode import AverageMode, AverageOptions
 from sparkdl.modes.base import Job, Settings
 from sparkdl.progress import ProgressMonitor
-from frames import digits_frame
-from models import make_mlp
-from partitions import partitions_as_fit_sees_them
 
 
 def _small_df(spark, digits, rows=128):
@@ -23,16 +23,30 @@ def _small_df(spark, digits, rows=128):
     return digits_frame(spark, x_train[:rows], y_train[:rows]).coalesce(1)
 
 
-def run_average(training, *, model_bytes, num_workers, epochs, batch_size, sync_every, seed, shuffle,
-                custom_objects):
+def run_average(training, *, model_bytes, num_workers, epochs, batch_size, sync_every, seed, shuffle, custom_objects):
     """The average mode on its own, as ``fit`` runs it: its model, history and stats."""
     steps = data.steps_per_epoch(training.num_rows, num_workers, batch_size)
-    settings = Settings(shapes=training.shapes, num_workers=num_workers, epochs=epochs, batch_size=batch_size,
-                        steps_per_epoch=steps, seed=seed, shuffle=shuffle, custom_objects=custom_objects)
+    settings = Settings(
+        shapes=training.shapes,
+        num_workers=num_workers,
+        epochs=epochs,
+        batch_size=batch_size,
+        steps_per_epoch=steps,
+        seed=seed,
+        shuffle=shuffle,
+        custom_objects=custom_objects,
+    )
     monitor = ProgressMonitor(epochs=epochs, steps_per_epoch=steps, reporting_ranks=1)
-    result = AverageMode().run(Job(training=training, start=Checkpoint(0, model_bytes, {}, "average"),
-                                   settings=settings, mode="average", options=AverageOptions(sync_every),
-                                   monitor=monitor))
+    result = AverageMode().run(
+        Job(
+            training=training,
+            start=Checkpoint(0, model_bytes, {}, "average"),
+            settings=settings,
+            mode="average",
+            options=AverageOptions(sync_every),
+            monitor=monitor,
+        )
+    )
     return result.model, result.history, result.stats
 
 
@@ -49,8 +63,16 @@ def test_sgd_every_step_equals_sync_mode(spark, digits):
     synced = sparkdl.fit(df, make(), num_workers=2, mode="sync", epochs=epochs, batch_size=b, seed=seed)
     training = data.prepare(df, "features", "label", 2)
     trained, history, stats = run_average(
-        training, model_bytes=serialization.model_to_bytes(make()), num_workers=2, epochs=epochs, batch_size=b,
-        sync_every=1, seed=seed, shuffle=True, custom_objects=None)
+        training,
+        model_bytes=serialization.model_to_bytes(make()),
+        num_workers=2,
+        epochs=epochs,
+        batch_size=b,
+        sync_every=1,
+        seed=seed,
+        shuffle=True,
+        custom_objects=None,
+    )
     averaged = trained
 
     steps = synced.steps_per_epoch
@@ -73,8 +95,16 @@ def test_digits_adam_reaches_95_percent(digits_df, digits):
     model = make_mlp()
     training = data.prepare(digits_df, "features", "label", 2)
     trained, history, stats = run_average(
-        training, model_bytes=serialization.model_to_bytes(model), num_workers=2, epochs=epochs, batch_size=b,
-        sync_every=sync_every, seed=0, shuffle=True, custom_objects=None)
+        training,
+        model_bytes=serialization.model_to_bytes(model),
+        num_workers=2,
+        epochs=epochs,
+        batch_size=b,
+        sync_every=sync_every,
+        seed=0,
+        shuffle=True,
+        custom_objects=None,
+    )
 
     accuracy = float(np.mean(trained.predict(x_test, verbose=0).argmax(axis=1) == y_test))
     assert accuracy >= 0.95, accuracy
@@ -100,8 +130,16 @@ def test_rounds_longer_than_an_epoch_match_local_simulation(spark, digits):
     make = lambda: make_mlp(hidden=(16,), optimizer=keras.optimizers.Adam(0.01), seed=2)
     training = data.prepare(df, "features", "label", 2)
     trained, history, stats = run_average(
-        training, model_bytes=serialization.model_to_bytes(make()), num_workers=2, epochs=epochs, batch_size=b,
-        sync_every=sync_every, seed=seed, shuffle=True, custom_objects=None)
+        training,
+        model_bytes=serialization.model_to_bytes(make()),
+        num_workers=2,
+        epochs=epochs,
+        batch_size=b,
+        sync_every=sync_every,
+        seed=seed,
+        shuffle=True,
+        custom_objects=None,
+    )
     steps = 128 // (2 * b)
     assert stats["rounds"] == 3 and stats["steps"] == 2 * epochs * steps and stats["samples"] == 2 * epochs * steps * b
 
@@ -120,12 +158,17 @@ def test_rounds_longer_than_an_epoch_match_local_simulation(spark, digits):
             for g in range(start, min(start + sync_every, epochs * steps)):
                 epoch, step = divmod(g, steps)
                 order = data.epoch_order(len(px), steps * b, seed=seed, rank=rank, epoch=epoch, shuffle=True)
-                logs = local.train_on_batch(px[order[step * b:(step + 1) * b]], py[order[step * b:(step + 1) * b]],
-                                            return_dict=True)
+                logs = local.train_on_batch(
+                    px[order[step * b : (step + 1) * b]], py[order[step * b : (step + 1) * b]], return_dict=True
+                )
                 sums.setdefault(epoch, []).append(logs["loss"])
             new_states.append([np.array(v.numpy()) for v in variables])
-        state = [(s + (a.astype(np.float64) - s + b_.astype(np.float64) - s) / 2).astype(s.dtype)
-                 if s.dtype.kind == "f" else s + (a - s + b_ - s) // 2 for s, a, b_ in zip(state, *new_states)]
+        state = [
+            (s + (a.astype(np.float64) - s + b_.astype(np.float64) - s) / 2).astype(s.dtype)
+            if s.dtype.kind == "f"
+            else s + (a - s + b_ - s) // 2
+            for s, a, b_ in zip(state, *new_states)
+        ]
     assert len(state) == len(_state(trained))
     for got, want in zip(_state(trained), state):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

@@ -1,12 +1,11 @@
 """Bad input fails on the driver with a message naming the column or setting, before training starts."""
 
-
 import keras
 import pytest
+from models import make_mlp
+from spark_jobs import no_spark_job
 
 import sparkdl
-from spark_jobs import no_spark_job
-from models import make_mlp
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +27,20 @@ def small_model(width=2):
         ({"label_col": "missing"}, r"Column 'missing' given as `label_col` is not in the DataFrame"),
         ({"features_col": "text"}, r"Expected column 'text' \(`features_col`\) to be numeric.*Received type: string"),
         ({"features_col": ["x", "text"]}, r"Expected column 'text' \(`features_col`\) to be numeric"),
-        ({"features_col": ["x", "features"]}, r"every column in the `features_col` list to be numeric; column 'features' is array<double>"),
+        (
+            {"features_col": ["x", "features"]},
+            r"every column in the `features_col` list to be numeric; column 'features' is array<double>",
+        ),
         ({"features_col": []}, r"Expected `features_col` to be a column name or a non-empty list"),
         ({"label_col": "text"}, r"Expected column 'text' \(`label_col`\) to be numeric"),
         ({"num_workers": 3}, r"num_workers=3, but the cluster runs 2 tasks at once"),
         ({"num_workers": 0}, r"Expected `num_workers` to be a positive integer. Received: num_workers=0"),
         ({"batch_size": 0}, r"Expected `batch_size` to be a positive integer"),
         ({"epochs": 1.5}, r"Expected `epochs` to be a positive integer"),
-        ({"mode": "bogus"}, r"Expected `mode` to be one of \['sync', 'async', 'hogwild', 'ssp', 'average'\]. Received: mode='bogus'"),
+        (
+            {"mode": "bogus"},
+            r"Expected `mode` to be one of \['sync', 'async', 'hogwild', 'ssp', 'average'\]. Received: mode='bogus'",
+        ),
         ({"timeout": 0}, r"Expected `timeout` to be a positive number of seconds"),
         ({"seed": -1}, r"Expected `seed` to be a non-negative integer"),
     ],
@@ -65,18 +70,58 @@ def test_not_a_dataframe():
     "rows, schema, features, message",
     [
         ([([0.1, 0.2], 1), (None, 0)], "f array<double>, label int", "f", r"Column 'f' has 1 null rows"),
-        ([([0.1, 0.2], 1), ([0.1, None], 0)], "f array<double>, label int", "f", r"Column 'f' has 1 rows containing NaN, infinite or null"),
-        ([([0.1, float("nan")], 1), ([0.1, 0.2], 0)], "f array<double>, label int", "f", r"Column 'f' has 1 rows containing NaN"),
-        ([([0.1, float("inf")], 1), ([0.1, 0.2], 0)], "f array<double>, label int", "f", r"Column 'f' has 1 rows containing NaN, infinite"),
-        ([([0.1, 1e300], 1), ([0.1, 0.2], 0)], "f array<double>, label int", "f", r"Column 'f' has 1 rows containing NaN, infinite"),
-        ([([0.1, 0.2], 1), ([0.1, 0.2, 0.3], 0)], "f array<double>, label int", "f", r"Column 'f' is ragged: rows have between 2 and 3 values"),
+        (
+            [([0.1, 0.2], 1), ([0.1, None], 0)],
+            "f array<double>, label int",
+            "f",
+            r"Column 'f' has 1 rows containing NaN, infinite or null",
+        ),
+        (
+            [([0.1, float("nan")], 1), ([0.1, 0.2], 0)],
+            "f array<double>, label int",
+            "f",
+            r"Column 'f' has 1 rows containing NaN",
+        ),
+        (
+            [([0.1, float("inf")], 1), ([0.1, 0.2], 0)],
+            "f array<double>, label int",
+            "f",
+            r"Column 'f' has 1 rows containing NaN, infinite",
+        ),
+        (
+            [([0.1, 1e300], 1), ([0.1, 0.2], 0)],
+            "f array<double>, label int",
+            "f",
+            r"Column 'f' has 1 rows containing NaN, infinite",
+        ),
+        (
+            [([0.1, 0.2], 1), ([0.1, 0.2, 0.3], 0)],
+            "f array<double>, label int",
+            "f",
+            r"Column 'f' is ragged: rows have between 2 and 3 values",
+        ),
         ([([], 1), ([], 0)], "f array<double>, label int", "f", r"Column 'f' holds empty vectors"),
         ([([0.1, 0.2], None), ([0.1, 0.2], 0)], "f array<double>, label int", "f", r"Column 'label' has 1 null rows"),
-        ([([0.1, 0.2], float("nan")), ([0.1, 0.2], 0.0)], "f array<double>, label double", "f", r"Column 'label' has 1 rows containing NaN"),
-        ([(0.1, float("nan"), 1), (0.2, 0.3, 0)], "a double, b double, label int", ["a", "b"], r"Column 'b' has 1 rows containing NaN"),
+        (
+            [([0.1, 0.2], float("nan")), ([0.1, 0.2], 0.0)],
+            "f array<double>, label double",
+            "f",
+            r"Column 'label' has 1 rows containing NaN",
+        ),
+        (
+            [(0.1, float("nan"), 1), (0.2, 0.3, 0)],
+            "a double, b double, label int",
+            ["a", "b"],
+            r"Column 'b' has 1 rows containing NaN",
+        ),
         ([(0.1, None, 1), (0.2, 0.3, 0)], "a double, b double, label int", ["a", "b"], r"Column 'b' has 1 null rows"),
         ([], "f array<double>, label int", "f", r"The DataFrame passed to sparkdl.fit is empty"),
-        ([([0.1, 0.2], 1)], "f array<double>, label int", "f", r"Expected at least `num_workers`=2 rows.*Received: 1 rows"),
+        (
+            [([0.1, 0.2], 1)],
+            "f array<double>, label int",
+            "f",
+            r"Expected at least `num_workers`=2 rows.*Received: 1 rows",
+        ),
     ],
 )
 def test_bad_data_is_reported_before_training(spark, rows, schema, features, message):
@@ -89,8 +134,9 @@ def test_bad_data_is_reported_before_training(spark, rows, schema, features, mes
 def test_vector_column_with_nan(spark):
     from pyspark.ml.linalg import Vectors
 
-    df = spark.createDataFrame([(Vectors.dense([0.1, float("nan")]), 1), (Vectors.sparse(2, [0], [1.0]), 0)],
-                               ["vec", "label"])
+    df = spark.createDataFrame(
+        [(Vectors.dense([0.1, float("nan")]), 1), (Vectors.sparse(2, [0], [1.0]), 0)], ["vec", "label"]
+    )
     with pytest.raises(ValueError, match=r"Column 'vec' has 1 rows containing NaN") as raised:
         sparkdl.fit(df, small_model(), features_col="vec", num_workers=2)
     assert raised.type is ValueError

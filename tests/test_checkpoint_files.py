@@ -33,8 +33,12 @@ def test_created_folders_are_0700_and_files_0600(tmp_path, permissive_umask):
     assert files == ["epoch-000001.json", "epoch-000001.keras", "epoch-000001.npz"]
     assert {name: _mode(location / name) for name in files} == dict.fromkeys(files, 0o600)
     latest = store.latest()
-    assert (latest.epoch, latest.model_bytes, latest.history, latest.mode) == (1, b"model bytes", {"loss": [1.0]},
-                                                                               "async")
+    assert (latest.epoch, latest.model_bytes, latest.history, latest.mode) == (
+        1,
+        b"model bytes",
+        {"loss": [1.0]},
+        "async",
+    )
     np.testing.assert_array_equal(latest.arrays["shard_0"], np.arange(3.0))
 
 

@@ -6,11 +6,11 @@ import os
 import keras
 import numpy as np
 import pytest
-
-import sparkdl
 from frames import digits_frame
 from models import CrashOnFirstAttempt, make_mlp
 from spark_jobs import no_spark_job
+
+import sparkdl
 from sparkdl.checkpoint import KEEP, Checkpoint, CheckpointStore
 from sparkdl.ml import KerasEstimator
 
@@ -23,14 +23,26 @@ def test_store_keeps_the_newest_complete_checkpoints_and_never_a_partial_one(tmp
     store = CheckpointStore.open(f"file://{tmp_path}")
     assert store.latest() is None
     for epoch in range(1, 6):
-        store.save(Checkpoint(epoch, f"model {epoch}".encode(), {"loss": [1.0] * epoch}, "sync",
-                              {"shard0/0": np.full(3, epoch, np.float32)}))
+        store.save(
+            Checkpoint(
+                epoch,
+                f"model {epoch}".encode(),
+                {"loss": [1.0] * epoch},
+                "sync",
+                {"shard0/0": np.full(3, epoch, np.float32)},
+            )
+        )
     assert _files(tmp_path) == [f"epoch-{e:06d}.{ext}" for e in range(6 - KEEP, 6) for ext in ("json", "keras", "npz")]
     # A writer that died mid-checkpoint: a temporary file, and a model whose .json marker never came.
     (tmp_path / ".tmp-abc-epoch-000006.keras").write_bytes(b"half")
     (tmp_path / "epoch-000007.keras").write_bytes(b"no marker")
     latest = CheckpointStore.open(str(tmp_path)).latest()  # a plain path works as well as file://
-    assert (latest.epoch, latest.model_bytes, latest.history, latest.mode) == (5, b"model 5", {"loss": [1.0] * 5}, "sync")
+    assert (latest.epoch, latest.model_bytes, latest.history, latest.mode) == (
+        5,
+        b"model 5",
+        {"loss": [1.0] * 5},
+        "sync",
+    )
     np.testing.assert_array_equal(latest.arrays["shard0/0"], np.full(3, 5, np.float32))
     assert not (tmp_path / ".tmp-abc-epoch-000006.keras").exists()  # cleared when a job opens the store
 
@@ -43,13 +55,22 @@ def test_sync_resume_continues_exactly_where_the_first_fit_stopped(spark, digits
     sgd = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731 - momentum: optimizer state must carry over
     directory = tmp_path / "ckpt"
 
-    first = KerasEstimator(model=make_mlp(hidden=(32,), optimizer=sgd(), seed=1), epochs=2,
-                           checkpointDir=str(directory), **settings).fit(df)
+    first = KerasEstimator(
+        model=make_mlp(hidden=(32,), optimizer=sgd(), seed=1), epochs=2, checkpointDir=str(directory), **settings
+    ).fit(df)
     assert [n for n in _files(directory) if n.endswith(".json")] == ["epoch-000001.json", "epoch-000002.json"]
-    resumed = sparkdl.fit(df, make_mlp(hidden=(32,), optimizer=sgd(), seed=1), num_workers=2, epochs=4,
-                          batch_size=16, seed=5, checkpoint_dir=str(directory))
-    uninterrupted = sparkdl.fit(df, make_mlp(hidden=(32,), optimizer=sgd(), seed=1), num_workers=2, epochs=4,
-                                batch_size=16, seed=5)
+    resumed = sparkdl.fit(
+        df,
+        make_mlp(hidden=(32,), optimizer=sgd(), seed=1),
+        num_workers=2,
+        epochs=4,
+        batch_size=16,
+        seed=5,
+        checkpoint_dir=str(directory),
+    )
+    uninterrupted = sparkdl.fit(
+        df, make_mlp(hidden=(32,), optimizer=sgd(), seed=1), num_workers=2, epochs=4, batch_size=16, seed=5
+    )
 
     assert resumed.initial_epoch == 2 and uninterrupted.initial_epoch == 0
     assert len(resumed.history["loss"]) == 4 and resumed.history["loss"][:2] == first.history["loss"]
@@ -58,8 +79,15 @@ def test_sync_resume_continues_exactly_where_the_first_fit_stopped(spark, digits
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     assert int(resumed.model.optimizer.iterations.numpy()) == 4 * resumed.steps_per_epoch
 
-    done = sparkdl.fit(df, make_mlp(hidden=(32,), optimizer=sgd(), seed=1), num_workers=2, epochs=4,
-                       batch_size=16, seed=5, checkpoint_dir=str(directory))
+    done = sparkdl.fit(
+        df,
+        make_mlp(hidden=(32,), optimizer=sgd(), seed=1),
+        num_workers=2,
+        epochs=4,
+        batch_size=16,
+        seed=5,
+        checkpoint_dir=str(directory),
+    )
     assert done.initial_epoch == 4 and done.seconds == 0.0  # nothing left to train
     for got, want in zip(done.model.get_weights(), resumed.model.get_weights()):
         np.testing.assert_array_equal(got, want)
@@ -67,8 +95,14 @@ def test_sync_resume_continues_exactly_where_the_first_fit_stopped(spark, digits
 
 def _mlp_with_crash(partition, at_call, marker):
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), CrashOnFirstAttempt(partition=partition, at_call=at_call, marker=marker),
-                              keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10, activation="softmax")])
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            CrashOnFirstAttempt(partition=partition, at_call=at_call, marker=marker),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
 
@@ -79,11 +113,18 @@ def test_sync_survives_a_worker_killed_mid_epoch_and_resumes_from_its_checkpoint
     _, x_test, _, y_test = digits
     steps = sparkdl.data.steps_per_epoch(digits_df.count(), 2, 16)
     marker = str(tmp_path / "crashed")
-    settings = dict(num_workers=2, epochs=8, batch_size=16, seed=0, timeout=60,
-                    custom_objects={"CrashOnFirstAttempt": CrashOnFirstAttempt})
+    settings = dict(
+        num_workers=2,
+        epochs=8,
+        batch_size=16,
+        seed=0,
+        timeout=60,
+        custom_objects={"CrashOnFirstAttempt": CrashOnFirstAttempt},
+    )
 
-    faulty = sparkdl.fit(digits_df, _mlp_with_crash(1, 2 * steps + steps // 2, marker),
-                         checkpoint_dir=str(tmp_path / "ckpt"), **settings)
+    faulty = sparkdl.fit(
+        digits_df, _mlp_with_crash(1, 2 * steps + steps // 2, marker), checkpoint_dir=str(tmp_path / "ckpt"), **settings
+    )
     clean = sparkdl.fit(digits_df, _mlp_with_crash(-1, 0, None), **settings)  # the same model, never crashing
 
     assert os.path.exists(marker)  # the worker really died once
@@ -103,18 +144,38 @@ def test_sync_survives_a_worker_killed_mid_epoch_and_resumes_from_its_checkpoint
 @pytest.mark.parametrize("mode, options", [("async", {"num_servers": 2}), ("average", {"sync_every": 9})])
 def test_server_and_average_modes_checkpoint_and_resume(digits_df, digits, tmp_path, mode, options):
     _, x_test, _, y_test = digits
-    first = sparkdl.fit(digits_df, make_mlp(), num_workers=2, mode=mode, epochs=3, batch_size=16, seed=0,
-                        checkpoint_dir=str(tmp_path), **options)
+    first = sparkdl.fit(
+        digits_df,
+        make_mlp(),
+        num_workers=2,
+        mode=mode,
+        epochs=3,
+        batch_size=16,
+        seed=0,
+        checkpoint_dir=str(tmp_path),
+        **options,
+    )
     saved = CheckpointStore.open(str(tmp_path)).latest()
     assert saved.epoch == 3 and saved.mode == mode
     assert saved.history.keys() == first.history.keys()  # the driver's checkpoints hold the final history
     for name, values in first.history.items():
         assert saved.history[name] == pytest.approx(values)
     if mode == "async":  # the shards' optimizer state (Adam's moments and step count) travels beside the model
-        assert sorted(saved.arrays)[:2] == ["shard0/0", "shard0/1"] and any(k.startswith("shard1/") for k in saved.arrays)
+        assert sorted(saved.arrays)[:2] == ["shard0/0", "shard0/1"] and any(
+            k.startswith("shard1/") for k in saved.arrays
+        )
 
-    resumed = sparkdl.fit(digits_df, make_mlp(), num_workers=2, mode=mode, epochs=5, batch_size=16, seed=0,
-                          checkpoint_dir=str(tmp_path), **options)
+    resumed = sparkdl.fit(
+        digits_df,
+        make_mlp(),
+        num_workers=2,
+        mode=mode,
+        epochs=5,
+        batch_size=16,
+        seed=0,
+        checkpoint_dir=str(tmp_path),
+        **options,
+    )
     assert resumed.initial_epoch == 3 and len(resumed.history["loss"]) == 5
     # The saved optimizer state was restored, not started afresh: Adam's step count runs on from the checkpoint's.
     steps = resumed.steps_per_epoch
@@ -156,10 +217,13 @@ def test_average_mode_resumes_from_a_checkpoint_taken_mid_round(digits_df, tmp_p
     assert resumed.history["loss"][-1] < first.history["loss"][-1]
 
 
-@pytest.mark.parametrize("location, message", [
-    ("", "Expected `checkpoint_dir` to be a path or URI"),
-    ("nosuchscheme://bucket/dir", "Cannot use checkpoint_dir='nosuchscheme://bucket/dir'"),
-])
+@pytest.mark.parametrize(
+    "location, message",
+    [
+        ("", "Expected `checkpoint_dir` to be a path or URI"),
+        ("nosuchscheme://bucket/dir", "Cannot use checkpoint_dir='nosuchscheme://bucket/dir'"),
+    ],
+)
 def test_bad_checkpoint_dir_fails_on_the_driver_before_any_job(spark, digits_df, location, message):
     with no_spark_job(spark), pytest.raises(ValueError, match=message):
         sparkdl.fit(digits_df, make_mlp(), checkpoint_dir=location)
@@ -169,6 +233,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_any_job(spark, digits_d
     from sparkdl.keras import serialization
 
     CheckpointStore.open(str(tmp_path)).save(
-        Checkpoint(1, serialization.model_to_bytes(make_mlp(hidden=(8,))), {"loss": [1.0]}, "sync"))
+        Checkpoint(1, serialization.model_to_bytes(make_mlp(hidden=(8,))), {"loss": [1.0]}, "sync")
+    )
     with no_spark_job(spark), pytest.raises(ValueError, match="holds a checkpoint .* of a different model"):
         sparkdl.fit(digits_df, make_mlp(hidden=(16,)), checkpoint_dir=str(tmp_path))

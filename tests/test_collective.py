@@ -19,8 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from sparkdl.collective import CollectiveError, CollectiveTimeout, Listener, RingCommunicator
-from sparkdl.collective import ring, transport
+from sparkdl.collective import CollectiveError, CollectiveTimeout, Listener, RingCommunicator, ring, transport
 from sparkdl.collective.transport import Op, PeerLink, connect_peer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,12 +61,14 @@ def test_collectives_match_numpy(size):
         for index, (shape, dtype) in enumerate(cases):
             x = rank_data(comm.rank, shape, dtype, seed=index)
             before = x.copy()
-            outputs.append((
-                comm.allreduce(x),
-                comm.allreduce(x, average=True),
-                comm.allgather(x),
-                [comm.broadcast(x, root=root) for root in range(size)],
-            ))
+            outputs.append(
+                (
+                    comm.allreduce(x),
+                    comm.allreduce(x, average=True),
+                    comm.allgather(x),
+                    [comm.broadcast(x, root=root) for root in range(size)],
+                )
+            )
             np.testing.assert_array_equal(x, before)  # input untouched
         return outputs
 
@@ -87,8 +88,13 @@ def test_collectives_match_numpy(size):
 
 
 def test_random_floats_and_other_dtypes():
-    shapes_dtypes = [((4, 33), np.float32), ((10,), np.float16), ((6,), np.int32),
-                     ((5,), np.uint8), ((9,), np.complex64)]
+    shapes_dtypes = [
+        ((4, 33), np.float32),
+        ((10,), np.float16),
+        ((6,), np.int32),
+        ((5,), np.uint8),
+        ((9,), np.complex64),
+    ]
 
     def body(comm):
         rng = np.random.default_rng(comm.rank)
@@ -131,7 +137,11 @@ def test_chunks_are_sized_like_array_split(count, parts):
 def test_non_contiguous_and_scalar_inputs():
     def body(comm):
         matrix = np.arange(24, dtype=np.float64).reshape(4, 6) + comm.rank
-        return comm.allreduce(matrix[:, ::2]), comm.allreduce(np.float32(comm.rank)), comm.allgather(np.int64(comm.rank))
+        return (
+            comm.allreduce(matrix[:, ::2]),
+            comm.allreduce(np.float32(comm.rank)),
+            comm.allgather(np.int64(comm.rank)),
+        )
 
     for strided, scalar, gathered in run_ring(3, body):
         want = sum(np.arange(24, dtype=np.float64).reshape(4, 6)[:, ::2] + r for r in range(3))
@@ -229,15 +239,28 @@ comm.close()
 def start_workers(ranks):
     """Start one subprocess per rank; return (processes, their listener addresses)."""
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = {rank: subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
-             for rank in ranks}
+    procs = {
+        rank: subprocess.Popen(
+            [sys.executable, "-c", WORKER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO_ROOT,
+        )
+        for rank in ranks
+    }
     return procs, {rank: proc.stdout.readline().strip() for rank, proc in procs.items()}
 
 
 def send_job(proc, rank, addresses, secret, mode, tmp_path):
-    job = {"rank": rank, "addresses": addresses, "secret": secret.hex(), "mode": mode,
-           "out": str(tmp_path / f"rank{rank}.npy")}
+    job = {
+        "rank": rank,
+        "addresses": addresses,
+        "secret": secret.hex(),
+        "mode": mode,
+        "out": str(tmp_path / f"rank{rank}.npy"),
+    }
     proc.stdin.write(json.dumps(job) + "\n")
     proc.stdin.flush()
 
@@ -372,7 +395,7 @@ def test_client_refuses_server_that_cannot_prove_the_secret():
 
     thread = threading.Thread(target=fake_server, daemon=True)
     thread.start()
-    address = "127.0.0.1:%d" % server.getsockname()[1]
+    address = f"127.0.0.1:{server.getsockname()[1]}"
     with pytest.raises(CollectiveTimeout, match="rank 1 failed to prove it knows the job secret"):
         connect_peer(address, 0, 1, b"secret", timeout=0.5)
     stop.set()
@@ -440,12 +463,15 @@ def link_pair():
     receiver.close()
 
 
-@pytest.mark.parametrize("sent, op, seq, expected", [
-    (np.zeros(4, np.float32), Op.ALLREDUCE, 3, np.empty(5, np.float32)),   # wrong size
-    (np.zeros(4, np.int32), Op.ALLREDUCE, 3, np.empty(4, np.float32)),     # wrong dtype
-    (np.zeros(4, np.float32), Op.ALLGATHER, 3, np.empty(4, np.float32)),   # wrong op
-    (np.zeros(4, np.float32), Op.ALLREDUCE, 4, np.empty(4, np.float32)),   # wrong sequence
-])
+@pytest.mark.parametrize(
+    "sent, op, seq, expected",
+    [
+        (np.zeros(4, np.float32), Op.ALLREDUCE, 3, np.empty(5, np.float32)),  # wrong size
+        (np.zeros(4, np.int32), Op.ALLREDUCE, 3, np.empty(4, np.float32)),  # wrong dtype
+        (np.zeros(4, np.float32), Op.ALLGATHER, 3, np.empty(4, np.float32)),  # wrong op
+        (np.zeros(4, np.float32), Op.ALLREDUCE, 4, np.empty(4, np.float32)),  # wrong sequence
+    ],
+)
 def test_frame_mismatch_is_desync(link_pair, sent, op, seq, expected):
     sender, receiver = link_pair
     sender.send(op, seq, sent)

@@ -15,7 +15,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
@@ -28,8 +27,10 @@ pytestmark = pytest.mark.slow
 try:  # PySpark's Connect client needs gRPC and protobuf: the `cpu`/`gpu` extras bring them (the Horovod stack has none)
     import pyspark.sql.connect  # noqa: F401
 except ImportError as missing:
-    pytest.skip(f"Spark Connect's client dependencies are missing ({missing}): pip install -e '.[cpu]' (its pyspark[connect])",
-                allow_module_level=True)
+    pytest.skip(
+        f"Spark Connect's client dependencies are missing ({missing}): pip install -e '.[cpu]' (its pyspark[connect])",
+        allow_module_level=True,
+    )
 
 _SERVER_START_SECONDS = 240  # a cold JVM on a busy 2-core machine
 _CLIENT_SECONDS = 540
@@ -63,8 +64,9 @@ def _model(seed: int = 0):
     import keras
 
     keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
-                              keras.layers.Dense(10, activation="softmax")])
+    model = keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10, activation="softmax")]
+    )
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
 
@@ -78,7 +80,10 @@ def _where_callback():
             from pyspark import TaskContext
 
             context = TaskContext.get()
-            print(f"sparkdl-where {json.dumps({'pid': os.getpid(), 'ancestors': _ancestors(), 'partition': context.partitionId() if context else -1})}", flush=True)
+            print(
+                f"sparkdl-where {json.dumps({'pid': os.getpid(), 'ancestors': _ancestors(), 'partition': context.partitionId() if context else -1})}",
+                flush=True,
+            )
 
     return Where()
 
@@ -100,15 +105,33 @@ def _captured_fit(df, mode: str) -> dict:
     output, original = io.StringIO(), sys.stdout
     sys.stdout = output  # the relay prints the tasks' lines to sys.stdout as it is when the job starts
     try:
-        result = sparkdl.fit(df, model, features_col="features", label_col="label", num_workers=_WORKERS,
-                             epochs=_EPOCHS, batch_size=_BATCH, mode=mode, seed=0, progress=False, **options)
+        result = sparkdl.fit(
+            df,
+            model,
+            features_col="features",
+            label_col="label",
+            num_workers=_WORKERS,
+            epochs=_EPOCHS,
+            batch_size=_BATCH,
+            mode=mode,
+            seed=0,
+            progress=False,
+            **options,
+        )
     finally:
         sys.stdout = original
     changed = any(not np.array_equal(a, b) for a, b in zip(before, result.model.get_weights()))
-    where = [json.loads(line.split("sparkdl-where ", 1)[1]) for line in output.getvalue().splitlines()
-             if "sparkdl-where" in line]
-    return {"history": result.history, "stats": {k: v for k, v in result.stats.items() if isinstance(v, (int, float))},
-            "weights_changed": changed, "where": where}
+    where = [
+        json.loads(line.split("sparkdl-where ", 1)[1])
+        for line in output.getvalue().splitlines()
+        if "sparkdl-where" in line
+    ]
+    return {
+        "history": result.history,
+        "stats": {k: v for k, v in result.stats.items() if isinstance(v, (int, float))},
+        "weights_changed": changed,
+        "where": where,
+    }
 
 
 def _run_scenario() -> dict:
@@ -120,8 +143,13 @@ def _run_scenario() -> dict:
 
         context = BarrierTaskContext.get()
         values = collective.allreduce(np.full(2, float(scale * (collective.rank() + 1))))
-        return {"values": values.tolist(), "pid": os.getpid(), "ancestors": _ancestors(),
-                "partition": context.partitionId(), "ranks": collective.size()}
+        return {
+            "values": values.tolist(),
+            "pid": os.getpid(),
+            "ancestors": _ancestors(),
+            "partition": context.partitionId(),
+            "ranks": collective.size(),
+        }
 
     return sparkdl.run(task, num_workers=2, args=(10,))
 
@@ -147,8 +175,9 @@ def _too_many_workers(df) -> dict:
     import sparkdl
 
     try:
-        sparkdl.fit(df, _model(), features_col="features", label_col="label", num_workers=3, mode="async",
-                    progress=False)
+        sparkdl.fit(
+            df, _model(), features_col="features", label_col="label", num_workers=3, mode="async", progress=False
+        )
     except ValueError as exc:
         return {"message": str(exc)}
     return {"message": None}
@@ -157,8 +186,16 @@ def _too_many_workers(df) -> dict:
 def _ml_scenario(spark, df, path: str) -> dict:
     from sparkdl.ml import KerasEstimator, KerasModel
 
-    estimator = KerasEstimator(model=_model(), featuresCol="features", labelCol="label", numWorkers=2,
-                               mode="sync", epochs=1, batchSize=32, seed=0)
+    estimator = KerasEstimator(
+        model=_model(),
+        featuresCol="features",
+        labelCol="label",
+        numWorkers=2,
+        mode="sync",
+        epochs=1,
+        batchSize=32,
+        seed=0,
+    )
     fitted = estimator.fit(df)
     scored = fitted.transform(df).select("label", "prediction", "probability").orderBy("label").collect()
     fitted.write().save(path)
@@ -175,13 +212,16 @@ def _ml_scenario(spark, df, path: str) -> dict:
     return {
         "rows": len(scored),
         "same_predictions": [r.prediction for r in scored] == [r.prediction for r in rescored],
-        "max_probability_difference": float(max(np.abs(np.array(a.probability) - np.array(b.probability)).max()
-                                                for a, b in zip(scored, rescored))),
+        "max_probability_difference": float(
+            max(np.abs(np.array(a.probability) - np.array(b.probability)).max() for a, b in zip(scored, rescored))
+        ),
         "history": fitted.history,
         "files": sorted(os.listdir(path)),
         "weights": [w.tolist() for w in loaded.keras_model.get_weights()],
-        "estimator_params": {"numWorkers": reloaded_estimator.getOrDefault("numWorkers"),
-                             "mode": reloaded_estimator.getOrDefault("mode")},
+        "estimator_params": {
+            "numWorkers": reloaded_estimator.getOrDefault("numWorkers"),
+            "mode": reloaded_estimator.getOrDefault("mode"),
+        },
         "saved_twice": saved_twice,
     }
 
@@ -201,20 +241,27 @@ def _client(url: str, out: str) -> None:
 
     spark = SparkSession.builder.remote(url).getOrCreate()
     x, y = _digits()
-    df = spark.createDataFrame([(row.tolist(), int(label)) for row, label in zip(x, y)],
-                               "features array<float>, label long")
+    df = spark.createDataFrame(
+        [(row.tolist(), int(label)) for row, label in zip(x, y)], "features array<float>, label long"
+    )
     scenarios = {"run": _run_scenario}  # first: it starts the server's Python workers without TensorFlow
     scenarios.update({f"fit-{mode}": (lambda mode=mode: _captured_fit(df, mode)) for mode in _MODES})
-    scenarios.update({
-        "worker-error": _worker_error_scenario,
-        "too-many-workers": lambda: _too_many_workers(df),
-        "ml": lambda: _ml_scenario(spark, df, os.path.join(os.path.dirname(out), "saved-model")),
-        "message-limit": lambda: _message_limit(spark),
-    })
+    scenarios.update(
+        {
+            "worker-error": _worker_error_scenario,
+            "too-many-workers": lambda: _too_many_workers(df),
+            "ml": lambda: _ml_scenario(spark, df, os.path.join(os.path.dirname(out), "saved-model")),
+            "message-limit": lambda: _message_limit(spark),
+        }
+    )
     from sparkdl.launch import session
 
-    results = {"client_pid": os.getpid(), "is_connect": session.is_connect(spark),
-               "slots": session.task_slots(spark), "driver_host": session.driver_host(spark)}
+    results = {
+        "client_pid": os.getpid(),
+        "is_connect": session.is_connect(spark),
+        "slots": session.task_slots(spark),
+        "driver_host": session.driver_host(spark),
+    }
     for name, scenario in scenarios.items():
         started = time.perf_counter()
         try:
@@ -249,10 +296,24 @@ def connect_server(tmp_path_factory):
     log = str(tmp_path_factory.mktemp("connect") / "server.log")
     spark_submit = os.path.join(os.path.dirname(sys.executable), "spark-submit")
     env = dict(os.environ, PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
-    command = [spark_submit, "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
-               "--master", "local[2]", "--conf", f"spark.connect.grpc.binding.port={port}",
-               "--conf", "spark.connect.grpc.binding.address=127.0.0.1", "--conf", "spark.driver.host=127.0.0.1",
-               "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.shuffle.partitions=4", "spark-internal"]
+    command = [
+        spark_submit,
+        "--class",
+        "org.apache.spark.sql.connect.service.SparkConnectServer",
+        "--master",
+        "local[2]",
+        "--conf",
+        f"spark.connect.grpc.binding.port={port}",
+        "--conf",
+        "spark.connect.grpc.binding.address=127.0.0.1",
+        "--conf",
+        "spark.driver.host=127.0.0.1",
+        "--conf",
+        "spark.ui.enabled=false",
+        "--conf",
+        "spark.sql.shuffle.partitions=4",
+        "spark-internal",
+    ]
     with open(log, "w") as output:
         server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -265,8 +326,10 @@ def connect_server(tmp_path_factory):
                 if probe.connect_ex(("127.0.0.1", port)) == 0:
                     break
             if time.monotonic() > deadline:
-                pytest.fail(f"The Spark Connect server did not accept connections on port {port} within "
-                            f"{_SERVER_START_SECONDS} s:\n{_log_tail(log)}")
+                pytest.fail(
+                    f"The Spark Connect server did not accept connections on port {port} within "
+                    f"{_SERVER_START_SECONDS} s:\n{_log_tail(log)}"
+                )
             time.sleep(1.0)
         yield {"url": f"sc://127.0.0.1:{port}", "pid": server.pid, "log": log}
     finally:
@@ -282,8 +345,12 @@ def connect_server(tmp_path_factory):
 def results(connect_server, tmp_path_factory):
     """Every scenario's outcome, from one client process connected to the server."""
     out = str(tmp_path_factory.mktemp("connect-client") / "results.json")
-    client = subprocess.run([sys.executable, os.path.abspath(__file__), connect_server["url"], out],
-                            capture_output=True, text=True, timeout=_CLIENT_SECONDS)
+    client = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), connect_server["url"], out],
+        capture_output=True,
+        text=True,
+        timeout=_CLIENT_SECONDS,
+    )
     if not os.path.exists(out):
         pytest.fail(f"The Connect client wrote no results (exit {client.returncode}):\n{client.stderr[-4000:]}")
     with open(out) as f:

@@ -6,10 +6,10 @@ import re
 import sys
 
 import pytest
-
-import sparkdl
 from frames import digits_frame
 from models import make_mlp
+
+import sparkdl
 
 
 class _Terminal(io.StringIO):

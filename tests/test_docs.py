@@ -64,13 +64,20 @@ def fenced_blocks(text: str) -> list[tuple[int, str, str]]:
 
 def _closes(match, fence: str) -> bool:
     """A closing fence: the opening one's character, at least as long, no info string."""
-    return bool(match) and match["fence"][0] == fence[0] and len(match["fence"]) >= len(fence) \
+    return (
+        bool(match)
+        and match["fence"][0] == fence[0]
+        and len(match["fence"]) >= len(fence)
         and not match["info"].strip()
+    )
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
-    return [(line, code) for line, info, code in fenced_blocks(text)
-            if info.split()[:1] and info.split()[0].lower() in PYTHON_FENCES]
+    return [
+        (line, code)
+        for line, info, code in fenced_blocks(text)
+        if info.split()[:1] and info.split()[0].lower() in PYTHON_FENCES
+    ]
 
 
 def pages_with_python() -> list[Path]:
@@ -78,28 +85,30 @@ def pages_with_python() -> list[Path]:
 
 
 def test_fenced_blocks_are_extracted_as_written():
-    text = "\n".join([
-        "intro",
-        "```python",
-        "a = 1",
-        "```",
-        "```bash",
-        "echo no",
-        "```",
-        "- a list item:",
-        "  ```py",
-        "  if a:",
-        "      b = 2",
-        "  ```",
-        "````python",
-        "s = '''",
-        "```",
-        "'''",
-        "````",
-        "~~~text",
-        "not python",
-        "~~~",
-    ])
+    text = "\n".join(
+        [
+            "intro",
+            "```python",
+            "a = 1",
+            "```",
+            "```bash",
+            "echo no",
+            "```",
+            "- a list item:",
+            "  ```py",
+            "  if a:",
+            "      b = 2",
+            "  ```",
+            "````python",
+            "s = '''",
+            "```",
+            "'''",
+            "````",
+            "~~~text",
+            "not python",
+            "~~~",
+        ]
+    )
     assert python_blocks(text) == [(3, "a = 1\n"), (10, "if a:\n    b = 2\n"), (14, "s = '''\n```\n'''\n")]
     assert [info for _, info, _ in fenced_blocks(text)] == ["python", "bash", "py", "python", "text"]
 
@@ -114,12 +123,16 @@ def test_readme_opens_with_the_two_commands_ci_runs():
     assert tests.startswith("python3.11 -m venv .venv && ") and "pytest" in tests, tests
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert tests in ci, f".ci/run does not run the README's test command verbatim: {tests}"
-    slow = [code.strip() for _, info, code in fenced_blocks((REPO / "README.md").read_text())
-            if info == "bash" and "-m slow" in code]
+    slow = [
+        code.strip()
+        for _, info, code in fenced_blocks((REPO / "README.md").read_text())
+        if info == "bash" and "-m slow" in code
+    ]
     assert slow and slow[0] in ci, f".ci/run does not run the README's command for the slow tests: {slow}"
     horovod = [line for line in ci if "horovod" in line and not line.startswith("#")]
-    assert horovod and all(line in (REPO / "docs" / "horovod.md").read_text() for line in horovod), \
+    assert horovod and all(line in (REPO / "docs" / "horovod.md").read_text() for line in horovod), (
         f".ci/run's Horovod stack command is not the one docs/horovod.md shows: {horovod}"
+    )
 
 
 @pytest.mark.parametrize("page", markdown_pages(), ids=lambda page: str(page.relative_to(REPO)))
@@ -166,13 +179,23 @@ def test_python_snippets_run(page, tmp_path):
     name = str(page.relative_to(REPO))
     blocks = python_blocks(page.read_text())
     (tmp_path / "blocks.json").write_text(json.dumps(blocks))
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        PYSPARK_PYTHON=sys.executable,
+        SPARK_LOCAL_IP="127.0.0.1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
     log = tmp_path / "output.txt"
     with open(log, "w") as out:
         # Its own process group, so that the Spark JVM and workers it started end with it, also on a timeout.
-        process = subprocess.Popen([sys.executable, "-c", RUNNER, name, str(tmp_path / "blocks.json")], cwd=REPO,
-                                   env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "-c", RUNNER, name, str(tmp_path / "blocks.json")],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             process.wait(timeout=TIMEOUT_PER_FILE)
             why = "failed"
@@ -189,5 +212,8 @@ def test_python_snippets_run(page, tmp_path):
     if process.returncode == 0 and len(started) == len(blocks):
         return
     line, code = blocks[int(started[-1]) if started else 0]
-    pytest.fail(f"{name}: the ```python block at line {line} ({code.splitlines()[0]!r}) {why}; "
-                f"its output (the last 4000 characters):\n{output[-4000:]}", pytrace=False)
+    pytest.fail(
+        f"{name}: the ```python block at line {line} ({code.splitlines()[0]!r}) {why}; "
+        f"its output (the last 4000 characters):\n{output[-4000:]}",
+        pytrace=False,
+    )

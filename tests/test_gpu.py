@@ -82,15 +82,18 @@ def test_other_resources_are_not_gpus():
 # --- machine_gpus ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("visible, expected", [
-    ("0,1", ["0", "1"]),
-    ("2", ["2"]),
-    (" 1 , 3 ", ["1", "3"]),
-    ("GPU-aaaa,GPU-bbbb", ["GPU-aaaa", "GPU-bbbb"]),
-    ("", []),
-    ("-1", []),
-    ("0,-1,1", ["0"]),  # CUDA ignores the devices after an invalid entry
-])
+@pytest.mark.parametrize(
+    "visible, expected",
+    [
+        ("0,1", ["0", "1"]),
+        ("2", ["2"]),
+        (" 1 , 3 ", ["1", "3"]),
+        ("GPU-aaaa,GPU-bbbb", ["GPU-aaaa", "GPU-bbbb"]),
+        ("", []),
+        ("-1", []),
+        ("0,-1,1", ["0"]),  # CUDA ignores the devices after an invalid entry
+    ],
+)
 def test_machine_gpus_reads_cuda_visible_devices(monkeypatch, tmp_path, visible, expected):
     write_executable(tmp_path / "nvidia-smi", "#!/bin/sh\nprintf '0\\n1\\n2\\n3\\n'\n")
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")  # set, it wins over nvidia-smi
@@ -188,8 +191,9 @@ def test_gpu_conf_schedules_one_gpu_per_task_with_the_shipped_script():
 def test_discovery_script_prints_nvidia_smi_indices_as_spark_json(tmp_path):
     write_executable(tmp_path / "nvidia-smi", "#!/bin/sh\nprintf '0\\n1\\n2\\n'\n")
     env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
-    out = subprocess.run([str(ROOT / "conf" / "get-gpus.sh")], env=env, capture_output=True, text=True,
-                         check=True, timeout=30).stdout
+    out = subprocess.run(
+        [str(ROOT / "conf" / "get-gpus.sh")], env=env, capture_output=True, text=True, check=True, timeout=30
+    ).stdout
     assert json.loads(out) == {"name": "gpu", "addresses": ["0", "1", "2"]}
 
 
@@ -201,13 +205,21 @@ def test_each_rank_sees_the_gpu_spark_assigned_it(tmp_path):
 
     Runs in its own process: the test session's SparkSession (local[2,2]) has no GPU scheduling.
     """
-    script = write_executable(tmp_path / "fake-gpus.sh", """#!/bin/sh
+    script = write_executable(
+        tmp_path / "fake-gpus.sh",
+        """#!/bin/sh
 echo '{"name": "gpu", "addresses": ["0", "1"]}'
-""")
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1",
-           "CUDA_VISIBLE_DEVICES": "-1"}  # what the executors inherit: sparkdl must replace it
-    done = subprocess.run([sys.executable, str(GPU_JOB), str(script)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+""",
+    )
+    env = {
+        **os.environ,
+        "PYSPARK_PYTHON": sys.executable,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "CUDA_VISIBLE_DEVICES": "-1",
+    }  # what the executors inherit: sparkdl must replace it
+    done = subprocess.run(
+        [sys.executable, str(GPU_JOB), str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = [line for line in done.stdout.splitlines() if line.startswith("GPU-REPORT ")]
     assert report, done.stdout[-3000:] + done.stderr[-3000:]

@@ -7,7 +7,6 @@ SPARKDL_EXPECT_HOROVOD=1 so that a broken install fails instead of skipping).
 import json
 import os
 import re
-import sys
 
 import numpy as np
 import pytest
@@ -18,12 +17,12 @@ else:
     pytest.importorskip("horovod.tensorflow", reason="the Horovod stack is not installed (conf/horovod/install.sh)")
 
 import tensorflow as tf
-
-import sparkdl
 from frames import digits_frame
 from horovod_script import train
 from models import make_mlp
 from worker_callbacks import RecordHorovod
+
+import sparkdl
 
 pytestmark = pytest.mark.horovod
 
@@ -50,15 +49,25 @@ def test_fit_with_the_horovod_backend_runs_horovod_on_every_rank_and_matches_the
         directory = tmp_path / backend
         directory.mkdir()
         model = make_mlp(hidden=(32,), optimizer=tf.keras.optimizers.SGD(0.1, momentum=0.9), seed=3)
-        result = sparkdl.fit(df, model, num_workers=2, epochs=3, batch_size=16, seed=5, backend=backend,
-                             callbacks=[RecordHorovod(str(directory))])
+        result = sparkdl.fit(
+            df,
+            model,
+            num_workers=2,
+            epochs=3,
+            batch_size=16,
+            seed=5,
+            backend=backend,
+            callbacks=[RecordHorovod(str(directory))],
+        )
         weights[backend] = result.model.get_weights()
-        horovod_state[backend] = {rank: json.loads((directory / f"horovod-rank{rank}.json").read_text())
-                                  for rank in (0, 1)}
+        horovod_state[backend] = {
+            rank: json.loads((directory / f"horovod-rank{rank}.json").read_text()) for rank in (0, 1)
+        }
         assert result.history["loss"][-1] < result.history["loss"][0]
     assert horovod_state["ring"] == {rank: {"initialized": False, "epoch": 2} for rank in (0, 1)}
-    assert horovod_state["horovod"] == {rank: {"initialized": True, "epoch": 2, "rank": rank, "size": 2}
-                                        for rank in (0, 1)}
+    assert horovod_state["horovod"] == {
+        rank: {"initialized": True, "epoch": 2, "rank": rank, "size": 2} for rank in (0, 1)
+    }
     initial = make_mlp(hidden=(32,), seed=3).get_weights()
     for ring, horovod, start in zip(weights["ring"], weights["horovod"], initial):
         assert not np.allclose(ring, start)  # it trained...

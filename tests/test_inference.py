@@ -5,17 +5,17 @@ from collections import Counter
 import keras
 import numpy as np
 import pytest
+from custom_layer import LoadLog, logged
+from models import make_mlp
 from pyspark.errors import PythonException
 from pyspark.ml.evaluation import BinaryClassificationEvaluator, MulticlassClassificationEvaluator
 from pyspark.ml.functions import array_to_vector
 from pyspark.ml.linalg import DenseVector
 from pyspark.sql import functions as F
-
-from custom_layer import LoadLog, logged
-from models import make_mlp
 from spark_jobs import no_spark_job
-from sparkdl.ml.inference import predict
+
 from sparkdl.keras.serialization import model_to_bytes
+from sparkdl.ml.inference import predict
 
 WIDTH = 64
 COLUMNS = [f"c{i}" for i in range(WIDTH)]
@@ -23,8 +23,13 @@ COLUMNS = [f"c{i}" for i in range(WIDTH)]
 
 def _dense_model(units, activation=None, seed=0):
     keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.Input((WIDTH,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(units, activation=activation)])
+    model = keras.Sequential(
+        [
+            keras.Input((WIDTH,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(units, activation=activation),
+        ]
+    )
     model.compile(optimizer="adam", loss="mse")
     return model
 
@@ -40,8 +45,13 @@ def frames(spark, test_rows):
     """The digits test split as three DataFrames (Vector, array and column-list features), 3 partitions each."""
     x, y = test_rows
     rows = [(i, int(label), row.tolist(), *map(float, row)) for i, (row, label) in enumerate(zip(x, y))]
-    base = spark.createDataFrame(rows, ", ".join(["id long", "label long", "features array<float>"]
-                                                 + [f"{c} double" for c in COLUMNS])).repartition(3, "id").cache()
+    base = (
+        spark.createDataFrame(
+            rows, ", ".join(["id long", "label long", "features array<float>"] + [f"{c} double" for c in COLUMNS])
+        )
+        .repartition(3, "id")
+        .cache()
+    )
     return {
         "array": (base.select("id", "label", "features"), "features"),
         "vector": (base.select("id", "label", array_to_vector("features").alias("features")), "features"),
@@ -61,8 +71,9 @@ def classifier(digits):
 def binary_classifier(digits):
     x_train, _, y_train, _ = digits
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((WIDTH,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(1, activation="sigmoid")])
+    model = keras.Sequential(
+        [keras.Input((WIDTH,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1, activation="sigmoid")]
+    )
     model.compile(optimizer="adam", loss="binary_crossentropy")
     model.fit(x_train, (y_train >= 5).astype(np.float32), epochs=3, batch_size=64, verbose=0)
     return model
@@ -113,16 +124,23 @@ def test_evaluators_match_numpy_and_sklearn(frames, test_rows, classifier, binar
 def test_sigmoid_binary_classifier(frames, test_rows, binary_classifier):
     df, features_col = frames["columns"]
     x, _ = test_rows
-    out = predict(df, model_to_bytes(binary_classifier), features_col=features_col, prediction_col="yhat",
-                  raw_prediction_col=None)
+    out = predict(
+        df, model_to_bytes(binary_classifier), features_col=features_col, prediction_col="yhat", raw_prediction_col=None
+    )
     assert out.columns == df.columns + ["yhat", "probability"]
     rows = _by_id(out)
     p = binary_classifier.predict(x, verbose=0)[:, 0].astype(np.float64)
     np.testing.assert_array_equal([r.yhat for r in rows], (p > 0.5).astype(float))
     np.testing.assert_allclose([r.probability.toArray() for r in rows], np.stack([1 - p, p], axis=1), atol=1e-6)
 
-    only = predict(df, model_to_bytes(binary_classifier), features_col=features_col, prediction_col="yhat",
-                   probability_col=None, raw_prediction_col=None)
+    only = predict(
+        df,
+        model_to_bytes(binary_classifier),
+        features_col=features_col,
+        prediction_col="yhat",
+        probability_col=None,
+        raw_prediction_col=None,
+    )
     assert only.columns == df.columns + ["yhat"]
     np.testing.assert_array_equal([r.yhat for r in _by_id(only)], (p > 0.5).astype(float))
 
@@ -183,9 +201,10 @@ def test_model_is_loaded_once_per_python_worker(spark, frames, tmp_path):
     first_calls = workers("calls")
     first = set(first_calls)
     # A second, separate transformation with the same model: its tasks must reuse the loaded model.
-    predict(df.where("id % 2 = 0"), model_bytes, prediction_col="y2", batch_size=7, **settings) \
-        .write.format("noop").mode("overwrite").save()
-    second = set(workers("calls")[len(first_calls):])
+    predict(df.where("id % 2 = 0"), model_bytes, prediction_col="y2", batch_size=7, **settings).write.format(
+        "noop"
+    ).mode("overwrite").save()
+    second = set(workers("calls")[len(first_calls) :])
     loads = Counter(workers("loads"))
 
     assert first and set(workers("calls")) <= set(loads), (first, loads)  # every process that ran it loaded it
@@ -207,17 +226,21 @@ def _assert_fails_before_any_job(spark, match, df, **kwargs):
 
 def test_schema_errors_are_raised_on_the_driver(spark, frames):
     df, _ = frames["array"]
-    _assert_fails_before_any_job(spark, r"Column 'nope' given as `features_col` is not in the DataFrame", df,
-                                 features_col="nope")
+    _assert_fails_before_any_job(
+        spark, r"Column 'nope' given as `features_col` is not in the DataFrame", df, features_col="nope"
+    )
     text = df.withColumn("text", F.lit("a"))
-    _assert_fails_before_any_job(spark, r"Expected column 'text' \(`features_col`\) to be numeric", text,
-                                 features_col="text")
+    _assert_fails_before_any_job(
+        spark, r"Expected column 'text' \(`features_col`\) to be numeric", text, features_col="text"
+    )
     _assert_fails_before_any_job(spark, r"column 'features' is array<float>", df, features_col=["id", "features"])
     cols, _ = frames["columns"]
-    _assert_fails_before_any_job(spark, r"`features_col` lists 3 columns .* the model expects 64 values", cols,
-                                 features_col=COLUMNS[:3])
-    _assert_fails_before_any_job(spark, r"Output column 'label' \(`prediction_col`\) already exists", df,
-                                 prediction_col="label")
+    _assert_fails_before_any_job(
+        spark, r"`features_col` lists 3 columns .* the model expects 64 values", cols, features_col=COLUMNS[:3]
+    )
+    _assert_fails_before_any_job(
+        spark, r"Output column 'label' \(`prediction_col`\) already exists", df, prediction_col="label"
+    )
     _assert_fails_before_any_job(spark, r"`batch_size` to be a positive integer", df, batch_size=0)
 
 
@@ -241,9 +264,13 @@ def test_null_and_nan_features_fail_the_task_with_a_clear_message(spark):
     df = spark.createDataFrame([(good,), (None,), (good,)], "features array<float>")
     assert "Column 'features' has null rows" in _action_error(df, model, features_col="features")
 
-    columns = spark.createDataFrame([tuple(good), tuple(good[:7] + [None] + good[8:])],
-                                    ", ".join(f"{c} double" for c in COLUMNS))
+    columns = spark.createDataFrame(
+        [tuple(good), tuple(good[:7] + [None] + good[8:])], ", ".join(f"{c} double" for c in COLUMNS)
+    )
     assert "Column 'c7' has null rows" in _action_error(columns, model, features_col=COLUMNS)
-    columns = spark.createDataFrame([tuple(good), tuple(good[:9] + [float("nan")] + good[10:])],
-                                    ", ".join(f"{c} double" for c in COLUMNS))
-    assert "Column 'c9' has rows containing NaN or infinite values" in _action_error(columns, model, features_col=COLUMNS)
+    columns = spark.createDataFrame(
+        [tuple(good), tuple(good[:9] + [float("nan")] + good[10:])], ", ".join(f"{c} double" for c in COLUMNS)
+    )
+    assert "Column 'c9' has rows containing NaN or infinite values" in _action_error(
+        columns, model, features_col=COLUMNS
+    )

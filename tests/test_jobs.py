@@ -31,6 +31,7 @@ sys.path.insert(0, str(JOBS))
 import _spark  # noqa: E402
 import predict  # noqa: E402
 import train  # noqa: E402
+
 from sparkdl.api import MODES  # noqa: E402
 
 
@@ -49,14 +50,28 @@ def run_job(command, cwd, expect_rc=0):
 def spark_submit(master, job, *job_args, conf=()):
     """A spark-submit command line with this virtualenv's spark-submit, the driver on loopback."""
     confs = [item for pair in conf for item in ("--conf", pair)]
-    return [SPARK_SUBMIT, "--master", master, "--conf", "spark.driver.host=127.0.0.1",
-            "--conf", "spark.ui.enabled=false", *confs, job, *job_args]
+    return [
+        SPARK_SUBMIT,
+        "--master",
+        master,
+        "--conf",
+        "spark.driver.host=127.0.0.1",
+        "--conf",
+        "spark.ui.enabled=false",
+        *confs,
+        job,
+        *job_args,
+    ]
 
 
 def event_log_conf(directory):
     directory.mkdir()
-    return ("spark.eventLog.enabled=true", f"spark.eventLog.dir={directory.as_uri()}",
-            "spark.eventLog.rolling.enabled=false", "spark.eventLog.compress=false")  # one plain JSON file
+    return (
+        "spark.eventLog.enabled=true",
+        f"spark.eventLog.dir={directory.as_uri()}",
+        "spark.eventLog.rolling.enabled=false",
+        "spark.eventLog.compress=false",
+    )  # one plain JSON file
 
 
 def read_event_log(directory):
@@ -67,10 +82,17 @@ def read_event_log(directory):
 def task_executors(events, *, barrier):
     """The executor ids that ran the tasks of the barrier stages (barrier=True) or of all other stages, by Spark's
     own record of where each task ran."""
-    barrier_stages = {e["Stage Info"]["Stage ID"] for e in events if e["Event"] == "SparkListenerStageSubmitted"
-                      and any(rdd.get("Barrier") for rdd in e["Stage Info"]["RDD Info"])}
-    return [e["Task Info"]["Executor ID"] for e in events if e["Event"] == "SparkListenerTaskEnd"
-            and (e["Stage ID"] in barrier_stages) == barrier]
+    barrier_stages = {
+        e["Stage Info"]["Stage ID"]
+        for e in events
+        if e["Event"] == "SparkListenerStageSubmitted"
+        and any(rdd.get("Barrier") for rdd in e["Stage Info"]["RDD Info"])
+    }
+    return [
+        e["Task Info"]["Executor ID"]
+        for e in events
+        if e["Event"] == "SparkListenerTaskEnd" and (e["Stage ID"] in barrier_stages) == barrier
+    ]
 
 
 def spark_property(events, name):
@@ -100,8 +122,19 @@ def test_spark_submit_on_local_cluster_trains_on_the_executors(tmp_path, digits)
     """spark-submit's --master reaches the job: Spark's event log shows the barrier stage's tasks on the two
     executor processes, never on the driver. --verbose shows each epoch once and the job's phase times."""
     events = tmp_path / "events"
-    out = run_job(spark_submit("local-cluster[2,1,1024]", TRAIN_JOB, "--epochs", "3", "--output", "model.keras",
-                               "--verbose", conf=event_log_conf(events)), tmp_path)
+    out = run_job(
+        spark_submit(
+            "local-cluster[2,1,1024]",
+            TRAIN_JOB,
+            "--epochs",
+            "3",
+            "--output",
+            "model.keras",
+            "--verbose",
+            conf=event_log_conf(events),
+        ),
+        tmp_path,
+    )
     log = read_event_log(events)
     assert spark_master(log) == "local-cluster[2,1,1024]"
     # Executors on this machine run this Python: their workers fork from sparkdl's daemon, TensorFlow loaded once.
@@ -125,11 +158,28 @@ def test_async_config_on_local_cluster_with_the_shipped_spark_conf_is_quiet(tmp_
     executor processes, a flag overriding the file's epochs: the tasks run on the executors; Spark says nothing
     below WARN and draws no progress bar; the job prints no epoch line of its own."""
     events = tmp_path / "events"
-    out = run_job([SPARK_SUBMIT, "--properties-file", "conf/spark-local.conf", "--master", "local-cluster[2,1,1024]",
-                   *[item for pair in event_log_conf(events) for item in ("--conf", pair)],
-                   TRAIN_JOB, "--config", str(CONFIGS / "train-async.toml"), "--epochs", "3",
-                   "--checkpoint-dir", str(tmp_path / "ckpt"), "--output", str(tmp_path / "output" / "model.keras"),
-                   "--test-output", str(tmp_path / "output" / "test.parquet")], ROOT)
+    out = run_job(
+        [
+            SPARK_SUBMIT,
+            "--properties-file",
+            "conf/spark-local.conf",
+            "--master",
+            "local-cluster[2,1,1024]",
+            *[item for pair in event_log_conf(events) for item in ("--conf", pair)],
+            TRAIN_JOB,
+            "--config",
+            str(CONFIGS / "train-async.toml"),
+            "--epochs",
+            "3",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--output",
+            str(tmp_path / "output" / "model.keras"),
+            "--test-output",
+            str(tmp_path / "output" / "test.parquet"),
+        ],
+        ROOT,
+    )
     log = read_event_log(events)
     assert spark_master(log) == "local-cluster[2,1,1024]"
     assert sorted(set(task_executors(log, barrier=False))) == ["0", "1"]
@@ -150,10 +200,18 @@ def test_spark_submit_on_too_few_slots_is_refused_before_training(tmp_path):
     """--master local[1] has one task slot: two workers are refused with the slot error, naming the job's flag,
     before sparkdl launches anything (no training line, no epoch, no barrier stage)."""
     events = tmp_path / "events"
-    out = run_job(spark_submit("local[1]", TRAIN_JOB, "--num-workers", "2", "--epochs", "2", "--verbose",
-                               conf=event_log_conf(events)), tmp_path, expect_rc=2)
-    assert re.search(r"train\.py: error: Expected --num-workers <= the cluster's task slots\. "
-                     r"Received --num-workers 2, but the cluster runs 1 tasks at once \(master='local\[1\]'", out), out
+    out = run_job(
+        spark_submit(
+            "local[1]", TRAIN_JOB, "--num-workers", "2", "--epochs", "2", "--verbose", conf=event_log_conf(events)
+        ),
+        tmp_path,
+        expect_rc=2,
+    )
+    assert re.search(
+        r"train\.py: error: Expected --num-workers <= the cluster's task slots\. "
+        r"Received --num-workers 2, but the cluster runs 1 tasks at once \(master='local\[1\]'",
+        out,
+    ), out
     assert "sparkdl-job phase fit" not in out and "training on" not in out and "trained on" not in out, out
     assert not re.search(r"\bepoch 1/2\b", out), out
     log = read_event_log(events)
@@ -164,8 +222,10 @@ def test_a_missing_data_path_is_refused_before_spark_starts(tmp_path):
     """Under spark-submit (whose JVM exists already) and with plain python: one error line, exit status 2, and no
     SparkContext ever started (its first INFO line would show with --verbose)."""
     missing = tmp_path / "missing.parquet"
-    for command in (spark_submit("local[1]", TRAIN_JOB, "--data", str(missing), "--verbose"),
-                    [sys.executable, TRAIN_JOB, "--data", f"file://{missing}", "--verbose"]):
+    for command in (
+        spark_submit("local[1]", TRAIN_JOB, "--data", str(missing), "--verbose"),
+        [sys.executable, TRAIN_JOB, "--data", f"file://{missing}", "--verbose"],
+    ):
         out = run_job(command, tmp_path, expect_rc=2)
         assert re.search(rf"^train\.py: error: --data \S*{missing}: no such file or directory", out, re.M), out
         assert "Running Spark version" not in out and "sparkdl-job phase session" not in out, out
@@ -173,25 +233,43 @@ def test_a_missing_data_path_is_refused_before_spark_starts(tmp_path):
 
 def test_mode_settings_are_checked_before_spark_starts_naming_the_flags(tmp_path):
     """The ssp mode without its setting fails at once, as argparse fails: exit status 2, one line, no trace."""
-    done = subprocess.run([sys.executable, TRAIN_JOB, "--mode", "ssp", "--verbose"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, TRAIN_JOB, "--mode", "ssp", "--verbose"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
     assert done.stderr.splitlines() == [
-        "train.py: error: --mode ssp needs --max-staleness: how many pushes a worker may run ahead of the slowest."]
+        "train.py: error: --mode ssp needs --max-staleness: how many pushes a worker may run ahead of the slowest."
+    ]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--mode", "async", "--max-staleness", "2"],
-     "--max-staleness applies to --mode ssp only. Received: --max-staleness 2 with --mode async"),
-    (["--push-every", "2"], "--push-every applies to --mode async or hogwild or ssp only. Received: --push-every 2 "
-                            "with --mode sync"),
-    (["--mode", "average", "--num-servers", "2"], "--num-servers applies to --mode async or hogwild or ssp only"),
-    (["--mode", "ssp", "--max-staleness", "-1"], "Expected --max-staleness to be a non-negative integer. "
-                                                 "Received: --max-staleness -1"),
-    (["--epochs", "0"], "Expected --epochs to be a positive integer. Received: --epochs 0"),
-    (["--test-fraction", "1"], "Expected --test-fraction to be a fraction in (0, 1). Received: --test-fraction 1.0"),
-    (["--learning-rate", "0"], "Expected --learning-rate to be a positive number"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--mode", "async", "--max-staleness", "2"],
+            "--max-staleness applies to --mode ssp only. Received: --max-staleness 2 with --mode async",
+        ),
+        (
+            ["--push-every", "2"],
+            "--push-every applies to --mode async or hogwild or ssp only. Received: --push-every 2 with --mode sync",
+        ),
+        (["--mode", "average", "--num-servers", "2"], "--num-servers applies to --mode async or hogwild or ssp only"),
+        (
+            ["--mode", "ssp", "--max-staleness", "-1"],
+            "Expected --max-staleness to be a non-negative integer. Received: --max-staleness -1",
+        ),
+        (["--epochs", "0"], "Expected --epochs to be a positive integer. Received: --epochs 0"),
+        (
+            ["--test-fraction", "1"],
+            "Expected --test-fraction to be a fraction in (0, 1). Received: --test-fraction 1.0",
+        ),
+        (["--learning-rate", "0"], "Expected --learning-rate to be a positive number"),
+    ],
+)
 def test_bad_settings_stop_the_job_naming_its_flags(capsys, argv, message):
     with pytest.raises(SystemExit) as exited:
         train.parse_args(argv)
@@ -228,9 +306,25 @@ def test_python_job_on_user_parquet_with_column_list(tmp_path, spark, digits):
     rows = [tuple(columns[c][r] for c in columns) + (int(y_train[r]),) for r in range(len(y_train))]
     spark.createDataFrame(rows, list(columns) + ["digit"]).write.parquet(str(tmp_path / "digits.parquet"))
 
-    out = run_job([sys.executable, TRAIN_JOB, "--master", "local[2]", "--data", "digits.parquet",
-                   "--features-col", ",".join(columns), "--label-col", "digit", "--epochs", "3",
-                   "--output", "out/model.keras"], tmp_path)
+    out = run_job(
+        [
+            sys.executable,
+            TRAIN_JOB,
+            "--master",
+            "local[2]",
+            "--data",
+            "digits.parquet",
+            "--features-col",
+            ",".join(columns),
+            "--label-col",
+            "digit",
+            "--epochs",
+            "3",
+            "--output",
+            "out/model.keras",
+        ],
+        tmp_path,
+    )
     assert re.search(r"trained on 2 workers", out)
     assert float(re.search(r"test accuracy: ([\d.]+)", out).group(1)) > 0.8, out
     assert (tmp_path / "out" / "model.keras").exists()
@@ -244,7 +338,9 @@ def _jvm_maps_of(process, archive, timeout=120.0):
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 # The JVM itself, whose own option it is (spark-submit's launcher sees it inside a --conf).
-                if f"-XX:SharedArchiveFile={archive}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                if f"-XX:SharedArchiveFile={archive}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(
+                    b"\0"
+                ):
                     time.sleep(1.0)  # the archive is mapped as the JVM initializes, well before Spark starts
                     return Path(f"/proc/{pid}/maps").read_text()
             except OSError:
@@ -265,8 +361,9 @@ def test_plain_python_job_writes_a_class_archive_once_and_maps_it_after(tmp_path
     assert [a.suffix for a in archives] == [".jsa"] and archives[0].stat().st_size > 10**7, archives  # no .tmp left
     assert "cds" not in first.stdout + first.stderr and "[warning]" not in first.stdout + first.stderr
 
-    second = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+    second = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         maps = _jvm_maps_of(second, archives[0])
         output = second.communicate(timeout=600)[0]
@@ -294,16 +391,31 @@ def test_predict_job_scores_every_row_of_a_parquet_dataset(tmp_path, digits, dig
     model, model_path = digits_model
     _, x_test, _, _ = digits
     pixels = [f"pixel{i}" for i in range(64)]
-    table = pa.table({"id": np.arange(len(x_test)), **{name: x_test[:, i].astype(np.float64)
-                                                        for i, name in enumerate(pixels)}})
+    table = pa.table(
+        {"id": np.arange(len(x_test)), **{name: x_test[:, i].astype(np.float64) for i, name in enumerate(pixels)}}
+    )
     (tmp_path / "rows.parquet").mkdir()
     half = len(x_test) // 2  # two files: two tasks score them
     pq.write_table(table.slice(0, half), tmp_path / "rows.parquet" / "part-0.parquet")
     pq.write_table(table.slice(half), tmp_path / "rows.parquet" / "part-1.parquet")
 
-    out = run_job(spark_submit("local[2]", PREDICT_JOB, "--config", str(CONFIGS / "predict.toml"),
-                               "--model", str(model_path), "--data", "rows.parquet", "--output", "scored.parquet",
-                               "--features-col", ",".join(pixels)), tmp_path)
+    out = run_job(
+        spark_submit(
+            "local[2]",
+            PREDICT_JOB,
+            "--config",
+            str(CONFIGS / "predict.toml"),
+            "--model",
+            str(model_path),
+            "--data",
+            "rows.parquet",
+            "--output",
+            "scored.parquet",
+            "--features-col",
+            ",".join(pixels),
+        ),
+        tmp_path,
+    )
     assert f"scored {len(x_test)} rows" in out, out
 
     scored = pq.read_table(tmp_path / "scored.parquet").sort_by("id")
@@ -332,12 +444,27 @@ def test_predict_job_checks_data_model_and_output_before_starting_spark(tmp_path
     (tmp_path / "scored.parquet").mkdir()
     cases = [
         (["--model", str(model_path)], "Expected --data"),
-        (["--model", str(tmp_path / "no-such-model.keras"), "--data", str(tmp_path / "rows.parquet")],
-         "--model " + str(tmp_path / "no-such-model.keras") + ": no such file"),
-        (["--model", str(model_path), "--data", str(tmp_path / "none.parquet"), "--master", "local[1]"],
-         "--data " + str(tmp_path / "none.parquet") + ": no such file or directory"),
-        (["--model", str(model_path), "--data", str(tmp_path / "rows.parquet"), "--master", "local[1]",
-          "--output", str(tmp_path / "scored.parquet")], "exists already. Use --mode overwrite"),
+        (
+            ["--model", str(tmp_path / "no-such-model.keras"), "--data", str(tmp_path / "rows.parquet")],
+            "--model " + str(tmp_path / "no-such-model.keras") + ": no such file",
+        ),
+        (
+            ["--model", str(model_path), "--data", str(tmp_path / "none.parquet"), "--master", "local[1]"],
+            "--data " + str(tmp_path / "none.parquet") + ": no such file or directory",
+        ),
+        (
+            [
+                "--model",
+                str(model_path),
+                "--data",
+                str(tmp_path / "rows.parquet"),
+                "--master",
+                "local[1]",
+                "--output",
+                str(tmp_path / "scored.parquet"),
+            ],
+            "exists already. Use --mode overwrite",
+        ),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exited:
@@ -355,11 +482,27 @@ def connect_server(tmp_path):
         port = s.getsockname()[1]
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(
-        [SPARK_SUBMIT, "--class", "org.apache.spark.sql.connect.service.SparkConnectServer", "--master", "local[2]",
-         "--conf", f"spark.connect.grpc.binding.port={port}", "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
-         "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.ui.enabled=false", "spark-internal"],
-        cwd=tmp_path, env={**os.environ, "PYSPARK_PYTHON": sys.executable},
-        stdout=log, stderr=subprocess.STDOUT)
+        [
+            SPARK_SUBMIT,
+            "--class",
+            "org.apache.spark.sql.connect.service.SparkConnectServer",
+            "--master",
+            "local[2]",
+            "--conf",
+            f"spark.connect.grpc.binding.port={port}",
+            "--conf",
+            "spark.connect.grpc.binding.address=127.0.0.1",
+            "--conf",
+            "spark.driver.host=127.0.0.1",
+            "--conf",
+            "spark.ui.enabled=false",
+            "spark-internal",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYSPARK_PYTHON": sys.executable},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -376,12 +519,26 @@ def connect_server(tmp_path):
         log.close()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sparkdl.launch.session") is None,
-                    reason="sparkdl.fit over Spark Connect arrives with sparkdl/launch/session.py (issue 13, point 3)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("sparkdl.launch.session") is None,
+    reason="sparkdl.fit over Spark Connect arrives with sparkdl/launch/session.py (issue 13, point 3)",
+)
 def test_train_job_over_spark_connect(tmp_path, connect_server):
     """--remote makes the job a Spark Connect client: it trains on the server's executors and never starts a JVM."""
-    out = run_job([sys.executable, TRAIN_JOB, "--remote", connect_server, "--epochs", "2", "--output", "model.keras",
-                   "--verbose"], tmp_path)
+    out = run_job(
+        [
+            sys.executable,
+            TRAIN_JOB,
+            "--remote",
+            connect_server,
+            "--epochs",
+            "2",
+            "--output",
+            "model.keras",
+            "--verbose",
+        ],
+        tmp_path,
+    )
     assert re.search(r"trained on 2 workers", out) and (tmp_path / "model.keras").exists(), out
     assert "Running Spark version" not in out and "log4j" not in out, out  # no Spark driver in the job's process
 
@@ -403,13 +560,16 @@ def test_flags_override_the_config_file(tmp_path):
     assert args.batch_size == 16 and args.push_every is None  # neither in the file nor given: the job's defaults
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("num_worker = 4\n", ["Unknown key 'num_worker'", "num_workers"]),
-    ('epochs = "five"\n', ["Expected 'epochs'", "an integer", "Received: 'five'"]),
-    ("epochs = true\n", ["Expected 'epochs'", "an integer", "Received: True"]),
-    ('mode = "sideways"\n', ["Expected 'mode'", "'hogwild'", "Received: 'sideways'"]),
-    ("epochs =\n", ["not valid TOML"]),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("num_worker = 4\n", ["Unknown key 'num_worker'", "num_workers"]),
+        ('epochs = "five"\n', ["Expected 'epochs'", "an integer", "Received: 'five'"]),
+        ("epochs = true\n", ["Expected 'epochs'", "an integer", "Received: True"]),
+        ('mode = "sideways"\n', ["Expected 'mode'", "'hogwild'", "Received: 'sideways'"]),
+        ("epochs =\n", ["not valid TOML"]),
+    ],
+)
 def test_a_bad_config_file_stops_the_job_naming_file_and_key(tmp_path, capsys, text, expected):
     config = write_config(tmp_path, text)
     with pytest.raises(SystemExit) as exited:

@@ -43,29 +43,48 @@ def _train_large_model(heap: str, inputs: int, units: int) -> dict:
     import keras
     from pyspark.sql import SparkSession
 
-    spark = (SparkSession.builder.master("local[1]").appName("sparkdl-large-results")
-             .config("spark.driver.memory", heap).config("spark.testing.memory", str(512 << 20))
-             .config("spark.driver.host", "127.0.0.1").config("spark.ui.enabled", "false").getOrCreate())
+    spark = (
+        SparkSession.builder.master("local[1]")
+        .appName("sparkdl-large-results")
+        .config("spark.driver.memory", heap)
+        .config("spark.testing.memory", str(512 << 20))
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.ui.enabled", "false")
+        .getOrCreate()
+    )
     spark.sparkContext.setLogLevel("ERROR")
     x, y = _pattern(inputs, 97), _pattern(units, 89)
     df = spark.createDataFrame([(x.tolist(), y.tolist())], "features array<float>, label array<float>")
-    model = keras.Sequential([keras.Input((inputs,)),
-                              keras.layers.Dense(units, kernel_initializer="zeros", bias_initializer="zeros")])
+    model = keras.Sequential(
+        [keras.Input((inputs,)), keras.layers.Dense(units, kernel_initializer="zeros", bias_initializer="zeros")]
+    )
     model.compile(optimizer=keras.optimizers.SGD(learning_rate=units / 2), loss="mse")
     result = sparkdl.fit(df, model, num_workers=1, epochs=1, batch_size=1, shuffle=False, progress=False)
     kernel, bias = (variable.numpy() for variable in result.model.layers[0].weights)
-    worst = max(float(np.max(np.abs(kernel[start : start + 500] - np.outer(x[start : start + 500], y))))
-                for start in range(0, inputs, 500))
-    return {"heap_bytes": spark.sparkContext._jvm.java.lang.Runtime.getRuntime().maxMemory(),
-            "weight_bytes": int(kernel.nbytes + bias.nbytes), "kernel_error": worst,
-            "bias_error": float(np.max(np.abs(bias - y))), "initial_epoch": result.initial_epoch,
-            "jvm_alive_count": spark.range(1000).count()}
+    worst = max(
+        float(np.max(np.abs(kernel[start : start + 500] - np.outer(x[start : start + 500], y))))
+        for start in range(0, inputs, 500)
+    )
+    return {
+        "heap_bytes": spark.sparkContext._jvm.java.lang.Runtime.getRuntime().maxMemory(),
+        "weight_bytes": int(kernel.nbytes + bias.nbytes),
+        "kernel_error": worst,
+        "bias_error": float(np.max(np.abs(bias - y))),
+        "initial_epoch": result.initial_epoch,
+        "jvm_alive_count": spark.range(1000).count(),
+    }
 
 
 def test_a_model_larger_than_the_driver_jvm_heap_goes_to_the_task_and_back_intact(tmp_path):
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    child = subprocess.run([sys.executable, __file__, _HEAP, str(_INPUTS), str(_UNITS)], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=540)
+    child = subprocess.run(
+        [sys.executable, __file__, _HEAP, str(_INPUTS), str(_UNITS)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-6000:]
     report = json.loads(child.stdout.strip().splitlines()[-1])
     assert report["weight_bytes"] > 1.3 * report["heap_bytes"], report  # the model cannot fit in the JVM's heap
@@ -155,13 +174,18 @@ def test_the_relay_keeps_only_results_of_exactly_the_announced_size():
             if rank == 2:  # the one honest upload is acknowledged
                 sock.settimeout(10)
                 kind, length = _HEADER.unpack(sock.recv(_HEADER.size, socket.MSG_WAITALL))
-                assert kind == payloads._REPLY and json.loads(sock.recv(length, socket.MSG_WAITALL)) == {"received": True}
+                assert kind == payloads._REPLY and json.loads(sock.recv(length, socket.MSG_WAITALL)) == {
+                    "received": True
+                }
             sock.close()
         relay.wait_until_quiet(10)
     assert exchange.take(2, 7, 3) == b"123"
     for rank in (0, 1):
-        with pytest.raises(RuntimeError, match=f"Partition {rank}'s task .attempt 7. finished, but its 4-byte result "
-                                               "never reached the driver's relay"):
+        with pytest.raises(
+            RuntimeError,
+            match=f"Partition {rank}'s task .attempt 7. finished, but its 4-byte result "
+            "never reached the driver's relay",
+        ):
             exchange.take(rank, 7, 4)
 
 

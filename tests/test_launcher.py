@@ -9,13 +9,13 @@ import time
 
 import numpy as np
 import pytest
+from spark_jobs import no_spark_job
 
 import sparkdl
 from sparkdl import collective
+from sparkdl.collective.horovod import Slot, slot_plan
 from sparkdl.collective.transport import ConnectGaveUp, connect_authenticated
 from sparkdl.launch.relay import _HEADER, _RELAY_ID, OutputRelay
-from sparkdl.collective.horovod import Slot, slot_plan
-from spark_jobs import no_spark_job
 
 pytestmark = pytest.mark.horovod  # the launcher runs on both stacks
 
@@ -24,9 +24,13 @@ def allreduce_scaled(scale, *, offset=0.0):
     from sparkdl import collective
 
     total = collective.allreduce(np.full(3, scale * (collective.rank() + 1) + offset))
-    return {"rank": collective.rank(), "size": collective.size(), "total": total.tolist(),
-            "gathered": collective.allgather(np.array([collective.rank()])).ravel().tolist(),
-            "broadcast": collective.broadcast(np.array([collective.rank() + 7.0]), root=collective.size() - 1).tolist()}
+    return {
+        "rank": collective.rank(),
+        "size": collective.size(),
+        "total": total.tolist(),
+        "gathered": collective.allgather(np.array([collective.rank()])).ravel().tolist(),
+        "broadcast": collective.broadcast(np.array([collective.rank() + 7.0]), root=collective.size() - 1).tolist(),
+    }
 
 
 def test_run_returns_rank0_result_of_a_ring_collective(spark):
@@ -100,8 +104,10 @@ def fail_on_rank_1(kind):
     from sparkdl import collective
 
     if collective.rank() == 1:
+
         def inner():
             raise (ValueError if kind == "value" else CustomFailure)(f"bad thing on rank {collective.rank()}")
+
         inner()
     collective.barrier()  # rank 0 waits here for a rank that never comes: the job must not wait with it
     return "unreachable"
@@ -153,8 +159,10 @@ def test_bad_settings_fail_on_the_driver_before_any_job(spark, kwargs, message):
         sparkdl.run(settings.pop("train_fn"), **settings)
 
 
-@pytest.mark.skipif(sys.modules.get("horovod") is not None or __import__("importlib").util.find_spec("horovod"),
-                    reason="Horovod is installed here")
+@pytest.mark.skipif(
+    sys.modules.get("horovod") is not None or __import__("importlib").util.find_spec("horovod"),
+    reason="Horovod is installed here",
+)
 def test_horovod_backend_without_horovod_says_how_to_get_it(spark, digits_df):
     from models import make_mlp
 
@@ -172,6 +180,7 @@ def test_backend_is_a_sync_mode_setting(spark, digits_df):
 
 
 # The relay on its own, with real sockets: what a stranger or a broken client gets.
+
 
 def _relay(secret=b"s" * 32):
     out, err = io.StringIO(), io.StringIO()
@@ -213,10 +222,17 @@ def test_relay_refuses_a_wrong_secret_and_a_malformed_frame():
 
 # Horovod's view of the ranks (pure logic; the Horovod tests run it for real).
 
+
 def test_slot_plan_for_ranks_spread_over_hosts_in_partition_order():
     plan = slot_plan(["a", "b", "a", "c", "b", "a"])
     assert [(s.rank, s.hostname, s.local_rank, s.local_size) for s in plan] == [
-        (0, "a", 0, 3), (1, "b", 0, 2), (2, "a", 1, 3), (3, "c", 0, 1), (4, "b", 1, 2), (5, "a", 2, 3)]
+        (0, "a", 0, 3),
+        (1, "b", 0, 2),
+        (2, "a", 1, 3),
+        (3, "c", 0, 1),
+        (4, "b", 1, 2),
+        (5, "a", 2, 3),
+    ]
     # cross rank: the host's index among the hosts that have a rank at this local rank
     assert [(s.cross_rank, s.cross_size) for s in plan] == [(0, 3), (1, 3), (0, 2), (2, 3), (1, 2), (0, 1)]
     assert all(s.size == 6 for s in plan)
@@ -225,5 +241,11 @@ def test_slot_plan_for_ranks_spread_over_hosts_in_partition_order():
 def test_slot_plan_on_one_host_and_its_environment():
     assert slot_plan(["127.0.0.1"] * 2)[1] == Slot("127.0.0.1", 1, 1, 0, 2, 2, 1)
     assert slot_plan(["h"])[0].environment() == {
-        "HOROVOD_HOSTNAME": "h", "HOROVOD_RANK": "0", "HOROVOD_SIZE": "1", "HOROVOD_LOCAL_RANK": "0",
-        "HOROVOD_LOCAL_SIZE": "1", "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1"}
+        "HOROVOD_HOSTNAME": "h",
+        "HOROVOD_RANK": "0",
+        "HOROVOD_SIZE": "1",
+        "HOROVOD_LOCAL_RANK": "0",
+        "HOROVOD_LOCAL_SIZE": "1",
+        "HOROVOD_CROSS_RANK": "0",
+        "HOROVOD_CROSS_SIZE": "1",
+    }

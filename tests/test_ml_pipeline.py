@@ -9,13 +9,13 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from custom_layer import LoadLog, Scale, logged, make_scaled_classifier
+from models import make_mlp
 from pyspark.ml import Pipeline
 from pyspark.ml.evaluation import MulticlassClassificationEvaluator
 from pyspark.ml.feature import StandardScaler, VectorAssembler
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 
-from custom_layer import LoadLog, Scale, logged, make_scaled_classifier
-from models import make_mlp
 from sparkdl.ml import KerasEstimator, KerasModel
 
 PIXELS = [f"p{i}" for i in range(64)]
@@ -26,22 +26,37 @@ def digits_frames(spark, digits):
     x_train, x_test, y_train, y_test = digits
 
     def frame(x, y):
-        return spark.createDataFrame([tuple(float(v) for v in row) + (int(label),) for row, label in zip(x, y)],
-                                     PIXELS + ["label"])
+        return spark.createDataFrame(
+            [tuple(float(v) for v in row) + (int(label),) for row, label in zip(x, y)], PIXELS + ["label"]
+        )
 
     return frame(x_train, y_train).cache(), frame(x_test, y_test).cache()
 
 
 def pipeline(estimator):
-    return Pipeline(stages=[VectorAssembler(inputCols=PIXELS, outputCol="raw"),
-                            StandardScaler(inputCol="raw", outputCol="scaled"), estimator])
+    return Pipeline(
+        stages=[
+            VectorAssembler(inputCols=PIXELS, outputCol="raw"),
+            StandardScaler(inputCol="raw", outputCol="scaled"),
+            estimator,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
 def fitted(digits_frames):
     train, _ = digits_frames
-    estimator = KerasEstimator(model=make_mlp(), featuresCol="scaled", labelCol="label", numWorkers=2, mode="sync",
-                               epochs=12, batchSize=16, seed=0, validationSplit=0.1)
+    estimator = KerasEstimator(
+        model=make_mlp(),
+        featuresCol="scaled",
+        labelCol="label",
+        numWorkers=2,
+        mode="sync",
+        epochs=12,
+        batchSize=16,
+        seed=0,
+        validationSplit=0.1,
+    )
     return pipeline(estimator).fit(train)
 
 
@@ -121,8 +136,9 @@ def test_from_keras_takes_a_compiled_model_or_its_file(tmp_path):
 
 
 def test_unfitted_estimator_saves_and_loads(spark, tmp_path):
-    estimator = KerasEstimator(model=make_mlp(hidden=(8,)), featuresCol="scaled", mode="async", pushEvery=2,
-                               epochs=3, numServers=2)
+    estimator = KerasEstimator(
+        model=make_mlp(hidden=(8,)), featuresCol="scaled", mode="async", pushEvery=2, epochs=3, numServers=2
+    )
     path = str(tmp_path / "estimator")
     estimator.save(path)
     loaded = KerasEstimator.load(path)
@@ -135,9 +151,28 @@ def test_unfitted_estimator_saves_and_loads(spark, tmp_path):
 def test_params_follow_spark_ml_conventions():
     estimator = KerasEstimator(model=make_mlp(hidden=(8,)), epochs=3)
     explained = estimator.explainParams()
-    for name in ["model", "featuresCol", "labelCol", "predictionCol", "probabilityCol", "numWorkers", "mode",
-                 "epochs", "batchSize", "shuffle", "seed", "pushEvery", "maxStaleness", "numServers", "syncEvery",
-                 "validationIndicatorCol", "validationSplit", "timeout", "backend", "customObjects"]:
+    for name in [
+        "model",
+        "featuresCol",
+        "labelCol",
+        "predictionCol",
+        "probabilityCol",
+        "numWorkers",
+        "mode",
+        "epochs",
+        "batchSize",
+        "shuffle",
+        "seed",
+        "pushEvery",
+        "maxStaleness",
+        "numServers",
+        "syncEvery",
+        "validationIndicatorCol",
+        "validationSplit",
+        "timeout",
+        "backend",
+        "customObjects",
+    ]:
         assert name in explained
     assert estimator.setBatchSize(8) is estimator and estimator.getBatchSize() == 8
     for name in [p.name for p in estimator.params] + ["validationCol"]:  # every Param's getX/setX pair
@@ -160,8 +195,13 @@ def test_cross_validator_over_two_settings_and_copies_share_no_trained_state(dig
     before = [w.copy() for w in base.get_weights()]
     estimator = KerasEstimator(model=base, featuresCol="scaled", numWorkers=2, epochs=1, batchSize=16, seed=0)
     grid = ParamGridBuilder().addGrid(estimator.epochs, [1, 6]).build()
-    cv = CrossValidator(estimator=pipeline(estimator), estimatorParamMaps=grid, numFolds=2,
-                        evaluator=MulticlassClassificationEvaluator(metricName="accuracy"), seed=0)
+    cv = CrossValidator(
+        estimator=pipeline(estimator),
+        estimatorParamMaps=grid,
+        numFolds=2,
+        evaluator=MulticlassClassificationEvaluator(metricName="accuracy"),
+        seed=0,
+    )
     cv_model = cv.fit(small)
     assert len(cv_model.avgMetrics) == 2
     assert cv_model.avgMetrics[1] > cv_model.avgMetrics[0]  # 6 epochs beat 1
@@ -176,16 +216,26 @@ def test_cross_validator_over_two_settings_and_copies_share_no_trained_state(dig
 
 # Each Param set to a value that differs from its default, and the fit argument it must become.
 EVERY_PARAM = {
-    "featuresCol": ("f", "features_col", "f"), "labelCol": ("y", "label_col", "y"),
-    "numWorkers": (1, "num_workers", 1), "mode": ("ssp", "mode", "ssp"), "epochs": (4, "epochs", 4),
-    "batchSize": (8, "batch_size", 8), "shuffle": (False, "shuffle", False), "pushEvery": (3, "push_every", 3),
-    "maxStaleness": (2, "max_staleness", 2), "numServers": (2, "num_servers", 2),
-    "syncEvery": (5, "sync_every", 5), "validationIndicatorCol": ("held", "validation_col", "held"),
-    "validationSplit": (0.25, "validation_split", 0.25), "timeout": (30.0, "timeout", 30.0),
+    "featuresCol": ("f", "features_col", "f"),
+    "labelCol": ("y", "label_col", "y"),
+    "numWorkers": (1, "num_workers", 1),
+    "mode": ("ssp", "mode", "ssp"),
+    "epochs": (4, "epochs", 4),
+    "batchSize": (8, "batch_size", 8),
+    "shuffle": (False, "shuffle", False),
+    "pushEvery": (3, "push_every", 3),
+    "maxStaleness": (2, "max_staleness", 2),
+    "numServers": (2, "num_servers", 2),
+    "syncEvery": (5, "sync_every", 5),
+    "validationIndicatorCol": ("held", "validation_col", "held"),
+    "validationSplit": (0.25, "validation_split", 0.25),
+    "timeout": (30.0, "timeout", 30.0),
     "checkpointDir": ("/tmp/ck", "checkpoint_dir", "/tmp/ck"),
     "tensorboardDir": ("/tmp/tb", "tensorboard_dir", "/tmp/tb"),
-    "logToMlflow": (True, "log_to_mlflow", True), "progress": (False, "progress", False),
-    "seed": (7, "seed", 7), "backend": ("horovod", "backend", "horovod"),
+    "logToMlflow": (True, "log_to_mlflow", True),
+    "progress": (False, "progress", False),
+    "seed": (7, "seed", 7),
+    "backend": ("horovod", "backend", "horovod"),
     "customObjects": ({"Scale": Scale}, "custom_objects", {"Scale": Scale}),
 }
 OUTPUT_PARAMS = {"model", "predictionCol", "probabilityCol", "rawPredictionCol"}  # not fit settings
@@ -240,10 +290,20 @@ def custom_fit(spark, tmp_path_factory):
     df = spark.createDataFrame(rows, "f array<double>, y int, held boolean").repartition(2).cache()
     out = tmp_path_factory.mktemp("custom-fit")
     (out / "log").mkdir()
-    estimator = KerasEstimator(model=make_scaled_classifier(log_dir=str(out / "log")), featuresCol="f", labelCol="y",
-                               numWorkers=1, epochs=3, batchSize=8, seed=0, validationIndicatorCol="held",
-                               progress=False, checkpointDir=str(out / "checkpoints"), tensorboardDir=str(out / "tb"),
-                               customObjects={"Scale": Scale, "LoadLog": LoadLog})
+    estimator = KerasEstimator(
+        model=make_scaled_classifier(log_dir=str(out / "log")),
+        featuresCol="f",
+        labelCol="y",
+        numWorkers=1,
+        epochs=3,
+        batchSize=8,
+        seed=0,
+        validationIndicatorCol="held",
+        progress=False,
+        checkpointDir=str(out / "checkpoints"),
+        tensorboardDir=str(out / "tb"),
+        customObjects={"Scale": Scale, "LoadLog": LoadLog},
+    )
     model = estimator.fit(df)
     (out / "log" / "calls").rename(out / "log" / "training-calls")  # before anything else runs the model
     return df, model, out

@@ -20,7 +20,10 @@ def test_every_mode_name_has_one_mode_object_and_fit_accepts_exactly_those():
 
 def test_options_are_checked_against_the_mode_that_takes_them():
     assert check_mode_options("ssp", max_staleness=0, push_every=None) == {
-        "push_every": None, "num_servers": None, "max_staleness": 0}
+        "push_every": None,
+        "num_servers": None,
+        "max_staleness": 0,
+    }
     with pytest.raises(ValueError, match=r"`max_staleness` applies to mode='ssp' only"):
         check_mode_options("async", max_staleness=1)
     with pytest.raises(ValueError, match=r"--sync-every applies to --mode average only"):
@@ -39,8 +42,11 @@ def test_any_range_of_steps_gets_the_batches_of_the_uninterrupted_schedule():
     y = np.arange(10, dtype=np.float32)
     settings = dict(batch_size=3, steps=4, seed=5, rank=1, shuffle=True)
     whole = [b for _, b in data.batches(x, y, start=0, stop=12, **settings)]
-    pieces = [b for start, stop in ((0, 5), (5, 8), (8, 12)) for _, b in data.batches(x, y, start=start, stop=stop,
-                                                                                      **settings)]
+    pieces = [
+        b
+        for start, stop in ((0, 5), (5, 8), (8, 12))
+        for _, b in data.batches(x, y, start=start, stop=stop, **settings)
+    ]
     assert len(whole) == 12 and all(len(b) == 3 for b in whole)
     for a, b in zip(whole, pieces, strict=True):
         np.testing.assert_array_equal(a, b)

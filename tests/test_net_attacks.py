@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from shards import LR, SGDShard
 
 from sparkdl.collective.transport import Listener, Op, connect_peer
 from sparkdl.launch.relay import _ERROR, _HEADER, _RELAY_ID, ErrorReport, OutputRelay
@@ -29,7 +30,6 @@ from sparkdl.net.io import parse_address
 from sparkdl.ps import protocol
 from sparkdl.ps.client import NonFiniteGradientError, ParameterClient
 from sparkdl.ps.server import ParameterServer
-from shards import LR, SGDShard
 
 HOST = "127.0.0.1"
 SECRET = b"attack-test-secret"
@@ -82,8 +82,9 @@ class Hog:
 
 def test_hogged_parameter_server_shard_still_serves_a_real_worker(caplog):
     shard = SGDShard(np.arange(6))
-    with ParameterServer([shard], host=HOST, secret=SECRET, mode="async", num_workers=1,
-                         handshake_timeout=FOREVER) as ps:
+    with ParameterServer(
+        [shard], host=HOST, secret=SECRET, mode="async", num_workers=1, handshake_timeout=FOREVER
+    ) as ps:
         hog = Hog(ps.addresses[0], 72)  # the issue's attack: 72 idle connections against 64 pending slots
         try:
             with ParameterClient(ps.addresses, worker=0, secret=SECRET, shard_sizes=[6], timeout=30) as worker:
@@ -173,9 +174,14 @@ server.stop() if kind == "ps" else server.close()
 def test_listener_survives_running_out_of_file_descriptors(kind):
     """A flood exhausts the listener's open-file limit (EMFILE): it pauses, frees a slot, and serves the real peer."""
     secret = secrets.token_bytes(32)
-    process = subprocess.Popen([sys.executable, "-c", _SERVE_WITH_FEW_FILES, kind, secret.hex()],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SERVE_WITH_FEW_FILES, kind, secret.hex()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     log: list[str] = []
     saw_emfile = threading.Event()
 
@@ -273,8 +279,15 @@ def test_relay_ignores_malformed_and_foreign_error_reports():
         sock = connect_authenticated(relay.address, 1, _RELAY_ID, SECRET, timeout=10)
         foreign = ErrorReport(0, "ValueError", "blame rank 0", "").to_json()
         own = ErrorReport(1, "ValueError", "real failure", "tb").to_json()
-        for payload in (b"{not json", b"[1, 2]", b'{"rank": 1}', b'{"rank": "x", "type_name": 1, "message": 2, '
-                        b'"traceback": 3}', b"\xff\xfe", foreign, own):
+        for payload in (
+            b"{not json",
+            b"[1, 2]",
+            b'{"rank": 1}',
+            b'{"rank": "x", "type_name": 1, "message": 2, "traceback": 3}',
+            b"\xff\xfe",
+            foreign,
+            own,
+        ):
             sock.sendall(_HEADER.pack(_ERROR, len(payload)) + payload)
         sock.close()
         relay.wait_until_quiet(30)
@@ -304,11 +317,15 @@ def _close_in_thread(close) -> threading.Thread:
 def test_relay_and_shard_close_without_waiting_for_200_idle_connections():
     """With a handshake deadline of an hour, close() can only return by dropping the idle connections at once."""
     relay = OutputRelay(HOST, SECRET, num_workers=2, stdout=io.StringIO(), handshake_timeout=FOREVER)
-    ps = ParameterServer([SGDShard(np.zeros(2))], host=HOST, secret=SECRET, mode="async", num_workers=2,
-                         handshake_timeout=FOREVER)
+    ps = ParameterServer(
+        [SGDShard(np.zeros(2))], host=HOST, secret=SECRET, mode="async", num_workers=2, handshake_timeout=FOREVER
+    )
     ps.start()
-    idle = [socket.create_connection(parse_address(address), timeout=10)
-            for address in (relay.address, ps.addresses[0]) for _ in range(100)]
+    idle = [
+        socket.create_connection(parse_address(address), timeout=10)
+        for address in (relay.address, ps.addresses[0])
+        for _ in range(100)
+    ]
     # Authenticated but silent tasks too, as many as the relay runs threads for (2 * num_workers + 2); one more is
     # refused before the relay proves itself, so that task's connect retries and gives up.
     tasks = [connect_authenticated(relay.address, i % 2, _RELAY_ID, SECRET, timeout=10) for i in range(6)]

@@ -29,12 +29,15 @@ def execute_notebook(workdir: Path) -> nbformat.NotebookNode:
     # A kernel spec of our own: "python3" could resolve to another interpreter's spec (user-level kernels come first).
     kernels = workdir / "kernels"
     write_kernel_spec(kernels / "sparkdl-test", overrides={"display_name": "sparkdl test"})
-    km = AsyncKernelManager(kernel_name="sparkdl-test", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels)]))
+    km = AsyncKernelManager(
+        kernel_name="sparkdl-test", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels)])
+    )
     # The kernel and its Spark workers import this checkout's sparkdl, not whichever one is installed.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    client = NotebookClient(notebook, km=km, timeout=300, startup_timeout=120,
-                            resources={"metadata": {"path": str(workdir)}})
+    client = NotebookClient(
+        notebook, km=km, timeout=300, startup_timeout=120, resources={"metadata": {"path": str(workdir)}}
+    )
     client.execute(env=env)
     return notebook
 
@@ -79,7 +82,9 @@ def test_quickstart_notebook(tmp_path):
 
     # Each fit showed a live Jupyter progress widget (not text), and every one ran to its last step:
     # the pipeline fit plus the warm-up and three mode fits.
-    assert len(results_of(tagged_cell(notebook, "modes"), "application/vnd.jupyter.widget-view+json", "display_data")) == 4
+    assert (
+        len(results_of(tagged_cell(notebook, "modes"), "application/vnd.jupyter.widget-view+json", "display_data")) == 4
+    )
     bars = progress_bars(notebook)
     assert len(bars) == 5
     assert all(bar["value"] == bar["max"] > 0 and bar["bar_style"] == "success" for bar in bars), bars

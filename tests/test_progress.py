@@ -17,10 +17,10 @@ import time
 from fcntl import ioctl
 
 import pytest
-
-import sparkdl
 from models import RecordEpochs, make_mlp
 from spark_jobs import no_spark_job
+
+import sparkdl
 from sparkdl.collective.transport import connect_authenticated
 from sparkdl.launch.relay import _HEADER, _PROGRESS, _RELAY_ID, OutputRelay
 from sparkdl.progress import ProgressMonitor
@@ -71,17 +71,29 @@ def progress_lines():
 
 
 def test_epoch_progress_reaches_the_driver_while_workers_train_and_callbacks_run_on_every_rank(
-        digits_df, tmp_path, progress_lines):
+    digits_df, tmp_path, progress_lines
+):
     """Every rank's callback waits before its second epoch until the driver has logged the first: the
     fit can only finish if progress arrives live. The callbacks see the metrics averaged over ranks."""
     flag = tmp_path / "driver-logged-epoch-1"
     lines = progress_lines(lambda line: line.startswith("epoch 1/3 ") and flag.touch())
 
-    result = sparkdl.fit(digits_df, make_mlp(), num_workers=2, epochs=3, batch_size=16, seed=0,
-                         validation_split=0.2, callbacks=[RecordEpochs(str(tmp_path), wait_for=str(flag))])
+    result = sparkdl.fit(
+        digits_df,
+        make_mlp(),
+        num_workers=2,
+        epochs=3,
+        batch_size=16,
+        seed=0,
+        validation_split=0.2,
+        callbacks=[RecordEpochs(str(tmp_path), wait_for=str(flag))],
+    )
 
-    seen = {(rank, epoch): json.loads((tmp_path / f"rank{rank}-epoch{epoch}.json").read_text())
-            for rank in (0, 1) for epoch in range(3)}
+    seen = {
+        (rank, epoch): json.loads((tmp_path / f"rank{rank}-epoch{epoch}.json").read_text())
+        for rank in (0, 1)
+        for epoch in range(3)
+    }
     for epoch in range(3):
         assert seen[0, epoch] == seen[1, epoch]  # the same global values on both ranks
         assert seen[0, epoch]["val_accuracy"] == pytest.approx(result.history["val_accuracy"][epoch])
@@ -93,16 +105,27 @@ def test_epoch_progress_reaches_the_driver_while_workers_train_and_callbacks_run
         assert samples_per_second > 0
 
 
-def test_parameter_server_progress_tensorboard_and_mlflow_agree_with_the_history(digits_df, tmp_path,
-                                                                                 progress_lines, monkeypatch):
+def test_parameter_server_progress_tensorboard_and_mlflow_agree_with_the_history(
+    digits_df, tmp_path, progress_lines, monkeypatch
+):
     import mlflow
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a local file store: no server, nothing to install
     mlflow.set_tracking_uri(f"file:{tmp_path / 'mlruns'}")
     lines = progress_lines()
-    result = sparkdl.fit(digits_df, make_mlp(), num_workers=2, mode="async", epochs=2, batch_size=16, seed=0,
-                         validation_split=0.2, tensorboard_dir=str(tmp_path / "tb"), log_to_mlflow=True)
+    result = sparkdl.fit(
+        digits_df,
+        make_mlp(),
+        num_workers=2,
+        mode="async",
+        epochs=2,
+        batch_size=16,
+        seed=0,
+        validation_split=0.2,
+        tensorboard_dir=str(tmp_path / "tb"),
+        log_to_mlflow=True,
+    )
 
     logged = lines.epochs()  # each epoch logged once, when both workers have finished it
     assert sorted(logged) == [1, 2]
@@ -138,8 +161,16 @@ def test_progress_bar_shows_steps_metrics_and_throughput_and_the_epoch_line_abov
         monitor.on_event(0, {"event": "step", "epoch": 0, "step": 4, "logs": {"loss": 1.5}, "samples_per_second": 100})
         print("a worker's line")  # other console output goes above the bar too
         for rank in (0, 1):
-            monitor.on_event(rank, {"event": "epoch", "epoch": 0, "logs": {"loss": 1.0 + rank},
-                                    "samples_per_second": 150, "validation_rows": 0})
+            monitor.on_event(
+                rank,
+                {
+                    "event": "epoch",
+                    "epoch": 0,
+                    "logs": {"loss": 1.0 + rank},
+                    "samples_per_second": 150,
+                    "validation_rows": 0,
+                },
+            )
     out, bar = capsys.readouterr()
     assert "demo" in bar and "loss=1.5000 100 samples/s" in bar
     assert "loss=1.5000 300 samples/s" in bar  # the epoch: the workers' mean loss, their summed throughput
@@ -150,8 +181,16 @@ def test_progress_bar_shows_steps_metrics_and_throughput_and_the_epoch_line_abov
 def _report_two_epochs(monitor):
     with monitor:
         for epoch in range(2):
-            monitor.on_event(0, {"event": "epoch", "epoch": epoch, "logs": {"val_loss": 0.5, "loss": 2.0 - epoch,
-                                 "accuracy": 0.25}, "samples_per_second": 99.6, "validation_rows": 3})
+            monitor.on_event(
+                0,
+                {
+                    "event": "epoch",
+                    "epoch": epoch,
+                    "logs": {"val_loss": 0.5, "loss": 2.0 - epoch, "accuracy": 0.25},
+                    "samples_per_second": 99.6,
+                    "validation_rows": 3,
+                },
+            )
 
 
 def test_epoch_lines_are_printed_once_by_sparkdl_or_once_by_the_users_logging(capsys, progress_lines):
@@ -159,8 +198,10 @@ def test_epoch_lines_are_printed_once_by_sparkdl_or_once_by_the_users_logging(ca
     logger = logging.getLogger("sparkdl.progress")
     logger.setLevel(logging.NOTSET)  # as after import: INFO records are not shown by Python's defaults
     _report_two_epochs(ProgressMonitor(epochs=2, steps_per_epoch=5, reporting_ranks=1, console=True))
-    assert capsys.readouterr().out == ("epoch 1/2  loss=2.0000  accuracy=0.2500  val_loss=0.5000  (100 samples/s)\n"
-                                       "epoch 2/2  loss=1.0000  accuracy=0.2500  val_loss=0.5000  (100 samples/s)\n")
+    assert capsys.readouterr().out == (
+        "epoch 1/2  loss=2.0000  accuracy=0.2500  val_loss=0.5000  (100 samples/s)\n"
+        "epoch 2/2  loss=1.0000  accuracy=0.2500  val_loss=0.5000  (100 samples/s)\n"
+    )
 
     lines = progress_lines()  # a handler and the INFO level: the user's logging shows the records
     logger.setLevel(logging.INFO)
@@ -175,8 +216,14 @@ def test_epoch_lines_are_printed_once_by_sparkdl_or_once_by_the_users_logging(ca
 
 def test_relay_hands_progress_events_over_and_ignores_a_bad_one():
     events, out = [], io.StringIO()
-    relay = OutputRelay("127.0.0.1", b"s" * 32, num_workers=2, on_progress=lambda rank, event: events.append((rank, event)),
-                        stdout=out, stderr=io.StringIO())
+    relay = OutputRelay(
+        "127.0.0.1",
+        b"s" * 32,
+        num_workers=2,
+        on_progress=lambda rank, event: events.append((rank, event)),
+        stdout=out,
+        stderr=io.StringIO(),
+    )
     with relay:
         sock = connect_authenticated(relay.address, 1, _RELAY_ID, b"s" * 32, timeout=10)
         for payload in (b'{"event": "epoch", "epoch": 0}', b"not json", b"[1, 2]"):
@@ -188,14 +235,17 @@ def test_relay_hands_progress_events_over_and_ignores_a_bad_one():
     assert out.getvalue() == "[rank 1] after\n"
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"callbacks": ["not a callback"]}, "Expected `callbacks` to hold keras.callbacks.Callback instances"),
-    ({"callbacks": [RecordEpochs("/tmp")], "mode": "average"}, "mode='average' does not use"),
-    ({"callbacks": RecordEpochs("/tmp")}, "Expected `callbacks` to be a list"),
-    ({"progress": "yes"}, "Expected `progress` to be True or False"),
-    ({"log_to_mlflow": 1}, "Expected `log_to_mlflow` to be True or False"),
-    ({"tensorboard_dir": ""}, "Expected `tensorboard_dir` to be a directory path"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"callbacks": ["not a callback"]}, "Expected `callbacks` to hold keras.callbacks.Callback instances"),
+        ({"callbacks": [RecordEpochs("/tmp")], "mode": "average"}, "mode='average' does not use"),
+        ({"callbacks": RecordEpochs("/tmp")}, "Expected `callbacks` to be a list"),
+        ({"progress": "yes"}, "Expected `progress` to be True or False"),
+        ({"log_to_mlflow": 1}, "Expected `log_to_mlflow` to be True or False"),
+        ({"tensorboard_dir": ""}, "Expected `tensorboard_dir` to be a directory path"),
+    ],
+)
 def test_bad_progress_and_callback_settings_fail_before_any_job(spark, digits_df, kwargs, message):
     with no_spark_job(spark), pytest.raises(ValueError, match=re.escape(message)):
         sparkdl.fit(digits_df, make_mlp(), **kwargs)
@@ -240,8 +290,14 @@ if sys.argv[1:] == ["logging"]:
     fit(3)
 spark.stop()
 """
-_TENSORFLOW_START_UP = ("absl::InitializeLog", "oneDNN", "cpu_feature_guard", "TF_ENABLE_ONEDNN_OPTS",
-                        "Unable to register", "cuda drivers")
+_TENSORFLOW_START_UP = (
+    "absl::InitializeLog",
+    "oneDNN",
+    "cpu_feature_guard",
+    "TF_ENABLE_ONEDNN_OPTS",
+    "Unable to register",
+    "cuda drivers",
+)
 _SCRIPT_TIMEOUT = 540
 
 
@@ -284,16 +340,23 @@ def test_a_piped_script_prints_one_line_per_epoch_and_no_tensorflow_start_up_lin
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
-        subprocess.run([sys.executable, str(script), "logging"], stdout=out, stderr=err, env=_script_env(),
-                       cwd=tmp_path, timeout=_SCRIPT_TIMEOUT, check=True)
+        subprocess.run(
+            [sys.executable, str(script), "logging"],
+            stdout=out,
+            stderr=err,
+            env=_script_env(),
+            cwd=tmp_path,
+            timeout=_SCRIPT_TIMEOUT,
+            check=True,
+        )
     stdout, stderr = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
     first, second = _histories(stdout)
 
     printed = _assert_one_true_line_per_epoch(stdout + stderr, 2, first)
-    assert all(segment.startswith("epoch ") for (segment, _), in printed.values())  # sparkdl's own line, on stdout
+    assert all(segment.startswith("epoch ") for ((segment, _),) in printed.values())  # sparkdl's own line, on stdout
     assert all(f"epoch {e}/2 " in stdout for e in (1, 2))
     logged = _assert_one_true_line_per_epoch(stdout + stderr, 3, second)
-    assert all(" INFO sparkdl.progress: epoch " in segment for (segment, _), in logged.values()), logged
+    assert all(" INFO sparkdl.progress: epoch " in segment for ((segment, _),) in logged.values()), logged
     assert "%|" not in stderr  # no bar in a file
     for noise in _TENSORFLOW_START_UP:
         assert noise not in stdout + stderr, noise
@@ -303,8 +366,9 @@ def _run_in_terminal(command, env, cwd, timeout):
     """Runs ``command`` with a pseudo-terminal (120 columns) as stdin, stdout and stderr; returns what it wrote."""
     controller, terminal = pty.openpty()
     ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    process = subprocess.Popen(command, stdin=terminal, stdout=terminal, stderr=terminal, env=env, cwd=cwd,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        command, stdin=terminal, stdout=terminal, stderr=terminal, env=env, cwd=cwd, start_new_session=True
+    )
     os.close(terminal)
     output, deadline = bytearray(), time.monotonic() + timeout
     try:
@@ -338,7 +402,7 @@ def test_in_a_terminal_the_bar_is_drawn_and_every_epoch_line_stands_whole_above_
     assert re.search(r"sparkdl sync x2: 100%\|.*\| (\d+)/\1 ", text), text  # ... run to its last step
     lines = _assert_one_true_line_per_epoch(text, 2, history)
     # each epoch line is a line of its own: the bar was cleared before it and redrawn after it
-    assert all(segment.startswith("epoch ") for (segment, _), in lines.values()), lines
+    assert all(segment.startswith("epoch ") for ((segment, _),) in lines.values()), lines
     for noise in _TENSORFLOW_START_UP:
         assert noise not in text, noise
 

@@ -5,12 +5,12 @@ import threading
 import keras
 import numpy as np
 import pytest
-
-import sparkdl
-from sparkdl import data
 from frames import digits_frame
 from models import CrashOnFirstAttempt, make_mlp
 from partitions import partitions_as_fit_sees_them, training_stream
+
+import sparkdl
+from sparkdl import data
 
 
 def test_async_one_worker_push_every_step_equals_sequential_training(spark, digits):
@@ -27,7 +27,7 @@ def test_async_one_worker_push_every_step_equals_sequential_training(spark, digi
     parts = partitions_as_fit_sees_them(data.prepare(df, "features", "label", 1).frame, 1, 64)
     x_seen, y_seen = training_stream(parts, batch_size=b, steps=result.steps_per_epoch, epochs=epochs, seed=seed)
     reference.fit(x_seen, y_seen, batch_size=b, epochs=1, shuffle=False, verbose=0)
-    for got, want, start in zip(result.model.get_weights(), reference.get_weights(), model.get_weights()):
+    for got, want in zip(result.model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert not np.allclose(result.model.get_weights()[0], model.get_weights()[0], atol=1e-3)
     assert result.stats["pushes"] == epochs * result.steps_per_epoch
@@ -38,15 +38,18 @@ def test_async_one_worker_push_every_step_equals_sequential_training(spark, digi
 # Exact updates with plain SGD, whose step is proportional to the gradient (Adam's is not: it would hide a
 # gradient summed instead of averaged, a wrong division by the worker count, or a push applied twice). Every
 # case trains on full passes over the rows, so that which row lands in which batch cannot matter:
-@pytest.mark.parametrize("mode, options, workers, batch_size, learning_rate_factor", [
-    # one worker, one batch of all 64 rows per push: plain gradient descent
-    ("async", {"push_every": 1}, 1, 64, 1.0),
-    # one worker, two batches of 32 at the same pulled weights, averaged into one push: the batch of 64
-    ("async", {"push_every": 2}, 1, 32, 1.0),
-    # two workers, one local step each from the same broadcast weights, then the driver averages the weights:
-    # the step of the mean over all 64 rows
-    ("average", {"sync_every": 1}, 2, 32, 1.0),
-])
+@pytest.mark.parametrize(
+    "mode, options, workers, batch_size, learning_rate_factor",
+    [
+        # one worker, one batch of all 64 rows per push: plain gradient descent
+        ("async", {"push_every": 1}, 1, 64, 1.0),
+        # one worker, two batches of 32 at the same pulled weights, averaged into one push: the batch of 64
+        ("async", {"push_every": 2}, 1, 32, 1.0),
+        # two workers, one local step each from the same broadcast weights, then the driver averages the weights:
+        # the step of the mean over all 64 rows
+        ("average", {"sync_every": 1}, 2, 32, 1.0),
+    ],
+)
 def test_plain_sgd_updates_are_exact(spark, digits, mode, options, workers, batch_size, learning_rate_factor):
     x_train, _, y_train, _ = digits
     x, y = x_train[:64], y_train[:64].astype(np.int64)
@@ -55,8 +58,9 @@ def test_plain_sgd_updates_are_exact(spark, digits, mode, options, workers, batc
     model = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(learning_rate), seed=4)
     reference = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(learning_rate * learning_rate_factor), seed=4)
 
-    result = sparkdl.fit(df, model, num_workers=workers, mode=mode, epochs=epochs, batch_size=batch_size, seed=1,
-                         **options)
+    result = sparkdl.fit(
+        df, model, num_workers=workers, mode=mode, epochs=epochs, batch_size=batch_size, seed=1, **options
+    )
 
     assert result.steps_per_epoch == 64 // (workers * batch_size)
     reference.fit(x, y, batch_size=64, epochs=epochs, shuffle=False, verbose=0)  # 3 steps on all rows at once
@@ -97,20 +101,26 @@ def test_two_async_workers_each_push_is_applied_once_at_full_scale(spark, digits
     }
     names = list(histories)
     for i, one in enumerate(names):  # the three are told apart by far more than the tolerance below
-        for other in names[i + 1:]:
+        for other in names[i + 1 :]:
             assert not all(np.allclose(u, v, atol=1e-4) for u, v in zip(histories[one], histories[other]))
-    matched = [name for name, want in histories.items()
-               if all(np.allclose(got, w, rtol=1e-4, atol=1e-5) for got, w in zip(result.model.get_weights(), want))]
+    matched = [
+        name
+        for name, want in histories.items()
+        if all(np.allclose(got, w, rtol=1e-4, atol=1e-5) for got, w in zip(result.model.get_weights(), want))
+    ]
     assert len(matched) == 1, "the server's weights match no history of two full-scale pushes"
 
 
-@pytest.mark.parametrize("mode, options", [
-    ("async", {}),
-    ("hogwild", {"num_servers": 2}),
-    ("ssp", {"max_staleness": 2}),
-    ("async", {"push_every": 2, "num_servers": 3}),
-    ("average", {"sync_every": 10}),
-])
+@pytest.mark.parametrize(
+    "mode, options",
+    [
+        ("async", {}),
+        ("hogwild", {"num_servers": 2}),
+        ("ssp", {"max_staleness": 2}),
+        ("async", {"push_every": 2, "num_servers": 3}),
+        ("average", {"sync_every": 10}),
+    ],
+)
 def test_every_mode_reaches_95_percent_on_digits(digits_df, digits, mode, options):
     _, x_test, _, y_test = digits
     result = sparkdl.fit(digits_df, make_mlp(), num_workers=2, mode=mode, epochs=15, batch_size=16, seed=0, **options)
@@ -134,12 +144,26 @@ def test_worker_killed_mid_training_is_retried_and_the_job_completes(spark, digi
     still-running server (its earlier pushes are kept) and the job finishes as well trained as without the fault."""
     _, x_test, _, y_test = digits
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), CrashOnFirstAttempt(partition=0, at_call=30),
-                              keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10, activation="softmax")])
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            CrashOnFirstAttempt(partition=0, at_call=30),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 
-    result = sparkdl.fit(digits_df, model, num_workers=2, mode="async", epochs=10, batch_size=16, seed=0,
-                         custom_objects={"CrashOnFirstAttempt": CrashOnFirstAttempt})
+    result = sparkdl.fit(
+        digits_df,
+        model,
+        num_workers=2,
+        mode="async",
+        epochs=10,
+        batch_size=16,
+        seed=0,
+        custom_objects={"CrashOnFirstAttempt": CrashOnFirstAttempt},
+    )
 
     planned = 10 * result.steps_per_epoch * 2
     assert result.stats["pushes"] == planned  # accumulators merge successful attempts only
@@ -151,28 +175,33 @@ def test_worker_killed_mid_training_is_retried_and_the_job_completes(spark, digi
 def test_server_is_stopped_when_fit_raises_and_next_fit_works(spark, digits):
     x_train, _, y_train, _ = digits
     # Labels 1..10 for a 10-class softmax: the workers' loss fails on label 10.
-    shifted = spark.createDataFrame([(r.tolist(), int(l) + 1) for r, l in zip(x_train[:200], y_train[:200])],
-                                    "features array<float>, label long")
+    shifted = spark.createDataFrame(
+        [(r.tolist(), int(l) + 1) for r, l in zip(x_train[:200], y_train[:200])], "features array<float>, label long"
+    )
     with pytest.raises(Exception, match="label value of 10"):
         sparkdl.fit(shifted, make_mlp(hidden=(8,)), num_workers=2, mode="async", epochs=1, batch_size=16, timeout=60)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("ps-")], "server threads left running"
-    result = sparkdl.fit(shifted.where("label < 10"), make_mlp(hidden=(8,)), num_workers=2, mode="async", epochs=1,
-                         batch_size=16)
+    result = sparkdl.fit(
+        shifted.where("label < 10"), make_mlp(hidden=(8,)), num_workers=2, mode="async", epochs=1, batch_size=16
+    )
     assert len(result.history["loss"]) == 1
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"mode": "async", "features_col": "nope"}, r"Column 'nope' given as `features_col` is not in the DataFrame"),
-    ({"mode": "ssp"}, r"mode='ssp' needs `max_staleness`"),
-    ({"mode": "async", "max_staleness": 2}, r"`max_staleness` applies to mode='ssp' only.*mode='async'"),
-    ({"mode": "sync", "push_every": 2}, r"`push_every` applies to mode='async' or 'hogwild' or 'ssp' only"),
-    ({"mode": "average", "num_servers": 2}, r"`num_servers` applies to mode='async' or 'hogwild' or 'ssp' only"),
-    ({"mode": "async", "sync_every": 5}, r"`sync_every` applies to mode='average' only"),
-    ({"mode": "hogwild", "push_every": 0}, r"Expected `push_every` to be a positive integer"),
-    ({"mode": "ssp", "max_staleness": -1}, r"Expected `max_staleness` to be a non-negative integer"),
-    ({"mode": "async", "num_servers": 7}, r"Expected `num_servers` <= the model's 6 trainable variables"),
-    ({"mode": "average", "num_workers": 3}, r"num_workers=3, but the cluster runs 2 tasks at once"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"mode": "async", "features_col": "nope"}, r"Column 'nope' given as `features_col` is not in the DataFrame"),
+        ({"mode": "ssp"}, r"mode='ssp' needs `max_staleness`"),
+        ({"mode": "async", "max_staleness": 2}, r"`max_staleness` applies to mode='ssp' only.*mode='async'"),
+        ({"mode": "sync", "push_every": 2}, r"`push_every` applies to mode='async' or 'hogwild' or 'ssp' only"),
+        ({"mode": "average", "num_servers": 2}, r"`num_servers` applies to mode='async' or 'hogwild' or 'ssp' only"),
+        ({"mode": "async", "sync_every": 5}, r"`sync_every` applies to mode='average' only"),
+        ({"mode": "hogwild", "push_every": 0}, r"Expected `push_every` to be a positive integer"),
+        ({"mode": "ssp", "max_staleness": -1}, r"Expected `max_staleness` to be a non-negative integer"),
+        ({"mode": "async", "num_servers": 7}, r"Expected `num_servers` <= the model's 6 trainable variables"),
+        ({"mode": "average", "num_workers": 3}, r"num_workers=3, but the cluster runs 2 tasks at once"),
+    ],
+)
 def test_bad_settings_in_every_mode(digits_df, kwargs, message):
     with pytest.raises(ValueError, match=message):
         sparkdl.fit(digits_df, make_mlp(), **{"epochs": 1, **kwargs})

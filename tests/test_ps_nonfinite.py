@@ -2,10 +2,10 @@
 
 import keras
 import pytest
-
-import sparkdl
 from frames import digits_frame
 from models import make_mlp
+
+import sparkdl
 
 
 def test_async_fit_with_a_diverging_worker_fails_naming_the_worker_and_its_push(spark, digits):
@@ -15,5 +15,7 @@ def test_async_fit_with_a_diverging_worker_fails_naming_the_worker_and_its_push(
     df = digits_frame(spark, x_train[:64], y_train[:64])
     model = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(1e30), seed=1)
 
-    with pytest.raises(sparkdl.WorkerError, match=r"(?s)worker 0: push #\d+ .*NaN or infinite gradients.*lower the learning rate"):
+    with pytest.raises(
+        sparkdl.WorkerError, match=r"(?s)worker 0: push #\d+ .*NaN or infinite gradients.*lower the learning rate"
+    ):
         sparkdl.fit(df, model, num_workers=1, mode="async", push_every=1, epochs=2, batch_size=16, seed=1)

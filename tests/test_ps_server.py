@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from shards import LR, SGDShard
 
 from sparkdl.collective import CollectiveError, CollectiveTimeout
 from sparkdl.collective.transport import connect_authenticated, parse_address
@@ -18,7 +19,6 @@ from sparkdl.ps import client as client_module
 from sparkdl.ps import protocol
 from sparkdl.ps.client import ParameterClient
 from sparkdl.ps.server import ParameterServer
-from shards import LR, SGDShard
 
 HOST = "127.0.0.1"
 SECRET = b"ps-test-secret"
@@ -52,13 +52,11 @@ def make_shards(sizes, seed=0):
 
 
 def server(shards, mode="async", num_workers=2, **kwargs):
-    return ParameterServer(shards, host=HOST, secret=SECRET, mode=mode,
-                           num_workers=num_workers, **kwargs)
+    return ParameterServer(shards, host=HOST, secret=SECRET, mode=mode, num_workers=num_workers, **kwargs)
 
 
 def client(ps, worker, sizes, timeout=10.0, secret=SECRET, addresses=None):
-    return ParameterClient(addresses or ps.addresses, worker=worker, secret=secret,
-                           shard_sizes=sizes, timeout=timeout)
+    return ParameterClient(addresses or ps.addresses, worker=worker, secret=secret, shard_sizes=sizes, timeout=timeout)
 
 
 def run_threads(fn, count):
@@ -84,8 +82,13 @@ def test_pull_initial_then_concurrent_async_pushes_sum_up(threaded, monkeypatch)
     shards = make_shards(sizes)
     initial = [s.w.copy() for s in shards]
     workers, steps = 4, 10
-    grads = {w: [[np.random.default_rng(100 * w + k).standard_normal(n).astype(np.float32)
-                  for n in sizes] for k in range(steps)] for w in range(workers)}
+    grads = {
+        w: [
+            [np.random.default_rng(100 * w + k).standard_normal(n).astype(np.float32) for n in sizes]
+            for k in range(steps)
+        ]
+        for w in range(workers)
+    }
     with server(shards, num_workers=workers) as ps:
         assert all(a.startswith(f"{HOST}:") for a in ps.addresses)
         with client(ps, 0, sizes) as c:
@@ -122,6 +125,7 @@ def test_hogwild_applies_concurrently_async_serialises(mode):
     shard = OverlapShard(np.zeros(64))
     workers, steps = 4, 3
     with server([shard], mode=mode, num_workers=workers) as ps:
+
         def train(w):
             with client(ps, w, [64]) as c:
                 for _ in range(steps):
@@ -141,6 +145,7 @@ def test_ssp_bounds_staleness_with_a_slow_worker(mode):
     sizes = [10, 3]
     steps, slow_delay = 6, 0.12
     with server(make_shards(sizes), mode=mode, num_workers=3, max_staleness=1) as ps:
+
         def train(w):
             with client(ps, w, sizes) as c:
                 for _ in range(steps):
@@ -331,27 +336,46 @@ def test_stop_releases_ports_and_a_second_server_works():
 
 _SIZES = [5, 16]
 _TYPES = st.one_of(st.sampled_from([int(m) for m in protocol.Msg]), st.integers(0, 255))
-_LENGTHS = st.one_of(st.sampled_from([0, 1, 4 * _SIZES[0], 4 * _SIZES[1], 4 * _SIZES[1] - 1,
-                                      4 * _SIZES[1] + 1, 2**31, 2**63, 2**64 - 1]),
-                     st.integers(0, 2**64 - 1))
+_LENGTHS = st.one_of(
+    st.sampled_from(
+        [0, 1, 4 * _SIZES[0], 4 * _SIZES[1], 4 * _SIZES[1] - 1, 4 * _SIZES[1] + 1, 2**31, 2**63, 2**64 - 1]
+    ),
+    st.integers(0, 2**64 - 1),
+)
 _FRAME = st.one_of(
     st.tuples(  # anything goes
         st.one_of(st.just(protocol.REQUEST_MAGIC), st.binary(min_size=4, max_size=4)),
-        _TYPES, st.integers(0, 255), st.integers(0, 3), st.integers(0, 2**32 - 1), _LENGTHS,
-        st.binary(max_size=120)),
+        _TYPES,
+        st.integers(0, 255),
+        st.integers(0, 3),
+        st.integers(0, 2**32 - 1),
+        _LENGTHS,
+        st.binary(max_size=120),
+    ),
     st.tuples(  # a well-formed push header that lies about its length, with enough bytes after it
-        st.just(protocol.REQUEST_MAGIC), st.just(int(protocol.Msg.PUSH)), st.just(0), st.just(0),
-        st.integers(0, 2**32 - 1), _LENGTHS, st.binary(min_size=4 * max(_SIZES) + 8, max_size=120)),
+        st.just(protocol.REQUEST_MAGIC),
+        st.just(int(protocol.Msg.PUSH)),
+        st.just(0),
+        st.just(0),
+        st.integers(0, 2**32 - 1),
+        _LENGTHS,
+        st.binary(min_size=4 * max(_SIZES) + 8, max_size=120),
+    ),
 )
 
 
 def _encode(frame, shard_size):
     magic, msg, reserved1, reserved2, seq, length, payload = frame
     header = protocol.REQUEST.pack(magic, msg, reserved1, reserved2, seq, length)
-    complete_push = (magic == protocol.REQUEST_MAGIC and msg == protocol.Msg.PUSH
-                     and not reserved1 and not reserved2 and length == 4 * shard_size)
+    complete_push = (
+        magic == protocol.REQUEST_MAGIC
+        and msg == protocol.Msg.PUSH
+        and not reserved1
+        and not reserved2
+        and length == 4 * shard_size
+    )
     if complete_push:  # garbage must never be a valid push: cut it short
-        payload = payload[:length - 1]
+        payload = payload[: length - 1]
     return header + payload
 
 
@@ -360,16 +384,26 @@ def _encode(frame, shard_size):
 @example(data=None)
 def _fuzz_once(ps, initial, data):
     if data is None:  # explicit oversized frame on an authenticated connection
-        authenticated, shard, blobs = True, 1, [protocol.REQUEST.pack(
-            protocol.REQUEST_MAGIC, protocol.Msg.PUSH, 0, 0, 1, 2**63)]
+        authenticated, shard, blobs = (
+            True,
+            1,
+            [protocol.REQUEST.pack(protocol.REQUEST_MAGIC, protocol.Msg.PUSH, 0, 0, 1, 2**63)],
+        )
     else:
         authenticated = data.draw(st.booleans(), "authenticated")
         shard = data.draw(st.integers(0, 1), "shard")
-        blobs = data.draw(st.lists(st.one_of(
-            st.binary(max_size=200),
-            _FRAME.map(lambda f: _encode(f, _SIZES[shard])),
-            _FRAME.map(lambda f: _encode(f, _SIZES[shard])[:data.draw(st.integers(0, 40))]),
-        ), min_size=1, max_size=3), "blobs")
+        blobs = data.draw(
+            st.lists(
+                st.one_of(
+                    st.binary(max_size=200),
+                    _FRAME.map(lambda f: _encode(f, _SIZES[shard])),
+                    _FRAME.map(lambda f: _encode(f, _SIZES[shard])[: data.draw(st.integers(0, 40))]),
+                ),
+                min_size=1,
+                max_size=3,
+            ),
+            "blobs",
+        )
     # One connection per blob: concatenated, a push cut short could be completed by the next blob's bytes.
     for blob in blobs:
         if authenticated:

@@ -26,13 +26,16 @@ def _frame(spark, x, targets, label):
     from pyspark.ml.linalg import Vectors
 
     if label == "scalar":
-        return spark.createDataFrame([(r.tolist(), float(t[0])) for r, t in zip(x, targets)],
-                                     "features array<float>, label double")
+        return spark.createDataFrame(
+            [(r.tolist(), float(t[0])) for r, t in zip(x, targets)], "features array<float>, label double"
+        )
     if label == "array":
-        return spark.createDataFrame([(r.tolist(), t.tolist()) for r, t in zip(x, targets)],
-                                     "features array<float>, label array<float>")
-    return spark.createDataFrame([(r.tolist(), Vectors.dense(t.tolist())) for r, t in zip(x, targets)],
-                                 ["features", "label"])
+        return spark.createDataFrame(
+            [(r.tolist(), t.tolist()) for r, t in zip(x, targets)], "features array<float>, label array<float>"
+        )
+    return spark.createDataFrame(
+        [(r.tolist(), Vectors.dense(t.tolist())) for r, t in zip(x, targets)], ["features", "label"]
+    )
 
 
 @pytest.mark.parametrize("label", ["scalar", "array", "vector"])
@@ -41,7 +44,9 @@ def test_regression_beats_the_mean_predictor_on_every_output(spark, diabetes, la
     x_train, x_test, t_train, t_test = diabetes
     outputs = 1 if label == "scalar" else 2
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(outputs)])
+    model = keras.Sequential(
+        [keras.Input((10,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(outputs)]
+    )
     model.compile(optimizer=tf.keras.optimizers.Adam(1e-2), loss="mse")
     df = _frame(spark, x_train, t_train, label)
 

@@ -7,13 +7,12 @@ import os
 import time
 
 import keras
-import numpy as np
 import pytest
-
-import sparkdl
 from frames import digits_frame
 from models import RecordEpochs, make_mlp
 from worker_callbacks import FailOrBlockAtStart, PerturbWeightsOnRank, ReplaceDirectoryWithFile
+
+import sparkdl
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +39,17 @@ def test_a_raising_rank_cancels_the_job_while_another_rank_is_blocked_outside_an
     callback = FailOrBlockAtStart(str(tmp_path), failing=0, block_seconds=300)
 
     with pytest.raises(sparkdl.WorkerError, match="rank 0 gives up on purpose") as caught:
-        sparkdl.fit(small_df, make_mlp(hidden=(8,)), num_workers=2, epochs=2, batch_size=8, seed=0, timeout=600,
-                    callbacks=[callback], progress=False)
+        sparkdl.fit(
+            small_df,
+            make_mlp(hidden=(8,)),
+            num_workers=2,
+            epochs=2,
+            batch_size=8,
+            seed=0,
+            timeout=600,
+            callbacks=[callback],
+            progress=False,
+        )
     assert caught.value.rank == 0 and isinstance(caught.value, ValueError)
 
     begun = {rank: len(glob.glob(str(tmp_path / f"begin-rank{rank}-*"))) for rank in (0, 1)}
@@ -61,16 +69,33 @@ def test_a_raising_rank_cancels_the_job_while_another_rank_is_blocked_outside_an
 def test_diverged_replicas_fail_the_fit(small_df):
     """Rank 1 changes its weights after the last step: the end-of-training check must refuse to ship rank 0's model."""
     with pytest.raises(sparkdl.WorkerError, match=r"Replicas diverged: the largest difference from rank 0's weights"):
-        sparkdl.fit(small_df, make_mlp(hidden=(8,)), num_workers=2, epochs=1, batch_size=8, seed=0, progress=False,
-                    callbacks=[PerturbWeightsOnRank(rank=1, delta=1.0)])
+        sparkdl.fit(
+            small_df,
+            make_mlp(hidden=(8,)),
+            num_workers=2,
+            epochs=1,
+            batch_size=8,
+            seed=0,
+            progress=False,
+            callbacks=[PerturbWeightsOnRank(rank=1, delta=1.0)],
+        )
 
 
 def test_a_failed_checkpoint_write_fails_the_fit(small_df, tmp_path):
     """After epoch 1's checkpoint, the checkpoint directory becomes a file: the next write fails, and so must fit."""
     directory = tmp_path / "ckpt"
     with pytest.raises(sparkdl.WorkerError) as caught:
-        sparkdl.fit(small_df, make_mlp(hidden=(8,)), num_workers=2, epochs=3, batch_size=8, seed=0, progress=False,
-                    checkpoint_dir=str(directory), callbacks=[ReplaceDirectoryWithFile(str(directory), epoch=1)])
+        sparkdl.fit(
+            small_df,
+            make_mlp(hidden=(8,)),
+            num_workers=2,
+            epochs=3,
+            batch_size=8,
+            seed=0,
+            progress=False,
+            checkpoint_dir=str(directory),
+            callbacks=[ReplaceDirectoryWithFile(str(directory), epoch=1)],
+        )
     assert directory.is_file(), caught.value
     assert caught.value.rank == 0
     assert "checkpoint" in str(caught.value).lower() or "ckpt" in str(caught.value), caught.value
@@ -80,8 +105,17 @@ def test_early_stopping_stops_every_rank_at_the_same_epoch(small_df, tmp_path):
     """EarlyStopping sees the loss averaged over ranks, so every rank stops after the same epoch and the job ends
     cleanly: with patience 0 and an improvement no epoch can make, training stops after epoch 2 of 6."""
     stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=100.0)
-    result = sparkdl.fit(small_df, make_mlp(hidden=(8,)), num_workers=2, epochs=6, batch_size=8, seed=0, timeout=120,
-                         progress=False, callbacks=[stop, RecordEpochs(str(tmp_path))])
+    result = sparkdl.fit(
+        small_df,
+        make_mlp(hidden=(8,)),
+        num_workers=2,
+        epochs=6,
+        batch_size=8,
+        seed=0,
+        timeout=120,
+        progress=False,
+        callbacks=[stop, RecordEpochs(str(tmp_path))],
+    )
 
     assert len(result.history["loss"]) == 2
     assert sorted(os.listdir(tmp_path)) == [f"rank{r}-epoch{e}.json" for r in (0, 1) for e in (0, 1)]

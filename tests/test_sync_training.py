@@ -1,13 +1,13 @@
 """Sync ring-allreduce training through real Spark barrier tasks."""
 
 import keras
-import tensorflow as tf
 import numpy as np
 import pytest
-
-import sparkdl
+import tensorflow as tf
 from frames import digits_frame
 from models import RecordBatches, make_mlp, recorded_batches
+
+import sparkdl
 
 pytestmark = pytest.mark.horovod  # the trainer runs on both stacks: Keras 3/PySpark 4 and tf.keras 2.12/PySpark 3.5
 
@@ -17,8 +17,17 @@ def test_digits_two_workers_reach_96_percent(digits_df, digits):
     model = make_mlp()
     initial = [w.copy() for w in model.get_weights()]
 
-    result = sparkdl.fit(digits_df, model, features_col="features", label_col="label",
-                         num_workers=2, mode="sync", epochs=20, batch_size=16, seed=0)
+    result = sparkdl.fit(
+        digits_df,
+        model,
+        features_col="features",
+        label_col="label",
+        num_workers=2,
+        mode="sync",
+        epochs=20,
+        batch_size=16,
+        seed=0,
+    )
 
     accuracy = float(np.mean(result.model.predict(x_test, verbose=0).argmax(axis=1) == y_test))
     assert accuracy >= 0.96, accuracy
@@ -50,8 +59,15 @@ def _row_indices(batches, x):
 
 def _recording_mlp(directory, optimizer, seed, *middle):
     keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.Input((64,)), RecordBatches(str(directory)), *middle,
-                              keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10, activation="softmax")])
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            RecordBatches(str(directory)),
+            *middle,
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
     model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
 
@@ -66,14 +82,22 @@ def test_two_workers_equal_one_worker_with_double_batch(spark, digits, tmp_path,
     b, epochs = 8, 3
     model = _recording_mlp(tmp_path, tf.keras.optimizers.SGD(0.1), 1)
     reference = _recording_mlp(None, tf.keras.optimizers.SGD(0.1), 1)
-    result = sparkdl.fit(df, model, num_workers=2, epochs=epochs, batch_size=b, seed=7, shuffle=shuffle,
-                         custom_objects={"RecordBatches": RecordBatches})
+    result = sparkdl.fit(
+        df,
+        model,
+        num_workers=2,
+        epochs=epochs,
+        batch_size=b,
+        seed=7,
+        shuffle=shuffle,
+        custom_objects={"RecordBatches": RecordBatches},
+    )
 
     steps = result.steps_per_epoch
     assert steps == 128 // (2 * b)
     seen = [_row_indices(recorded_batches(tmp_path, rank), x) for rank in (0, 1)]
     assert [len(batches) for batches in seen] == [steps * epochs] * 2
-    orders = [[np.concatenate(batches[e * steps:(e + 1) * steps]) for e in range(epochs)] for batches in seen]
+    orders = [[np.concatenate(batches[e * steps : (e + 1) * steps]) for e in range(epochs)] for batches in seen]
     halves = [set(order[0].tolist()) for order in orders]
     assert len(halves[0]) == len(halves[1]) == 64 and halves[0] | halves[1] == set(range(128))  # disjoint halves
     for rank_orders, half in zip(orders, halves):
@@ -99,10 +123,16 @@ def test_batchnorm_statistics_are_averaged_over_ranks_and_dropout_trains(spark, 
     x, y = _unique_rows(digits, 128)
     df = digits_frame(spark, x, y).coalesce(1)
     momentum, b, epochs = 0.5, 8, 2
-    model = _recording_mlp(tmp_path, tf.keras.optimizers.Adam(1e-2), 2,
-                           keras.layers.BatchNormalization(momentum=momentum), keras.layers.Dropout(0.3))
-    result = sparkdl.fit(df, model, num_workers=2, epochs=epochs, batch_size=b, seed=3,
-                         custom_objects={"RecordBatches": RecordBatches})
+    model = _recording_mlp(
+        tmp_path,
+        tf.keras.optimizers.Adam(1e-2),
+        2,
+        keras.layers.BatchNormalization(momentum=momentum),
+        keras.layers.Dropout(0.3),
+    )
+    result = sparkdl.fit(
+        df, model, num_workers=2, epochs=epochs, batch_size=b, seed=3, custom_objects={"RecordBatches": RecordBatches}
+    )
     steps = result.steps_per_epoch
     seen = [recorded_batches(tmp_path, rank) for rank in (0, 1)]
     assert [len(batches) for batches in seen] == [steps * epochs] * 2
@@ -117,15 +147,17 @@ def test_batchnorm_statistics_are_averaged_over_ranks_and_dropout_trains(spark, 
     averaged = (np.zeros(64), np.ones(64))
     alone = [averaged, averaged]  # each rank's statistics, were they never averaged
     for epoch in range(epochs):
-        ends = [follow(*averaged, batches[epoch * steps:(epoch + 1) * steps]) for batches in seen]
+        ends = [follow(*averaged, batches[epoch * steps : (epoch + 1) * steps]) for batches in seen]
         averaged = tuple((a + b_) / 2 for a, b_ in zip(*ends))
-        alone = [follow(*own, batches[epoch * steps:(epoch + 1) * steps]) for own, batches in zip(alone, seen)]
+        alone = [follow(*own, batches[epoch * steps : (epoch + 1) * steps]) for own, batches in zip(alone, seen)]
     norm = result.model.layers[1]
     assert isinstance(norm, keras.layers.BatchNormalization)
     for got, want, own in zip((norm.moving_mean, norm.moving_variance), averaged, zip(*alone)):
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5)
         for rank_value in own:
-            assert np.max(np.abs(rank_value - want)) > 1e-2, "the ranks' statistics barely differ: the test proves nothing"
+            assert np.max(np.abs(rank_value - want)) > 1e-2, (
+                "the ranks' statistics barely differ: the test proves nothing"
+            )
     assert result.history["loss"][-1] < result.history["loss"][0]
 
 
@@ -135,14 +167,23 @@ def test_vector_and_column_list_features(spark, digits, layout):
 
     x_train, _, y_train, _ = digits
     names = [f"p{i}" for i in range(8)]
-    df = spark.createDataFrame([tuple(float(v) for v in r[:8]) + (int(l),) for r, l in zip(x_train[:200], y_train[:200])],
-                               names + ["digit"])
+    df = spark.createDataFrame(
+        [tuple(float(v) for v in r[:8]) + (int(l),) for r, l in zip(x_train[:200], y_train[:200])], names + ["digit"]
+    )
     if layout == "vector":
         df = VectorAssembler(inputCols=names, outputCol="vec").transform(df)
         features = "vec"
     else:
         features = names
-    result = sparkdl.fit(df, make_mlp(width=8, hidden=(16,)), features_col=features, label_col="digit",
-                         num_workers=2, epochs=2, batch_size=25, seed=0)
+    result = sparkdl.fit(
+        df,
+        make_mlp(width=8, hidden=(16,)),
+        features_col=features,
+        label_col="digit",
+        num_workers=2,
+        epochs=2,
+        batch_size=25,
+        seed=0,
+    )
     assert result.model.input_shape == (None, 8)
     assert len(result.history["loss"]) == 2 and np.isfinite(result.history["loss"]).all()

@@ -5,15 +5,15 @@ import math
 import keras
 import numpy as np
 import pytest
+from models import make_mlp
 from pyspark.sql import functions as F
+from spark_jobs import no_spark_job
 
 import sparkdl
 from sparkdl import data
 from sparkdl.modes.average.rounds import Rounds
 from sparkdl.modes.base import Settings
 from sparkdl.modes.parameter_server.mode import combine_histories
-from spark_jobs import no_spark_job
-from models import make_mlp
 
 METRICS = {"loss", "accuracy", "val_loss", "val_accuracy"}
 
@@ -31,7 +31,8 @@ def digits_with_held_out(spark, digits, held_out_rows, rows=200):
     x_train, _, y_train, _ = digits
     return spark.createDataFrame(
         [(r.tolist(), int(l), i < held_out_rows) for i, (r, l) in enumerate(zip(x_train[:rows], y_train[:rows]))],
-        "features array<float>, label long, held_out boolean")
+        "features array<float>, label long, held_out boolean",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +46,17 @@ def test_validation_split_in_every_mode(digits_df, mode, options):
     # Adam(0.01): the model is near its plateau by the last epoch, so that async's stale epoch-end snapshots (a worker
     # may finish well before the other on a loaded machine) stay close to the final model.
     model = make_mlp(hidden=(32,), optimizer=keras.optimizers.Adam(0.01))
-    result = sparkdl.fit(digits_df, model, num_workers=2, mode=mode, epochs=epochs, batch_size=b, seed=seed,
-                         validation_split=0.2, **options)
+    result = sparkdl.fit(
+        digits_df,
+        model,
+        num_workers=2,
+        mode=mode,
+        epochs=epochs,
+        batch_size=b,
+        seed=seed,
+        validation_split=0.2,
+        **options,
+    )
     training, x_val, y_val = held_out(digits_df, seed, validation_split=0.2)
 
     assert set(result.history) == METRICS
@@ -73,8 +83,17 @@ def test_validation_split_in_every_mode(digits_df, mode, options):
 def test_validation_col_rows_are_not_trained_on(small_df, mode):
     b = 16
     options = {"max_staleness": 1} if mode == "ssp" else {}
-    result = sparkdl.fit(small_df, make_mlp(hidden=(16,)), num_workers=2, mode=mode, epochs=2, batch_size=b, seed=0,
-                         validation_col="held_out", **options)
+    result = sparkdl.fit(
+        small_df,
+        make_mlp(hidden=(16,)),
+        num_workers=2,
+        mode=mode,
+        epochs=2,
+        batch_size=b,
+        seed=0,
+        validation_col="held_out",
+        **options,
+    )
     assert result.validation_rows == 40
     assert result.steps_per_epoch == math.ceil(160 / (2 * b)) == 5  # 200 rows would make 7
     if mode == "ssp":
@@ -87,8 +106,9 @@ def test_a_worker_without_validation_rows(spark, digits, mode):
     """One held-out row: one worker has none. Sync's ring must not deadlock (every rank makes the same
     collective calls) and that worker's stand-in evaluation must weigh nothing."""
     df = digits_with_held_out(spark, digits, 1)
-    result = sparkdl.fit(df, make_mlp(hidden=(16,)), num_workers=2, mode=mode, epochs=2, batch_size=16, seed=0,
-                         validation_col="held_out")
+    result = sparkdl.fit(
+        df, make_mlp(hidden=(16,)), num_workers=2, mode=mode, epochs=2, batch_size=16, seed=0, validation_col="held_out"
+    )
     _, x_val, y_val = held_out(df, 0, validation_col="held_out")
     assert result.validation_rows == len(x_val) == 1
     want = result.model.evaluate(x_val, y_val, verbose=0, return_dict=True)
@@ -105,33 +125,70 @@ def test_split_is_deterministic_per_seed(digits_df):
     assert key(x_a) != key(x_c)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"validation_col": "held_out", "validation_split": 0.2},
-     r"`validation_col` and `validation_split` are mutually exclusive"),
-    ({"validation_split": 0}, r"Expected `validation_split` to be a float in \(0, 1\). Received: validation_split=0"),
-    ({"validation_split": 1.0}, r"Expected `validation_split` to be a float in \(0, 1\). Received: validation_split=1.0"),
-    ({"validation_split": -0.5}, r"Expected `validation_split` to be a float in \(0, 1\)"),
-    ({"validation_split": "0.2"}, r"Expected `validation_split` to be a float in \(0, 1\). Received: validation_split='0.2'"),
-    ({"validation_split": True}, r"Expected `validation_split` to be a float in \(0, 1\)"),
-    ({"validation_col": "nope"}, r"Column 'nope' given as `validation_col` is not in the DataFrame"),
-    ({"validation_col": "label"}, r"Expected column 'label' \(`validation_col`\) to be boolean.*Received type: bigint"),
-    ({"validation_col": ["held_out"]}, r"Expected `validation_col` to be a column name"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"validation_col": "held_out", "validation_split": 0.2},
+            r"`validation_col` and `validation_split` are mutually exclusive",
+        ),
+        (
+            {"validation_split": 0},
+            r"Expected `validation_split` to be a float in \(0, 1\). Received: validation_split=0",
+        ),
+        (
+            {"validation_split": 1.0},
+            r"Expected `validation_split` to be a float in \(0, 1\). Received: validation_split=1.0",
+        ),
+        ({"validation_split": -0.5}, r"Expected `validation_split` to be a float in \(0, 1\)"),
+        (
+            {"validation_split": "0.2"},
+            r"Expected `validation_split` to be a float in \(0, 1\). Received: validation_split='0.2'",
+        ),
+        ({"validation_split": True}, r"Expected `validation_split` to be a float in \(0, 1\)"),
+        ({"validation_col": "nope"}, r"Column 'nope' given as `validation_col` is not in the DataFrame"),
+        (
+            {"validation_col": "label"},
+            r"Expected column 'label' \(`validation_col`\) to be boolean.*Received type: bigint",
+        ),
+        ({"validation_col": ["held_out"]}, r"Expected `validation_col` to be a column name"),
+    ],
+)
 def test_bad_validation_settings_start_no_job(spark, small_df, kwargs, message):
     with no_spark_job(spark), pytest.raises(ValueError, match=message):
         sparkdl.fit(small_df, make_mlp(hidden=(4,)), **kwargs)
 
 
-@pytest.mark.parametrize("rows, kwargs, message", [
-    ([True, None, False, False], {"validation_col": "v"}, r"Column 'v' \(`validation_col`\) has 1 null rows"),
-    ([False, False, False], {"validation_col": "v"}, r"The validation set is empty: `validation_col`='v' selected none of the 3 rows"),
-    ([False, False, False], {"validation_split": 1e-9}, r"The validation set is empty: `validation_split`=1e-09 selected none"),
-    ([True, True, True], {"validation_col": "v"}, r"No rows left to train on: `validation_col`='v' selected all 3 rows"),
-    ([True, True, False], {"validation_col": "v"}, r"at least `num_workers`=2 rows.*Received: 1 rows \(after holding out 2"),
-])
+@pytest.mark.parametrize(
+    "rows, kwargs, message",
+    [
+        ([True, None, False, False], {"validation_col": "v"}, r"Column 'v' \(`validation_col`\) has 1 null rows"),
+        (
+            [False, False, False],
+            {"validation_col": "v"},
+            r"The validation set is empty: `validation_col`='v' selected none of the 3 rows",
+        ),
+        (
+            [False, False, False],
+            {"validation_split": 1e-9},
+            r"The validation set is empty: `validation_split`=1e-09 selected none",
+        ),
+        (
+            [True, True, True],
+            {"validation_col": "v"},
+            r"No rows left to train on: `validation_col`='v' selected all 3 rows",
+        ),
+        (
+            [True, True, False],
+            {"validation_col": "v"},
+            r"at least `num_workers`=2 rows.*Received: 1 rows \(after holding out 2",
+        ),
+    ],
+)
 def test_bad_validation_data(spark, rows, kwargs, message):
-    df = spark.createDataFrame([([0.1 * i, 0.2], i % 2, v) for i, v in enumerate(rows)],
-                               "features array<double>, label int, v boolean")
+    df = spark.createDataFrame(
+        [([0.1 * i, 0.2], i % 2, v) for i, v in enumerate(rows)], "features array<double>, label int, v boolean"
+    )
     with pytest.raises(ValueError, match=message) as raised:
         sparkdl.fit(df, make_mlp(width=2, hidden=(4,), classes=2), num_workers=2, **kwargs)
     assert raised.type is ValueError  # the driver's check, not a worker's error (WorkerError can be a ValueError)
@@ -147,9 +204,11 @@ def test_average_mode_attributes_each_epoch_to_the_next_averaged_model():
 
 
 def test_parameter_server_histories_weigh_validation_by_rows():
-    history = combine_histories([
-        {"history": {"loss": [1.0, 0.5], "val_loss": [2.0, 1.0]}, "samples": 64, "validation_rows": 3},
-        {"history": {"loss": [3.0, 1.5], "val_loss": [4.0, 3.0]}, "samples": 64, "validation_rows": 1},
-        {"history": {"loss": [2.0, 1.0]}, "samples": 64, "validation_rows": 0},  # a worker without held-out rows
-    ])
+    history = combine_histories(
+        [
+            {"history": {"loss": [1.0, 0.5], "val_loss": [2.0, 1.0]}, "samples": 64, "validation_rows": 3},
+            {"history": {"loss": [3.0, 1.5], "val_loss": [4.0, 3.0]}, "samples": 64, "validation_rows": 1},
+            {"history": {"loss": [2.0, 1.0]}, "samples": 64, "validation_rows": 0},  # a worker without held-out rows
+        ]
+    )
     assert history == {"loss": [2.0, 1.0], "val_loss": [2.5, 1.5]}

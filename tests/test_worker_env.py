@@ -73,12 +73,16 @@ def _run_script(tmp_path, what, *, env_python=None, conf_python=None, daemon=Non
     env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
     if env_python is not None:
         env["PYSPARK_PYTHON"] = env_python
-    done = subprocess.run([sys.executable, str(script), what, f"file://{events}", conf_python or "", daemon or ""],
-                          env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(script), what, f"file://{events}", conf_python or "", daemon or ""],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("OUTCOME ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
-    return json.loads(lines[-1][len("OUTCOME "):]), _spark_events(events), done.stdout + done.stderr
+    return json.loads(lines[-1][len("OUTCOME ") :]), _spark_events(events), done.stdout + done.stderr
 
 
 def _spark_events(directory) -> dict:
@@ -88,8 +92,9 @@ def _spark_events(directory) -> dict:
     jobs = [e for e in events if e["Event"] == "SparkListenerJobStart"]
     stages = [e["Stage Info"] for e in events if e["Event"] == "SparkListenerStageSubmitted"]
     tasks = [e for e in events if e["Event"] == "SparkListenerTaskEnd"]
-    probe_stages = [set(j["Stage IDs"]) for j in jobs
-                    if "sparkdl-probe" in (j.get("Properties") or {}).get("spark.job.tags", "")]
+    probe_stages = [
+        set(j["Stage IDs"]) for j in jobs if "sparkdl-probe" in (j.get("Properties") or {}).get("spark.job.tags", "")
+    ]
     return {
         "job_tags": [(j.get("Properties") or {}).get("spark.job.tags", "") for j in jobs],
         "probe_tasks": [sum(t["Stage ID"] in stages for t in tasks) for stages in probe_stages],  # per probe job
@@ -112,8 +117,14 @@ def python_without_packages(tmp_path_factory):
 @pytest.mark.parametrize("setting", ["PYSPARK_PYTHON", "spark.pyspark.python"])
 def test_fit_names_the_missing_modules_before_training(tmp_path, python_without_packages, setting):
     outcome, events, output = _run_script(
-        tmp_path, "fit", **({"env_python": python_without_packages} if setting == "PYSPARK_PYTHON"
-                            else {"conf_python": python_without_packages}))
+        tmp_path,
+        "fit",
+        **(
+            {"env_python": python_without_packages}
+            if setting == "PYSPARK_PYTHON"
+            else {"conf_python": python_without_packages}
+        ),
+    )
 
     assert outcome.get("type") == "WorkerEnvironmentError" and "RuntimeError" in outcome["mro"], outcome
     message = outcome["message"]
@@ -132,7 +143,7 @@ def test_fit_names_the_missing_modules_before_training(tmp_path, python_without_
 def test_a_python_that_does_not_start_is_one_clear_error(tmp_path):
     # Present on the driver (so only the executors find out), but it cannot start a Python worker.
     broken = tmp_path / "python"
-    broken.write_text("#!/bin/sh\nexec /no/such/python \"$@\"\n")
+    broken.write_text('#!/bin/sh\nexec /no/such/python "$@"\n')
     broken.chmod(broken.stat().st_mode | stat.S_IEXEC)
     outcome, events, _ = _run_script(tmp_path, "run", env_python=str(broken))
 

@@ -10,5 +10,15 @@ from sparkdl.collective.context import allgather, allreduce, barrier, broadcast,
 from sparkdl.collective.ring import RingCommunicator
 from sparkdl.collective.transport import CollectiveError, CollectiveTimeout, Listener
 
-__all__ = ["CollectiveError", "CollectiveTimeout", "Listener", "RingCommunicator",
-           "allgather", "allreduce", "barrier", "broadcast", "rank", "size"]
+__all__ = [
+    "CollectiveError",
+    "CollectiveTimeout",
+    "Listener",
+    "RingCommunicator",
+    "allgather",
+    "allreduce",
+    "barrier",
+    "broadcast",
+    "rank",
+    "size",
+]

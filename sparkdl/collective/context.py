@@ -17,13 +17,13 @@ the ``timeout`` given to ``sparkdl.run``.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import numpy as np
 
 from sparkdl.collective.ring import RingCommunicator
 
-_active: Optional[RingCommunicator] = None
+_active: RingCommunicator | None = None
 
 
 @contextlib.contextmanager
@@ -39,8 +39,10 @@ def bound(communicator: RingCommunicator) -> Iterator[RingCommunicator]:
 
 def _communicator() -> RingCommunicator:
     if _active is None:
-        raise RuntimeError("No sparkdl collective here: these functions work inside a function run by "
-                           "sparkdl.run(fn, num_workers=..., backend='ring').")
+        raise RuntimeError(
+            "No sparkdl collective here: these functions work inside a function run by "
+            "sparkdl.run(fn, num_workers=..., backend='ring')."
+        )
     return _active
 
 

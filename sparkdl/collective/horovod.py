@@ -18,7 +18,7 @@ import dataclasses
 import os
 import socket
 import threading
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -36,9 +36,15 @@ class Slot:
     cross_size: int
 
     def environment(self) -> dict[str, str]:
-        return {"HOROVOD_HOSTNAME": self.hostname, "HOROVOD_RANK": str(self.rank), "HOROVOD_SIZE": str(self.size),
-                "HOROVOD_LOCAL_RANK": str(self.local_rank), "HOROVOD_LOCAL_SIZE": str(self.local_size),
-                "HOROVOD_CROSS_RANK": str(self.cross_rank), "HOROVOD_CROSS_SIZE": str(self.cross_size)}
+        return {
+            "HOROVOD_HOSTNAME": self.hostname,
+            "HOROVOD_RANK": str(self.rank),
+            "HOROVOD_SIZE": str(self.size),
+            "HOROVOD_LOCAL_RANK": str(self.local_rank),
+            "HOROVOD_LOCAL_SIZE": str(self.local_size),
+            "HOROVOD_CROSS_RANK": str(self.cross_rank),
+            "HOROVOD_CROSS_SIZE": str(self.cross_size),
+        }
 
 
 def slot_plan(hosts: Sequence[str]) -> list[Slot]:
@@ -68,8 +74,10 @@ def interface_of(address: str) -> str:
     for name, entries in psutil.net_if_addrs().items():
         if any(entry.address == ip for entry in entries):
             return name
-    raise RuntimeError(f"No network interface holds {address} ({ip}); Horovod's Gloo needs one to bind to. "
-                       "Check spark.driver.host / SPARK_LOCAL_IP on the executors.")
+    raise RuntimeError(
+        f"No network interface holds {address} ({ip}); Horovod's Gloo needs one to bind to. "
+        "Check spark.driver.host / SPARK_LOCAL_IP on the executors."
+    )
 
 
 @contextlib.contextmanager
@@ -108,11 +116,15 @@ def horovod_environment(timeout: float) -> Iterator[Slot]:
         address = stack.enter_context(_rendezvous_server(hosts[0], slots)) if rank == 0 else ""
         rendezvous = context.allGather(address)[0]
         rendezvous_host, port = rendezvous.rsplit(":", 1)
-        environment = {**slots[rank].environment(),
-                       "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous_host, "HOROVOD_GLOO_RENDEZVOUS_PORT": port,
-                       "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
-                       "HOROVOD_GLOO_IFACE": interface_of(hosts[rank]),
-                       "HOROVOD_GLOO_TIMEOUT_SECONDS": str(max(1, int(timeout)))}
+        environment = {
+            **slots[rank].environment(),
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous_host,
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": port,
+            "HOROVOD_CONTROLLER": "gloo",
+            "HOROVOD_CPU_OPERATIONS": "gloo",
+            "HOROVOD_GLOO_IFACE": interface_of(hosts[rank]),
+            "HOROVOD_GLOO_TIMEOUT_SECONDS": str(max(1, int(timeout))),
+        }
         stack.enter_context(_environment(environment))
         stack.callback(_shutdown_initialised_horovod)
         yield slots[rank]
@@ -188,7 +200,7 @@ class HorovodCommunicator:
     def close(self) -> None:
         self._hvd.shutdown()
 
-    def __enter__(self) -> "HorovodCommunicator":
+    def __enter__(self) -> HorovodCommunicator:
         return self
 
     def __exit__(self, *exc_info) -> None:

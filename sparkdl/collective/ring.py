@@ -44,8 +44,7 @@ def _segments(start: int, stop: int, step: int) -> list[tuple[int, int]]:
 class RingCommunicator:
     """Collectives among ``size`` ranks connected in a ring; see :meth:`connect`."""
 
-    def __init__(self, rank: int, size: int, listener: Listener,
-                 to_next: PeerLink | None, from_prev: PeerLink | None):
+    def __init__(self, rank: int, size: int, listener: Listener, to_next: PeerLink | None, from_prev: PeerLink | None):
         self.rank = rank
         self.size = size
         self._listener = listener
@@ -60,8 +59,9 @@ class RingCommunicator:
         self._closed = False
 
     @classmethod
-    def connect(cls, rank: int, addresses: list[str], listener: Listener, secret: bytes,
-                timeout: float = 300.0) -> "RingCommunicator":
+    def connect(
+        cls, rank: int, addresses: list[str], listener: Listener, secret: bytes, timeout: float = 300.0
+    ) -> RingCommunicator:
         """Connect to rank+1 and accept rank-1 (concurrently, so no rank waits on a cycle).
 
         ``addresses[i]`` is rank i's listener address; ``timeout`` bounds every
@@ -139,7 +139,7 @@ class RingCommunicator:
         self._sender.shutdown(wait=True)
         self._listener.close()
 
-    def __enter__(self) -> "RingCommunicator":
+    def __enter__(self) -> RingCommunicator:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -160,8 +160,7 @@ class RingCommunicator:
             raise CollectiveError(f"rank {self.rank}: {op.name.lower()} on a closed communicator")
         if self._failure is not None:
             raise CollectiveError(
-                f"rank {self.rank}: {op.name.lower()} on a communicator that already failed: "
-                f"{self._failure}"
+                f"rank {self.rank}: {op.name.lower()} on a communicator that already failed: {self._failure}"
             ) from self._failure
         seq = self._seq
         self._seq = (seq + 1) & 0xFFFFFFFF

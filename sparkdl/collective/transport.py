@@ -28,10 +28,22 @@ from sparkdl.net.io import (
 )
 from sparkdl.net.listener import HANDSHAKE_TIMEOUT, MAX_PENDING, HandshakeAcceptor
 
-__all__ = ["SOCKET_BUFFER_BYTES", "CollectiveError", "CollectiveTimeout", "ConnectGaveUp", "Listener", "Op",
-           "PeerLink", "connect_authenticated", "connect_peer", "dtype_code", "parse_address"]
+__all__ = [
+    "SOCKET_BUFFER_BYTES",
+    "CollectiveError",
+    "CollectiveTimeout",
+    "ConnectGaveUp",
+    "Listener",
+    "Op",
+    "PeerLink",
+    "connect_authenticated",
+    "connect_peer",
+    "dtype_code",
+    "parse_address",
+]
 
 _log = logging.getLogger(__name__)
+
 
 class CollectiveError(RuntimeError):
     """A collective or its connection setup failed; the communicator is unusable."""
@@ -53,10 +65,19 @@ class Op(enum.IntEnum):
 _DTYPES = tuple(
     np.dtype(name)
     for name in (
-        "float16", "float32", "float64",
-        "int8", "int16", "int32", "int64",
-        "uint8", "uint16", "uint32", "uint64",
-        "complex64", "complex128",
+        "float16",
+        "float32",
+        "float64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "complex64",
+        "complex128",
     )
 )
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
@@ -69,14 +90,14 @@ def dtype_code(dtype: np.dtype) -> int:
     except KeyError:
         supported = ", ".join(d.name for d in _DTYPES)
         raise TypeError(
-            f"unsupported dtype {dtype!s} for collectives; use a native-byte-order "
-            f"numeric dtype ({supported})"
+            f"unsupported dtype {dtype!s} for collectives; use a native-byte-order numeric dtype ({supported})"
         ) from None
 
 
 # Data frame header: magic, dtype code, op tag, reserved, op sequence number, payload bytes.
 _FRAME = struct.Struct("!4sBBHIQ")
 _FRAME_MAGIC = b"SDLC"
+
 
 def _byte_view(array: np.ndarray) -> memoryview:
     """Raw bytes of a 1-D C-contiguous array, without copying."""
@@ -180,8 +201,9 @@ class Listener:
     :mod:`sparkdl.net.listener`).
     """
 
-    def __init__(self, host: str = "127.0.0.1", *, handshake_timeout: float = HANDSHAKE_TIMEOUT,
-                 max_pending: int = MAX_PENDING):
+    def __init__(
+        self, host: str = "127.0.0.1", *, handshake_timeout: float = HANDSHAKE_TIMEOUT, max_pending: int = MAX_PENDING
+    ):
         self._sock, self.address = bind_listener(host)
         self.handshake_timeout = handshake_timeout
         self.max_pending = max_pending
@@ -196,9 +218,15 @@ class Listener:
         ``timeout`` (then :class:`CollectiveTimeout`).
         """
         deadline = time.monotonic() + timeout
-        acceptor = HandshakeAcceptor(self._sock, f"rank {rank}'s listener {self.address}", secret, rank, (peer,),
-                                     handshake_timeout=min(timeout, self.handshake_timeout),
-                                     max_pending=self.max_pending)
+        acceptor = HandshakeAcceptor(
+            self._sock,
+            f"rank {rank}'s listener {self.address}",
+            secret,
+            rank,
+            (peer,),
+            handshake_timeout=min(timeout, self.handshake_timeout),
+            max_pending=self.max_pending,
+        )
         try:
             while (remaining := deadline - time.monotonic()) > 0:
                 ready = acceptor.poll(remaining)
@@ -228,7 +256,7 @@ class Listener:
     def close(self) -> None:
         self._sock.close()
 
-    def __enter__(self) -> "Listener":
+    def __enter__(self) -> Listener:
         return self
 
     def __exit__(self, *exc_info) -> None:

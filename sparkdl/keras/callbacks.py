@@ -9,7 +9,7 @@ upload to the checkpointer's background thread (``checkpoint.Checkpointer``).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from sparkdl.checkpoint import Checkpointer
 from sparkdl.keras import serialization
@@ -32,8 +32,14 @@ def _is_number(value) -> bool:
     return True
 
 
-def progress_callback(report: Callable[[dict], None], *, steps_per_epoch: int, batch_size: int,
-                      validation_rows: int = 0, interval: float = STEP_REPORT_SECONDS):
+def progress_callback(
+    report: Callable[[dict], None],
+    *,
+    steps_per_epoch: int,
+    batch_size: int,
+    validation_rows: int = 0,
+    interval: float = STEP_REPORT_SECONDS,
+):
     """Reports step progress (rate-limited) and every epoch's logs and throughput to the driver.
 
     An epoch event carries the samples behind its metrics (``samples``, ``validation_rows``),
@@ -52,15 +58,29 @@ def progress_callback(report: Callable[[dict], None], *, steps_per_epoch: int, b
             if now - self._reported_at < interval:
                 return
             step = batch + 1
-            report({"event": "step", "epoch": self._epoch, "step": step, "logs": numeric_logs(logs),
-                    "samples_per_second": (step - self._reported_step) * batch_size / (now - self._reported_at)})
+            report(
+                {
+                    "event": "step",
+                    "epoch": self._epoch,
+                    "step": step,
+                    "logs": numeric_logs(logs),
+                    "samples_per_second": (step - self._reported_step) * batch_size / (now - self._reported_at),
+                }
+            )
             self._reported_at, self._reported_step = now, step
 
         def on_epoch_end(self, epoch, logs=None):
             seconds = max(time.monotonic() - self._epoch_started, 1e-9)
-            report({"event": "epoch", "epoch": epoch, "logs": numeric_logs(logs),
+            report(
+                {
+                    "event": "epoch",
+                    "epoch": epoch,
+                    "logs": numeric_logs(logs),
                     "samples_per_second": steps_per_epoch * batch_size / seconds,
-                    "samples": steps_per_epoch * batch_size, "validation_rows": validation_rows})
+                    "samples": steps_per_epoch * batch_size,
+                    "validation_rows": validation_rows,
+                }
+            )
 
     return ReportProgress()
 

@@ -10,7 +10,7 @@ per step as one fused float32 buffer.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 

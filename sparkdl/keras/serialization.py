@@ -52,5 +52,8 @@ def result_to_bytes(model_bytes: bytes, history: dict[str, list[float]], initial
 
 def result_from_bytes(data: bytes) -> tuple[bytes, dict[str, list[float]], int]:
     with np.load(io.BytesIO(data), allow_pickle=False) as archive:
-        return (archive["model"].tobytes(), json.loads(archive["history"].tobytes().decode()),
-                int(archive["initial_epoch"]))
+        return (
+            archive["model"].tobytes(),
+            json.loads(archive["history"].tobytes().decode()),
+            int(archive["initial_epoch"]),
+        )

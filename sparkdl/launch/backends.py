@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from typing import Iterator
+from collections.abc import Iterator
 
 from sparkdl.collective import context
 from sparkdl.launch.stage import connect_collective
@@ -17,8 +17,10 @@ def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"Expected `backend` to be one of {list(BACKENDS)}. Received: backend={backend!r}")
     if backend == "horovod" and importlib.util.find_spec("horovod") is None:
-        raise ValueError("backend='horovod' needs Horovod, which is not installed here. Build the Horovod stack "
-                         "with conf/horovod/install.sh (see the README), or use backend='ring'.")
+        raise ValueError(
+            "backend='horovod' needs Horovod, which is not installed here. Build the Horovod stack "
+            "with conf/horovod/install.sh (see the README), or use backend='ring'."
+        )
 
 
 @contextlib.contextmanager

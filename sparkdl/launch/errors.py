@@ -31,11 +31,12 @@ def worker_error(report: ErrorReport, others: Sequence[ErrorReport] = ()) -> Wor
     if followers:
         message += "\n\nThen, on other ranks:\n  " + "\n  ".join(followers)
     message += f"\n\nRemote traceback (rank {report.rank}):\n{report.traceback.rstrip()}"
-    return _error_class(report.type_name)(message, rank=report.rank, type_name=report.type_name,
-                                          remote_traceback=report.traceback)
+    return _error_class(report.type_name)(
+        message, rank=report.rank, type_name=report.type_name, remote_traceback=report.traceback
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _error_class(type_name: str) -> type:
     builtin = getattr(builtins, type_name, None)
     if not (isinstance(builtin, type) and issubclass(builtin, Exception)) or issubclass(builtin, WorkerError):

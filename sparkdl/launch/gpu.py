@@ -15,18 +15,20 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 _log = logging.getLogger(__name__)
 
 # The GPUs this Python process saw before sparkdl first pinned any: a reused Python
 # worker runs several tasks, and after the first one CUDA_VISIBLE_DEVICES holds
 # that task's GPU, not the machine's.
-_unpinned_gpus: Optional[list[str]] = None
+_unpinned_gpus: list[str] | None = None
 
 
-def assigned_gpus(resources: Mapping[str, Any], partition: int, local_mode: bool,
-                  machine_gpus: Sequence[str]) -> Optional[list[str]]:
+def assigned_gpus(
+    resources: Mapping[str, Any], partition: int, local_mode: bool, machine_gpus: Sequence[str]
+) -> list[str] | None:
     """The GPU addresses for one task; None leaves the devices as they are (no GPUs to share out).
 
     ``resources`` is ``TaskContext.resources()`` (name -> ResourceInformation with
@@ -57,14 +59,19 @@ def machine_gpus() -> list[str]:
     if shutil.which("nvidia-smi") is None:
         return []
     try:
-        listing = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=30, check=True).stdout
+        listing = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     return [line.strip() for line in listing.splitlines() if line.strip()]
 
 
-def pin_task_gpus(resources: Mapping[str, Any], partition: int, local_mode: bool) -> Optional[list[str]]:
+def pin_task_gpus(resources: Mapping[str, Any], partition: int, local_mode: bool) -> list[str] | None:
     """Sets ``CUDA_VISIBLE_DEVICES`` to this task's GPUs (if there are any); returns them."""
     global _unpinned_gpus
     if local_mode and _unpinned_gpus is None:
@@ -73,7 +80,10 @@ def pin_task_gpus(resources: Mapping[str, Any], partition: int, local_mode: bool
     if gpus is None:
         return None
     if "tensorflow" in sys.modules and os.environ.get("CUDA_VISIBLE_DEVICES") != ",".join(gpus):
-        _log.warning("TensorFlow was imported in this Python worker before sparkdl assigned it GPU(s) %s; it may "
-                     "keep the devices it saw first (set spark.python.worker.reuse=false to avoid this)", gpus)
+        _log.warning(
+            "TensorFlow was imported in this Python worker before sparkdl assigned it GPU(s) %s; it may "
+            "keep the devices it saw first (set spark.python.worker.reuse=false to avoid this)",
+            gpus,
+        )
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     return gpus

@@ -22,7 +22,7 @@ import json
 import logging
 import socket
 import threading
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 from sparkdl.launch.relay import _HEADER, MAX_FRAME_BYTES, TaskReporter, _recv_exact, _recv_into
 
@@ -35,12 +35,12 @@ _RESULT, _CHUNK, _FETCH, _REPLY = 5, 6, 7, 8  # task -> driver: _RESULT, _FETCH,
 class PayloadExchange:
     """Driver side: serves the payloads tasks fetch, keeps the results they upload by partition and attempt."""
 
-    def __init__(self, offered: Optional[Mapping[str, bytes]] = None):
+    def __init__(self, offered: Mapping[str, bytes] | None = None):
         self._offered = dict(offered or {})
         self._lock = threading.Lock()
         self._results: dict[tuple[int, int], bytearray] = {}
 
-    def open(self, rank: int) -> "_Session":
+    def open(self, rank: int) -> _Session:
         """The handler of one task connection (the relay calls it for the frame kinds it names)."""
         return _Session(self, rank)
 
@@ -49,11 +49,15 @@ class PayloadExchange:
         with self._lock:
             result = self._results.pop((partition, attempt), None)
         if result is None:
-            raise RuntimeError(f"Partition {partition}'s task (attempt {attempt}) finished, but its {size}-byte result "
-                               "never reached the driver's relay.")
+            raise RuntimeError(
+                f"Partition {partition}'s task (attempt {attempt}) finished, but its {size}-byte result "
+                "never reached the driver's relay."
+            )
         if len(result) != size:
-            raise RuntimeError(f"Partition {partition}'s task (attempt {attempt}) reported a {size}-byte result, but "
-                               f"the driver's relay received {len(result)} bytes.")
+            raise RuntimeError(
+                f"Partition {partition}'s task (attempt {attempt}) reported a {size}-byte result, but "
+                f"the driver's relay received {len(result)} bytes."
+            )
         return result
 
     def discard_rest(self) -> None:
@@ -61,14 +65,19 @@ class PayloadExchange:
         with self._lock:
             rest, self._results = self._results, {}
         for (partition, attempt), result in sorted(rest.items()):
-            _log.debug("sparkdl: dropped the %d-byte result of partition %d, task attempt %d (an attempt Spark did not "
-                       "keep)", len(result), partition, attempt)
+            _log.debug(
+                "sparkdl: dropped the %d-byte result of partition %d, task attempt %d (an attempt Spark did not keep)",
+                len(result),
+                partition,
+                attempt,
+            )
 
     def _keep(self, partition: int, attempt: int, result: bytearray) -> None:
         with self._lock:
             self._results[(partition, attempt)] = result
-        _log.debug("sparkdl: received the %d-byte result of partition %d, task attempt %d", len(result), partition,
-                   attempt)
+        _log.debug(
+            "sparkdl: received the %d-byte result of partition %d, task attempt %d", len(result), partition, attempt
+        )
 
 
 class _Session:
@@ -79,7 +88,7 @@ class _Session:
     def __init__(self, exchange: PayloadExchange, rank: int):
         self._exchange = exchange
         self._rank = rank
-        self._upload: Optional[tuple[int, memoryview]] = None  # attempt, the part of its buffer still to fill
+        self._upload: tuple[int, memoryview] | None = None  # attempt, the part of its buffer still to fill
         self._buffer = bytearray()
 
     def handle(self, conn: socket.socket, kind: int, length: int, stopping: threading.Event) -> None:
@@ -130,7 +139,9 @@ class _Session:
     def _serve(self, conn: socket.socket, name: str, stopping: threading.Event) -> None:
         payload = self._exchange._offered.get(name)
         if payload is None:
-            answer = {"error": f"The driver offers no payload named {name!r}; it offers {sorted(self._exchange._offered)}."}
+            answer = {
+                "error": f"The driver offers no payload named {name!r}; it offers {sorted(self._exchange._offered)}."
+            }
             _send_frame(conn, _REPLY, json.dumps(answer).encode(), stopping)
             return
         _send_frame(conn, _REPLY, json.dumps({"size": len(payload)}).encode(), stopping)
@@ -144,8 +155,8 @@ def _send_frame(conn: socket.socket, kind: int, data, stopping: threading.Event)
     view = memoryview(_HEADER.pack(kind, len(data)) + data)
     while len(view):
         try:
-            view = view[conn.send(view):]
-        except (TimeoutError, socket.timeout):
+            view = view[conn.send(view) :]
+        except TimeoutError:
             if stopping.is_set():
                 raise ConnectionAbortedError("the relay stopped while sending a payload") from None
 
@@ -171,8 +182,9 @@ def fetch(reporter: TaskReporter, name: str) -> bytearray:
     while len(view):
         kind, length = connection.receive_header()
         if kind != _CHUNK or not 0 < length <= min(len(view), MAX_FRAME_BYTES):
-            raise ConnectionError(f"The driver's relay sent a malformed frame (kind {kind}, {length} bytes) while "
-                                  f"sending {name!r}.")
+            raise ConnectionError(
+                f"The driver's relay sent a malformed frame (kind {kind}, {length} bytes) while sending {name!r}."
+            )
         connection.receive_into(view[:length])
         view = view[length:]
     return buffer

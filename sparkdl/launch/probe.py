@@ -31,7 +31,7 @@ import shutil
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from sparkdl.keras.runtime import use_tensorflow_backend
 from sparkdl.launch import session
@@ -66,8 +66,11 @@ def use_driver_python(spark) -> None:
     wanted = configured or (sys.executable if sc.master.startswith("local") else None)
     if wanted and sc.pythonExec == _DEFAULT_PYTHON:
         # PySpark reads spark.pyspark.python only under spark-submit; as a builder setting it is ignored.
-        _log.info("sparkdl: Python workers run %s (%s)", wanted,
-                  "spark.pyspark.python" if configured else "the driver's Python; local mode")
+        _log.info(
+            "sparkdl: Python workers run %s (%s)",
+            wanted,
+            "spark.pyspark.python" if configured else "the driver's Python; local mode",
+        )
         sc.pythonExec = wanted
 
 
@@ -76,7 +79,7 @@ def check_workers(spark, num_workers: int, timeout: float, modules: tuple = TRAI
     start_check(spark, num_workers, timeout, modules).wait()
 
 
-def start_check(spark, num_workers: int, timeout: float, modules: tuple = TRAINING_MODULES) -> "PendingCheck":
+def start_check(spark, num_workers: int, timeout: float, modules: tuple = TRAINING_MODULES) -> PendingCheck:
     """Starts the probe in a background thread; ``wait()`` for it.
 
     The probe imports ``modules`` in ``num_workers`` tasks; TensorFlow, when among them, stays
@@ -105,13 +108,14 @@ class PendingCheck:
         self._timeout = timeout
         self._tag = session.JobTag(spark, "sparkdl-probe")
         self._reports: list[dict] = []
-        self._failure: Optional[BaseException] = None
+        self._failure: BaseException | None = None
         self.seconds = 0.0  # the probe job's duration
         self.waited = 0.0  # how long the last wait() blocked
 
     def start(self, num_workers: int, modules: tuple) -> None:
-        self._thread = threading.Thread(target=self._run, args=(num_workers, modules), name="sparkdl-probe",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(num_workers, modules), name="sparkdl-probe", daemon=True
+        )
         self._thread.start()
 
     def _run(self, num_workers: int, modules: tuple) -> None:
@@ -134,7 +138,8 @@ class PendingCheck:
                 raise WorkerEnvironmentError(
                     "sparkdl's check of the executors' Python environment did not finish within "
                     f"timeout={self._timeout}s (its job was cancelled): the cluster may be busy, or its Python "
-                    "workers fail to start.")
+                    "workers fail to start."
+                )
             if self._failure is not None:
                 raise WorkerEnvironmentError(_job_failure_message(self._spark, self._failure)) from None
             _raise_for(self._reports)
@@ -143,16 +148,23 @@ class PendingCheck:
                 if _checks.get(self._key) is self:
                     del _checks[self._key]
             raise
-        _log.debug("sparkdl: worker check %s", "; ".join(
-            f"{r['host']} pid {r['pid']} {r['python']} (Python {r['version']}): imports {r['seconds']:.2f}s"
-            + (", TensorFlow loaded" if r.get("warmed") else "") for r in self._reports))
+        _log.debug(
+            "sparkdl: worker check %s",
+            "; ".join(
+                f"{r['host']} pid {r['pid']} {r['python']} (Python {r['version']}): imports {r['seconds']:.2f}s"
+                + (", TensorFlow loaded" if r.get("warmed") else "")
+                for r in self._reports
+            ),
+        )
 
     def summary(self) -> str:
         """What the check cost this caller, in words (for ``fit``'s phase line)."""
         warmed = sum(bool(r.get("warmed")) for r in self._reports or ())
         slowest = max((r["seconds"] for r in self._reports or ()), default=0.0)
-        return (f"worker check {self.seconds:.2f}s in the background, waited for {self.waited:.2f}s (imports "
-                f"{slowest:.2f}s" + (f", TensorFlow loaded in {warmed} Python worker(s)" if warmed else "") + ")")
+        return (
+            f"worker check {self.seconds:.2f}s in the background, waited for {self.waited:.2f}s (imports "
+            f"{slowest:.2f}s" + (f", TensorFlow loaded in {warmed} Python worker(s)" if warmed else "") + ")"
+        )
 
 
 def _run_probe(spark, num_workers: int, modules: tuple) -> list[dict]:
@@ -172,8 +184,11 @@ def _one_preloading_python(spark) -> bool:
     machine while the daemon imports TensorFlow.
     """
     sc = _classic_context(spark)
-    return (sc is not None and session.is_local_mode(sc.master)
-            and sc.getConf().get("spark.python.daemon.module", "") == WORKER_DAEMON)
+    return (
+        sc is not None
+        and session.is_local_mode(sc.master)
+        and sc.getConf().get("spark.python.daemon.module", "") == WORKER_DAEMON
+    )
 
 
 def _probe_function(modules: tuple) -> Callable[[int], str]:
@@ -190,8 +205,16 @@ def _probe_function(modules: tuple) -> Callable[[int], str]:
         import sys
         import time
 
-        report: dict = {"python": sys.executable, "version": platform.python_version(), "host": socket.gethostname(),
-                  "pid": os.getpid(), "missing": {}, "sparkdl": None, "warmed": False, "seconds": 0.0}
+        report: dict = {
+            "python": sys.executable,
+            "version": platform.python_version(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "missing": {},
+            "sparkdl": None,
+            "warmed": False,
+            "seconds": 0.0,
+        }
         started = time.perf_counter()
         saved = []
         try:
@@ -240,31 +263,38 @@ def _raise_for(reports: list[dict]) -> None:
     import sparkdl
 
     for report in reports:
-        where = (f"the executors' Python ({report['python']}, Python {report['version']}, on host "
-                 f"{report['host']})")
+        where = f"the executors' Python ({report['python']}, Python {report['version']}, on host {report['host']})"
         if report["missing"]:
             names = ", ".join(dict.fromkeys(problem["module"] for problem in report["missing"].values()))
             first = next(iter(report["missing"].values()))["error"]
             raise WorkerEnvironmentError(
-                f"sparkdl cannot run on the executors: {where} cannot import {names} ({first}). {_FIX}")
+                f"sparkdl cannot run on the executors: {where} cannot import {names} ({first}). {_FIX}"
+            )
         if report["sparkdl"] != sparkdl.__version__:
             raise WorkerEnvironmentError(
                 f"sparkdl versions differ: the driver runs {sparkdl.__version__}, {where} has "
-                f"{report['sparkdl']}. Install the same sparkdl release on the executors, or {_FIX_SHORT}")
+                f"{report['sparkdl']}. Install the same sparkdl release on the executors, or {_FIX_SHORT}"
+            )
 
 
-_FIX_SHORT = ("set PYSPARK_PYTHON (or spark.pyspark.python) to a Python that has sparkdl installed, "
-              "or ship a packed virtualenv with spark.archives")
-_FIX = ("The executors' Python must have sparkdl and its dependencies installed. Fix: set PYSPARK_PYTHON "
-        f"(or spark.pyspark.python) to a Python with sparkdl installed (this driver runs {sys.executable}); "
-        "or install sparkdl on every executor (pip install 'sparkdl[cpu]'); or ship a packed virtualenv "
-        "with spark.archives (venv-pack, then --archives env.tar.gz#env and spark.pyspark.python=./env/bin/python).")
+_FIX_SHORT = (
+    "set PYSPARK_PYTHON (or spark.pyspark.python) to a Python that has sparkdl installed, "
+    "or ship a packed virtualenv with spark.archives"
+)
+_FIX = (
+    "The executors' Python must have sparkdl and its dependencies installed. Fix: set PYSPARK_PYTHON "
+    f"(or spark.pyspark.python) to a Python with sparkdl installed (this driver runs {sys.executable}); "
+    "or install sparkdl on every executor (pip install 'sparkdl[cpu]'); or ship a packed virtualenv "
+    "with spark.archives (venv-pack, then --archives env.tar.gz#env and spark.pyspark.python=./env/bin/python)."
+)
 
 
 def _job_failure_message(spark, exc: BaseException) -> str:
     python = _configured_python(spark)
-    return (f"The executors' Python{f' ({python})' if python else ''} failed to run sparkdl's environment check, "
-            f"before any training started: {_root_cause(exc)}\n{_FIX}")
+    return (
+        f"The executors' Python{f' ({python})' if python else ''} failed to run sparkdl's environment check, "
+        f"before any training started: {_root_cause(exc)}\n{_FIX}"
+    )
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -277,7 +307,7 @@ def _root_cause(exc: BaseException) -> str:
     return (lines[0] if lines else type(exc).__name__)[:500]
 
 
-def _configured_python(spark) -> Optional[str]:
+def _configured_python(spark) -> str | None:
     """The interpreter the executors were told to start (unknown over Spark Connect: the server decides)."""
     sc = _classic_context(spark)
     return sc.pythonExec if sc is not None else None
@@ -292,7 +322,8 @@ def _check_local_python(spark) -> None:
     if not relative and shutil.which(sc.pythonExec) is None:
         raise WorkerEnvironmentError(
             f"The executors' Python interpreter {sc.pythonExec!r} does not exist or is not executable on this "
-            f"machine (local mode, master={sc.master!r}). {_FIX}")
+            f"machine (local mode, master={sc.master!r}). {_FIX}"
+        )
 
 
 def _classic_context(spark):
@@ -305,4 +336,3 @@ def _session_key(spark) -> tuple:
     if sc is None:
         return ("connect", spark.session_id)
     return ("classic", sc.applicationId, sc.pythonExec)
-

@@ -31,7 +31,8 @@ import struct
 import sys
 import threading
 import traceback
-from typing import Callable, Iterator, Optional, TextIO
+from collections.abc import Callable, Iterator
+from typing import TextIO
 
 from sparkdl.net.auth import connect_authenticated
 from sparkdl.net.io import recv_exact, shutdown_and_close
@@ -64,11 +65,13 @@ class ErrorReport:
 
     @property
     def secondary(self) -> bool:
-        return (self.type_name.rsplit(".", 1)[-1] in _SECONDARY_FAILURES
-                or _WRAPPED_SECONDARY.search(self.message) is not None)
+        return (
+            self.type_name.rsplit(".", 1)[-1] in _SECONDARY_FAILURES
+            or _WRAPPED_SECONDARY.search(self.message) is not None
+        )
 
     @classmethod
-    def from_exception(cls, rank: int, exc: BaseException) -> "ErrorReport":
+    def from_exception(cls, rank: int, exc: BaseException) -> ErrorReport:
         kind = type(exc)
         name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
         return cls(rank, name, str(exc), "".join(traceback.format_exception(exc)))
@@ -77,15 +80,16 @@ class ErrorReport:
         return json.dumps(dataclasses.asdict(self)).encode()[:MAX_FRAME_BYTES]
 
     @classmethod
-    def from_json(cls, payload: bytes) -> "ErrorReport":
+    def from_json(cls, payload: bytes) -> ErrorReport:
         """The report in ``payload``; ValueError when it is not a JSON object with every field."""
         try:
             fields = json.loads(payload.decode("utf-8", "replace"))
-            return cls(int(fields["rank"]), str(fields["type_name"]), str(fields["message"]),
-                       str(fields["traceback"]))
+            return cls(int(fields["rank"]), str(fields["type_name"]), str(fields["message"]), str(fields["traceback"]))
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"Expected an error report: a JSON object with rank, type_name, message and "
-                             f"traceback. Received: {payload[:200]!r} ({type(exc).__name__}: {exc})") from None
+            raise ValueError(
+                f"Expected an error report: a JSON object with rank, type_name, message and "
+                f"traceback. Received: {payload[:200]!r} ({type(exc).__name__}: {exc})"
+            ) from None
 
 
 class OutputRelay:
@@ -99,11 +103,19 @@ class OutputRelay:
     frames of the kinds it names: the large payloads going up or down.
     """
 
-    def __init__(self, host: str, secret: bytes, num_workers: int, *,
-                 on_error: Callable[[ErrorReport], None] = lambda report: None,
-                 on_progress: Callable[[int, dict], None] = lambda rank, event: None,
-                 exchange=None, stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT):
+    def __init__(
+        self,
+        host: str,
+        secret: bytes,
+        num_workers: int,
+        *,
+        on_error: Callable[[ErrorReport], None] = lambda report: None,
+        on_progress: Callable[[int, dict], None] = lambda rank, event: None,
+        exchange=None,
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    ):
         self._secret = secret
         self._exchange = exchange
         self._num_workers = num_workers
@@ -114,9 +126,17 @@ class OutputRelay:
         self._reports: list[ErrorReport] = []
         self._stopping = threading.Event()
         # Each task holds one connection; a retried task may briefly hold a second one.
-        self._listener = ServingListener(host, secret, _RELAY_ID, range(num_workers), self._serve,
-                                         name="sparkdl-relay", max_connections=2 * num_workers + 2,
-                                         handshake_timeout=handshake_timeout, backlog=4 * num_workers)
+        self._listener = ServingListener(
+            host,
+            secret,
+            _RELAY_ID,
+            range(num_workers),
+            self._serve,
+            name="sparkdl-relay",
+            max_connections=2 * num_workers + 2,
+            handshake_timeout=handshake_timeout,
+            backlog=4 * num_workers,
+        )
         self.address = self._listener.address
 
     @property
@@ -124,7 +144,7 @@ class OutputRelay:
         with self._lock:
             return list(self._reports)
 
-    def first_error(self) -> Optional[ErrorReport]:
+    def first_error(self) -> ErrorReport | None:
         """The error to raise: the first one that is not a consequence of another rank's failure, if any."""
         return next((r for r in self.reports if not r.secondary), None)
 
@@ -137,7 +157,7 @@ class OutputRelay:
         self._stopping.set()
         self._listener.close(join_timeout=1.0)
 
-    def __enter__(self) -> "OutputRelay":
+    def __enter__(self) -> OutputRelay:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -149,8 +169,7 @@ class OutputRelay:
             conn.settimeout(0.5)
             self._read_frames(conn, rank)
         except (OSError, ValueError, MemoryError) as exc:
-            _log.warning("sparkdl output relay: dropped the connection of rank %d: %s", rank,
-                         exc or type(exc).__name__)
+            _log.warning("sparkdl output relay: dropped the connection of rank %d: %s", rank, exc or type(exc).__name__)
 
     def _read_frames(self, conn: socket.socket, rank: int) -> None:
         partial = {_STDOUT: b"", _STDERR: b""}
@@ -205,8 +224,11 @@ class OutputRelay:
             _log.warning("sparkdl output relay: ignored a malformed error report from rank %d: %s", rank, exc)
             return
         if report.rank != rank:
-            _log.warning("sparkdl output relay: ignored an error report from rank %d that claims to come from rank "
-                         "%d", rank, report.rank)
+            _log.warning(
+                "sparkdl output relay: ignored an error report from rank %d that claims to come from rank %d",
+                rank,
+                report.rank,
+            )
             return
         with self._lock:
             first_primary = not report.secondary and not any(not r.secondary for r in self._reports)
@@ -215,13 +237,13 @@ class OutputRelay:
             self._on_error(report)
 
 
-def _recv_exact(conn: socket.socket, size: int, stopping: Optional[threading.Event]) -> Optional[bytes]:
+def _recv_exact(conn: socket.socket, size: int, stopping: threading.Event | None) -> bytes | None:
     """``size`` bytes, or None when the peer closed cleanly before the first byte (or the relay stops)."""
     buffer = bytearray(size)
     return bytes(buffer) if _recv_into(conn, memoryview(buffer), stopping) else None
 
 
-def _recv_into(conn: socket.socket, view: memoryview, stopping: Optional[threading.Event]) -> bool:
+def _recv_into(conn: socket.socket, view: memoryview, stopping: threading.Event | None) -> bool:
     """Fills ``view``; False when the peer closed cleanly before the first byte (or ``stopping`` is set).
 
     Without ``stopping`` (a task's side) the socket's timeout ends the wait with ``TimeoutError``;
@@ -245,8 +267,10 @@ class _Forwarder:
         try:
             self._sock = connect_authenticated(address, rank, _RELAY_ID, secret, timeout=min(timeout, 30.0))
         except Exception as exc:
-            raise ConnectionError(f"rank {rank} could not reach the driver's output relay at {address}: {exc}. "
-                                  "Executors must be able to connect to spark.driver.host.") from exc
+            raise ConnectionError(
+                f"rank {rank} could not reach the driver's output relay at {address}: {exc}. "
+                "Executors must be able to connect to spark.driver.host."
+            ) from exc
         self._sock.settimeout(timeout)
         self._lock = threading.Lock()
         self._broken = False
@@ -265,8 +289,9 @@ class _Forwarder:
                 except OSError as exc:
                     self._broken = True
                     if must_arrive:
-                        raise ConnectionError(f"rank {self._rank} lost its connection to the driver's relay: "
-                                              f"{exc}") from exc
+                        raise ConnectionError(
+                            f"rank {self._rank} lost its connection to the driver's relay: {exc}"
+                        ) from exc
                     return
 
     def receive_header(self) -> tuple[int, int]:
@@ -278,9 +303,10 @@ class _Forwarder:
     def receive_into(self, view: memoryview) -> None:
         try:
             complete = _recv_into(self._sock, view, None)
-        except (TimeoutError, socket.timeout):
-            raise TimeoutError(f"rank {self._rank}: the driver's relay did not answer within {self._timeout} "
-                               "seconds") from None
+        except TimeoutError:
+            raise TimeoutError(
+                f"rank {self._rank}: the driver's relay did not answer within {self._timeout} seconds"
+            ) from None
         except ValueError as exc:
             raise ConnectionError(f"rank {self._rank}: the driver's relay {exc}") from None
         if not complete:
@@ -299,7 +325,7 @@ class TaskReporter:
     ``sparkdl.launch.payloads`` moves large bytes either way.
     """
 
-    def __init__(self, forwarder: "_Forwarder", rank: int):
+    def __init__(self, forwarder: _Forwarder, rank: int):
         self.connection = forwarder
         self._rank = rank
 
@@ -312,8 +338,9 @@ class TaskReporter:
 
 
 @contextlib.contextmanager
-def forward_output(address: str, secret: bytes, rank: int, timeout: float, *,
-                   keep_local_copy: bool = True) -> Iterator[TaskReporter]:
+def forward_output(
+    address: str, secret: bytes, rank: int, timeout: float, *, keep_local_copy: bool = True
+) -> Iterator[TaskReporter]:
     """Inside a task: relays fd 1 and 2 to the driver while the block runs; yields its ``TaskReporter``.
 
     ``keep_local_copy`` also writes the output where it went before (the
@@ -330,8 +357,12 @@ def forward_output(address: str, secret: bytes, rank: int, timeout: float, *,
             read_end, write_end = os.pipe()
             os.dup2(write_end, fd)
             os.close(write_end)
-            thread = threading.Thread(target=_pump, args=(read_end, saved if keep_local_copy else None, kind, forwarder),
-                                      name=f"sparkdl-forward-fd{fd}", daemon=True)
+            thread = threading.Thread(
+                target=_pump,
+                args=(read_end, saved if keep_local_copy else None, kind, forwarder),
+                name=f"sparkdl-forward-fd{fd}",
+                daemon=True,
+            )
             thread.start()
             pipes.append((fd, saved, thread))
         with _line_buffered(sys.stdout), _line_buffered(sys.stderr):
@@ -348,7 +379,7 @@ def forward_output(address: str, secret: bytes, rank: int, timeout: float, *,
         forwarder.close()
 
 
-def _pump(read_end: int, original: Optional[int], kind: int, forwarder: _Forwarder) -> None:
+def _pump(read_end: int, original: int | None, kind: int, forwarder: _Forwarder) -> None:
     """Copies a pipe to the driver (and to the original descriptor, if given) until end of file."""
     with os.fdopen(read_end, "rb", buffering=0) as pipe:
         while chunk := pipe.read(_READ_BYTES):

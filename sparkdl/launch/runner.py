@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import secrets
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from pyspark import cloudpickle
 from pyspark.sql import SparkSession
@@ -13,8 +14,16 @@ from sparkdl.launch.backends import check_backend, user_backend
 from sparkdl.launch.stage import check_slots, run_tasks
 
 
-def run(train_fn: Callable[..., Any], num_workers: int = 2, *, args: tuple = (), kwargs: Optional[dict] = None,
-        backend: str = "ring", timeout: float = 600.0, spark: Optional[SparkSession] = None) -> Any:
+def run(
+    train_fn: Callable[..., Any],
+    num_workers: int = 2,
+    *,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    backend: str = "ring",
+    timeout: float = 600.0,
+    spark: SparkSession | None = None,
+) -> Any:
     """Runs ``train_fn(*args, **kwargs)`` on ``num_workers`` Spark tasks at once; returns rank 0's return value.
 
     ``backend="ring"``: the tasks are joined in sparkdl's authenticated ring,
@@ -57,7 +66,7 @@ def run(train_fn: Callable[..., Any], num_workers: int = 2, *, args: tuple = (),
     secret = secrets.token_bytes(32)
     call_args, call_kwargs = tuple(args), dict(kwargs or {})
 
-    def task(batches, reporter) -> Optional[bytes]:
+    def task(batches, reporter) -> bytes | None:
         for _ in batches:  # one placeholder row per task: nothing to read
             pass
         from pyspark import BarrierTaskContext

@@ -25,7 +25,7 @@ import os
 import re
 import secrets
 import socket
-from typing import Any, Optional
+from typing import Any
 
 from pyspark.sql import SparkSession
 
@@ -57,7 +57,7 @@ def is_local_mode(master_url: str) -> bool:
     return master_url.startswith("local") and not master_url.startswith("local-cluster")
 
 
-def task_slots(spark: SparkSession) -> Optional[int]:
+def task_slots(spark: SparkSession) -> int | None:
     """How many tasks the cluster can run at once right now, or None when that cannot be known.
 
     Classic: Spark's own count of the live executors' slots. Connect (no JVM in this
@@ -115,9 +115,12 @@ def driver_host(spark: SparkSession) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:  # no packet is sent: connect only picks a route
         probe.connect(server)
         address = probe.getsockname()[0]
-    logger.info("sparkdl: Spark Connect: the tasks will connect back to this client at %s (the interface that "
-                "routes to the server); set %s if the executors reach it under another address",
-                address, DRIVER_HOST_ENV)
+    logger.info(
+        "sparkdl: Spark Connect: the tasks will connect back to this client at %s (the interface that "
+        "routes to the server); set %s if the executors reach it under another address",
+        address,
+        DRIVER_HOST_ENV,
+    )
     return address
 
 
@@ -134,7 +137,7 @@ class JobTag:
         else:
             self._spark.sparkContext.cancelJobsWithTag(self.name)
 
-    def __enter__(self) -> "JobTag":
+    def __enter__(self) -> JobTag:
         if is_connect(self._spark):
             self._spark.addTag(self.name)
         else:
@@ -185,4 +188,5 @@ def check_message_size(spark: SparkSession, size: int, what: str) -> None:
             f"Spark Connect sends {what} to the server inside the job's plan, one gRPC message of at most {limit} "
             f"bytes; it is {size} bytes. Raise the server's {MAX_MESSAGE_SETTING} (now {server_limit}) and the "
             f"client channel's grpc.max_send_message_length (now {client_limit}) above {size + _MESSAGE_HEADROOM}, "
-            "or use a classic SparkSession (which broadcasts it).")
+            "or use a classic SparkSession (which broadcasts it)."
+        )

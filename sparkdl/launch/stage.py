@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from typing import Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
 
 import pyarrow as pa
 from pyspark import BarrierTaskContext, TaskContext
@@ -35,20 +35,28 @@ logger = logging.getLogger(__name__)
 # One row per task that returned bytes (the bytes themselves only with spark_results, in chunks): which
 # attempt of the task Spark kept, and how many bytes it returned.
 _RESULT_SCHEMA = "partition int, attempt bigint, size bigint, chunk int, payload binary"
-_RESULT_ARROW_SCHEMA = pa.schema([("partition", pa.int32()), ("attempt", pa.int64()), ("size", pa.int64()),
-                                  ("chunk", pa.int32()), ("payload", pa.binary())])
+_RESULT_ARROW_SCHEMA = pa.schema(
+    [
+        ("partition", pa.int32()),
+        ("attempt", pa.int64()),
+        ("size", pa.int64()),
+        ("chunk", pa.int32()),
+        ("payload", pa.binary()),
+    ]
+)
 _CHUNK_BYTES = 32 << 20  # keeps each binary row far below Arrow's 2 GB limit
 
 # A task gets its partition's batches and its reporter (errors, progress) and returns bytes for the driver.
-TaskFunction = Callable[[Iterable[pa.RecordBatch], TaskReporter], Optional[bytes]]
+TaskFunction = Callable[[Iterable[pa.RecordBatch], TaskReporter], bytes | None]
 
 
 def _barrier_reason(slots: int) -> str:
     return "A barrier stage needs all of its tasks running together"
 
 
-def check_slots(spark: SparkSession, num_workers: int, wait_seconds: float, *,
-                why: Callable[[int], str] = _barrier_reason) -> None:
+def check_slots(
+    spark: SparkSession, num_workers: int, wait_seconds: float, *, why: Callable[[int], str] = _barrier_reason
+) -> None:
     """Fails fast when the workers could never run together, instead of letting Spark (or the server) hang.
 
     Executors of a freshly started cluster register over a few seconds, so the
@@ -71,19 +79,29 @@ def check_slots(spark: SparkSession, num_workers: int, wait_seconds: float, *,
             )
         time.sleep(0.5)
     if slots is None:
-        logger.info("sparkdl: the task slots of master=%r cannot be read over Spark Connect (set "
-                    "spark.executor.instances and spark.executor.cores to enable the check): the slot check is "
-                    "skipped, and Spark's own barrier check applies", master)
+        logger.info(
+            "sparkdl: the task slots of master=%r cannot be read over Spark Connect (set "
+            "spark.executor.instances and spark.executor.cores to enable the check): the slot check is "
+            "skipped, and Spark's own barrier check applies",
+            master,
+        )
 
 
 # How long the driver waits, after a failed job, for the tasks' last output and error reports.
 _REPORT_GRACE_SECONDS = 10.0
 
 
-def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier: bool,
-              timeout: float = 600.0,
-              on_progress: Callable[[int, dict], None] = lambda rank, event: None,
-              offered: Optional[dict[str, bytes]] = None, spark_results: bool = False) -> dict[int, bytes]:
+def run_tasks(
+    frame: DataFrame,
+    num_workers: int,
+    task: TaskFunction,
+    *,
+    barrier: bool,
+    timeout: float = 600.0,
+    on_progress: Callable[[int, dict], None] = lambda rank, event: None,
+    offered: dict[str, bytes] | None = None,
+    spark_results: bool = False,
+) -> dict[int, bytes]:
     """Runs ``task`` once per partition of ``frame.repartition(num_workers)``.
 
     Returns the bytes each task returned, by partition index (tasks returning
@@ -103,8 +121,14 @@ def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier
     relay_secret = secrets.token_bytes(32)
     tag = session.JobTag(spark)
     exchange = payloads.PayloadExchange(offered)
-    relay = OutputRelay(session.driver_host(spark), relay_secret, num_workers,
-                        on_error=lambda report: tag.cancel(), on_progress=on_progress, exchange=exchange)
+    relay = OutputRelay(
+        session.driver_host(spark),
+        relay_secret,
+        num_workers,
+        on_error=lambda report: tag.cancel(),
+        on_progress=on_progress,
+        exchange=exchange,
+    )
     relay_address = relay.address  # the closure below must not capture the relay itself
 
     def run_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -112,8 +136,9 @@ def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier
         context = TaskContext.get()
         partition, attempt = context.partitionId(), context.taskAttemptId()
         gpu.pin_task_gpus(context.resources(), partition, local_mode)
-        with forward_output(relay_address, relay_secret, partition, timeout,
-                            keep_local_copy=not local_mode) as reporter:
+        with forward_output(
+            relay_address, relay_secret, partition, timeout, keep_local_copy=not local_mode
+        ) as reporter:
             try:
                 payload = task(batches, reporter)
                 if payload is not None and not spark_results:
@@ -127,8 +152,13 @@ def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier
         for index, start in enumerate(chunks):
             data = None if start is None else payload[start : start + _CHUNK_BYTES]
             yield pa.RecordBatch.from_pydict(
-                {"partition": [partition], "attempt": [attempt], "size": [len(payload)], "chunk": [index],
-                 "payload": [data]},
+                {
+                    "partition": [partition],
+                    "attempt": [attempt],
+                    "size": [len(payload)],
+                    "chunk": [index],
+                    "payload": [data],
+                },
                 schema=_RESULT_ARROW_SCHEMA,
             )
 
@@ -154,13 +184,14 @@ def run_tasks(frame: DataFrame, num_workers: int, task: TaskFunction, *, barrier
         exchange.discard_rest()
 
 
-def _results(table: pa.Table, exchange: Optional[payloads.PayloadExchange]) -> dict[int, bytes]:
+def _results(table: pa.Table, exchange: payloads.PayloadExchange | None) -> dict[int, bytes]:
     """Each partition's bytes, from the attempt Spark kept: the relay's upload of that attempt, or the rows' chunks."""
     table = table.sort_by([("partition", "ascending"), ("chunk", "ascending")])
     kept: dict[int, tuple[int, int]] = {}
     chunks: dict[int, list[bytes]] = {}
-    for partition, attempt, size, payload in zip(*(table.column(name).to_pylist()
-                                                  for name in ("partition", "attempt", "size", "payload"))):
+    for partition, attempt, size, payload in zip(
+        *(table.column(name).to_pylist() for name in ("partition", "attempt", "size", "payload"))
+    ):
         kept[partition] = (attempt, size)
         chunks.setdefault(partition, []).append(payload)
     if exchange is not None:
@@ -168,8 +199,10 @@ def _results(table: pa.Table, exchange: Optional[payloads.PayloadExchange]) -> d
     results = {partition: b"".join(parts) for partition, parts in chunks.items()}
     for partition, data in results.items():
         if len(data) != kept[partition][1]:
-            raise RuntimeError(f"Partition {partition}'s task returned {kept[partition][1]} bytes, but {len(data)} "
-                               "arrived through Spark.")
+            raise RuntimeError(
+                f"Partition {partition}'s task returned {kept[partition][1]} bytes, but {len(data)} "
+                "arrived through Spark."
+            )
     return results
 
 

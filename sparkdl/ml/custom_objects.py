@@ -37,14 +37,17 @@ def resolve(name: str, path: str):
     raise ValueError(
         f"Expected customObjects[{name!r}] = {path!r} to name an importable class or function, but it could not be "
         f"imported ({type(error).__name__}: {error}). Import or define it where this process can import it first, "
-        f"or set customObjects with the object itself.")
+        f"or set customObjects with the object itself."
+    )
 
 
 def to_objects(value) -> dict:
     """The customObjects Param's type converter: a dict of name -> object, or name -> ``module.qualname``."""
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise TypeError(f"Expected `customObjects` to be a dict of name -> class or function (or its "
-                        f"'module.qualname'). Received: {type(value).__name__}")
+        raise TypeError(
+            f"Expected `customObjects` to be a dict of name -> class or function (or its "
+            f"'module.qualname'). Received: {type(value).__name__}"
+        )
     return {name: resolve(name, obj) if isinstance(obj, str) else obj for name, obj in value.items()}
 
 
@@ -62,6 +65,7 @@ def to_json(objects: dict) -> dict:
                 f"Cannot save customObjects[{name!r}] = {path!r}: a saved stage stores custom objects by import path, "
                 "and this one cannot be imported back (defined inside a function?). Define it at the top level of a "
                 "module, or register it with keras.saving.register_keras_serializable and leave it out of "
-                "customObjects.")
+                "customObjects."
+            )
         paths[name] = path
     return paths

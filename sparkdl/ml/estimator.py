@@ -6,11 +6,11 @@ from pyspark import keyword_only
 from pyspark.ml import Estimator
 
 import sparkdl
+from sparkdl.keras import serialization
 from sparkdl.ml import custom_objects
 from sparkdl.ml.model import KerasModel
 from sparkdl.ml.params import KerasTrainingParams, deprecated_validation_col
 from sparkdl.ml.persistence import KerasStagePersistence
-from sparkdl.keras import serialization
 
 
 class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
@@ -30,22 +30,70 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
     """
 
     @keyword_only
-    def __init__(self, *, model=None, featuresCol="features", labelCol="label", predictionCol="prediction",
-                 probabilityCol="probability", rawPredictionCol="rawPrediction", numWorkers=2, mode="sync",
-                 epochs=1, batchSize=32, shuffle=True, seed=None, pushEvery=None, maxStaleness=None,
-                 numServers=None, syncEvery=None, validationIndicatorCol=None, validationSplit=None,
-                 timeout=600.0, checkpointDir=None, tensorboardDir=None, logToMlflow=None, progress=None,
-                 backend="ring", customObjects=None, validationCol=None):
+    def __init__(
+        self,
+        *,
+        model=None,
+        featuresCol="features",
+        labelCol="label",
+        predictionCol="prediction",
+        probabilityCol="probability",
+        rawPredictionCol="rawPrediction",
+        numWorkers=2,
+        mode="sync",
+        epochs=1,
+        batchSize=32,
+        shuffle=True,
+        seed=None,
+        pushEvery=None,
+        maxStaleness=None,
+        numServers=None,
+        syncEvery=None,
+        validationIndicatorCol=None,
+        validationSplit=None,
+        timeout=600.0,
+        checkpointDir=None,
+        tensorboardDir=None,
+        logToMlflow=None,
+        progress=None,
+        backend="ring",
+        customObjects=None,
+        validationCol=None,
+    ):
         super().__init__()
         self._set(**deprecated_validation_col(self._input_kwargs))
 
     @keyword_only
-    def setParams(self, *, model=None, featuresCol="features", labelCol="label", predictionCol="prediction",
-                  probabilityCol="probability", rawPredictionCol="rawPrediction", numWorkers=2, mode="sync",
-                  epochs=1, batchSize=32, shuffle=True, seed=None, pushEvery=None, maxStaleness=None,
-                  numServers=None, syncEvery=None, validationIndicatorCol=None, validationSplit=None,
-                  timeout=600.0, checkpointDir=None, tensorboardDir=None, logToMlflow=None, progress=None,
-                  backend="ring", customObjects=None, validationCol=None):
+    def setParams(
+        self,
+        *,
+        model=None,
+        featuresCol="features",
+        labelCol="label",
+        predictionCol="prediction",
+        probabilityCol="probability",
+        rawPredictionCol="rawPrediction",
+        numWorkers=2,
+        mode="sync",
+        epochs=1,
+        batchSize=32,
+        shuffle=True,
+        seed=None,
+        pushEvery=None,
+        maxStaleness=None,
+        numServers=None,
+        syncEvery=None,
+        validationIndicatorCol=None,
+        validationSplit=None,
+        timeout=600.0,
+        checkpointDir=None,
+        tensorboardDir=None,
+        logToMlflow=None,
+        progress=None,
+        backend="ring",
+        customObjects=None,
+        validationCol=None,
+    ):
         return self._set(**deprecated_validation_col(self._input_kwargs))
 
     def _fit(self, dataset) -> KerasModel:
@@ -64,7 +112,7 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
         return {}
 
     @classmethod
-    def _from_saved(cls, keras_bytes: bytes, metadata: dict) -> "KerasEstimator":
+    def _from_saved(cls, keras_bytes: bytes, metadata: dict) -> KerasEstimator:
         # The model is loaded before the Params are set: it needs the saved customObjects first.
         saved = metadata["paramMap"].get("customObjects")
         objects = custom_objects.to_objects(saved) if saved is not None else None

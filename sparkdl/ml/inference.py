@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Iterator, Optional, Sequence, Union
+from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
 from pyspark.ml.functions import array_to_vector
@@ -38,9 +38,17 @@ _CLASSIFIER_TYPE = "struct<prediction: double, probability: array<double>>"
 _RETURN_TYPES = {MULTICLASS: _CLASSIFIER_TYPE, BINARY: _CLASSIFIER_TYPE, REGRESSION: "double", ARRAY: "array<double>"}
 
 
-def predict(df: DataFrame, model_bytes: bytes, *, features_col: Union[str, Sequence[str]], prediction_col: str,
-            probability_col: Optional[str] = "probability", raw_prediction_col: Optional[str] = "rawPrediction",
-            custom_objects: Optional[dict] = None, batch_size: int = 4096) -> DataFrame:
+def predict(
+    df: DataFrame,
+    model_bytes: bytes,
+    *,
+    features_col: str | Sequence[str],
+    prediction_col: str,
+    probability_col: str | None = "probability",
+    raw_prediction_col: str | None = "rawPrediction",
+    custom_objects: dict | None = None,
+    batch_size: int = 4096,
+) -> DataFrame:
     """``df`` with prediction columns appended (all input columns kept), lazily (a normal transformation).
 
     ``model_bytes`` is a ``.keras`` archive (what ``model.save(path)`` writes, read as bytes) of a model
@@ -162,12 +170,12 @@ def model_info(model) -> ModelInfo:
     return ModelInfo(ARRAY, input_shape)
 
 
-_DRIVER_INFO: "OrderedDict[str, ModelInfo]" = OrderedDict()
-_BROADCASTS: "OrderedDict[str, tuple]" = OrderedDict()  # digest -> (SparkContext, Broadcast)
+_DRIVER_INFO: OrderedDict[str, ModelInfo] = OrderedDict()
+_BROADCASTS: OrderedDict[str, tuple] = OrderedDict()  # digest -> (SparkContext, Broadcast)
 _DRIVER_CACHE_SIZE = 4
 
 
-def _driver_model_info(digest: str, model_bytes: bytes, custom_objects: Optional[dict]) -> ModelInfo:
+def _driver_model_info(digest: str, model_bytes: bytes, custom_objects: dict | None) -> ModelInfo:
     if digest not in _DRIVER_INFO:
         from sparkdl.keras import serialization
         from sparkdl.keras.runtime import use_tensorflow_backend
@@ -213,9 +221,13 @@ def _check_output_columns(df: DataFrame, outputs: dict) -> dict:
         if name is None and setting != "prediction_col":
             continue
         if not isinstance(name, str) or not name:
-            raise ValueError(f"Expected `{setting}` to be a non-empty column name{' or None' if setting != 'prediction_col' else ''}. Received: {name!r}")
+            raise ValueError(
+                f"Expected `{setting}` to be a non-empty column name{' or None' if setting != 'prediction_col' else ''}. Received: {name!r}"
+            )
         if name in df.columns:
-            raise ValueError(f"Output column {name!r} (`{setting}`) already exists in the DataFrame: choose another name.")
+            raise ValueError(
+                f"Output column {name!r} (`{setting}`) already exists in the DataFrame: choose another name."
+            )
         if name in chosen.values():
             raise ValueError(f"`{setting}` names the column {name!r}, which another output column already uses.")
         chosen[setting] = name
@@ -230,7 +242,7 @@ def _unused_name(df: DataFrame, base: str) -> str:
     return name
 
 
-def _final_activation(output) -> Optional[str]:
+def _final_activation(output) -> str | None:
     """The name of the activation that produces ``output`` (``softmax``, ``sigmoid``, ...), if any."""
     history = getattr(output, "_keras_history", None)
     layer = getattr(history, "operation", None) if history is not None else None

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING
 
 from pyspark import keyword_only
 from pyspark.ml import Model
 
+from sparkdl.keras import serialization
 from sparkdl.ml.inference import predict
 from sparkdl.ml.params import HasOutputCols
 from sparkdl.ml.persistence import KerasStagePersistence
-from sparkdl.keras import serialization
 
 if TYPE_CHECKING:
     import keras
@@ -28,16 +28,23 @@ class KerasModel(HasOutputCols, Model, KerasStagePersistence):
     """
 
     @keyword_only
-    def __init__(self, *, featuresCol="features", predictionCol="prediction", probabilityCol="probability",
-                 rawPredictionCol="rawPrediction", customObjects=None):
+    def __init__(
+        self,
+        *,
+        featuresCol="features",
+        predictionCol="prediction",
+        probabilityCol="probability",
+        rawPredictionCol="rawPrediction",
+        customObjects=None,
+    ):
         super().__init__()
         self._set(**self._input_kwargs)
-        self._model_bytes: Optional[bytes] = None
+        self._model_bytes: bytes | None = None
         self._keras_model = None
         self.history: dict[str, list[float]] = {}
 
     @classmethod
-    def from_keras(cls, model: Union[keras.Model, str, os.PathLike], **params) -> "KerasModel":
+    def from_keras(cls, model: keras.Model | str | os.PathLike, **params) -> KerasModel:
         """A KerasModel that scores with a model trained elsewhere (``sparkdl.fit``, plain Keras, ``jobs/train.py``).
 
         ``model`` is a compiled ``keras.Model`` or the path of a ``.keras`` file; ``params`` are
@@ -48,22 +55,26 @@ class KerasModel(HasOutputCols, Model, KerasStagePersistence):
         """
         if isinstance(model, (str, os.PathLike)):
             if not os.path.isfile(model):
-                raise FileNotFoundError(f"Expected `model` to be the path of a `.keras` file. "
-                                        f"Received: {os.fspath(model)!r}, which is not a file.")
+                raise FileNotFoundError(
+                    f"Expected `model` to be the path of a `.keras` file. "
+                    f"Received: {os.fspath(model)!r}, which is not a file."
+                )
             with open(model, "rb") as f:
                 return cls._from_keras_bytes(f.read(), {}, **params)
         import keras
 
         if not isinstance(model, keras.Model):
-            raise ValueError(f"Expected `model` to be a keras.Model or the path of a `.keras` file. "
-                             f"Received: {type(model).__name__}")
+            raise ValueError(
+                f"Expected `model` to be a keras.Model or the path of a `.keras` file. Received: {type(model).__name__}"
+            )
         if getattr(model, "optimizer", None) is None:
-            raise ValueError("Expected `model` to be compiled: call model.compile(...) first, or pass the path "
-                             "of its `.keras` file.")
+            raise ValueError(
+                "Expected `model` to be compiled: call model.compile(...) first, or pass the path of its `.keras` file."
+            )
         return cls._from_keras_bytes(serialization.model_to_bytes(model), {}, **params)
 
     @classmethod
-    def _from_keras_bytes(cls, keras_bytes: bytes, history: dict, **params) -> "KerasModel":
+    def _from_keras_bytes(cls, keras_bytes: bytes, history: dict, **params) -> KerasModel:
         model = cls(**params)
         model._model_bytes = keras_bytes
         model.history = history
@@ -77,12 +88,17 @@ class KerasModel(HasOutputCols, Model, KerasStagePersistence):
         return self._keras_model
 
     def _transform(self, dataset):
-        return predict(dataset, self._model_bytes, features_col=self.getFeaturesCol(),
-                       prediction_col=self.getPredictionCol(), probability_col=self.getProbabilityCol() or None,
-                       raw_prediction_col=self.getRawPredictionCol() or None,
-                       custom_objects=self.custom_objects_or_none())
+        return predict(
+            dataset,
+            self._model_bytes,
+            features_col=self.getFeaturesCol(),
+            prediction_col=self.getPredictionCol(),
+            probability_col=self.getProbabilityCol() or None,
+            raw_prediction_col=self.getRawPredictionCol() or None,
+            custom_objects=self.custom_objects_or_none(),
+        )
 
-    def copy(self, extra=None) -> "KerasModel":
+    def copy(self, extra=None) -> KerasModel:
         copied = super().copy(extra)
         copied._keras_model = None  # the bytes are immutable and shared; a loaded Keras model is not
         return copied
@@ -94,5 +110,5 @@ class KerasModel(HasOutputCols, Model, KerasStagePersistence):
         return {"history": self.history}
 
     @classmethod
-    def _from_saved(cls, keras_bytes: bytes, metadata: dict) -> "KerasModel":
+    def _from_saved(cls, keras_bytes: bytes, metadata: dict) -> KerasModel:
         return cls._from_keras_bytes(keras_bytes, metadata.get("history", {}))

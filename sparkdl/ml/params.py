@@ -38,8 +38,10 @@ def deprecated_validation_col(kwargs: dict) -> dict:
     kwargs = dict(kwargs)
     value = kwargs.pop("validationCol")
     if "validationIndicatorCol" in kwargs:
-        raise ValueError("Expected one of `validationCol` (deprecated) and `validationIndicatorCol`. "
-                         f"Received both: {value!r} and {kwargs['validationIndicatorCol']!r}")
+        raise ValueError(
+            "Expected one of `validationCol` (deprecated) and `validationIndicatorCol`. "
+            f"Received both: {value!r} and {kwargs['validationIndicatorCol']!r}"
+        )
     _warn_validation_col(stacklevel=5)  # the caller of the stage's keyword_only __init__/setParams
     if value is not None:
         kwargs["validationIndicatorCol"] = value
@@ -47,16 +49,22 @@ def deprecated_validation_col(kwargs: dict) -> dict:
 
 
 def _warn_validation_col(stacklevel: int = 3) -> None:
-    warnings.warn("`validationCol` is deprecated: use `validationIndicatorCol` (Spark ML's name for the same setting).",
-                  DeprecationWarning, stacklevel=stacklevel)
+    warnings.warn(
+        "`validationCol` is deprecated: use `validationIndicatorCol` (Spark ML's name for the same setting).",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
 
 
 class HasCustomObjects(Params):
     """Keras custom objects needed to load the model (saved as import paths: ``sparkdl.ml.custom_objects``)."""
 
-    customObjects = Param(Params._dummy(), "customObjects",
-                          "Keras custom objects (name -> class or function) that loading the model needs",
-                          typeConverter=custom_objects.to_objects)
+    customObjects = Param(
+        Params._dummy(),
+        "customObjects",
+        "Keras custom objects (name -> class or function) that loading the model needs",
+        typeConverter=custom_objects.to_objects,
+    )
 
     def getCustomObjects(self) -> dict:
         """Gets the Keras custom objects (the value of customObjects)."""
@@ -94,63 +102,119 @@ class HasOutputCols(HasFeaturesCol, HasPredictionCol, HasProbabilityCol, HasRawP
 class KerasTrainingParams(HasOutputCols, HasLabelCol, HasSeed, HasValidationIndicatorCol):
     """Every training setting of :func:`sparkdl.fit`, under Spark ML's camelCase names."""
 
-    model = Param(Params._dummy(), "model", "the compiled keras.Model to train (never modified)",
-                  typeConverter=_keras_model)
-    numWorkers = Param(Params._dummy(), "numWorkers", "Spark tasks that train together",
-                       typeConverter=TypeConverters.toInt)
-    mode = Param(Params._dummy(), "mode", f"training mode, one of {list(MODES)}",
-                 typeConverter=TypeConverters.toString)
+    model = Param(
+        Params._dummy(), "model", "the compiled keras.Model to train (never modified)", typeConverter=_keras_model
+    )
+    numWorkers = Param(
+        Params._dummy(), "numWorkers", "Spark tasks that train together", typeConverter=TypeConverters.toInt
+    )
+    mode = Param(Params._dummy(), "mode", f"training mode, one of {list(MODES)}", typeConverter=TypeConverters.toString)
     epochs = Param(Params._dummy(), "epochs", "passes over the whole DataFrame", typeConverter=TypeConverters.toInt)
     batchSize = Param(Params._dummy(), "batchSize", "rows per worker per step", typeConverter=TypeConverters.toInt)
-    shuffle = Param(Params._dummy(), "shuffle", "reshuffle each worker's rows every epoch",
-                    typeConverter=TypeConverters.toBoolean)
-    pushEvery = Param(Params._dummy(), "pushEvery", "async/hogwild/ssp: steps whose gradients make one push",
-                      typeConverter=TypeConverters.toInt)
-    maxStaleness = Param(Params._dummy(), "maxStaleness", "ssp: pushes a worker may run ahead of the slowest",
-                         typeConverter=TypeConverters.toInt)
-    numServers = Param(Params._dummy(), "numServers", "async/hogwild/ssp: parameter-server shards",
-                       typeConverter=TypeConverters.toInt)
-    syncEvery = Param(Params._dummy(), "syncEvery", "average: local steps between two averagings",
-                      typeConverter=TypeConverters.toInt)
-    validationSplit = Param(Params._dummy(), "validationSplit", "random fraction of rows held out for validation",
-                            typeConverter=TypeConverters.toFloat)
-    timeout = Param(Params._dummy(), "timeout", "seconds any single network wait may take",
-                    typeConverter=TypeConverters.toFloat)
-    checkpointDir = Param(Params._dummy(), "checkpointDir",
-                          "directory (path or URI) for per-epoch checkpoints; a fit resumes from the newest",
-                          typeConverter=TypeConverters.toString)
-    tensorboardDir = Param(Params._dummy(), "tensorboardDir", "directory for TensorBoard logs of per-epoch metrics",
-                           typeConverter=TypeConverters.toString)
-    logToMlflow = Param(Params._dummy(), "logToMlflow", "log settings and per-epoch metrics to MLflow",
-                        typeConverter=TypeConverters.toBoolean)
-    progress = Param(Params._dummy(), "progress", "show a progress bar and one line per epoch on the console",
-                     typeConverter=TypeConverters.toBoolean)
-    backend = Param(Params._dummy(), "backend", "sync: whose collectives average the gradients, 'ring' or 'horovod'",
-                    typeConverter=TypeConverters.toString)
+    shuffle = Param(
+        Params._dummy(), "shuffle", "reshuffle each worker's rows every epoch", typeConverter=TypeConverters.toBoolean
+    )
+    pushEvery = Param(
+        Params._dummy(),
+        "pushEvery",
+        "async/hogwild/ssp: steps whose gradients make one push",
+        typeConverter=TypeConverters.toInt,
+    )
+    maxStaleness = Param(
+        Params._dummy(),
+        "maxStaleness",
+        "ssp: pushes a worker may run ahead of the slowest",
+        typeConverter=TypeConverters.toInt,
+    )
+    numServers = Param(
+        Params._dummy(), "numServers", "async/hogwild/ssp: parameter-server shards", typeConverter=TypeConverters.toInt
+    )
+    syncEvery = Param(
+        Params._dummy(), "syncEvery", "average: local steps between two averagings", typeConverter=TypeConverters.toInt
+    )
+    validationSplit = Param(
+        Params._dummy(),
+        "validationSplit",
+        "random fraction of rows held out for validation",
+        typeConverter=TypeConverters.toFloat,
+    )
+    timeout = Param(
+        Params._dummy(), "timeout", "seconds any single network wait may take", typeConverter=TypeConverters.toFloat
+    )
+    checkpointDir = Param(
+        Params._dummy(),
+        "checkpointDir",
+        "directory (path or URI) for per-epoch checkpoints; a fit resumes from the newest",
+        typeConverter=TypeConverters.toString,
+    )
+    tensorboardDir = Param(
+        Params._dummy(),
+        "tensorboardDir",
+        "directory for TensorBoard logs of per-epoch metrics",
+        typeConverter=TypeConverters.toString,
+    )
+    logToMlflow = Param(
+        Params._dummy(),
+        "logToMlflow",
+        "log settings and per-epoch metrics to MLflow",
+        typeConverter=TypeConverters.toBoolean,
+    )
+    progress = Param(
+        Params._dummy(),
+        "progress",
+        "show a progress bar and one line per epoch on the console",
+        typeConverter=TypeConverters.toBoolean,
+    )
+    backend = Param(
+        Params._dummy(),
+        "backend",
+        "sync: whose collectives average the gradients, 'ring' or 'horovod'",
+        typeConverter=TypeConverters.toString,
+    )
 
     # Param name -> sparkdl.fit argument, for the settings passed only when set.
     OPTIONAL_FIT_ARGUMENTS = {
-        "pushEvery": "push_every", "maxStaleness": "max_staleness", "numServers": "num_servers",
-        "syncEvery": "sync_every", "validationIndicatorCol": "validation_col", "validationSplit": "validation_split",
-        "checkpointDir": "checkpoint_dir", "tensorboardDir": "tensorboard_dir", "logToMlflow": "log_to_mlflow",
-        "progress": "progress", "customObjects": "custom_objects",
+        "pushEvery": "push_every",
+        "maxStaleness": "max_staleness",
+        "numServers": "num_servers",
+        "syncEvery": "sync_every",
+        "validationIndicatorCol": "validation_col",
+        "validationSplit": "validation_split",
+        "checkpointDir": "checkpoint_dir",
+        "tensorboardDir": "tensorboard_dir",
+        "logToMlflow": "log_to_mlflow",
+        "progress": "progress",
+        "customObjects": "custom_objects",
     }
     # Names that saved stages may still use -> the Param that replaced them.
     RENAMED_PARAMS = {"validationCol": "validationIndicatorCol"}
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(labelCol="label", numWorkers=2, mode="sync", epochs=1, batchSize=32, shuffle=True,
-                         timeout=600.0, backend="ring")
+        self._setDefault(
+            labelCol="label",
+            numWorkers=2,
+            mode="sync",
+            epochs=1,
+            batchSize=32,
+            shuffle=True,
+            timeout=600.0,
+            backend="ring",
+        )
 
     def fit_arguments(self) -> dict:
         """The keyword arguments of sparkdl.fit that these Params describe."""
         arguments = dict(
-            features_col=self.getFeaturesCol(), label_col=self.getLabelCol(),
-            num_workers=self.getNumWorkers(), mode=self.getMode(), epochs=self.getEpochs(),
-            batch_size=self.getBatchSize(), shuffle=self.getShuffle(),
+            features_col=self.getFeaturesCol(),
+            label_col=self.getLabelCol(),
+            num_workers=self.getNumWorkers(),
+            mode=self.getMode(),
+            epochs=self.getEpochs(),
+            batch_size=self.getBatchSize(),
+            shuffle=self.getShuffle(),
             seed=None if self.getSeed() is None else self.getSeed() % 2**31,  # Spark's default seed is a 64-bit hash
-            timeout=self.getTimeout(), backend=self.getBackend(),
+            timeout=self.getTimeout(),
+            backend=self.getBackend(),
         )
         for name, argument in self.OPTIONAL_FIT_ARGUMENTS.items():
             if self.isDefined(self.getParam(name)):

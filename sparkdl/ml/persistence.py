@@ -39,7 +39,8 @@ def connect_path(spark: SparkSession, path: str) -> str:
             f"Expected a path on storage that both this client and the Spark Connect server at "
             f"{session.server_host(spark)!r} reach (s3://, gs://, hdfs://, abfs://). Received the local path "
             f"{path!r}: over Spark Connect the metadata is written by the server and model.keras by this client, "
-            "so a local path works only with a server on this machine.")
+            "so a local path works only with a server on this machine."
+        )
     return os.path.abspath(path) if urlparse(path).scheme == "" else path
 
 
@@ -55,7 +56,8 @@ def _arrow_filesystem(path: str):
         raise ValueError(
             f"Over Spark Connect, {MODEL_FILE} is read and written by this client through pyarrow.fs, which cannot "
             f"open {path!r}: {exc}. Use a local path, file://, s3://, gs://, hdfs:// or abfs:// storage, or a "
-            "classic SparkSession.") from exc
+            "classic SparkSession."
+        ) from exc
 
 
 def write_file(spark: SparkSession, path: str, data: bytes) -> None:
@@ -111,11 +113,12 @@ class KerasStageWriter(MLWriter):
         params = {p.name: v for p, v in self.instance._paramMap.items() if p.name != "model"}
         if params.get("customObjects") is not None:
             params["customObjects"] = custom_objects.to_json(params["customObjects"])
-        metadata = DefaultParamsWriter._get_metadata_to_save(self.instance, self.sparkSession,
-                                                             extraMetadata=self.instance._extra_metadata(),
-                                                             paramMap=params)
+        metadata = DefaultParamsWriter._get_metadata_to_save(
+            self.instance, self.sparkSession, extraMetadata=self.instance._extra_metadata(), paramMap=params
+        )
         self.sparkSession.createDataFrame([(metadata,)], "value string").coalesce(1).write.mode(mode).text(
-            os.path.join(path, "metadata"))
+            os.path.join(path, "metadata")
+        )
         write_file(self.sparkSession, os.path.join(path, MODEL_FILE), self.instance._keras_bytes())
 
 
@@ -129,8 +132,9 @@ class KerasStageReader(MLReader):
     def load(self, path: str):
         if session.is_connect(self.sparkSession):
             path = connect_path(self.sparkSession, path)
-        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession,
-                                                    expectedClassName=f"{self.cls.__module__}.{self.cls.__name__}")
+        metadata = DefaultParamsReader.loadMetadata(
+            path, self.sparkSession, expectedClassName=f"{self.cls.__module__}.{self.cls.__name__}"
+        )
         for old, new in getattr(self.cls, "RENAMED_PARAMS", {}).items():  # saved by an older sparkdl
             if old in metadata["paramMap"]:
                 metadata["paramMap"][new] = metadata["paramMap"].pop(old)

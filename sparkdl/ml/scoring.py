@@ -11,7 +11,7 @@ import dataclasses
 import math
 import threading
 from collections import OrderedDict
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -43,9 +43,9 @@ class ModelInfo:
             return str(self.input_width)
         return f"a multiple of {self.input_width}"
 
+
 def shape_string(shape: tuple) -> str:
     return str((None,) + tuple(shape))
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ class TaskSpec:
 
     digest: str
     model: object  # the .keras bytes as a pyspark Broadcast (classic) or in the closure (Connect): ``.value``
-    custom_objects: Optional[dict]
+    custom_objects: dict | None
     info: ModelInfo
     feature_names: tuple
     batch_size: int
@@ -62,7 +62,7 @@ class TaskSpec:
 
 
 _LOCK = threading.Lock()
-_MODELS: "OrderedDict[str, object]" = OrderedDict()  # sha256 of the .keras bytes -> loaded keras.Model
+_MODELS: OrderedDict[str, object] = OrderedDict()  # sha256 of the .keras bytes -> loaded keras.Model
 _MODEL_CACHE_SIZE = 3
 
 
@@ -130,8 +130,9 @@ def _to_arrow(y: np.ndarray, kind: str, rows: int, probabilities: bool = True) -
         prediction = probability.argmax(axis=1).astype(np.float64)
     if not probabilities:
         return pa.array(prediction)
-    return pa.StructArray.from_arrays([pa.array(prediction), _list_array(probability)],
-                                      names=["prediction", "probability"])
+    return pa.StructArray.from_arrays(
+        [pa.array(prediction), _list_array(probability)], names=["prediction", "probability"]
+    )
 
 
 def _list_array(values: np.ndarray) -> pa.Array:

@@ -15,7 +15,8 @@ reads the user's arguments itself.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -35,19 +36,25 @@ class Settings:
     steps_per_epoch: int
     seed: int
     shuffle: bool = True
-    custom_objects: Optional[dict] = None
+    custom_objects: dict | None = None
     timeout: float = 600.0
     initial_epoch: int = 0  # resumed from a checkpoint: epochs initial_epoch..epochs-1 are trained
     validate: bool = False  # rows are held out: the workers evaluate them at every epoch end
     callbacks: tuple = ()  # the user's Keras callbacks (modes with ``runs_callbacks`` only)
 
-    def batches(self, x: np.ndarray, y: np.ndarray, rank: int, start: Optional[int] = None,
-                stop: Optional[int] = None):
+    def batches(self, x: np.ndarray, y: np.ndarray, rank: int, start: int | None = None, stop: int | None = None):
         """Rank ``rank``'s batches of global steps ``start..stop-1`` (default: the epochs left to train)."""
-        return data.batches(x, y, batch_size=self.batch_size, steps=self.steps_per_epoch, seed=self.seed, rank=rank,
-                            shuffle=self.shuffle,
-                            start=self.initial_epoch * self.steps_per_epoch if start is None else start,
-                            stop=self.epochs * self.steps_per_epoch if stop is None else stop)
+        return data.batches(
+            x,
+            y,
+            batch_size=self.batch_size,
+            steps=self.steps_per_epoch,
+            seed=self.seed,
+            rank=rank,
+            shuffle=self.shuffle,
+            start=self.initial_epoch * self.steps_per_epoch if start is None else start,
+            stop=self.epochs * self.steps_per_epoch if stop is None else stop,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +71,7 @@ class Job:
     mode: str  # the name the user chose ("async" and "ssp" are variants of one mode)
     options: Any  # the mode's own option object (``Mode.configure``)
     monitor: ProgressMonitor  # where progress goes; its epoch listeners see the combined metrics
-    checkpoints: Optional[CheckpointStore] = None
+    checkpoints: CheckpointStore | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +94,7 @@ class Option:
 
     minimum: int = 1
     required: bool = False
-    check: Optional[Callable[[Any], None]] = None
+    check: Callable[[Any], None] | None = None
     meaning: str = ""  # what it sets, for the error when a required one is missing
 
 

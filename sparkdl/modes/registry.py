@@ -5,8 +5,6 @@ A new mode is a ``modes.base.Mode`` subclass in a module of its own, added to ``
 
 from __future__ import annotations
 
-from typing import Optional
-
 from sparkdl.modes.average.mode import AverageMode
 from sparkdl.modes.base import Mode
 from sparkdl.modes.parameter_server.mode import ParameterServerMode
@@ -17,7 +15,7 @@ _MODES: tuple[Mode, ...] = (SyncMode(), ParameterServerMode(), AverageMode())
 MODES: dict[str, Mode] = {name: mode for mode in _MODES for name in mode.names}
 
 
-def check_mode_options(mode: str, names: Optional[dict[str, str]] = None, **options) -> dict:
+def check_mode_options(mode: str, names: dict[str, str] | None = None, **options) -> dict:
     """Checks the settings only some modes take: one that ``mode`` does not take, or a bad value, is an error.
 
     ``options`` maps each such setting to its value (``None``: left out). ``names`` maps a setting
@@ -41,10 +39,14 @@ def check_mode_options(mode: str, names: Optional[dict[str, str]] = None, **opti
             continue
         if name not in taken:
             takers = [other for other in MODES if name in MODES[other].options(other)]
-            modes = (f"{names['mode']} {' or '.join(takers)}" if "mode" in names
-                     else "mode=" + " or ".join(map(repr, takers)))
-            raise ValueError(f"{called(name)} applies to {modes} only. "
-                             f"Received: {shown(name, value)} with {shown('mode', mode)}")
+            modes = (
+                f"{names['mode']} {' or '.join(takers)}"
+                if "mode" in names
+                else "mode=" + " or ".join(map(repr, takers))
+            )
+            raise ValueError(
+                f"{called(name)} applies to {modes} only. Received: {shown(name, value)} with {shown('mode', mode)}"
+            )
         option = taken[name]
         if option.check is not None:
             option.check(value)

@@ -100,7 +100,7 @@ def _client_handshake(sock: socket.socket, rank: int, peer: int, secret: bytes) 
     hello = _recv_handshake(sock, SERVER_HELLO_BYTES)
     if not hello.startswith(AUTH_MAGIC):
         raise HandshakeFailed("the listener did not speak the sparkdl protocol")
-    server_nonce = hello[len(AUTH_MAGIC):]
+    server_nonce = hello[len(AUTH_MAGIC) :]
     client_nonce = os.urandom(NONCE_BYTES)
     mac = _client_mac(secret, server_nonce, client_nonce, rank, peer)
     sock.sendall(CLIENT_HELLO.pack(rank, client_nonce, mac))

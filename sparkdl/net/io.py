@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 #: Requested kernel socket buffer size.  Large buffers let a sender run a few
 #: segments ahead of its receiver, which is what overlaps network copies with
@@ -20,7 +20,7 @@ class ReadTimeout(TimeoutError):
         self.received = received
 
 
-def recv_exact(sock: socket.socket, view: memoryview, *, stopping: Optional[threading.Event] = None) -> int:
+def recv_exact(sock: socket.socket, view: memoryview, *, stopping: threading.Event | None = None) -> int:
     """Fill ``view`` from ``sock``; return how many bytes arrived: ``len(view)``, or fewer when the peer closed.
 
     A socket timeout raises :class:`ReadTimeout` (a ``TimeoutError``), unless

@@ -17,8 +17,8 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
-from typing import Callable, Container
 
 from sparkdl.net import auth
 from sparkdl.net.io import bind_listener, shutdown_and_close, tune
@@ -54,9 +54,17 @@ class HandshakeAcceptor:
     ``refused`` (``last_refusal`` says why).
     """
 
-    def __init__(self, sock: socket.socket, name: str, secret: bytes, server_rank: int,
-                 client_ranks: Container[int], *, handshake_timeout: float = HANDSHAKE_TIMEOUT,
-                 max_pending: int = MAX_PENDING):
+    def __init__(
+        self,
+        sock: socket.socket,
+        name: str,
+        secret: bytes,
+        server_rank: int,
+        client_ranks: Container[int],
+        *,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        max_pending: int = MAX_PENDING,
+    ):
         if max_pending < 1:
             raise ValueError(f"Expected max_pending >= 1. Received: max_pending={max_pending}")
         if not handshake_timeout > 0:
@@ -148,8 +156,12 @@ class HandshakeAcceptor:
                 continue
             except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ENOMEM: pause, never give up
                 self._backoff = min(MAX_ACCEPT_BACKOFF, max(0.01, 2 * self._backoff))
-                _log.warning("%s: accept() failed (%s); pausing %.2fs and dropping the oldest pending connection",
-                             self.name, exc, self._backoff)
+                _log.warning(
+                    "%s: accept() failed (%s); pausing %.2fs and dropping the oldest pending connection",
+                    self.name,
+                    exc,
+                    self._backoff,
+                )
                 if self._pending:
                     self._drop(next(iter(self._pending)), "evicted to free a file descriptor")
                 self._selector.unregister(self._sock)
@@ -228,15 +240,33 @@ class ServingListener:
     handlers wake, and joins the threads.
     """
 
-    def __init__(self, host: str, secret: bytes, server_rank: int, client_ranks: Container[int],
-                 handler: Callable[[socket.socket, int], None], *, name: str, max_connections: int,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT, max_pending: int = MAX_PENDING,
-                 backlog: int = 128, reuse_address: bool = False):
+    def __init__(
+        self,
+        host: str,
+        secret: bytes,
+        server_rank: int,
+        client_ranks: Container[int],
+        handler: Callable[[socket.socket, int], None],
+        *,
+        name: str,
+        max_connections: int,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        max_pending: int = MAX_PENDING,
+        backlog: int = 128,
+        reuse_address: bool = False,
+    ):
         self._sock, self.address = bind_listener(host, backlog=backlog, reuse_address=reuse_address)
         self.name = f"{name} ({self.address})"
         try:
-            self._acceptor = HandshakeAcceptor(self._sock, self.name, secret, server_rank, client_ranks,
-                                               handshake_timeout=handshake_timeout, max_pending=max_pending)
+            self._acceptor = HandshakeAcceptor(
+                self._sock,
+                self.name,
+                secret,
+                server_rank,
+                client_ranks,
+                handshake_timeout=handshake_timeout,
+                max_pending=max_pending,
+            )
         except BaseException:
             self._sock.close()
             raise
@@ -305,8 +335,9 @@ class ServingListener:
                 full = not self._stopping.is_set()
                 thread = None
             else:
-                thread = threading.Thread(target=self._handle, args=(conn, rank, proof), name=f"{self.name}-rank{rank}",
-                                          daemon=True)
+                thread = threading.Thread(
+                    target=self._handle, args=(conn, rank, proof), name=f"{self.name}-rank{rank}", daemon=True
+                )
                 self._connections[conn] = thread
         if thread is None:
             if full:

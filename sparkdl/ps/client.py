@@ -32,7 +32,6 @@ from sparkdl.net.io import recv_exact, send_buffers, shutdown_and_close
 from sparkdl.ps import protocol
 from sparkdl.ps.protocol import FLOAT, RESPONSE, Msg, Status
 
-
 #: Shards of more bytes than this are sent and received by one thread each (smaller ones are
 #: pipelined from the calling thread, which measured as fast or faster on 2 cores).
 THREADED_BYTES = 8 << 20
@@ -45,7 +44,7 @@ class NonFiniteGradientError(ValueError):
 class _Conn:
     """One shard's connection; used by one thread at a time."""
 
-    def __init__(self, client: "ParameterClient", index: int, address: str, size: int):
+    def __init__(self, client: ParameterClient, index: int, address: str, size: int):
         self.client = client
         self.index = index
         self.address = address
@@ -63,8 +62,7 @@ class _Conn:
     def connect(self) -> None:
         timeout = self.client.timeout
         try:
-            sock = connect_authenticated(self.address, self.client.worker, self.index,
-                                         self.client._secret, timeout)
+            sock = connect_authenticated(self.address, self.client.worker, self.index, self.client._secret, timeout)
         except ConnectGaveUp as exc:
             raise CollectiveTimeout(
                 f"{self.where()}: could not connect and authenticate within timeout={timeout}s "
@@ -149,8 +147,12 @@ class _Conn:
         try:
             yield
         except TimeoutError:
-            hint = (" (under mode='ssp' the server holds a pull while this worker is more than "
-                    "max_staleness pushes ahead of the slowest worker)" if msg == Msg.PULL else "")
+            hint = (
+                " (under mode='ssp' the server holds a pull while this worker is more than "
+                "max_staleness pushes ahead of the slowest worker)"
+                if msg == Msg.PULL
+                else ""
+            )
             raise CollectiveTimeout(
                 f"{self.where()}: {op} timed out after timeout={self.client.timeout}s{hint}; "
                 f"check that the parameter server (Spark driver) is alive and not overloaded, "
@@ -158,14 +160,14 @@ class _Conn:
             ) from None
         except OSError as exc:
             raise CollectiveError(
-                f"{self.where()}: {op} failed: {exc}; check that the parameter server "
-                f"(Spark driver) is still running"
+                f"{self.where()}: {op} failed: {exc}; check that the parameter server (Spark driver) is still running"
             ) from exc
 
     def _raise_status(self, op: str, status: int, length: int) -> None:
         if length > protocol.MAX_MESSAGE_BYTES:
-            raise CollectiveError(f"{self.where()}: {op} failed with status {status} and an "
-                                  f"oversized error message ({length} bytes)")
+            raise CollectiveError(
+                f"{self.where()}: {op} failed with status {status} and an oversized error message ({length} bytes)"
+            )
         text = bytearray(length)
         self._recv_exact(memoryview(text), op)
         message = text.decode("utf-8", "replace")
@@ -176,7 +178,8 @@ class _Conn:
                 f"worker {self.client.worker}: push #{self.client.pushes + 1} (this worker's step that sent it) "
                 f"holds NaN or infinite gradients, which the parameter server refused (shard {self.index}: "
                 f"{message}); the training diverged: lower the learning rate, or check the data and the loss "
-                f"for values that overflow")
+                f"for values that overflow"
+            )
         if status == Status.STOPPING:
             raise CollectiveError(f"{self.where()}: {op} failed: {message}")
         raise CollectiveError(f"{self.where()}: {op} failed on the server: {message}")
@@ -193,8 +196,9 @@ class _Conn:
 class ParameterClient:
     """Connection of one worker to every shard of a :class:`~sparkdl.ps.server.ParameterServer`."""
 
-    def __init__(self, addresses: list[str], *, worker: int, secret: bytes,
-                 shard_sizes: list[int], timeout: float = 600.0):
+    def __init__(
+        self, addresses: list[str], *, worker: int, secret: bytes, shard_sizes: list[int], timeout: float = 600.0
+    ):
         if len(addresses) != len(shard_sizes):
             raise ValueError(f"{len(addresses)} shard addresses but {len(shard_sizes)} shard_sizes")
         if not addresses:
@@ -206,8 +210,11 @@ class ParameterClient:
         self._secret = bytes(secret)
         self.shard_sizes = [int(s) for s in shard_sizes]
         self._conns = [_Conn(self, i, a, s) for i, (a, s) in enumerate(zip(addresses, self.shard_sizes))]
-        self._pool = (ThreadPoolExecutor(len(self._conns), thread_name_prefix=f"ps-worker{worker}")
-                      if len(self._conns) > 1 else None)
+        self._pool = (
+            ThreadPoolExecutor(len(self._conns), thread_name_prefix=f"ps-worker{worker}")
+            if len(self._conns) > 1
+            else None
+        )
         self._failed: Exception | None = None
         self.pushes = 0  # pushes completed
         try:
@@ -228,14 +235,14 @@ class ParameterClient:
     def push(self, gradients: list[np.ndarray]) -> None:
         """Send one float32 gradient per shard (concurrently); advances this worker's clock by one."""
         if len(gradients) != len(self._conns):
-            raise ValueError(f"worker {self.worker}: push got {len(gradients)} gradients for "
-                             f"{len(self._conns)} shards")
+            raise ValueError(f"worker {self.worker}: push got {len(gradients)} gradients for {len(self._conns)} shards")
         flat = []
         for i, (gradient, size) in enumerate(zip(gradients, self.shard_sizes)):
             array = np.ascontiguousarray(gradient, dtype=FLOAT).reshape(-1)
             if array.size != size:
-                raise ValueError(f"worker {self.worker}: gradient for shard {i} has {array.size} "
-                                 f"values, shard_sizes[{i}] is {size}")
+                raise ValueError(
+                    f"worker {self.worker}: gradient for shard {i} has {array.size} values, shard_sizes[{i}] is {size}"
+                )
             flat.append(array)
         self._exchange(Msg.PUSH, flat)
         self.pushes += 1
@@ -252,7 +259,7 @@ class ParameterClient:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def __enter__(self) -> "ParameterClient":
+    def __enter__(self) -> ParameterClient:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -260,8 +267,9 @@ class ParameterClient:
 
     def _run(self, conn: _Conn, fn):
         if self._failed is not None:
-            raise CollectiveError(f"worker {self.worker}: this ParameterClient failed earlier "
-                                  f"({self._failed}); create a new one")
+            raise CollectiveError(
+                f"worker {self.worker}: this ParameterClient failed earlier ({self._failed}); create a new one"
+            )
         try:
             return fn(conn)
         except (CollectiveError, NonFiniteGradientError) as exc:
@@ -278,11 +286,11 @@ class ParameterClient:
         one thread each, so that their copies run in parallel.
         """
         if self._pool is not None and max(self.shard_sizes) * FLOAT.itemsize > THREADED_BYTES:
-            return self._each(lambda conn: conn.request(
-                msg, None if payloads is None else payloads[conn.index]))
+            return self._each(lambda conn: conn.request(msg, None if payloads is None else payloads[conn.index]))
         if self._failed is not None:
-            raise CollectiveError(f"worker {self.worker}: this ParameterClient failed earlier "
-                                  f"({self._failed}); create a new one")
+            raise CollectiveError(
+                f"worker {self.worker}: this ParameterClient failed earlier ({self._failed}); create a new one"
+            )
         try:
             for conn in self._conns:
                 conn.send(msg, None if payloads is None else payloads[conn.index])
@@ -294,8 +302,9 @@ class ParameterClient:
     def _each(self, fn) -> list:
         """Run ``fn`` on every shard's connection concurrently; first error wins."""
         if self._failed is not None:
-            raise CollectiveError(f"worker {self.worker}: this ParameterClient failed earlier "
-                                  f"({self._failed}); create a new one")
+            raise CollectiveError(
+                f"worker {self.worker}: this ParameterClient failed earlier ({self._failed}); create a new one"
+            )
         if self._pool is None:
             return [self._run(self._conns[0], fn)]
         futures = [self._pool.submit(fn, conn) for conn in self._conns]

@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 import typing
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -48,7 +48,6 @@ from sparkdl.ps.staleness import ClockTracker, ServerStopping, StalenessTimeout
 _log = logging.getLogger(__name__)
 
 MODES = ("async", "hogwild", "ssp")
-
 
 
 class Shard(typing.Protocol):
@@ -76,7 +75,7 @@ class _Closed(Exception):
 class _ShardServer:
     """Listener, accept thread and connection threads of one shard."""
 
-    def __init__(self, server: "ParameterServer", index: int, shard: Shard):
+    def __init__(self, server: ParameterServer, index: int, shard: Shard):
         self.server = server
         self.index = index
         self.shard = shard
@@ -90,10 +89,17 @@ class _ShardServer:
     def start(self) -> str:
         server = self.server
         self.listener = ServingListener(
-            server.host, server.secret, self.index, range(server.num_workers), self._serve,
-            name=f"ps-shard{self.index}", max_connections=4 * server.num_workers + 4,
-            handshake_timeout=min(server.timeout, server.handshake_timeout), max_pending=server.max_pending,
-            reuse_address=True)
+            server.host,
+            server.secret,
+            self.index,
+            range(server.num_workers),
+            self._serve,
+            name=f"ps-shard{self.index}",
+            max_connections=4 * server.num_workers + 4,
+            handshake_timeout=min(server.timeout, server.handshake_timeout),
+            max_pending=server.max_pending,
+            reuse_address=True,
+        )
         self.address = self.listener.address
         return self.address
 
@@ -107,14 +113,18 @@ class _ShardServer:
         except _ProtocolViolation as exc:
             with server._lock:
                 server._counters["protocol_errors"] += 1
-            _log.warning("parameter server shard %d (%s): closing the connection of worker %d: %s",
-                         self.index, self.address, worker, exc)
+            _log.warning(
+                "parameter server shard %d (%s): closing the connection of worker %d: %s",
+                self.index,
+                self.address,
+                worker,
+                exc,
+            )
             if exc.reply is not None:
                 self._try_error(conn, exc.reply[0], exc.reply[1], Status.BAD_REQUEST, str(exc))
         except OSError as exc:
             if not server._stopping.is_set():
-                _log.info("parameter server shard %d: connection of worker %d ended: %s",
-                          self.index, worker, exc)
+                _log.info("parameter server shard %d: connection of worker %d ended: %s", self.index, worker, exc)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -137,7 +147,9 @@ class _ShardServer:
                 raise _ProtocolViolation(
                     f"{protocol.msg_name(msg)} announced {length} payload bytes; shard {self.index} "
                     f"has {self.size} float32 parameters, so it must be exactly {expected} "
-                    f"(check shard_sizes)", reply=(msg, seq))
+                    f"(check shard_sizes)",
+                    reply=(msg, seq),
+                )
             server._count(bytes_in=REQUEST.size + length)
             if msg == Msg.PUSH:
                 self._push(conn, worker, seq)
@@ -155,11 +167,20 @@ class _ShardServer:
             raise _Closed()
         if not np.isfinite(gradient).all():
             bad = int(np.size(gradient) - np.count_nonzero(np.isfinite(gradient)))
-            _log.warning("parameter server shard %d: refused a push of worker %d holding %d non-finite values",
-                         self.index, worker, bad)
-            self._send_error(conn, Msg.PUSH, seq, Status.BAD_REQUEST,
-                             f"{protocol.NON_FINITE}: {bad} of {self.size} values of shard {self.index} are NaN or "
-                             f"infinite; nothing was applied")
+            _log.warning(
+                "parameter server shard %d: refused a push of worker %d holding %d non-finite values",
+                self.index,
+                worker,
+                bad,
+            )
+            self._send_error(
+                conn,
+                Msg.PUSH,
+                seq,
+                Status.BAD_REQUEST,
+                f"{protocol.NON_FINITE}: {bad} of {self.size} values of shard {self.index} are NaN or "
+                f"infinite; nothing was applied",
+            )
             return
         try:
             if self.lock is not None:
@@ -169,8 +190,9 @@ class _ShardServer:
                 self.shard.apply(gradient)
         except Exception as exc:
             _log.exception("parameter server shard %d: apply failed", self.index)
-            self._send_error(conn, Msg.PUSH, seq, Status.SHARD_ERROR,
-                             f"shard {self.index} failed to apply the gradient: {exc!r}")
+            self._send_error(
+                conn, Msg.PUSH, seq, Status.SHARD_ERROR, f"shard {self.index} failed to apply the gradient: {exc!r}"
+            )
             return
         with server._lock:
             self.version += 1
@@ -204,16 +226,24 @@ class _ShardServer:
                 raise ValueError(f"read() returned {weights.size} values, shard.size is {self.size}")
         except Exception as exc:
             _log.exception("parameter server shard %d: read failed", self.index)
-            self._send_error(conn, Msg.PULL, seq, Status.SHARD_ERROR,
-                             f"shard {self.index} failed to read its weights: {exc!r}")
+            self._send_error(
+                conn, Msg.PULL, seq, Status.SHARD_ERROR, f"shard {self.index} failed to read its weights: {exc!r}"
+            )
             return
         if self.index == 0:
             with server._lock:
                 server._counters["pulls"] += 1
         self._send(conn, Msg.PULL, Status.OK, seq, version, weights)
 
-    def _send(self, conn: socket.socket, msg: int, status: Status, seq: int, version: int,
-              payload: np.ndarray | bytes | None = None) -> None:
+    def _send(
+        self,
+        conn: socket.socket,
+        msg: int,
+        status: Status,
+        seq: int,
+        version: int,
+        payload: np.ndarray | bytes | None = None,
+    ) -> None:
         if payload is None:
             body = b""
         elif isinstance(payload, np.ndarray):
@@ -225,7 +255,7 @@ class _ShardServer:
         self.server._count(bytes_out=len(header) + len(body))
 
     def _send_error(self, conn: socket.socket, msg: int, seq: int, status: Status, text: str) -> None:
-        body = text.encode("utf-8", "replace")[:protocol.MAX_MESSAGE_BYTES]
+        body = text.encode("utf-8", "replace")[: protocol.MAX_MESSAGE_BYTES]
         self._send(conn, msg, status, seq, self.version, body)
 
     def _try_error(self, conn: socket.socket, msg: int, seq: int, status: Status, text: str) -> None:
@@ -270,9 +300,19 @@ def _recv_exact(conn: socket.socket, view: memoryview, *, at_boundary: bool) -> 
 class ParameterServer:
     """Serves ``shards`` to :class:`sparkdl.ps.client.ParameterClient` workers; see the module doc."""
 
-    def __init__(self, shards: list[Shard], *, host: str, secret: bytes, mode: str,
-                 num_workers: int, max_staleness: int = 0, timeout: float = 600.0,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT, max_pending: int = MAX_PENDING):
+    def __init__(
+        self,
+        shards: list[Shard],
+        *,
+        host: str,
+        secret: bytes,
+        mode: str,
+        num_workers: int,
+        max_staleness: int = 0,
+        timeout: float = 600.0,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        max_pending: int = MAX_PENDING,
+    ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not shards:
@@ -281,7 +321,8 @@ class ParameterServer:
             raise ValueError(
                 f"host must be one specific interface address (e.g. the driver's "
                 f"spark.driver.host), not {host!r}: the parameter server never listens on "
-                f"every interface")
+                f"every interface"
+            )
         if not secret:
             raise ValueError("secret must be a non-empty per-job secret")
         if num_workers < 1:
@@ -305,8 +346,7 @@ class ParameterServer:
         self._shards = [_ShardServer(self, i, shard) for i, shard in enumerate(shards)]
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self._counters = dict(pushes=0, pulls=0, bytes_in=0, bytes_out=0,
-                              protocol_errors=0)
+        self._counters = dict(pushes=0, pulls=0, bytes_in=0, bytes_out=0, protocol_errors=0)
         self._started = False
         self._stopped = False
         self.addresses: list[str] = []
@@ -334,7 +374,7 @@ class ParameterServer:
         for shard in self._shards:
             shard.close_listener(join_timeout)  # a thread inside shard.apply finishes that call first
 
-    def __enter__(self) -> "ParameterServer":
+    def __enter__(self) -> ParameterServer:
         self.start()
         return self
 
@@ -368,8 +408,9 @@ class ParameterServer:
         clocks, max_seen = self.tracker.snapshot()
         with self._lock:
             result = dict(self._counters)
-            result["refused_connections"] = sum(shard.listener.refused for shard in self._shards
-                                                if shard.listener is not None)
+            result["refused_connections"] = sum(
+                shard.listener.refused for shard in self._shards if shard.listener is not None
+            )
             result["versions"] = [shard.version for shard in self._shards]
         result["max_staleness"] = max_seen
         result["clocks"] = clocks

@@ -54,8 +54,11 @@ class ServerModel:
 
     def optimizer_arrays(self) -> dict[str, np.ndarray]:
         """Every shard's optimizer state (moments, step counts), for a checkpoint."""
-        return {f"shard{i}/{j}": np.array(v.numpy(), copy=True)
-                for i, shard in enumerate(self.shards) for j, v in enumerate(shard.optimizer_variables)}
+        return {
+            f"shard{i}/{j}": np.array(v.numpy(), copy=True)
+            for i, shard in enumerate(self.shards)
+            for j, v in enumerate(shard.optimizer_variables)
+        }
 
     def restore_optimizers(self, arrays: dict[str, np.ndarray]) -> bool:
         """Sets the shards' optimizer state from ``optimizer_arrays`` of a server of the same layout.
@@ -63,8 +66,9 @@ class ServerModel:
         Returns False, changing nothing, when ``arrays`` do not fit (another number of shards, a
         checkpoint of sync or average mode, whose optimizer state is in the model itself).
         """
-        variables = {f"shard{i}/{j}": v for i, shard in enumerate(self.shards)
-                     for j, v in enumerate(shard.optimizer_variables)}
+        variables = {
+            f"shard{i}/{j}": v for i, shard in enumerate(self.shards) for j, v in enumerate(shard.optimizer_variables)
+        }
         if set(arrays) != set(variables) or any(arrays[k].shape != tuple(v.shape) for k, v in variables.items()):
             return False
         for name, variable in variables.items():

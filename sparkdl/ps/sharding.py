@@ -33,7 +33,9 @@ class ShardLayout:
     def split(self, flat: np.ndarray) -> list[np.ndarray]:
         """A model-ordered flat vector → one contiguous float32 vector per shard."""
         return [
-            np.concatenate([flat[self._offsets[i] : self._offsets[i + 1]] for i in shard]).astype(np.float32, copy=False)
+            np.concatenate([flat[self._offsets[i] : self._offsets[i + 1]] for i in shard]).astype(
+                np.float32, copy=False
+            )
             for shard in self.shards
         ]
 

@@ -13,6 +13,7 @@ Python's accumulators, and a job's result holds each partition's rows once.
 from __future__ import annotations
 
 import io
+
 import numpy as np
 import pyarrow as pa
 from pyspark.accumulators import AccumulatorParam
@@ -68,8 +69,9 @@ class Sender:
         buffer = io.BytesIO()
         np.savez(buffer, counts, *delta)
         data = buffer.getvalue()
-        return [(index, data[start : start + _CHUNK_BYTES])
-                for index, start in enumerate(range(0, len(data), _CHUNK_BYTES))]
+        return [
+            (index, data[start : start + _CHUNK_BYTES]) for index, start in enumerate(range(0, len(data), _CHUNK_BYTES))
+        ]
 
 
 class RoundDeltas:
@@ -88,8 +90,9 @@ class RoundDeltas:
         """``(delta sums, [counter matrix sum])`` as the accumulators hold them, from them or from ``table``'s rows."""
         if self._deltas is not None:
             return self._deltas.value, self._counters.value
-        rows = table.filter(table.column("payload").is_valid()).sort_by([("partition", "ascending"),
-                                                                         ("chunk", "ascending")])
+        rows = table.filter(table.column("payload").is_valid()).sort_by(
+            [("partition", "ascending"), ("chunk", "ascending")]
+        )
         chunks: dict[int, list[bytes]] = {}
         for partition, payload in zip(rows.column("partition").to_pylist(), rows.column("payload").to_pylist()):
             chunks.setdefault(partition, []).append(payload)

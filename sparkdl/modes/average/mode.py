@@ -68,7 +68,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -92,7 +92,7 @@ _ROWS_SCHEMA = "partition int, rows long, validation_rows long"
 
 @dataclasses.dataclass(frozen=True)
 class AverageOptions:
-    sync_every: Optional[int] = None  # local steps between two averagings (None: half an epoch)
+    sync_every: int | None = None  # local steps between two averagings (None: half an epoch)
 
 
 class AverageMode(Mode):
@@ -112,8 +112,10 @@ class AverageMode(Mode):
         return AverageOptions(values.get("sync_every"))
 
     def why_all_at_once(self, name: str, slots: int) -> str:
-        return (f"In mode='average' the tasks of every round would run in waves of {slots}, each round taking "
-                "that many times longer")
+        return (
+            f"In mode='average' the tasks of every round would run in waves of {slots}, each round taking "
+            "that many times longer"
+        )
 
     def run(self, job: Job) -> ModeResult:
         """Trains in rounds from ``job.start``; the model returned holds the averaged weights and optimizer state.
@@ -141,24 +143,37 @@ class AverageMode(Mode):
         publisher = _EpochPublisher(rounds, job.monitor, checkpointer, model, variables, metrics)
 
         frame = job.training.frame.repartition(settings.num_workers).persist(StorageLevel.MEMORY_AND_DISK)
-        model_broadcast = session.ship(spark, job.start.model_bytes, size=len(job.start.model_bytes),
-                                       what="the model")
+        model_broadcast = session.ship(spark, job.start.model_bytes, size=len(job.start.model_bytes), what="the model")
         state_bytes = len(job.start.model_bytes) + sum(array.nbytes for array in state)  # each round ships both
         state_broadcast = None
         totals = np.zeros(4, np.int64)
         with checkpointer or contextlib.nullcontext():  # waits for the last checkpoint; raises if one was not written
             try:
                 partition_rows, validation_rows = _rows_per_partition(frame, settings.num_workers)
-                logger.info("sparkdl: average mode, %d workers, rows per worker %s, %d steps/epoch x %d epochs, "
-                            "%d rounds of %d steps", settings.num_workers, partition_rows, settings.steps_per_epoch,
-                            settings.epochs, rounds.count, sync_every)
+                logger.info(
+                    "sparkdl: average mode, %d workers, rows per worker %s, %d steps/epoch x %d epochs, "
+                    "%d rounds of %d steps",
+                    settings.num_workers,
+                    partition_rows,
+                    settings.steps_per_epoch,
+                    settings.epochs,
+                    rounds.count,
+                    sync_every,
+                )
                 for round_index in range(rounds.count):
                     round_started = time.perf_counter()
                     state_broadcast = session.ship(spark, state, size=state_bytes, what="the model and its state")
                     deltas = RoundDeltas(spark)
+                    sender = deltas.sender()
 
-                    def run_round(batches, _rounds=rounds, _round=round_index, _model=model_broadcast,
-                                  _state=state_broadcast, _sender=deltas.sender()):
+                    def run_round(
+                        batches,
+                        _rounds=rounds,
+                        _round=round_index,
+                        _model=model_broadcast,
+                        _state=state_broadcast,
+                        _sender=sender,
+                    ):
                         return round_task(batches, _rounds, _round, _model, _state, _sender)
 
                     table = _compat.collect_arrow(frame.mapInArrow(run_round, METRICS_SCHEMA))
@@ -222,8 +237,7 @@ class _Metrics:
             self._values.setdefault((name, epoch), []).append((value, samples))
 
     def history(self, epochs: range) -> dict[str, list[float]]:
-        return {name: [weighted_mean(self._values.get((name, epoch), ())) for epoch in epochs]
-                for name in self._names}
+        return {name: [weighted_mean(self._values.get((name, epoch), ())) for epoch in epochs] for name in self._names}
 
 
 class _EpochPublisher:
@@ -235,15 +249,22 @@ class _EpochPublisher:
     come with the next round's job (or the final evaluation job), which evaluates that state.
     """
 
-    def __init__(self, rounds: schedule.Rounds, monitor: ProgressMonitor, checkpointer: Optional[Checkpointer],
-                 model, variables: list, metrics: _Metrics):
+    def __init__(
+        self,
+        rounds: schedule.Rounds,
+        monitor: ProgressMonitor,
+        checkpointer: Checkpointer | None,
+        model,
+        variables: list,
+        metrics: _Metrics,
+    ):
         self._rounds = rounds
         self._monitor = monitor
         self._checkpointer = checkpointer
         self._model = model
         self._variables = variables
         self._metrics = metrics
-        self._waiting: Optional[tuple[range, list]] = None  # epochs whose val_* metrics are not in yet, their state
+        self._waiting: tuple[range, list] | None = None  # epochs whose val_* metrics are not in yet, their state
         self._samples_per_second = 0.0
 
     def round_done(self, round_index: int, state: list, seconds: float) -> None:
@@ -251,8 +272,11 @@ class _EpochPublisher:
         start, stop = self._rounds.steps(round_index)
         self._samples_per_second = (stop - start) * settings.batch_size * settings.num_workers / max(seconds, 1e-9)
         epoch = (stop - 1) // settings.steps_per_epoch
-        logs = {name: values[0] for name, values in self._metrics.history(range(epoch, epoch + 1)).items()
-                if not name.startswith("val_")}
+        logs = {
+            name: values[0]
+            for name, values in self._metrics.history(range(epoch, epoch + 1)).items()
+            if not name.startswith("val_")
+        }
         self._monitor.step(0, epoch, stop - epoch * settings.steps_per_epoch, logs, self._samples_per_second)
         logger.debug("sparkdl: round %d of %d took %.3f s", round_index + 1, self._rounds.count, seconds)
         finished = self._rounds.epochs_finished(round_index)
@@ -292,7 +316,8 @@ def _rows_per_partition(frame, num_workers: int) -> tuple[list[int], list[int]]:
         rows, held_out = data.row_counts(batches)
         yield pa.RecordBatch.from_pydict(
             {"partition": [TaskContext.get().partitionId()], "rows": [rows], "validation_rows": [held_out]},
-            schema=pa.schema([("partition", pa.int32()), ("rows", pa.int64()), ("validation_rows", pa.int64())]))
+            schema=pa.schema([("partition", pa.int32()), ("rows", pa.int64()), ("validation_rows", pa.int64())]),
+        )
 
     table = _compat.collect_arrow(frame.mapInArrow(count, _ROWS_SCHEMA))
     partitions = table.column("partition").to_pylist()

@@ -53,11 +53,15 @@ def apply_average(state: list[np.ndarray], delta_sums: list, counter_sums: list,
         raise RuntimeError(f"Round {round_index}: no task delta reached the driver.")
     contributions = counter_sums[0][:, CONTRIBUTIONS]
     if contributions.min() == 0:
-        raise RuntimeError(f"Round {round_index}: partitions {np.flatnonzero(contributions == 0).tolist()} "
-                           "contributed no delta.")
+        raise RuntimeError(
+            f"Round {round_index}: partitions {np.flatnonzero(contributions == 0).tolist()} contributed no delta."
+        )
     if contributions.max() != 1:
-        logger.warning("sparkdl: round %d merged %s deltas per partition; averaging over all of them",
-                       round_index, contributions.tolist())
+        logger.warning(
+            "sparkdl: round %d merged %s deltas per partition; averaging over all of them",
+            round_index,
+            contributions.tolist(),
+        )
     if len(delta_sums) != len(state):
         raise RuntimeError(f"Round {round_index}: workers sent {len(delta_sums)} arrays for {len(state)} variables.")
     n = int(contributions.sum())

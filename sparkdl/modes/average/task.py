@@ -11,7 +11,8 @@ weighted by the samples behind it (``samples``: rows trained, or held-out rows f
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -25,10 +26,18 @@ from sparkdl.modes.average.rounds import Rounds
 
 # A round's rows: metrics (partition, epoch, samples, metric, value) and, under Connect, delta chunks.
 METRICS_SCHEMA = "partition int, epoch int, samples long, metric string, value double, chunk int, payload binary"
-_METRICS_ARROW_SCHEMA = pa.schema([("partition", pa.int32()), ("epoch", pa.int32()), ("samples", pa.int64()),
-                                   ("metric", pa.string()), ("value", pa.float64()), *ROW_FIELDS])
+_METRICS_ARROW_SCHEMA = pa.schema(
+    [
+        ("partition", pa.int32()),
+        ("epoch", pa.int32()),
+        ("samples", pa.int64()),
+        ("metric", pa.string()),
+        ("value", pa.float64()),
+        *ROW_FIELDS,
+    ]
+)
 
-_MODEL_CACHE: dict[str, "_CachedModel"] = {}
+_MODEL_CACHE: dict[str, _CachedModel] = {}
 
 
 @dataclasses.dataclass
@@ -48,8 +57,14 @@ def read(variable) -> np.ndarray:
     return np.array(variable.numpy(), copy=True)
 
 
-def round_task(batches: Iterable[pa.RecordBatch], rounds: Rounds, round_index: int, model_broadcast,
-               state_broadcast, sender: Sender) -> Iterator[pa.RecordBatch]:
+def round_task(
+    batches: Iterable[pa.RecordBatch],
+    rounds: Rounds,
+    round_index: int,
+    model_broadcast,
+    state_broadcast,
+    sender: Sender,
+) -> Iterator[pa.RecordBatch]:
     """One worker's round: set the shipped state, train its steps, send the delta; returns its rows."""
     use_tensorflow_backend()  # before anything in this worker imports Keras
     settings = rounds.settings
@@ -85,16 +100,16 @@ def round_task(batches: Iterable[pa.RecordBatch], rounds: Rounds, round_index: i
     return iter([pa.RecordBatch.from_pydict(rows, schema=_METRICS_ARROW_SCHEMA)])
 
 
-def evaluate_task(batches: Iterable[pa.RecordBatch], rounds: Rounds, model_broadcast, state_broadcast,
-                  epochs: range) -> Iterator[pa.RecordBatch]:
+def evaluate_task(
+    batches: Iterable[pa.RecordBatch], rounds: Rounds, model_broadcast, state_broadcast, epochs: range
+) -> Iterator[pa.RecordBatch]:
     """The evaluation-only pass after the last round: the final averaged state on this worker's held-out rows."""
     use_tensorflow_backend()
     _, _, x_val, y_val = rounds.settings.shapes.split_numpy(batches)
     rows = _empty_rows()
     if len(x_val):
         cached, _ = _load_state(rounds, model_broadcast, state_broadcast)
-        _evaluate(cached.model, x_val, y_val, rounds.settings.batch_size, TaskContext.get().partitionId(), epochs,
-                  rows)
+        _evaluate(cached.model, x_val, y_val, rounds.settings.batch_size, TaskContext.get().partitionId(), epochs, rows)
     return iter([pa.RecordBatch.from_pydict(rows, schema=_METRICS_ARROW_SCHEMA)])
 
 
@@ -102,8 +117,9 @@ def _empty_rows() -> dict[str, list]:
     return {name: [] for name in _METRICS_ARROW_SCHEMA.names}
 
 
-def _add_row(rows: dict[str, list], partition: int, epoch=None, samples=None, metric=None, value=None, chunk=None,
-             payload=None) -> None:
+def _add_row(
+    rows: dict[str, list], partition: int, epoch=None, samples=None, metric=None, value=None, chunk=None, payload=None
+) -> None:
     for column, item in zip(_METRICS_ARROW_SCHEMA.names, (partition, epoch, samples, metric, value, chunk, payload)):
         rows[column].append(item)
 
@@ -119,8 +135,9 @@ def _load_state(rounds: Rounds, model_broadcast, state_broadcast) -> tuple[_Cach
     return cached, state
 
 
-def _evaluate(model, x_val: np.ndarray, y_val: np.ndarray, batch_size: int, rank: int, epochs: range,
-              rows: dict[str, list]) -> None:
+def _evaluate(
+    model, x_val: np.ndarray, y_val: np.ndarray, batch_size: int, rank: int, epochs: range, rows: dict[str, list]
+) -> None:
     """Adds ``val_*`` metric rows for ``epochs``, weighted (``samples`` column) by this worker's held-out rows."""
     if not len(x_val) or not len(epochs):
         return

@@ -50,24 +50,29 @@ class ParameterServerMode(Mode):
     def options(self, name: str) -> dict[str, Option]:
         options = {"push_every": Option(), "num_servers": Option()}
         if name == "ssp":
-            options["max_staleness"] = Option(minimum=0, required=True,
-                                              meaning="how many pushes a worker may run ahead of the slowest")
+            options["max_staleness"] = Option(
+                minimum=0, required=True, meaning="how many pushes a worker may run ahead of the slowest"
+            )
         return options
 
     def configure(self, name: str, model, values: dict) -> ParameterServerOptions:
         num_servers = values.get("num_servers") or 1
         variables = len(model.trainable_variables)
         if num_servers > variables:
-            raise ValueError(f"Expected `num_servers` <= the model's {variables} trainable variables (a shard holds "
-                             f"whole variables). Received: num_servers={num_servers}")
+            raise ValueError(
+                f"Expected `num_servers` <= the model's {variables} trainable variables (a shard holds "
+                f"whole variables). Received: num_servers={num_servers}"
+            )
         return ParameterServerOptions(values.get("push_every") or 1, num_servers, values.get("max_staleness") or 0)
 
     def reporting_ranks(self, num_workers: int) -> int:
         return num_workers
 
     def why_all_at_once(self, name: str, slots: int) -> str:
-        return (f"In mode={name!r} every worker trains against the parameter server at the same time: workers "
-                "beyond the free slots would wait for one while the server waits for them, until `timeout`")
+        return (
+            f"In mode={name!r} every worker trains against the parameter server at the same time: workers "
+            "beyond the free slots would wait for one while the server waits for them, until `timeout`"
+        )
 
     def run(self, job: Job) -> ModeResult:
         """Trains against a server started from ``job.start``: its weights, and its shards' optimizer state when
@@ -76,34 +81,62 @@ class ParameterServerMode(Mode):
         """
         settings, options = job.settings, job.options
         spark = job.training.frame.sparkSession
-        server_model = ServerModel(serialization.model_from_bytes(job.start.model_bytes, settings.custom_objects),
-                                   options.num_servers)
+        server_model = ServerModel(
+            serialization.model_from_bytes(job.start.model_bytes, settings.custom_objects), options.num_servers
+        )
         if job.start.epoch and not server_model.restore_optimizers(job.start.arrays):
-            logger.info("sparkdl: the checkpoint holds no optimizer state for %d server shard(s) of this model: the "
-                        "shards' optimizers start afresh", options.num_servers)
+            logger.info(
+                "sparkdl: the checkpoint holds no optimizer state for %d server shard(s) of this model: the "
+                "shards' optimizers start afresh",
+                options.num_servers,
+            )
         secret = secrets.token_bytes(32)
-        with ParameterServer(server_model.shards, host=session.driver_host(spark), secret=secret, mode=job.mode,
-                             num_workers=settings.num_workers, max_staleness=options.max_staleness,
-                             timeout=settings.timeout) as server:
-            shipped = session.ship(spark, ParameterServerTask(
-                settings=settings, model_bytes=job.start.model_bytes, secret=secret, addresses=server.addresses,
-                shards=server_model.layout.shards, push_every=options.push_every,
-            ), size=len(job.start.model_bytes), what="the model")
-            with Checkpointer(job.checkpoints, job.start, job.mode) if job.checkpoints else \
-                    contextlib.nullcontext() as checkpointer:
+        with ParameterServer(
+            server_model.shards,
+            host=session.driver_host(spark),
+            secret=secret,
+            mode=job.mode,
+            num_workers=settings.num_workers,
+            max_staleness=options.max_staleness,
+            timeout=settings.timeout,
+        ) as server:
+            shipped = session.ship(
+                spark,
+                ParameterServerTask(
+                    settings=settings,
+                    model_bytes=job.start.model_bytes,
+                    secret=secret,
+                    addresses=server.addresses,
+                    shards=server_model.layout.shards,
+                    push_every=options.push_every,
+                ),
+                size=len(job.start.model_bytes),
+                what="the model",
+            )
+            with (
+                Checkpointer(job.checkpoints, job.start, job.mode)
+                if job.checkpoints
+                else contextlib.nullcontext() as checkpointer
+            ):
                 if checkpointer is not None:
                     job.monitor.add_listener(_ServerCheckpoints(checkpointer, server, server_model))
                 try:
                     results = launch.run_tasks(
-                        job.training.frame, settings.num_workers,
+                        job.training.frame,
+                        settings.num_workers,
                         lambda batches, reporter: run_parameter_server_task(batches, reporter, shipped.value),
-                        barrier=False, timeout=settings.timeout, on_progress=job.monitor.on_event)
+                        barrier=False,
+                        timeout=settings.timeout,
+                        on_progress=job.monitor.on_event,
+                    )
                 finally:
                     shipped.destroy()
             server_stats = server.stats()
         outcomes = [json.loads(payload) for payload in results.values()]
-        stats = {**{name: sum(outcome["counters"][name] for outcome in outcomes) for name in COUNTERS},
-                 **{name: server_stats[name] for name in ("max_staleness", "versions", "refused_connections")}}
+        stats = {
+            **{name: sum(outcome["counters"][name] for outcome in outcomes) for name in COUNTERS},
+            **{name: server_stats[name] for name in ("max_staleness", "versions", "refused_connections")},
+        }
         history = merge_histories(job.start.history, combine_histories(outcomes))
         return ModeResult(server_model.model, history, stats, job.start.epoch)
 
@@ -138,7 +171,8 @@ def combine_histories(results: list[dict]) -> dict[str, list[float]]:
     history: dict[str, list[float]] = {}
     for epoch in range(epochs):
         logs = [{name: values[epoch] for name, values in r["history"].items() if epoch < len(values)} for r in results]
-        for name, value in combine_logs(logs, [r["samples"] for r in results],
-                                        [r["validation_rows"] for r in results]).items():
+        for name, value in combine_logs(
+            logs, [r["samples"] for r in results], [r["validation_rows"] for r in results]
+        ).items():
             history.setdefault(name, []).append(value)
     return history

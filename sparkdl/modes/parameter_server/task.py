@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -56,7 +56,7 @@ class _Exchange:
         self._client = client
         self._layout = layout
         self._push_every = push_every
-        self._accumulated: Optional[np.ndarray] = None
+        self._accumulated: np.ndarray | None = None
         self._count = 0
         self.pushes = self.pulls = 0
         self.weights = self._pull()
@@ -81,8 +81,9 @@ class _Exchange:
         return self._layout.join(self._client.pull())
 
 
-def run_parameter_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter,
-                              task: ParameterServerTask) -> Optional[bytes]:
+def run_parameter_server_task(
+    batches: Iterable[pa.RecordBatch], reporter: TaskReporter, task: ParameterServerTask
+) -> bytes | None:
     """Trains against the server until this worker's share of steps is done, reporting its progress.
 
     Returns JSON ``{"history": {metric: [per epoch from initial_epoch]}, "samples": per epoch,
@@ -103,8 +104,9 @@ def run_parameter_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskR
     layout = ShardLayout([tuple(v.shape) for v in variables], task.shards)
     samples = settings.steps_per_epoch * settings.batch_size
 
-    with ParameterClient(task.addresses, worker=rank, secret=task.secret, shard_sizes=layout.shard_sizes,
-                         timeout=settings.timeout) as client:
+    with ParameterClient(
+        task.addresses, worker=rank, secret=task.secret, shard_sizes=layout.shard_sizes, timeout=settings.timeout
+    ) as client:
         exchange = _Exchange(client, layout, task.push_every)
 
         def push_then_take_server_weights(apply, grads, trainable_variables):
@@ -116,20 +118,45 @@ def run_parameter_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskR
         _assign_flat(variables, exchange.weights)
         stream = settings.batches(x, y, rank)
         keras.utils.set_random_seed(settings.seed + rank)  # dropout and the like differ per worker, by design
-        progress = callbacks.progress_callback(reporter.progress, steps_per_epoch=settings.steps_per_epoch,
-                                               batch_size=settings.batch_size, validation_rows=len(x_val))
+        progress = callbacks.progress_callback(
+            reporter.progress,
+            steps_per_epoch=settings.steps_per_epoch,
+            batch_size=settings.batch_size,
+            validation_rows=len(x_val),
+        )
         with intercept_apply(model.optimizer, push_then_take_server_weights):
-            history = model.fit(stream, epochs=settings.epochs, initial_epoch=settings.initial_epoch,
-                                steps_per_epoch=settings.steps_per_epoch, shuffle=False, verbose=0,
-                                validation_data=(x_val, y_val) if len(x_val) else None,
-                                validation_batch_size=settings.batch_size, callbacks=[progress, *settings.callbacks])
+            history = model.fit(
+                stream,
+                epochs=settings.epochs,
+                initial_epoch=settings.initial_epoch,
+                steps_per_epoch=settings.steps_per_epoch,
+                shuffle=False,
+                verbose=0,
+                validation_data=(x_val, y_val) if len(x_val) else None,
+                validation_batch_size=settings.batch_size,
+                callbacks=[progress, *settings.callbacks],
+            )
         exchange.flush()
         client.done()
-    counters = dict(zip(COUNTERS, ((settings.epochs - settings.initial_epoch) * samples,
-                                   exchange.pushes, exchange.pulls,
-                                   4 * sum(layout.shard_sizes) * (exchange.pushes + exchange.pulls))))
-    return json.dumps({"history": {name: [float(v) for v in values] for name, values in history.history.items()},
-                       "samples": samples, "validation_rows": len(x_val), "counters": counters}).encode()
+    counters = dict(
+        zip(
+            COUNTERS,
+            (
+                (settings.epochs - settings.initial_epoch) * samples,
+                exchange.pushes,
+                exchange.pulls,
+                4 * sum(layout.shard_sizes) * (exchange.pushes + exchange.pulls),
+            ),
+        )
+    )
+    return json.dumps(
+        {
+            "history": {name: [float(v) for v in values] for name, values in history.history.items()},
+            "samples": samples,
+            "validation_rows": len(x_val),
+            "counters": counters,
+        }
+    ).encode()
 
 
 def _assign_flat(variables: list, flat: np.ndarray) -> None:

@@ -34,12 +34,23 @@ class SyncMode(Mode):
         return SyncOptions(values.get("backend") or "ring")
 
     def run(self, job: Job) -> ModeResult:
-        task = SyncTask(settings=job.settings, secret=secrets.token_bytes(32), start_history=job.start.history,
-                        backend=job.options.backend, checkpoints=job.checkpoints)
-        results = run_tasks(job.training.frame, job.settings.num_workers,
-                            lambda batches, reporter: run_sync_task(batches, reporter, task),
-                            barrier=True, timeout=job.settings.timeout, on_progress=job.monitor.on_event,
-                            offered={MODEL: job.start.model_bytes})
+        task = SyncTask(
+            settings=job.settings,
+            secret=secrets.token_bytes(32),
+            start_history=job.start.history,
+            backend=job.options.backend,
+            checkpoints=job.checkpoints,
+        )
+        results = run_tasks(
+            job.training.frame,
+            job.settings.num_workers,
+            lambda batches, reporter: run_sync_task(batches, reporter, task),
+            barrier=True,
+            timeout=job.settings.timeout,
+            on_progress=job.monitor.on_event,
+            offered={MODEL: job.start.model_bytes},
+        )
         model_bytes, history, initial_epoch = serialization.result_from_bytes(results[0])
-        return ModeResult(serialization.model_from_bytes(model_bytes, job.settings.custom_objects), history, {},
-                          initial_epoch)
+        return ModeResult(
+            serialization.model_from_bytes(model_bytes, job.settings.custom_objects), history, {}, initial_epoch
+        )

@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -60,8 +60,9 @@ class Validation:
     rows_per_rank: np.ndarray
 
 
-def _average_across_workers_callback(comm, *, samples: int, steps_per_epoch: Optional[int] = None,
-                                     validation: Optional[Validation] = None):
+def _average_across_workers_callback(
+    comm, *, samples: int, steps_per_epoch: int | None = None, validation: Validation | None = None
+):
     import keras
 
     validation_rows = float(validation.rows_per_rank[comm.rank]) if validation is not None else 0.0
@@ -91,8 +92,11 @@ def _average_across_workers_callback(comm, *, samples: int, steps_per_epoch: Opt
                 keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.number)))
                 local = np.array([logs[k] for k in keys] + [samples, validation_rows], np.float64)
                 rows = comm.allgather(local)
-                logs.update(combine_logs([dict(zip(keys, row[:-2].tolist())) for row in rows], rows[:, -2].tolist(),
-                                         rows[:, -1].tolist()))
+                logs.update(
+                    combine_logs(
+                        [dict(zip(keys, row[:-2].tolist())) for row in rows], rows[:, -2].tolist(), rows[:, -1].tolist()
+                    )
+                )
             if not self._statistics_averaged:
                 self._average_statistics()
 
@@ -100,7 +104,9 @@ def _average_across_workers_callback(comm, *, samples: int, steps_per_epoch: Opt
             self._statistics_averaged = True
             statistics = [v for v in self.model.non_trainable_variables if _is_float(v.dtype)]
             if statistics:
-                averaged = comm.allreduce(_concat([np.asarray(v.numpy(), np.float64) for v in statistics]), average=True)
+                averaged = comm.allreduce(
+                    _concat([np.asarray(v.numpy(), np.float64) for v in statistics]), average=True
+                )
                 for variable, value in zip(statistics, _split(averaged, statistics)):
                     variable.assign(value.astype(_numpy_dtype(variable.dtype)))
 
@@ -158,8 +164,17 @@ def check_replicas_identical(model, comm) -> None:
     logger.warning("Replicas differ by at most %.3g after training (within tolerance).", differences.max())
 
 
-def train(model, x: np.ndarray, y: np.ndarray, *, comm, settings: Settings, initial_epoch: int,
-          validation: Optional[Validation] = None, callbacks: Sequence = ()) -> dict[str, list[float]]:
+def train(
+    model,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    comm,
+    settings: Settings,
+    initial_epoch: int,
+    validation: Validation | None = None,
+    callbacks: Sequence = (),
+) -> dict[str, list[float]]:
     """Trains ``model`` in place on this rank's rows, in lockstep with the other ranks; returns the history.
 
     With ``validation``, every rank evaluates its held-out rows at each epoch end (Keras's own
@@ -177,11 +192,20 @@ def train(model, x: np.ndarray, y: np.ndarray, *, comm, settings: Settings, init
     validation_data = None
     if validation is not None:
         validation_data = (validation.x, validation.y) if len(validation.x) else (x[:1], y[:1])  # stand-in: weight 0
-    callback = _average_across_workers_callback(comm, samples=steps * settings.batch_size, steps_per_epoch=steps,
-                                                validation=validation)
+    callback = _average_across_workers_callback(
+        comm, samples=steps * settings.batch_size, steps_per_epoch=steps, validation=validation
+    )
     with distributed_optimizer(model.optimizer, comm):
-        history = model.fit(stream, epochs=settings.epochs, initial_epoch=initial_epoch, steps_per_epoch=steps,
-                            shuffle=False, verbose=0, validation_data=validation_data,
-                            validation_batch_size=settings.batch_size, callbacks=[callback, *callbacks])
+        history = model.fit(
+            stream,
+            epochs=settings.epochs,
+            initial_epoch=initial_epoch,
+            steps_per_epoch=steps,
+            shuffle=False,
+            verbose=0,
+            validation_data=validation_data,
+            validation_batch_size=settings.batch_size,
+            callbacks=[callback, *callbacks],
+        )
     check_replicas_identical(model, comm)
     return {name: [float(v) for v in values] for name, values in history.history.items()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -35,10 +35,10 @@ class SyncTask:
     secret: bytes
     start_history: dict = dataclasses.field(default_factory=dict)  # of the epochs a resumed fit trained already
     backend: str = "ring"  # whose collectives average the gradients: sparkdl's ring or Horovod's
-    checkpoints: Optional[CheckpointStore] = None  # rank 0 saves after every epoch (and a retried stage resumes)
+    checkpoints: CheckpointStore | None = None  # rank 0 saves after every epoch (and a retried stage resumes)
 
 
-def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, task: SyncTask) -> Optional[bytes]:
+def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, task: SyncTask) -> bytes | None:
     use_tensorflow_backend()  # before anything in this worker imports Keras
     settings = task.settings
     x, y, x_val, y_val = settings.shapes.split_numpy(batches)
@@ -59,17 +59,32 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
         with Checkpointer(task.checkpoints, start, "sync") if saving else contextlib.nullcontext() as checkpointer:
             if comm.rank == 0:  # the ranks hold the same model and (combined) metrics: one of them reports and saves
                 reporter.progress({"event": "start", "initial_epoch": start.epoch})
-                extra.insert(0, callbacks.progress_callback(  # for all ranks: the global batch, all held-out rows
-                    reporter.progress, steps_per_epoch=settings.steps_per_epoch,
-                    batch_size=settings.batch_size * comm.size, validation_rows=int(validation_rows.sum())))
+                extra.insert(
+                    0,
+                    callbacks.progress_callback(  # for all ranks: the global batch, all held-out rows
+                        reporter.progress,
+                        steps_per_epoch=settings.steps_per_epoch,
+                        batch_size=settings.batch_size * comm.size,
+                        validation_rows=int(validation_rows.sum()),
+                    ),
+                )
             if saving:
                 extra.insert(0, callbacks.checkpoint_callback(checkpointer))
-            history = replicas.train(model, x, y, comm=comm, settings=settings, initial_epoch=start.epoch,
-                                     validation=validation, callbacks=extra)
+            history = replicas.train(
+                model,
+                x,
+                y,
+                comm=comm,
+                settings=settings,
+                initial_epoch=start.epoch,
+                validation=validation,
+                callbacks=extra,
+            )
         if comm.rank != 0:
             return None
-        return serialization.result_to_bytes(serialization.model_to_bytes(model),
-                                             merge_histories(start.history, history), start.epoch)
+        return serialization.result_to_bytes(
+            serialization.model_to_bytes(model), merge_histories(start.history, history), start.epoch
+        )
 
 
 def _starting_point(comm, task: SyncTask, reporter: TaskReporter) -> Checkpoint:
