@@ -135,6 +135,16 @@ def test_readme_opens_with_the_two_commands_ci_runs():
     )
 
 
+def test_ci_runs_the_lint_checks_contributing_shows_before_the_tests():
+    """CONTRIBUTING.md's check line (ruff, mypy) is what .ci/run runs, and it runs before the first test."""
+    blocks = [code.strip() for _, info, code in fenced_blocks((REPO / "CONTRIBUTING.md").read_text()) if info == "bash"]
+    assert blocks and "ruff check" in blocks[0] and "mypy" in blocks[0], blocks
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert blocks[0] in ci, f".ci/run does not run CONTRIBUTING.md's checks verbatim: {blocks[0]}"
+    first_test = next(i for i, line in enumerate(ci) if "pytest" in line)
+    assert ci.index(blocks[0]) < first_test, ".ci/run must run the checks before the tests"
+
+
 @pytest.mark.parametrize("page", markdown_pages(), ids=lambda page: str(page.relative_to(REPO)))
 def test_relative_links_resolve(page):
     """Links between the pages (and to files of the repository) point at files and headings that exist."""
