@@ -341,7 +341,9 @@ class _Resumed:
 def _newest_checkpoint(checkpoints: CheckpointStore | None, model, custom_objects) -> _Resumed | None:
     """The checkpoint a fit continues from (read once, here); refuses one of a different model rather than
     train that instead."""
-    latest = checkpoints.latest() if checkpoints is not None else None
+    if checkpoints is None:
+        return None
+    latest = checkpoints.latest()
     if latest is None:
         return None
     saved = serialization.model_from_bytes(latest.model_bytes, custom_objects)
@@ -399,7 +401,7 @@ def _validation_options(validation_col, validation_split) -> None:
     if validation_split is not None and (
         isinstance(validation_split, bool)
         or not isinstance(validation_split, numbers.Real)
-        or not 0 < validation_split < 1
+        or not 0 < float(validation_split) < 1
     ):
         raise ValueError(
             f"Expected `validation_split` to be a float in (0, 1). Received: validation_split={validation_split!r}"

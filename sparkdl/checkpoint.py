@@ -105,7 +105,7 @@ class CheckpointStore:
         self._write(filesystem, path, f"{stem}.keras", checkpoint.model_bytes)
         if checkpoint.arrays:
             buffer = io.BytesIO()
-            np.savez(buffer, **checkpoint.arrays)
+            np.savez(buffer, **checkpoint.arrays)  # type: ignore[arg-type]  # numpy's stub reads **arrays as its options
             self._write(filesystem, path, f"{stem}.npz", buffer.getvalue())
         meta = {
             "format": _FORMAT,

@@ -304,7 +304,9 @@ class _Checks:
             self._aggs.append(F.sum(F.when(F.col(column).isNull(), 1).otherwise(0)).alias("validation_nulls"))
 
     def run(self, df: DataFrame) -> dict:
-        stats = df.agg(*self._aggs).first().asDict()
+        row = df.agg(*self._aggs).first()
+        assert row is not None, "an aggregate without grouping returns one row"
+        stats = row.asDict()
         if stats.get("validation_nulls"):
             raise ValueError(
                 f"Column {self._validation_col!r} (`validation_col`) has {stats['validation_nulls']} null rows: "

@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 from sparkdl.metrics import combine_logs
 
@@ -83,7 +83,7 @@ def _logging_shows(record_logger: logging.Logger, level: int) -> bool:
     """Whether a record at ``level`` would reach a handler of the user's logging configuration."""
     if not record_logger.isEnabledFor(level):
         return False
-    current = record_logger
+    current: logging.Logger | None = record_logger
     while current is not None:
         if any(level >= handler.level for handler in current.handlers):
             return True
@@ -91,7 +91,7 @@ def _logging_shows(record_logger: logging.Logger, level: int) -> bool:
     return False
 
 
-def _is_console_handler(handler: logging.Handler) -> bool:
+def _is_console_handler(handler: logging.Handler) -> TypeGuard[logging.StreamHandler]:
     return isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr)
 
 

@@ -230,12 +230,14 @@ class RingCommunicator:
                 self._send(op, seq, out[a:b])
 
     def _send(self, op: Op, seq: int, segment: np.ndarray) -> None:
+        assert self._to_next is not None, "a ring of one rank sends nothing"
         self._pending_sends.append(self._sender.submit(self._to_next.send, op, seq, segment))
 
     def _recv(self, op: Op, seq: int, segment: np.ndarray) -> None:
         # Surface a failed send now rather than after waiting on a stalled ring.
         while self._pending_sends and self._pending_sends[0].done():
             self._pending_sends.popleft().result()
+        assert self._from_prev is not None, "a ring of one rank receives nothing"
         self._from_prev.recv_into(op, seq, segment)
 
     def _wait_for_sends(self) -> None:

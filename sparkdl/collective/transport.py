@@ -101,7 +101,7 @@ _FRAME_MAGIC = b"SDLC"
 
 def _byte_view(array: np.ndarray) -> memoryview:
     """Raw bytes of a 1-D C-contiguous array, without copying."""
-    return memoryview(array.view(np.uint8))
+    return array.view(np.uint8).data
 
 
 class PeerLink:

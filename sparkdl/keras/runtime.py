@@ -13,9 +13,10 @@ def use_tensorflow_backend() -> None:
 def limit_threads_to_task_cpus() -> None:
     """Keeps N tasks on one machine from each spawning a thread per core (oversubscription)."""
     import tensorflow as tf
-    from pyspark import TaskContext
 
-    cpus = TaskContext.get().cpus()
+    from sparkdl.launch.task_context import current_task
+
+    cpus = current_task().cpus()
     try:
         tf.config.threading.set_intra_op_parallelism_threads(cpus)
         tf.config.threading.set_inter_op_parallelism_threads(cpus)

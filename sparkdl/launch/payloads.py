@@ -129,6 +129,7 @@ class _Session:
         self._complete_if_done(conn, stopping)
 
     def _complete_if_done(self, conn: socket.socket, stopping: threading.Event) -> None:
+        assert self._upload is not None, "called once the upload has started"
         attempt, rest = self._upload
         if len(rest):
             return

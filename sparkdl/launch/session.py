@@ -92,7 +92,7 @@ def server_host(spark: SparkSession) -> str:
 
 def server_is_on_this_machine(spark: SparkSession) -> bool:
     try:
-        address = socket.getaddrinfo(server_host(spark), None)[0][4][0]
+        address = str(socket.getaddrinfo(server_host(spark), None)[0][4][0])
     except OSError:
         return False
     if ipaddress.ip_address(address).is_loopback:
@@ -106,7 +106,10 @@ def server_is_on_this_machine(spark: SparkSession) -> bool:
 def driver_host(spark: SparkSession) -> str:
     """The address sparkdl's driver-side listeners bind and tell the tasks (module docstring)."""
     if not is_connect(spark):
-        return spark.sparkContext.getConf().get("spark.driver.host")
+        host = spark.sparkContext.getConf().get("spark.driver.host")
+        if host is None:  # Spark sets it when the SparkContext starts
+            raise RuntimeError("The SparkContext has no spark.driver.host: is the session stopped?")
+        return host
     if explicit := os.environ.get(DRIVER_HOST_ENV):
         return explicit
     if server_is_on_this_machine(spark):

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 import pyarrow as pa
-from pyspark import BarrierTaskContext, TaskContext
+from pyspark import BarrierTaskContext
 from pyspark.sql import DataFrame, SparkSession
 
 from sparkdl import _compat
@@ -29,6 +29,7 @@ from sparkdl.collective import Listener, RingCommunicator
 from sparkdl.launch import gpu, payloads, session
 from sparkdl.launch.errors import worker_error
 from sparkdl.launch.relay import OutputRelay, TaskReporter, forward_output
+from sparkdl.launch.task_context import current_task
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ def run_tasks(
 
     def run_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         quiet_tensorflow()  # before the task imports TensorFlow: its start-up lines, times N workers, are noise
-        context = TaskContext.get()
+        context = current_task()
         partition, attempt = context.partitionId(), context.taskAttemptId()
         gpu.pin_task_gpus(context.resources(), partition, local_mode)
         with forward_output(

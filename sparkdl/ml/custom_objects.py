@@ -20,7 +20,7 @@ def import_path(obj) -> str:
 def resolve(name: str, path: str):
     """The object that the import path ``path`` (``module.qualname``) names; ``name`` is its customObjects key."""
     module_name, _, qualname = path.rpartition(".")
-    error = None
+    error: Exception | None = None
     while module_name:
         try:
             obj = importlib.import_module(module_name)

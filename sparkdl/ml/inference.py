@@ -91,10 +91,10 @@ def predict(
     digest = hashlib.sha256(model_bytes).hexdigest()
     info = _driver_model_info(digest, model_bytes, custom_objects)
     classifier = info.kind in (MULTICLASS, BINARY)
-    outputs = {"prediction_col": prediction_col}
+    outputs: dict[str, str | None] = {"prediction_col": prediction_col}
     if classifier:
         outputs.update(probability_col=probability_col, raw_prediction_col=raw_prediction_col)
-    outputs = _check_output_columns(df, outputs)
+    columns = _check_output_columns(df, outputs)
 
     if sum(d is None for d in info.input_shape) > 1:
         raise ValueError(
@@ -118,7 +118,7 @@ def predict(
         feature_names=tuple(feature_names) if column_list else (features_col,),
         batch_size=batch_size,
         # A classifier whose Vector columns are both switched off returns its class index only.
-        probabilities=classifier and len(outputs) > 1,
+        probabilities=classifier and len(columns) > 1,
     )
     from pyspark.sql.functions import arrow_udf  # PySpark 4.1+
 
@@ -126,14 +126,15 @@ def predict(
         return predict_batches(spec, batches)
 
     return_type = _RETURN_TYPES[info.kind] if spec.probabilities or not classifier else "double"
-    udf = arrow_udf(predict_udf, return_type)  # a scalar-iterator UDF, from the type hints
+    # A scalar-iterator UDF, from the type hints (pyspark's overloads do not cover a return type given as a string).
+    udf = arrow_udf(predict_udf, return_type)  # type: ignore[call-overload]
     scratch = _unused_name(df, "_sparkdl_prediction")
     result = df.withColumn(scratch, udf(features_expr))
     scored = F.col(scratch)
     if not spec.probabilities:
         return result.withColumn(prediction_col, scored).drop(scratch)
     new_columns = {prediction_col: scored.getField("prediction")}
-    vector_cols = [outputs[s] for s in ("probability_col", "raw_prediction_col") if outputs.get(s)]
+    vector_cols = [columns[s] for s in ("probability_col", "raw_prediction_col") if columns.get(s)]
     if vector_cols:
         new_columns[vector_cols[0]] = array_to_vector(scored.getField("probability"))
     result = result.withColumns(new_columns).drop(scratch)
@@ -216,7 +217,7 @@ def _shipped_model(spark, digest: str, model_bytes: bytes):
 
 
 def _check_output_columns(df: DataFrame, outputs: dict) -> dict:
-    chosen = {}
+    chosen: dict[str, str] = {}
     for setting, name in outputs.items():
         if name is None and setting != "prediction_col":
             continue

@@ -104,6 +104,10 @@ class KerasModel(HasOutputCols, Model, KerasStagePersistence):
         return copied
 
     def _keras_bytes(self) -> bytes:
+        if self._model_bytes is None:
+            raise ValueError(
+                "This KerasModel holds no trained model: get one from KerasEstimator.fit or KerasModel.load."
+            )
         return self._model_bytes
 
     def _extra_metadata(self) -> dict:

@@ -68,6 +68,7 @@ def write_file(spark: SparkSession, path: str, data: bytes) -> None:
             stream.write(data)
         return
     jvm = spark.sparkContext._jvm
+    assert jvm is not None, "a classic session has a JVM gateway"
     hadoop_path = jvm.org.apache.hadoop.fs.Path(path)
     stream = hadoop_path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()).create(hadoop_path, True)
     try:
@@ -82,6 +83,7 @@ def read_file(spark: SparkSession, path: str) -> bytes:
         with filesystem.open_input_stream(file_path) as stream:
             return stream.read()
     jvm = spark.sparkContext._jvm
+    assert jvm is not None, "a classic session has a JVM gateway"
     hadoop_path = jvm.org.apache.hadoop.fs.Path(path)
     stream = hadoop_path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()).open(hadoop_path)
     try:

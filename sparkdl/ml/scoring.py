@@ -12,6 +12,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -53,7 +54,7 @@ class TaskSpec:
     """What every task needs; small apart from the model (a broadcast handle on a classic session)."""
 
     digest: str
-    model: object  # the .keras bytes as a pyspark Broadcast (classic) or in the closure (Connect): ``.value``
+    model: Any  # the .keras bytes as a pyspark Broadcast (classic) or in the closure (Connect): ``.value``
     custom_objects: dict | None
     info: ModelInfo
     feature_names: tuple

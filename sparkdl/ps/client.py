@@ -93,7 +93,7 @@ class _Conn:
             self.close()  # the server drops connections idle for `timeout`
             self.connect()
         self.seq = (self.seq + 1) & 0xFFFFFFFF
-        body = memoryview(payload.view(np.uint8)) if payload is not None else b""
+        body = payload.view(np.uint8).data if payload is not None else b""
         header = protocol.pack_request(msg, self.seq, len(body))
         self._send_error = None
         with self._errors(msg):
@@ -135,7 +135,7 @@ class _Conn:
             result = None
             if msg == Msg.PULL:
                 result = np.empty(self.size, dtype=FLOAT)
-                self._recv_exact(memoryview(result.view(np.uint8)), op)
+                self._recv_exact(result.view(np.uint8).data, op)
             self.version = version
             self.last_used = time.monotonic()
             return result
@@ -185,6 +185,8 @@ class _Conn:
         raise CollectiveError(f"{self.where()}: {op} failed on the server: {message}")
 
     def _recv_exact(self, view: memoryview, op: str) -> None:
+        if self.sock is None:
+            raise CollectiveError(f"{self.where()}: {op} on a connection that is closed")
         if recv_exact(self.sock, view) < len(view):
             raise CollectiveError(
                 f"{self.where()}: the parameter server closed the connection during {op}; "

@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -163,7 +163,7 @@ class _ShardServer:
         server = self.server
         # The size is this shard's own, never the peer's announcement.
         gradient = np.empty(self.size, dtype=FLOAT)
-        if not _recv_exact(conn, memoryview(gradient.view(np.uint8)), at_boundary=False):
+        if not _recv_exact(conn, gradient.view(np.uint8).data, at_boundary=False):
             raise _Closed()
         if not np.isfinite(gradient).all():
             bad = int(np.size(gradient) - np.count_nonzero(np.isfinite(gradient)))
@@ -244,10 +244,11 @@ class _ShardServer:
         version: int,
         payload: np.ndarray | bytes | None = None,
     ) -> None:
+        body: bytes | memoryview
         if payload is None:
             body = b""
         elif isinstance(payload, np.ndarray):
-            body = memoryview(payload.view(np.uint8))
+            body = payload.view(np.uint8).data
         else:
             body = payload
         header = protocol.pack_response(msg, status, seq, version, len(body))
@@ -302,7 +303,7 @@ class ParameterServer:
 
     def __init__(
         self,
-        shards: list[Shard],
+        shards: Sequence[Shard],
         *,
         host: str,
         secret: bytes,
@@ -407,7 +408,7 @@ class ParameterServer:
         """
         clocks, max_seen = self.tracker.snapshot()
         with self._lock:
-            result = dict(self._counters)
+            result: dict = dict(self._counters)
             result["refused_connections"] = sum(
                 shard.listener.refused for shard in self._shards if shard.listener is not None
             )

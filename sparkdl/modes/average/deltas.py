@@ -88,7 +88,7 @@ class RoundDeltas:
 
     def sums(self, table: pa.Table) -> tuple[list, list]:
         """``(delta sums, [counter matrix sum])`` as the accumulators hold them, from them or from ``table``'s rows."""
-        if self._deltas is not None:
+        if self._deltas is not None and self._counters is not None:
             return self._deltas.value, self._counters.value
         rows = table.filter(table.column("payload").is_valid()).sort_by(
             [("partition", "ascending"), ("chunk", "ascending")]

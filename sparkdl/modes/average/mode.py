@@ -72,12 +72,13 @@ from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
-from pyspark import StorageLevel, TaskContext
+from pyspark import StorageLevel
 
 from sparkdl import _compat, data
 from sparkdl.checkpoint import Checkpointer
 from sparkdl.keras import serialization
 from sparkdl.launch import session
+from sparkdl.launch.task_context import partition_id
 from sparkdl.metrics import merge_histories, weighted_mean
 from sparkdl.modes.average import rounds as schedule
 from sparkdl.modes.average.deltas import RoundDeltas
@@ -315,7 +316,7 @@ def _rows_per_partition(frame, num_workers: int) -> tuple[list[int], list[int]]:
     def count(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         rows, held_out = data.row_counts(batches)
         yield pa.RecordBatch.from_pydict(
-            {"partition": [TaskContext.get().partitionId()], "rows": [rows], "validation_rows": [held_out]},
+            {"partition": [partition_id()], "rows": [rows], "validation_rows": [held_out]},
             schema=pa.schema([("partition", pa.int32()), ("rows", pa.int64()), ("validation_rows", pa.int64())]),
         )
 

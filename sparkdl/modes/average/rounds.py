@@ -67,6 +67,7 @@ def apply_average(state: list[np.ndarray], delta_sums: list, counter_sums: list,
     n = int(contributions.sum())
     updated = []
     for old, total in zip(state, delta_sums):
+        new: np.ndarray
         if np.issubdtype(old.dtype, np.floating):
             new = old.astype(np.float64) + np.asarray(total, np.float64) / n
         else:  # iteration counters: every worker adds the same count

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from pyspark import TaskContext
 
 from sparkdl import _compat, data
 from sparkdl.keras import serialization
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
+from sparkdl.launch.task_context import partition_id
 from sparkdl.modes.average.deltas import ROW_FIELDS, Sender
 from sparkdl.modes.average.rounds import Rounds
 
@@ -69,7 +69,7 @@ def round_task(
     use_tensorflow_backend()  # before anything in this worker imports Keras
     settings = rounds.settings
     x, y, x_val, y_val = settings.shapes.split_numpy(batches)
-    rank = TaskContext.get().partitionId()
+    rank = partition_id()
     data.require_rows({rank: len(x)})
     cached, state = _load_state(rounds, model_broadcast, state_broadcast)
     rows = _empty_rows()
@@ -109,7 +109,7 @@ def evaluate_task(
     rows = _empty_rows()
     if len(x_val):
         cached, _ = _load_state(rounds, model_broadcast, state_broadcast)
-        _evaluate(cached.model, x_val, y_val, rounds.settings.batch_size, TaskContext.get().partitionId(), epochs, rows)
+        _evaluate(cached.model, x_val, y_val, rounds.settings.batch_size, partition_id(), epochs, rows)
     return iter([pa.RecordBatch.from_pydict(rows, schema=_METRICS_ARROW_SCHEMA)])
 
 
@@ -161,7 +161,7 @@ def _cached_model(rounds: Rounds, model_broadcast) -> _CachedModel:
         import keras
 
         settings = rounds.settings
-        keras.utils.set_random_seed((settings.seed + TaskContext.get().partitionId()) % 2**32)  # as sync mode does
+        keras.utils.set_random_seed((settings.seed + partition_id()) % 2**32)  # as sync mode does
         model = serialization.model_from_bytes(model_broadcast.value, settings.custom_objects)
         seed_states = [(v, read(v)) for v in model.non_trainable_variables if v.path.endswith("seed_generator_state")]
         cached = _CachedModel(model, state_variables(model), seed_states)

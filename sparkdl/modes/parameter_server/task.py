@@ -21,13 +21,13 @@ from collections.abc import Iterable
 
 import numpy as np
 import pyarrow as pa
-from pyspark import TaskContext
 
 from sparkdl import data
 from sparkdl.keras import callbacks, serialization
 from sparkdl.keras.optimizer_hooks import fused_numpy_call, intercept_apply
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
 from sparkdl.launch.relay import TaskReporter
+from sparkdl.launch.task_context import partition_id
 from sparkdl.modes.base import Settings
 from sparkdl.ps.client import ParameterClient
 from sparkdl.ps.sharding import ShardLayout
@@ -70,7 +70,7 @@ class _Exchange:
 
     def flush(self) -> None:
         """Pushes what has been accumulated (also the remainder at the end of training)."""
-        if self._count:
+        if self._count and self._accumulated is not None:
             self._client.push(self._layout.split(self._accumulated / self._count))
             self.pushes += 1
             self._accumulated, self._count = None, 0
@@ -94,7 +94,7 @@ def run_parameter_server_task(
     import tensorflow as tf
 
     settings = task.settings
-    rank = TaskContext.get().partitionId()
+    rank = partition_id()
     x, y, x_val, y_val = settings.shapes.split_numpy(batches)
     data.require_rows({rank: len(x)})
     limit_threads_to_task_cpus()

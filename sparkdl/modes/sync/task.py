@@ -55,8 +55,8 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
         model = serialization.model_from_bytes(start.model_bytes, settings.custom_objects)
         validation = replicas.Validation(x_val, y_val, validation_rows) if settings.validate else None
         extra = list(settings.callbacks)
-        saving = task.checkpoints is not None and comm.rank == 0
-        with Checkpointer(task.checkpoints, start, "sync") if saving else contextlib.nullcontext() as checkpointer:
+        saving = task.checkpoints if comm.rank == 0 else None  # rank 0 saves, where checkpoints are asked for
+        with Checkpointer(saving, start, "sync") if saving is not None else contextlib.nullcontext() as checkpointer:
             if comm.rank == 0:  # the ranks hold the same model and (combined) metrics: one of them reports and saves
                 reporter.progress({"event": "start", "initial_epoch": start.epoch})
                 extra.insert(
@@ -68,7 +68,7 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
                         validation_rows=int(validation_rows.sum()),
                     ),
                 )
-            if saving:
+            if checkpointer is not None:
                 extra.insert(0, callbacks.checkpoint_callback(checkpointer))
             history = replicas.train(
                 model,
