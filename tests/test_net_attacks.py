@@ -44,6 +44,7 @@ class Hog:
         self._address = parse_address(address)
         self._selector = selectors.DefaultSelector()
         self._stop = threading.Event()
+        self._missing = 0  # dropped connections not yet re-opened (the listener refused or timed out a connect)
         for _ in range(count):
             self._open()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -54,8 +55,17 @@ class Hog:
         sock.setblocking(False)
         self._selector.register(sock, selectors.EVENT_READ)
 
+    def _reopen(self) -> None:
+        while self._missing and not self._stop.is_set():
+            try:
+                self._open()
+            except OSError:  # the listener's backlog is full, or it is closing: try again on the next round
+                return
+            self._missing -= 1
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._reopen()
             for key, _ in self._selector.select(0.05):
                 try:
                     data = key.fileobj.recv(4096)
@@ -66,8 +76,7 @@ class Hog:
                 if not data:  # dropped: take the slot again
                     self._selector.unregister(key.fileobj)
                     key.fileobj.close()
-                    if not self._stop.is_set():
-                        self._open()
+                    self._missing += 1
 
     def close(self) -> None:
         self._stop.set()
