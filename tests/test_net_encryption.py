@@ -174,3 +174,47 @@ def test_records_split_and_join_across_reads():
     a.close()
     assert receiver.recv_into(memoryview(bytearray(1))) == 0  # peer closed
     b.close()
+
+
+_ENCRYPTED_FIT = """
+import numpy as np
+from pyspark.sql import SparkSession
+import sparkdl
+from sparkdl.launch.session import encrypts_traffic
+from frames import digits_frame
+from models import make_mlp
+
+spark = (
+    SparkSession.builder.master("local[2,2]")
+    .config("spark.driver.host", "127.0.0.1")
+    .config("spark.ui.enabled", "false")
+    .config("spark.authenticate", "true")
+    .config("spark.authenticate.secret", "sparkdl-test-secret")
+    .config("spark.network.crypto.enabled", "true")
+    .getOrCreate()
+)
+assert encrypts_traffic(spark)
+rng = np.random.default_rng(0)
+x = rng.random((64, 64), dtype=np.float32)
+y = rng.integers(0, 10, 64)
+result = sparkdl.fit(digits_frame(spark, x, y), make_mlp(), num_workers=2, epochs=2, batch_size=8)
+assert len(result.history["loss"]) == 2 and all(np.isfinite(result.history["loss"]))
+print("ENCRYPTED FIT OK")
+spark.stop()
+"""
+
+
+@pytest.mark.slow
+def test_sync_fit_with_spark_rpc_encryption(tmp_path):
+    """A session with spark.network.crypto.enabled (its own, in a subprocess): sealed ring links train the model."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(tests), tests, env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", _ENCRYPTED_FIT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and "ENCRYPTED FIT OK" in done.stdout, done.stdout[-3000:] + done.stderr[-5000:]

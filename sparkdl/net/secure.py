@@ -1,6 +1,6 @@
 """Channels over an authenticated socket: plain (today's bytes) or sealed with AEAD when Spark encrypts its RPC.
 
-A sealed channel derives one ChaCha20-Poly1305 key per direction with
+A sealed channel derives one AES-256-GCM key per direction with
 HKDF-SHA256 from the per-job secret, salted with the handshake's server proof
 (an HMAC over both sides' fresh nonces, so every connection gets new keys).
 Each record is a 4-byte length prefix, authenticated as associated data, and
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from sparkdl.net.io import recv_exact, send_buffers
@@ -46,9 +46,9 @@ class PlainChannel:
         return recv_exact(self.sock, view, stopping=stopping)
 
 
-def _key(secret: bytes, salt: bytes, direction: bytes) -> ChaCha20Poly1305:
+def _key(secret: bytes, salt: bytes, direction: bytes) -> AESGCM:
     hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=b"sparkdl record key " + direction)
-    return ChaCha20Poly1305(hkdf.derive(secret))
+    return AESGCM(hkdf.derive(secret))
 
 
 class SealedChannel:
@@ -108,7 +108,7 @@ class SealedChannel:
         if recv_exact(self.sock, memoryview(sealed), stopping=stopping) < length:
             return False
         try:
-            plain = self._opener.decrypt(self._nonce(self._recv_counter), bytes(sealed), bytes(self._length))
+            plain = self._opener.decrypt(self._nonce(self._recv_counter), memoryview(sealed), bytes(self._length))
         except InvalidTag:
             raise IntegrityError(
                 f"sealed record #{self._recv_counter} from {self.peer} failed authentication: the data was "
