@@ -199,6 +199,15 @@ x = rng.random((64, 64), dtype=np.float32)
 y = rng.integers(0, 10, 64)
 result = sparkdl.fit(digits_frame(spark, x, y), make_mlp(), num_workers=2, epochs=2, batch_size=8)
 assert len(result.history["loss"]) == 2 and all(np.isfinite(result.history["loss"]))
+
+
+def channel():
+    from sparkdl.collective import context
+
+    return type(context._communicator()._to_next._channel).__name__
+
+
+assert sparkdl.run(channel, num_workers=2, spark=spark) == "SealedChannel"
 print("ENCRYPTED FIT OK")
 spark.stop()
 """
