@@ -1,12 +1,13 @@
 """Ring allreduce bus bandwidth versus raw single-stream TCP loopback throughput.
 
-Usage: python benchmarks/allreduce_bandwidth.py [--sizes-mb 1 16 64] [--ranks 2 3 4] [--repeats 5]
+Usage: python benchmarks/allreduce_bandwidth.py [--sizes-mb 1 16 64] [--ranks 2 3 4] [--repeats 5] [--encrypt]
 
 Every rank is a separate process (multiprocessing 'spawn'); listener addresses
 are exchanged through multiprocessing queues/pipes.  Bus bandwidth is
 2(N-1)/N * K / t, the per-rank traffic of the ring algorithm, so it is
 directly comparable with the throughput of one TCP stream.  All traffic stays
-on 127.0.0.1.
+on 127.0.0.1.  ``--encrypt`` also times the sealed ring (what runs when Spark's
+``spark.network.crypto.enabled`` is on) and prints its bus bandwidth beside the plain one.
 """
 
 from __future__ import annotations
@@ -114,8 +115,8 @@ def _raw_ring_rank(rank: int, size: int, address_queue: mp.Queue, conn, sizes: l
 def _allreduce_rank(rank: int, size: int, address_queue: mp.Queue, conn, sizes: list[int], repeats: int) -> None:
     listener = Listener("127.0.0.1")
     address_queue.put((rank, listener.address))
-    addresses, secret = conn.recv()
-    with RingCommunicator.connect(rank, addresses, listener, secret, timeout=60.0) as comm:
+    addresses, secret, encrypt = conn.recv()
+    with RingCommunicator.connect(rank, addresses, listener, secret, timeout=60.0, encrypt=encrypt) as comm:
         rng = np.random.default_rng(1234)
         check = [rng.standard_normal(MB // 4 + 3).astype(np.float32) for _ in range(size)]
         verified = np.allclose(comm.allreduce(check[rank]), np.sum(check, axis=0), rtol=1e-5, atol=1e-5)
@@ -134,7 +135,7 @@ def _allreduce_rank(rank: int, size: int, address_queue: mp.Queue, conn, sizes: 
         conn.send((verified, results))
 
 
-def run_ring(target, size: int, sizes: list[int], repeats: int) -> tuple[bool, dict[int, float]]:
+def run_ring(target, size: int, sizes: list[int], repeats: int, encrypt: bool = False) -> tuple[bool, dict[int, float]]:
     """Run ``target`` on ``size`` rank processes; median over repeats of the slowest rank's time."""
     ctx = mp.get_context("spawn")
     address_queue = ctx.Queue()
@@ -150,7 +151,7 @@ def run_ring(target, size: int, sizes: list[int], repeats: int) -> tuple[bool, d
         addresses[rank] = address
     secret = secrets.token_bytes(32)
     for parent_end, _ in pipes:
-        parent_end.send((addresses, secret) if target is _allreduce_rank else addresses)
+        parent_end.send((addresses, secret, encrypt) if target is _allreduce_rank else addresses)
     reports = [parent_end.recv() for parent_end, _ in pipes]
     for proc in procs:
         proc.join()
@@ -167,6 +168,7 @@ def main(argv=None) -> None:
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--encrypt", action="store_true", help="also time the sealed (AEAD) ring")
     args = parser.parse_args(argv)
     sizes = [mb * MB for mb in args.sizes_mb]
 
@@ -177,10 +179,13 @@ def main(argv=None) -> None:
     print(
         f"{'N':>2} {'size':>7} {'time ms':>9} {'busbw GB/s':>11} {'vs raw':>7} "
         f"{'ceiling GB/s':>13} {'vs ceiling':>11}  verified"
+        + (f" {'sealed GB/s':>12} {'vs plain':>9}  verified" if args.encrypt else "")
     )
     for size in args.ranks:
         _, ceilings = run_ring(_raw_ring_rank, size, sizes, args.repeats)
         verified, medians = run_ring(_allreduce_rank, size, sizes, args.repeats)
+        if args.encrypt:
+            sealed_verified, sealed = run_ring(_allreduce_rank, size, sizes, args.repeats, encrypt=True)
         for nbytes in sizes:
             traffic = 2 * (size - 1) / size * nbytes
             busbw, ceiling = traffic / medians[nbytes], traffic / ceilings[nbytes]
@@ -188,6 +193,12 @@ def main(argv=None) -> None:
                 f"{size:>2} {nbytes // MB:>4} MB {medians[nbytes] * 1e3:>9.1f} {busbw / 1e9:>11.2f} "
                 f"{busbw / raw:>7.0%} {ceiling / 1e9:>13.2f} {busbw / ceiling:>11.0%}  "
                 f"{'yes' if verified else 'NO'}"
+                + (
+                    f" {traffic / sealed[nbytes] / 1e9:>12.2f} {medians[nbytes] / sealed[nbytes]:>9.0%}  "
+                    f"{'yes' if sealed_verified else 'NO'}"
+                    if args.encrypt
+                    else ""
+                )
             )
 
 

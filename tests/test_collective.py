@@ -21,6 +21,7 @@ import pytest
 
 from sparkdl.collective import CollectiveError, CollectiveTimeout, Listener, RingCommunicator, ring, transport
 from sparkdl.collective.transport import Op, PeerLink, connect_peer
+from sparkdl.net.secure import PlainChannel
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -457,7 +458,7 @@ def test_ring_with_mismatched_secrets_fails_within_timeout():
 @pytest.fixture
 def link_pair():
     a, b = socket.socketpair()
-    sender, receiver = PeerLink(a, 0, 1, timeout=1.0), PeerLink(b, 1, 0, timeout=0.2)
+    sender, receiver = PeerLink(PlainChannel(a), 0, 1, timeout=1.0), PeerLink(PlainChannel(b), 1, 0, timeout=0.2)
     yield sender, receiver
     sender.close()
     receiver.close()

@@ -60,12 +60,20 @@ class RingCommunicator:
 
     @classmethod
     def connect(
-        cls, rank: int, addresses: list[str], listener: Listener, secret: bytes, timeout: float = 300.0
+        cls,
+        rank: int,
+        addresses: list[str],
+        listener: Listener,
+        secret: bytes,
+        timeout: float = 300.0,
+        *,
+        encrypt: bool = False,
     ) -> RingCommunicator:
         """Connect to rank+1 and accept rank-1 (concurrently, so no rank waits on a cycle).
 
         ``addresses[i]`` is rank i's listener address; ``timeout`` bounds every
-        single network wait, including how long to wait for each neighbour.
+        single network wait, including how long to wait for each neighbour;
+        ``encrypt`` seals both links with authenticated encryption.
         """
         size = len(addresses)
         if not 0 <= rank < size:
@@ -78,9 +86,11 @@ class RingCommunicator:
             return cls(rank, size, listener, None, None)
         next_rank, prev_rank = (rank + 1) % size, (rank - 1) % size
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sparkdl-ring{rank}-connect") as pool:
-            outgoing = pool.submit(connect_peer, addresses[next_rank], rank, next_rank, secret, timeout)
+            outgoing = pool.submit(
+                connect_peer, addresses[next_rank], rank, next_rank, secret, timeout, encrypt=encrypt
+            )
             try:
-                from_prev = listener.accept_peer(rank, prev_rank, secret, timeout)
+                from_prev = listener.accept_peer(rank, prev_rank, secret, timeout, encrypt=encrypt)
             except BaseException:
                 _close_result(outgoing)
                 raise

@@ -11,22 +11,20 @@ from __future__ import annotations
 
 import enum
 import logging
-import socket
 import struct
 import time
 
 import numpy as np
 
-from sparkdl.net.auth import ConnectGaveUp, connect_authenticated
+from sparkdl.net.auth import ConnectGaveUp, connect_authenticated, connect_with_proof
 from sparkdl.net.io import (
     SOCKET_BUFFER_BYTES,
     bind_listener,
     parse_address,
-    recv_exact,
-    send_buffers,
     shutdown_and_close,
 )
 from sparkdl.net.listener import HANDSHAKE_TIMEOUT, MAX_PENDING, HandshakeAcceptor
+from sparkdl.net.secure import PlainChannel, SealedChannel, open_channel
 
 __all__ = [
     "SOCKET_BUFFER_BYTES",
@@ -111,9 +109,10 @@ class PeerLink:
     :class:`CollectiveError` naming this rank, the peer and the operation.
     """
 
-    def __init__(self, sock: socket.socket, rank: int, peer: int, timeout: float):
-        sock.settimeout(timeout)
-        self._sock = sock
+    def __init__(self, channel: PlainChannel | SealedChannel, rank: int, peer: int, timeout: float):
+        channel.sock.settimeout(timeout)
+        self._sock = channel.sock
+        self._channel = channel
         self.rank = rank
         self.peer = peer
         self.timeout = timeout
@@ -124,7 +123,7 @@ class PeerLink:
         payload = _byte_view(array)
         header = _FRAME.pack(_FRAME_MAGIC, dtype_code(array.dtype), op, 0, seq, payload.nbytes)
         try:
-            send_buffers(self._sock, [header, payload])
+            self._channel.send([header, payload])
         except OSError as exc:
             raise self._error(op, "send to", exc) from exc
 
@@ -155,7 +154,7 @@ class PeerLink:
 
     def _recv_exact(self, view: memoryview, op: Op) -> None:
         try:
-            received = recv_exact(self._sock, view)
+            received = self._channel.recv_into(view)
         except OSError as exc:
             raise self._error(op, "receive from", exc) from exc
         if received < len(view):
@@ -208,14 +207,14 @@ class Listener:
         self.handshake_timeout = handshake_timeout
         self.max_pending = max_pending
 
-    def accept_peer(self, rank: int, peer: int, secret: bytes, timeout: float) -> PeerLink:
+    def accept_peer(self, rank: int, peer: int, secret: bytes, timeout: float, *, encrypt: bool = False) -> PeerLink:
         """Return the link from ``peer`` once it authenticates; drop every other connection.
 
         Handshakes run concurrently on a selector, so a silent, slow or hostile
         client cannot delay the real peer; each one is dropped when it fails
         authentication, after ``min(timeout, handshake_timeout)``, or when
         ``max_pending`` newer ones arrive.  The whole wait is bounded by
-        ``timeout`` (then :class:`CollectiveTimeout`).
+        ``timeout`` (then :class:`CollectiveTimeout`).  ``encrypt`` seals the link (see :mod:`sparkdl.net.secure`).
         """
         deadline = time.monotonic() + timeout
         acceptor = HandshakeAcceptor(
@@ -241,7 +240,8 @@ class Listener:
                         conn.close()
                         acceptor.refuse(f"rank {peer} vanished after authenticating: {exc}")
                         continue
-                    return PeerLink(conn, rank, peer, timeout)
+                    channel = open_channel(conn, secret, proof, encrypt=encrypt, is_client=False, peer=f"rank {peer}")
+                    return PeerLink(channel, rank, peer, timeout)
             raise CollectiveTimeout(
                 f"rank {rank}: no authenticated connection from rank {peer} on "
                 f"{self.address} within {timeout}s (refused {acceptor.refused} other "
@@ -263,7 +263,9 @@ class Listener:
         self.close()
 
 
-def connect_peer(address: str, rank: int, peer: int, secret: bytes, timeout: float) -> PeerLink:
+def connect_peer(
+    address: str, rank: int, peer: int, secret: bytes, timeout: float, *, encrypt: bool = False
+) -> PeerLink:
     """Connect to ``peer``'s listener and authenticate mutually.
 
     Refused connections and failed handshakes are retried with backoff until
@@ -271,11 +273,13 @@ def connect_peer(address: str, rank: int, peer: int, secret: bytes, timeout: flo
     impostor or may not be accepting yet.
     """
     try:
-        sock = connect_authenticated(address, rank, peer, secret, timeout)
+        sock, proof = connect_with_proof(address, rank, peer, secret, timeout)
     except ConnectGaveUp as exc:
         raise CollectiveTimeout(
             f"rank {rank}: could not connect to rank {peer} at {address} within {timeout}s "
             f"(last error: {exc.last_error}); check that rank {peer} is running, that its "
             f"address is reachable from this host, and that all ranks use the same job secret"
         ) from None
-    return PeerLink(sock, rank, peer, timeout)
+    return PeerLink(
+        open_channel(sock, secret, proof, encrypt=encrypt, is_client=True, peer=f"rank {peer}"), rank, peer, timeout
+    )

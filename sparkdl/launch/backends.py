@@ -24,10 +24,10 @@ def check_backend(backend: str) -> None:
 
 
 @contextlib.contextmanager
-def trainer_communicator(backend: str, secret: bytes, timeout: float) -> Iterator:
+def trainer_communicator(backend: str, secret: bytes, timeout: float, *, encrypt: bool = False) -> Iterator:
     """For sparkdl's own trainer: a communicator (rank, size, allreduce, ...) over the chosen backend."""
     if backend == "ring":
-        with connect_collective(secret, timeout) as comm:
+        with connect_collective(secret, timeout, encrypt=encrypt) as comm:
             yield comm
         return
     from sparkdl.collective.horovod import HorovodCommunicator, horovod_environment
@@ -37,10 +37,10 @@ def trainer_communicator(backend: str, secret: bytes, timeout: float) -> Iterato
 
 
 @contextlib.contextmanager
-def user_backend(backend: str, secret: bytes, timeout: float) -> Iterator[None]:
+def user_backend(backend: str, secret: bytes, timeout: float, *, encrypt: bool = False) -> Iterator[None]:
     """For a user's function: ``sparkdl.collective`` works (ring), or ``hvd.init()`` joins the job (horovod)."""
     if backend == "ring":
-        with connect_collective(secret, timeout) as comm, context.bound(comm):
+        with connect_collective(secret, timeout, encrypt=encrypt) as comm, context.bound(comm):
             yield
         return
     from sparkdl.collective.horovod import horovod_environment

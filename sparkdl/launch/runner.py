@@ -11,6 +11,7 @@ from pyspark.sql import SparkSession
 
 from sparkdl.launch import probe
 from sparkdl.launch.backends import check_backend, user_backend
+from sparkdl.launch.session import encrypts_traffic
 from sparkdl.launch.stage import check_slots, run_tasks
 
 
@@ -64,6 +65,7 @@ def run(
     check_slots(spark, num_workers, wait_seconds=30.0)
     probe.check_workers(spark, num_workers, timeout, probe.LAUNCH_MODULES)
     secret = secrets.token_bytes(32)
+    encrypt = encrypts_traffic(spark)
     call_args, call_kwargs = tuple(args), dict(kwargs or {})
 
     def task(batches, reporter) -> bytes | None:
@@ -71,7 +73,7 @@ def run(
             pass
         from pyspark import BarrierTaskContext
 
-        with user_backend(backend, secret, timeout):
+        with user_backend(backend, secret, timeout, encrypt=encrypt):
             result = train_fn(*call_args, **call_kwargs)
         return cloudpickle.dumps(result) if BarrierTaskContext.get().partitionId() == 0 else None
 

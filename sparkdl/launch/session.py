@@ -45,6 +45,21 @@ def is_connect(spark: SparkSession) -> bool:
     return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
+#: Spark's own setting for encrypted RPC; when it is on, sparkdl seals its links too (sparkdl.net.secure).
+ENCRYPTION_SETTING = "spark.network.crypto.enabled"
+
+
+def encrypts_traffic(spark: SparkSession) -> bool:
+    """Whether the session runs with Spark's RPC encryption on; a Connect server that does not say counts as off."""
+    if not is_connect(spark):
+        return spark.sparkContext.getConf().get(ENCRYPTION_SETTING, "false").strip().lower() == "true"
+    try:
+        value = spark.conf.get(ENCRYPTION_SETTING, "false")
+    except Exception:  # noqa: BLE001 - a Connect server may refuse to show core settings
+        return False
+    return str(value).strip().lower() == "true"
+
+
 def master(spark: SparkSession) -> str:
     """The cluster manager URL (``local[2]``, ``yarn``, ``spark://...``); "" when the server does not say."""
     if not is_connect(spark):

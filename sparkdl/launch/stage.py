@@ -207,11 +207,11 @@ def _results(table: pa.Table, exchange: payloads.PayloadExchange | None) -> dict
     return results
 
 
-def connect_collective(secret: bytes, timeout: float) -> RingCommunicator:
-    """Inside a barrier task: builds the ring of all tasks of the stage, rank = partition index."""
+def connect_collective(secret: bytes, timeout: float, *, encrypt: bool = False) -> RingCommunicator:
+    """Inside a barrier task: builds the ring of all tasks of the stage, rank = partition index (sealed if ``encrypt``)."""
     context = BarrierTaskContext.get()
     rank = context.partitionId()
     host = context.getTaskInfos()[rank].address.rsplit(":", 1)[0]
     listener = Listener(host=host)
     addresses = context.allGather(listener.address)
-    return RingCommunicator.connect(rank, addresses, listener, secret, timeout=timeout)
+    return RingCommunicator.connect(rank, addresses, listener, secret, timeout=timeout, encrypt=encrypt)

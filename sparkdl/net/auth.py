@@ -64,7 +64,14 @@ def verify_client_hello(secret: bytes, server_nonce: bytes, hello: bytes, server
 
 
 def connect_authenticated(address: str, rank: int, peer: int, secret: bytes, timeout: float) -> socket.socket:
-    """A tuned socket connected to ``address`` after mutual authentication as ``rank`` -> ``peer``.
+    """A tuned socket connected to ``address`` after mutual authentication; see :func:`connect_with_proof`."""
+    return connect_with_proof(address, rank, peer, secret, timeout)[0]
+
+
+def connect_with_proof(
+    address: str, rank: int, peer: int, secret: bytes, timeout: float
+) -> tuple[socket.socket, bytes]:
+    """(socket, the server's proof, which salts session keys): a tuned socket connected to ``address`` after mutual authentication as ``rank`` -> ``peer``.
 
     Refused connections and failed handshakes are retried with backoff (the
     server may be busy dropping an impostor or not accepting yet); raises
@@ -86,8 +93,7 @@ def connect_authenticated(address: str, rank: int, peer: int, secret: bytes, tim
             tune(sock)
             sock.settimeout(remaining)
             sock.connect(sockaddr)
-            _client_handshake(sock, rank, peer, secret)
-            return sock
+            return sock, _client_handshake(sock, rank, peer, secret)
         except (OSError, HandshakeFailed) as exc:
             if sock is not None:
                 sock.close()
@@ -96,7 +102,7 @@ def connect_authenticated(address: str, rank: int, peer: int, secret: bytes, tim
         delay = min(2 * delay, 0.5)
 
 
-def _client_handshake(sock: socket.socket, rank: int, peer: int, secret: bytes) -> None:
+def _client_handshake(sock: socket.socket, rank: int, peer: int, secret: bytes) -> bytes:
     hello = _recv_handshake(sock, SERVER_HELLO_BYTES)
     if not hello.startswith(AUTH_MAGIC):
         raise HandshakeFailed("the listener did not speak the sparkdl protocol")
@@ -107,6 +113,7 @@ def _client_handshake(sock: socket.socket, rank: int, peer: int, secret: bytes) 
     proof = _recv_handshake(sock, MAC_BYTES)
     if not hmac.compare_digest(proof, server_proof(secret, client_nonce, server_nonce, peer)):
         raise HandshakeFailed(f"rank {peer} failed to prove it knows the job secret")
+    return proof
 
 
 def _recv_handshake(sock: socket.socket, size: int) -> bytes:

@@ -8,6 +8,7 @@ import secrets
 from sparkdl.keras import serialization
 from sparkdl.launch import run_tasks
 from sparkdl.launch.backends import check_backend
+from sparkdl.launch.session import encrypts_traffic
 from sparkdl.modes.base import Job, Mode, ModeResult, Option
 from sparkdl.modes.sync.task import MODEL, SyncTask, run_sync_task
 
@@ -40,6 +41,7 @@ class SyncMode(Mode):
             start_history=job.start.history,
             backend=job.options.backend,
             checkpoints=job.checkpoints,
+            encrypt=encrypts_traffic(job.training.frame.sparkSession),
         )
         results = run_tasks(
             job.training.frame,

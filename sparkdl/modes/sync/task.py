@@ -36,13 +36,14 @@ class SyncTask:
     start_history: dict = dataclasses.field(default_factory=dict)  # of the epochs a resumed fit trained already
     backend: str = "ring"  # whose collectives average the gradients: sparkdl's ring or Horovod's
     checkpoints: CheckpointStore | None = None  # rank 0 saves after every epoch (and a retried stage resumes)
+    encrypt: bool = False  # seal the ring's links: the session runs with spark.network.crypto.enabled
 
 
 def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, task: SyncTask) -> bytes | None:
     use_tensorflow_backend()  # before anything in this worker imports Keras
     settings = task.settings
     x, y, x_val, y_val = settings.shapes.split_numpy(batches)
-    with trainer_communicator(task.backend, task.secret, settings.timeout) as comm:
+    with trainer_communicator(task.backend, task.secret, settings.timeout, encrypt=task.encrypt) as comm:
         # Every rank learns every rank's training and validation row counts, so that all of them take
         # the same decisions below (raise, validate, how to weigh validation metrics) with no further talk.
         counts = comm.allgather(np.array([len(x), len(x_val)], np.int64))

@@ -1,0 +1,128 @@
+"""Channels over an authenticated socket: plain (today's bytes) or sealed with AEAD when Spark encrypts its RPC.
+
+A sealed channel derives one AES-256-GCM key per direction with
+HKDF-SHA256 from the per-job secret, salted with the handshake's server proof
+(an HMAC over both sides' fresh nonces, so every connection gets new keys).
+Each record is a 4-byte length prefix, authenticated as associated data, and
+the ciphertext with its tag; the 96-bit nonce is a per-direction 64-bit
+counter that both ends advance, so a flipped bit, a replayed, dropped or
+reordered record all fail decryption with :class:`IntegrityError`.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from sparkdl.net.io import recv_exact, send_buffers
+
+#: Plaintext bytes per record; a length prefix above this (plus the tag) is refused before allocating.
+RECORD_BYTES = 1 << 20
+TAG_BYTES = 16
+_LENGTH = struct.Struct("!I")
+
+
+class IntegrityError(ConnectionError):
+    """A sealed record failed authentication: the stream was tampered with, replayed or reordered."""
+
+
+class PlainChannel:
+    """Today's wire format: buffers go out as they are and are read straight into the caller's memory."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+    def send(self, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
+        send_buffers(self.sock, buffers)
+
+    def recv_into(self, view: memoryview, *, stopping: threading.Event | None = None) -> int:
+        return recv_exact(self.sock, view, stopping=stopping)
+
+
+def _key(secret: bytes, salt: bytes, direction: bytes) -> AESGCM:
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=b"sparkdl record key " + direction)
+    return AESGCM(hkdf.derive(secret))
+
+
+class SealedChannel:
+    """Authenticated encryption of everything sent and received on ``sock`` after the handshake.
+
+    ``proof`` is the server's handshake proof (both ends know it); ``is_client``
+    picks which derived key seals and which opens.  ``peer`` names the other
+    end in errors.
+    """
+
+    def __init__(self, sock: socket.socket, secret: bytes, proof: bytes, *, is_client: bool, peer: str):
+        self.sock = sock
+        self.peer = peer
+        to_server, to_client = _key(secret, proof, b"client->server"), _key(secret, proof, b"server->client")
+        self._sealer, self._opener = (to_server, to_client) if is_client else (to_client, to_server)
+        self._send_counter = 0
+        self._recv_counter = 0
+        self._plain = memoryview(b"")
+        self._length = bytearray(_LENGTH.size)
+
+    @staticmethod
+    def _nonce(counter: int) -> bytes:
+        return b"\0\0\0\0" + counter.to_bytes(8, "big")
+
+    def send(self, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
+        data = b"".join(memoryview(buffer).cast("B") for buffer in buffers)
+        for start in range(0, len(data), RECORD_BYTES):
+            plain = data[start : start + RECORD_BYTES]
+            prefix = _LENGTH.pack(len(plain) + TAG_BYTES)
+            sealed = self._sealer.encrypt(self._nonce(self._send_counter), plain, prefix)
+            self._send_counter += 1
+            send_buffers(self.sock, [prefix, sealed])
+
+    def recv_into(self, view: memoryview, *, stopping: threading.Event | None = None) -> int:
+        """Fill ``view`` with opened plaintext; fewer bytes only when the peer closed (or ``stopping`` was set)."""
+        filled = 0
+        while filled < len(view):
+            if not self._plain:
+                if not self._next_record(stopping):
+                    return filled
+            count = min(len(self._plain), len(view) - filled)
+            view[filled : filled + count] = self._plain[:count]
+            self._plain = self._plain[count:]
+            filled += count
+        return filled
+
+    def _next_record(self, stopping: threading.Event | None) -> bool:
+        if recv_exact(self.sock, memoryview(self._length), stopping=stopping) < _LENGTH.size:
+            return False
+        (length,) = _LENGTH.unpack(self._length)
+        if not TAG_BYTES < length <= RECORD_BYTES + TAG_BYTES:
+            raise IntegrityError(
+                f"sealed record from {self.peer} announces {length} bytes; expected 17..{RECORD_BYTES + TAG_BYTES} "
+                "(the stream was tampered with, or the peer does not encrypt)"
+            )
+        sealed = bytearray(length)
+        if recv_exact(self.sock, memoryview(sealed), stopping=stopping) < length:
+            return False
+        try:
+            plain = self._opener.decrypt(self._nonce(self._recv_counter), memoryview(sealed), bytes(self._length))
+        except InvalidTag:
+            raise IntegrityError(
+                f"sealed record #{self._recv_counter} from {self.peer} failed authentication: the data was "
+                "modified, replayed or reordered in transit (or the peer uses another job secret)"
+            ) from None
+        self._recv_counter += 1
+        self._plain = memoryview(plain)
+        return True
+
+
+def open_channel(
+    sock: socket.socket, secret: bytes, proof: bytes, *, encrypt: bool, is_client: bool, peer: str
+) -> PlainChannel | SealedChannel:
+    """The channel a connection uses after its handshake: sealed when ``encrypt``, else today's plain bytes."""
+    if encrypt:
+        return SealedChannel(sock, secret, proof, is_client=is_client, peer=peer)
+    return PlainChannel(sock)
