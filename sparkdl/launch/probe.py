@@ -33,7 +33,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from sparkdl.keras.runtime import use_tensorflow_backend
 from sparkdl.launch import session
 
 _log = logging.getLogger(__name__)
@@ -224,7 +223,8 @@ def _probe_function(modules: tuple) -> Callable[[int], str]:
             gpus = context is not None and "gpu" in context.resources()
             # Importing TensorFlow before sparkdl pins a task's GPU would fix the devices it sees: check only.
             warm = "tensorflow" in modules and not gpus and shutil.which("nvidia-smi") is None
-            use_tensorflow_backend()
+            # keras.runtime.use_tensorflow_backend, inlined: this code runs where sparkdl may not import.
+            os.environ.setdefault("KERAS_BACKEND", "tensorflow")
             os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
             sys.stdout.flush()
             sys.stderr.flush()
