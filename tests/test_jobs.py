@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -35,15 +36,28 @@ import train  # noqa: E402
 from sparkdl.api import MODES  # noqa: E402
 
 
-def run_job(command, cwd, expect_rc=0):
+def run_job(command, cwd, expect_rc=0, timeout=600):
     """Runs a job as a user would (this virtualenv's bin first on PATH, as after `source .venv/bin/activate`);
-    returns its output, stdout and stderr together (spark-submit merges the job's stderr into stdout anyway)."""
+    returns its output, stdout and stderr together (spark-submit merges the job's stderr into stdout anyway).
+
+    A job still running after ``timeout`` seconds gets SIGABRT, so that a Python job prints every thread's stack
+    (PYTHONFAULTHANDLER); the failure shows that, and the log of a server the test started in ``cwd``.
+    """
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
+    env["PYTHONFAULTHANDLER"] = "1"
     for name in ("PYSPARK_PYTHON", "PYSPARK_GATEWAY_PORT", "SPARK_REMOTE"):
         env.pop(name, None)  # the jobs find their workers' Python and their session without the test suite's settings
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    output = done.stdout + done.stderr
-    assert done.returncode == expect_rc, output[-6000:]
+    with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as job:
+        try:
+            stdout, stderr = job.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            job.send_signal(signal.SIGABRT)
+            stdout, stderr = job.communicate(timeout=60)
+            server_log = Path(cwd, "server.log")
+            server = server_log.read_text()[-6000:] if server_log.exists() else ""
+            pytest.fail(f"the job ran past {timeout}s:\n{(stdout + stderr)[-12000:]}\n--- server.log ---\n{server}")
+    output = stdout + stderr
+    assert job.returncode == expect_rc, output[-6000:]
     return output
 
 
