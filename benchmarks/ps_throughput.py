@@ -1,7 +1,7 @@
 """Parameter-server throughput: pushes/s and push payload MB/s on loopback.
 
 Usage: python benchmarks/ps_throughput.py [--params 20000 4000000] [--shards 1 2 4]
-                                          [--workers 1 2 4] [--seconds 2.5]
+                                          [--workers 1 2 4] [--seconds 2.5] [--encrypt]
 
 One ParameterServer (mode "async", numpy SGD shards: ``w -= lr * g``) runs in
 this process; client workers are separate processes (multiprocessing
@@ -10,7 +10,9 @@ pull + push (its gradient is fixed random data) for ``--seconds`` after one
 warm-up step.  "pushes/s" is the sum over workers of pushes / own elapsed time,
 "push MB/s" the float32 gradient payload those pushes carried (pulls move the
 same amount back, not counted), "ms/step" the mean pull+push time of one worker.
-All traffic stays on 127.0.0.1.
+All traffic stays on 127.0.0.1.  ``--encrypt`` also times each row with sealed
+connections (what runs when Spark's ``spark.network.crypto.enabled`` is on), right
+after the plain one, and prints the ratio.
 """
 
 from __future__ import annotations
@@ -51,10 +53,12 @@ def _worker(commands: mp.Queue, results: mp.Queue, go) -> None:
         job = commands.get()
         if job is None:
             return
-        addresses, sizes, worker, secret, seconds = job
+        addresses, sizes, worker, secret, seconds, encrypt = job
         rng = np.random.default_rng(worker)
         gradients = [rng.standard_normal(n).astype(np.float32) for n in sizes]
-        with ParameterClient(addresses, worker=worker, secret=secret, shard_sizes=sizes, timeout=60) as client:
+        with ParameterClient(
+            addresses, worker=worker, secret=secret, shard_sizes=sizes, timeout=60, encrypt=encrypt
+        ) as client:
             client.pull()
             client.push(gradients)
             results.put(("ready", worker))
@@ -76,6 +80,7 @@ def main(argv=None) -> None:
     parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--seconds", type=float, default=2.5)
+    parser.add_argument("--encrypt", action="store_true", help="also time sealed connections")
     args = parser.parse_args(argv)
 
     ctx = mp.get_context("spawn")
@@ -88,37 +93,44 @@ def main(argv=None) -> None:
         f"parameter server throughput, mode=async, numpy SGD shards, {os.cpu_count()} cores, "
         f"{args.seconds}s per row, workers = separate processes"
     )
-    print("| params | shards | workers | pushes/s | push MB/s | ms/step |")
-    print("|---|---|---|---|---|---|")
+    sealed = " sealed pushes/s | vs plain |" if args.encrypt else ""
+    print(f"| params | shards | workers | pushes/s | push MB/s | ms/step |{sealed}")
+    print("|---|---|---|---|---|---|" + ("---|---|" if args.encrypt else ""))
     started = time.perf_counter()
+
+    def measure(sizes: list[int], workers: int, encrypt: bool) -> tuple[float, float]:
+        """(pushes/s over all workers, mean ms per pull + push) of one server and ``workers`` clients."""
+        ps = ParameterServer(
+            [SGDShard(n) for n in sizes],
+            host="127.0.0.1",
+            secret=secret,
+            mode="async",
+            num_workers=workers,
+            timeout=60,
+            encrypt=encrypt,
+        )
+        with ps:
+            go.clear()
+            for w in range(workers):
+                commands.put((ps.addresses, sizes, w, secret, args.seconds, encrypt))
+            for _ in range(workers):
+                assert results.get(timeout=120)[0] == "ready"
+            go.set()
+            outcomes = [results.get(timeout=120) for _ in range(workers)]
+        rate = sum(count / elapsed for _, count, elapsed in outcomes)
+        return rate, 1e3 * float(np.mean([elapsed / max(count, 1) for _, count, elapsed in outcomes]))
+
     try:
         for params in args.params:
             for shards in args.shards:
                 sizes = [len(part) for part in np.array_split(np.arange(params), shards)]
                 for workers in args.workers:
-                    ps = ParameterServer(
-                        [SGDShard(n) for n in sizes],
-                        host="127.0.0.1",
-                        secret=secret,
-                        mode="async",
-                        num_workers=workers,
-                        timeout=60,
-                    )
-                    with ps:
-                        go.clear()
-                        for w in range(workers):
-                            commands.put((ps.addresses, sizes, w, secret, args.seconds))
-                        for _ in range(workers):
-                            assert results.get(timeout=120)[0] == "ready"
-                        go.set()
-                        outcomes = [results.get(timeout=120) for _ in range(workers)]
-                    rate = sum(count / elapsed for _, count, elapsed in outcomes)
-                    step_ms = 1e3 * np.mean([elapsed / max(count, 1) for _, count, elapsed in outcomes])
-                    print(
-                        f"| {params:,} | {shards} | {workers} | {rate:,.0f} | "
-                        f"{rate * 4 * params / MB:,.0f} | {step_ms:.2f} |",
-                        flush=True,
-                    )
+                    rate, step_ms = measure(sizes, workers, encrypt=False)
+                    row = f"| {params:,} | {shards} | {workers} | {rate:,.0f} | {rate * 4 * params / MB:,.0f} | {step_ms:.2f} |"
+                    if args.encrypt:
+                        sealed_rate, _ = measure(sizes, workers, encrypt=True)
+                        row += f" {sealed_rate:,.0f} | {sealed_rate / rate:.2f}x |"
+                    print(row, flush=True)
     finally:
         for _ in pool:
             commands.put(None)

@@ -162,18 +162,19 @@ def test_fetching_a_name_the_driver_does_not_offer_fails_on_the_driver_naming_it
 def test_the_relay_keeps_only_results_of_exactly_the_announced_size():
     """A task's connection that sends more than it announced, or stops short, is dropped; nothing is kept."""
     from sparkdl.collective.transport import connect_authenticated
-    from sparkdl.launch.relay import _HEADER, _RELAY_ID, OutputRelay
+    from sparkdl.launch.frames import HEADER, RELAY_ID
+    from sparkdl.launch.relay import OutputRelay
 
     exchange = payloads.PayloadExchange()
     with OutputRelay("127.0.0.1", b"s" * 32, 3, exchange=exchange) as relay:
         for rank, announced, sent in ((0, 4, b"12345"), (1, 4, b"123"), (2, 3, b"123")):
-            sock = connect_authenticated(relay.address, rank, _RELAY_ID, b"s" * 32, timeout=10)
+            sock = connect_authenticated(relay.address, rank, RELAY_ID, b"s" * 32, timeout=10)
             header = json.dumps({"attempt": 7, "size": announced}).encode()
-            sock.sendall(_HEADER.pack(payloads._RESULT, len(header)) + header)
-            sock.sendall(_HEADER.pack(payloads._CHUNK, len(sent)) + sent)
+            sock.sendall(HEADER.pack(payloads._RESULT, len(header)) + header)
+            sock.sendall(HEADER.pack(payloads._CHUNK, len(sent)) + sent)
             if rank == 2:  # the one honest upload is acknowledged
                 sock.settimeout(10)
-                kind, length = _HEADER.unpack(sock.recv(_HEADER.size, socket.MSG_WAITALL))
+                kind, length = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
                 assert kind == payloads._REPLY and json.loads(sock.recv(length, socket.MSG_WAITALL)) == {
                     "received": True
                 }

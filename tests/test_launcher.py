@@ -15,7 +15,8 @@ import sparkdl
 from sparkdl import collective
 from sparkdl.collective.horovod import Slot, slot_plan
 from sparkdl.collective.transport import ConnectGaveUp, connect_authenticated
-from sparkdl.launch.relay import _HEADER, _RELAY_ID, OutputRelay
+from sparkdl.launch.frames import HEADER, RELAY_ID
+from sparkdl.launch.relay import OutputRelay
 
 pytestmark = pytest.mark.horovod  # the launcher runs on both stacks
 
@@ -190,9 +191,9 @@ def _relay(secret=b"s" * 32):
 def test_relay_prints_lines_from_an_authenticated_rank():
     relay, out, _ = _relay()
     with relay:
-        sock = connect_authenticated(relay.address, 1, _RELAY_ID, b"s" * 32, timeout=10)
+        sock = connect_authenticated(relay.address, 1, RELAY_ID, b"s" * 32, timeout=10)
         for chunk in (b"hel", b"lo\nwor", b"ld\n", b"tail"):
-            sock.sendall(_HEADER.pack(1, len(chunk)) + chunk)
+            sock.sendall(HEADER.pack(1, len(chunk)) + chunk)
         sock.close()
         relay.wait_until_quiet(10)
     assert out.getvalue() == "[rank 1] hello\n[rank 1] world\n[rank 1] tail\n"
@@ -202,9 +203,9 @@ def test_relay_refuses_a_wrong_secret_and_a_malformed_frame():
     relay, out, _ = _relay()
     with relay:
         with pytest.raises(ConnectGaveUp, match="authentication|handshake|closed|reset"):
-            connect_authenticated(relay.address, 0, _RELAY_ID, b"x" * 32, timeout=2)
-        sock = connect_authenticated(relay.address, 0, _RELAY_ID, b"s" * 32, timeout=10)
-        sock.sendall(_HEADER.pack(9, 2**31) + b"junk")  # unknown kind, absurd length: dropped, nothing allocated
+            connect_authenticated(relay.address, 0, RELAY_ID, b"x" * 32, timeout=2)
+        sock = connect_authenticated(relay.address, 0, RELAY_ID, b"s" * 32, timeout=10)
+        sock.sendall(HEADER.pack(9, 2**31) + b"junk")  # unknown kind, absurd length: dropped, nothing allocated
         sock.settimeout(10)
         try:
             assert sock.recv(1) == b""  # the relay closed the connection...

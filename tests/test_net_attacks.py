@@ -24,7 +24,8 @@ import pytest
 from shards import LR, SGDShard
 
 from sparkdl.collective.transport import Listener, Op, connect_peer
-from sparkdl.launch.relay import _ERROR, _HEADER, _RELAY_ID, ErrorReport, OutputRelay
+from sparkdl.launch.frames import ERROR, HEADER, RELAY_ID, ErrorReport
+from sparkdl.launch.relay import OutputRelay
 from sparkdl.net.auth import ConnectGaveUp, connect_authenticated
 from sparkdl.net.io import parse_address
 from sparkdl.ps import protocol
@@ -129,8 +130,8 @@ def test_hogged_relay_still_takes_a_real_task(caplog):
     with OutputRelay(HOST, SECRET, num_workers=2, stdout=out, handshake_timeout=FOREVER) as relay:
         hog = Hog(relay.address, 80)  # more than the 64 pending slots
         try:
-            sock = connect_authenticated(relay.address, 1, _RELAY_ID, SECRET, timeout=30)
-            sock.sendall(_HEADER.pack(1, 6) + b"hello\n")
+            sock = connect_authenticated(relay.address, 1, RELAY_ID, SECRET, timeout=30)
+            sock.sendall(HEADER.pack(1, 6) + b"hello\n")
             sock.close()
             relay.wait_until_quiet(30)
         finally:
@@ -285,7 +286,7 @@ def test_parameter_server_answers_a_2_to_the_64_length_and_keeps_serving():
 def test_relay_ignores_malformed_and_foreign_error_reports():
     errors = []
     with OutputRelay(HOST, SECRET, num_workers=2, on_error=errors.append, stdout=io.StringIO()) as relay:
-        sock = connect_authenticated(relay.address, 1, _RELAY_ID, SECRET, timeout=10)
+        sock = connect_authenticated(relay.address, 1, RELAY_ID, SECRET, timeout=10)
         foreign = ErrorReport(0, "ValueError", "blame rank 0", "").to_json()
         own = ErrorReport(1, "ValueError", "real failure", "tb").to_json()
         for payload in (
@@ -297,16 +298,16 @@ def test_relay_ignores_malformed_and_foreign_error_reports():
             foreign,
             own,
         ):
-            sock.sendall(_HEADER.pack(_ERROR, len(payload)) + payload)
+            sock.sendall(HEADER.pack(ERROR, len(payload)) + payload)
         sock.close()
         relay.wait_until_quiet(30)
         # A header announcing 2^32-1 bytes ends that connection only; the relay keeps serving.
-        sock = connect_authenticated(relay.address, 0, _RELAY_ID, SECRET, timeout=10)
+        sock = connect_authenticated(relay.address, 0, RELAY_ID, SECRET, timeout=10)
         sock.sendall(struct.pack("!BI", 1, 2**32 - 1))
         assert sock.recv(1) == b""
         sock.close()
-        sock = connect_authenticated(relay.address, 0, _RELAY_ID, SECRET, timeout=10)
-        sock.sendall(_HEADER.pack(_ERROR, len(foreign)) + foreign)
+        sock = connect_authenticated(relay.address, 0, RELAY_ID, SECRET, timeout=10)
+        sock.sendall(HEADER.pack(ERROR, len(foreign)) + foreign)
         sock.close()
         relay.wait_until_quiet(30)
     assert [(r.rank, r.message) for r in relay.reports] == [(1, "real failure"), (0, "blame rank 0")]
@@ -337,10 +338,10 @@ def test_relay_and_shard_close_without_waiting_for_200_idle_connections():
     ]
     # Authenticated but silent tasks too, as many as the relay runs threads for (2 * num_workers + 2); one more is
     # refused before the relay proves itself, so that task's connect retries and gives up.
-    tasks = [connect_authenticated(relay.address, i % 2, _RELAY_ID, SECRET, timeout=10) for i in range(6)]
+    tasks = [connect_authenticated(relay.address, i % 2, RELAY_ID, SECRET, timeout=10) for i in range(6)]
     try:
         with pytest.raises(ConnectGaveUp):
-            connect_authenticated(relay.address, 0, _RELAY_ID, SECRET, timeout=1)
+            connect_authenticated(relay.address, 0, RELAY_ID, SECRET, timeout=1)
         assert len(relay._listener.threads()) == 1 + 6
         threads = relay._listener.threads() + ps._shards[0].listener.threads()
         assert not _close_in_thread(relay.close).is_alive()

@@ -1,7 +1,8 @@
-"""Sealed links (sparkdl.net.secure): ring results, ciphertext on the wire, tampering and replays refused."""
+"""Sealed links (sparkdl.net.secure): the ring, the parameter server and the relay; tampering and replays refused."""
 
 from __future__ import annotations
 
+import io
 import secrets
 import socket
 import struct
@@ -10,10 +11,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from shards import LR, SGDShard
 
 from sparkdl.collective import CollectiveError, Listener, RingCommunicator
+from sparkdl.launch import payloads
+from sparkdl.launch.forward import TaskReporter, _Forwarder
+from sparkdl.launch.relay import OutputRelay
 from sparkdl.net.auth import CLIENT_HELLO
 from sparkdl.net.secure import RECORD_BYTES, TAG_BYTES, IntegrityError, SealedChannel
+from sparkdl.ps.client import ParameterClient
+from sparkdl.ps.server import ParameterServer
 
 #: A float pattern easy to look for in recorded bytes.
 PATTERN = np.full(4096, 1234.5678, dtype=np.float32)
@@ -176,6 +183,85 @@ def test_records_split_and_join_across_reads():
     b.close()
 
 
+# --- the parameter server and the relay seal their connections too --------------------------------------------------
+
+
+def proxied_parameter_server(*, encrypt, flip_at=None):
+    """A one-shard server (``encrypt`` as given) and a worker whose connection passes through a :class:`Proxy`."""
+    secret = secrets.token_bytes(32)
+    shard = SGDShard(np.zeros(PATTERN.size, dtype=np.float32))
+    server = ParameterServer([shard], host="127.0.0.1", secret=secret, mode="async", num_workers=1, encrypt=encrypt)
+    server.start()
+    proxy = Proxy(server.addresses[0], flip_at=flip_at)
+    client = ParameterClient(
+        [proxy.address], worker=0, secret=secret, shard_sizes=[PATTERN.size], timeout=10.0, encrypt=encrypt
+    )
+    return server, shard, proxy, client
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_sealed_parameter_server_pushes_and_pulls_and_the_wire_holds_no_plaintext(encrypt):
+    server, shard, proxy, client = proxied_parameter_server(encrypt=encrypt)
+    try:
+        client.push([PATTERN])
+        (weights,) = client.pull()
+        np.testing.assert_allclose(weights, -LR * PATTERN, rtol=1e-6)
+        np.testing.assert_array_equal(weights, shard.w)
+        recorded = bytes(proxy.recorded)
+        assert len(recorded) > PATTERN.nbytes
+        assert (PATTERN[:64].tobytes() in recorded) is not encrypt  # a plain push carries the gradient as it is
+    finally:
+        client.close()
+        proxy.close()
+        server.stop()
+
+
+def test_flipped_byte_in_a_sealed_push_is_refused_and_nothing_is_applied():
+    flip_at = CLIENT_HELLO.size + 4 + 100  # inside the push's first sealed record
+    server, shard, proxy, client = proxied_parameter_server(encrypt=True, flip_at=flip_at)
+    try:
+        with pytest.raises(CollectiveError, match="worker 0: shard 0"):
+            client.push([PATTERN])
+        np.testing.assert_array_equal(shard.w, np.zeros(PATTERN.size, dtype=np.float32))
+        assert server.stats()["protocol_errors"] == 1 and server.stats()["pushes"] == 0
+    finally:
+        client.close()
+        proxy.close()
+        server.stop()
+
+
+def test_a_plain_worker_is_refused_by_a_sealed_server():
+    secret = secrets.token_bytes(32)
+    shard = SGDShard(np.zeros(8, dtype=np.float32))
+    with ParameterServer([shard], host="127.0.0.1", secret=secret, mode="async", num_workers=1, encrypt=True) as ps:
+        with ParameterClient(ps.addresses, worker=0, secret=secret, shard_sizes=[8], timeout=10.0) as client:
+            with pytest.raises(CollectiveError, match="worker 0: shard 0"):
+                client.push([np.ones(8, dtype=np.float32)])
+        np.testing.assert_array_equal(shard.w, np.zeros(8, dtype=np.float32))
+        assert ps.stats()["protocol_errors"] == 1
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_sealed_relay_carries_results_and_errors_and_the_wire_holds_no_plaintext(encrypt):
+    secret = secrets.token_bytes(32)
+    exchange = payloads.PayloadExchange()
+    with OutputRelay("127.0.0.1", secret, 1, exchange=exchange, stdout=io.StringIO(), encrypt=encrypt) as relay:
+        proxy = Proxy(relay.address)
+        reporter = TaskReporter(_Forwarder(proxy.address, secret, 0, timeout=10.0, encrypt=encrypt), 0)
+        try:
+            payloads.upload(reporter, PATTERN.tobytes(), attempt=7)
+            reporter.error(ValueError("a-marker-in-the-report"))
+            reporter.connection.close()
+            relay.wait_until_quiet(10.0)
+        finally:
+            proxy.close()
+        assert bytes(exchange.take(0, 7, PATTERN.nbytes)) == PATTERN.tobytes()
+        assert [report.message for report in relay.reports] == ["a-marker-in-the-report"]
+    recorded = bytes(proxy.recorded)
+    assert (PATTERN[:64].tobytes() in recorded) is not encrypt
+    assert (b"a-marker-in-the-report" in recorded) is not encrypt
+
+
 _ENCRYPTED_FIT = """
 import numpy as np
 from pyspark.sql import SparkSession
@@ -194,11 +280,32 @@ spark = (
     .getOrCreate()
 )
 assert encrypts_traffic(spark)
+
+# What every listener on the driver (the relay, the parameter server's shards) opened for its connections.
+import sparkdl.net.listener as listener
+opened = []
+_open_channel = listener.open_channel
+
+
+def recording_open_channel(*args, **kwargs):
+    channel = _open_channel(*args, **kwargs)
+    opened.append(type(channel).__name__)
+    return channel
+
+
+listener.open_channel = recording_open_channel
 rng = np.random.default_rng(0)
 x = rng.random((64, 64), dtype=np.float32)
 y = rng.integers(0, 10, 64)
-result = sparkdl.fit(digits_frame(spark, x, y), make_mlp(), num_workers=2, epochs=2, batch_size=8)
+data = digits_frame(spark, x, y)
+result = sparkdl.fit(data, make_mlp(), num_workers=2, epochs=2, batch_size=8)
 assert len(result.history["loss"]) == 2 and all(np.isfinite(result.history["loss"]))
+assert len(opened) >= 2 and set(opened) == {"SealedChannel"}, opened  # the tasks' relay connections
+relay_connections = len(opened)
+result = sparkdl.fit(data, make_mlp(), num_workers=2, epochs=2, batch_size=8, mode="async")
+assert len(result.history["loss"]) == 2 and all(np.isfinite(result.history["loss"]))
+# two more relay connections, and each worker's connection to the server's shard
+assert len(opened) >= relay_connections + 4 and set(opened) == {"SealedChannel"}, opened
 
 
 def channel():
@@ -214,8 +321,9 @@ spark.stop()
 
 
 @pytest.mark.slow
-def test_sync_fit_with_spark_rpc_encryption(tmp_path):
-    """A session with spark.network.crypto.enabled (its own, in a subprocess): sealed ring links train the model."""
+def test_fits_with_spark_rpc_encryption(tmp_path):
+    """A session with spark.network.crypto.enabled (its own, in a subprocess): the ring, the parameter server and
+    the relay are sealed, and the models train."""
     import os
     import subprocess
     import sys

@@ -22,7 +22,8 @@ from spark_jobs import no_spark_job
 
 import sparkdl
 from sparkdl.collective.transport import connect_authenticated
-from sparkdl.launch.relay import _HEADER, _PROGRESS, _RELAY_ID, OutputRelay
+from sparkdl.launch.frames import HEADER, PROGRESS, RELAY_ID
+from sparkdl.launch.relay import OutputRelay
 from sparkdl.progress import ProgressMonitor
 
 _EPOCH_LINE = re.compile(r"^epoch (\d+)/(\d+)  (.*)  \((\d+) samples/s\)$")
@@ -225,10 +226,10 @@ def test_relay_hands_progress_events_over_and_ignores_a_bad_one():
         stderr=io.StringIO(),
     )
     with relay:
-        sock = connect_authenticated(relay.address, 1, _RELAY_ID, b"s" * 32, timeout=10)
+        sock = connect_authenticated(relay.address, 1, RELAY_ID, b"s" * 32, timeout=10)
         for payload in (b'{"event": "epoch", "epoch": 0}', b"not json", b"[1, 2]"):
-            sock.sendall(_HEADER.pack(_PROGRESS, len(payload)) + payload)
-        sock.sendall(_HEADER.pack(1, 6) + b"after\n")  # the connection survives the bad events
+            sock.sendall(HEADER.pack(PROGRESS, len(payload)) + payload)
+        sock.sendall(HEADER.pack(1, 6) + b"after\n")  # the connection survives the bad events
         sock.close()
         relay.wait_until_quiet(10)
     assert events == [(1, {"event": "epoch", "epoch": 0})]

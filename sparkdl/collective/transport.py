@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from sparkdl.net.auth import ConnectGaveUp, connect_authenticated, connect_with_proof
+from sparkdl.net.auth import ConnectGaveUp, connect_authenticated
 from sparkdl.net.io import (
     SOCKET_BUFFER_BYTES,
     bind_listener,
@@ -24,7 +24,7 @@ from sparkdl.net.io import (
     shutdown_and_close,
 )
 from sparkdl.net.listener import HANDSHAKE_TIMEOUT, MAX_PENDING, HandshakeAcceptor
-from sparkdl.net.secure import PlainChannel, SealedChannel, open_channel
+from sparkdl.net.secure import Channel, connect_channel, open_channel
 
 __all__ = [
     "SOCKET_BUFFER_BYTES",
@@ -109,7 +109,7 @@ class PeerLink:
     :class:`CollectiveError` naming this rank, the peer and the operation.
     """
 
-    def __init__(self, channel: PlainChannel | SealedChannel, rank: int, peer: int, timeout: float):
+    def __init__(self, channel: Channel, rank: int, peer: int, timeout: float):
         channel.sock.settimeout(timeout)
         self._sock = channel.sock
         self._channel = channel
@@ -273,13 +273,11 @@ def connect_peer(
     impostor or may not be accepting yet.
     """
     try:
-        sock, proof = connect_with_proof(address, rank, peer, secret, timeout)
+        channel = connect_channel(address, rank, peer, secret, timeout, encrypt=encrypt)
     except ConnectGaveUp as exc:
         raise CollectiveTimeout(
             f"rank {rank}: could not connect to rank {peer} at {address} within {timeout}s "
             f"(last error: {exc.last_error}); check that rank {peer} is running, that its "
             f"address is reachable from this host, and that all ranks use the same job secret"
         ) from None
-    return PeerLink(
-        open_channel(sock, secret, proof, encrypt=encrypt, is_client=True, peer=f"rank {peer}"), rank, peer, timeout
-    )
+    return PeerLink(channel, rank, peer, timeout)

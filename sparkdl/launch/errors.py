@@ -6,7 +6,7 @@ import builtins
 import functools
 from collections.abc import Sequence
 
-from sparkdl.launch.relay import ErrorReport
+from sparkdl.launch.frames import ErrorReport
 
 
 class WorkerError(Exception):

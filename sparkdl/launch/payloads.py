@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 from collections.abc import Mapping
 
-from sparkdl.launch.relay import _HEADER, MAX_FRAME_BYTES, TaskReporter, _recv_exact, _recv_into
+from sparkdl.launch.forward import TaskReporter
+from sparkdl.launch.frames import MAX_FRAME_BYTES, recv_bytes, recv_into, send_frame
+from sparkdl.net.secure import Channel
 
 _log = logging.getLogger(__name__)
 
@@ -91,13 +92,13 @@ class _Session:
         self._upload: tuple[int, memoryview] | None = None  # attempt, the part of its buffer still to fill
         self._buffer = bytearray()
 
-    def handle(self, conn: socket.socket, kind: int, length: int, stopping: threading.Event) -> None:
+    def handle(self, channel: Channel, kind: int, length: int, stopping: threading.Event) -> None:
         if length > MAX_FRAME_BYTES:
             raise ValueError(f"rank {self._rank} sent a malformed frame (kind {kind}, {length} bytes)")
         if kind == _CHUNK:
-            self._receive_chunk(conn, length, stopping)
+            self._receive_chunk(channel, length, stopping)
             return
-        message = _recv_exact(conn, length, stopping)
+        message = recv_bytes(channel, length, stopping)
         if message is None:
             return
         if kind == _RESULT:
@@ -106,60 +107,57 @@ class _Session:
                 attempt, size = int(header["attempt"]), int(header["size"])
             except (KeyError, TypeError) as exc:
                 raise ValueError(f"rank {self._rank} announced a result with a malformed header: {exc!r}") from None
-            self._begin(conn, attempt, size, stopping)
+            self._begin(channel, attempt, size, stopping)
         else:
-            self._serve(conn, message.decode("utf-8", "replace"), stopping)
+            self._serve(channel, message.decode("utf-8", "replace"), stopping)
 
-    def _begin(self, conn: socket.socket, attempt: int, size: int, stopping: threading.Event) -> None:
+    def _begin(self, channel: Channel, attempt: int, size: int, stopping: threading.Event) -> None:
         if self._upload is not None or size < 0:
             raise ValueError(f"rank {self._rank} announced a result of {size} bytes in the middle of another one")
         self._buffer = bytearray(size)  # a MemoryError drops the connection: the task fails, Spark retries it
         self._upload = (attempt, memoryview(self._buffer))
-        self._complete_if_done(conn, stopping)
+        self._complete_if_done(channel, stopping)
 
-    def _receive_chunk(self, conn: socket.socket, length: int, stopping: threading.Event) -> None:
+    def _receive_chunk(self, channel: Channel, length: int, stopping: threading.Event) -> None:
         if self._upload is None:
             raise ValueError(f"rank {self._rank} sent result bytes without announcing a result")
         attempt, rest = self._upload
         if length > len(rest):
             raise ValueError(f"rank {self._rank} sent more bytes than the {len(self._buffer)} it announced")
-        if not _recv_into(conn, rest[:length], stopping):
+        if not recv_into(channel, rest[:length], stopping):
             raise ValueError(f"rank {self._rank}'s result was cut off")
         self._upload = (attempt, rest[length:])
-        self._complete_if_done(conn, stopping)
+        self._complete_if_done(channel, stopping)
 
-    def _complete_if_done(self, conn: socket.socket, stopping: threading.Event) -> None:
+    def _complete_if_done(self, channel: Channel, stopping: threading.Event) -> None:
         assert self._upload is not None, "called once the upload has started"
         attempt, rest = self._upload
         if len(rest):
             return
         self._exchange._keep(self._rank, attempt, self._buffer)
         self._upload, self._buffer = None, bytearray()
-        _send_frame(conn, _REPLY, json.dumps({"received": True}).encode(), stopping)
+        _send_frame(channel, _REPLY, json.dumps({"received": True}).encode(), stopping)
 
-    def _serve(self, conn: socket.socket, name: str, stopping: threading.Event) -> None:
+    def _serve(self, channel: Channel, name: str, stopping: threading.Event) -> None:
         payload = self._exchange._offered.get(name)
         if payload is None:
             answer = {
                 "error": f"The driver offers no payload named {name!r}; it offers {sorted(self._exchange._offered)}."
             }
-            _send_frame(conn, _REPLY, json.dumps(answer).encode(), stopping)
+            _send_frame(channel, _REPLY, json.dumps(answer).encode(), stopping)
             return
-        _send_frame(conn, _REPLY, json.dumps({"size": len(payload)}).encode(), stopping)
+        _send_frame(channel, _REPLY, json.dumps({"size": len(payload)}).encode(), stopping)
         view = memoryview(payload)
         for start in range(0, len(view), MAX_FRAME_BYTES):
-            _send_frame(conn, _CHUNK, view[start : start + MAX_FRAME_BYTES], stopping)
+            _send_frame(channel, _CHUNK, view[start : start + MAX_FRAME_BYTES], stopping)
 
 
-def _send_frame(conn: socket.socket, kind: int, data, stopping: threading.Event) -> None:
+def _send_frame(channel: Channel, kind: int, data, stopping: threading.Event) -> None:
     """Driver side: the socket's timeouts are short so that a slow task cannot outlast the relay."""
-    view = memoryview(_HEADER.pack(kind, len(data)) + data)
-    while len(view):
-        try:
-            view = view[conn.send(view) :]
-        except TimeoutError:
-            if stopping.is_set():
-                raise ConnectionAbortedError("the relay stopped while sending a payload") from None
+    try:
+        send_frame(channel, kind, data, stopping=stopping)
+    except ConnectionAbortedError:
+        raise ConnectionAbortedError("the relay stopped while sending a payload") from None
 
 
 def upload(reporter: TaskReporter, payload: bytes, attempt: int) -> None:

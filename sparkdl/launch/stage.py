@@ -28,7 +28,8 @@ from sparkdl._tf_log import quiet_tensorflow
 from sparkdl.collective import Listener, RingCommunicator
 from sparkdl.launch import gpu, payloads, session
 from sparkdl.launch.errors import worker_error
-from sparkdl.launch.relay import OutputRelay, TaskReporter, forward_output
+from sparkdl.launch.forward import TaskReporter, forward_output
+from sparkdl.launch.relay import OutputRelay
 from sparkdl.launch.task_context import current_task
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ def run_tasks(
     spark = frame.sparkSession
     local_mode = session.is_local_mode(session.master(spark))
     relay_secret = secrets.token_bytes(32)
+    encrypt = session.encrypts_traffic(spark)  # the relay's connections are sealed when Spark's RPC is
     tag = session.JobTag(spark)
     exchange = payloads.PayloadExchange(offered)
     relay = OutputRelay(
@@ -129,6 +131,7 @@ def run_tasks(
         on_error=lambda report: tag.cancel(),
         on_progress=on_progress,
         exchange=exchange,
+        encrypt=encrypt,
     )
     relay_address = relay.address  # the closure below must not capture the relay itself
 
@@ -138,7 +141,7 @@ def run_tasks(
         partition, attempt = context.partitionId(), context.taskAttemptId()
         gpu.pin_task_gpus(context.resources(), partition, local_mode)
         with forward_output(
-            relay_address, relay_secret, partition, timeout, keep_local_copy=not local_mode
+            relay_address, relay_secret, partition, timeout, keep_local_copy=not local_mode, encrypt=encrypt
         ) as reporter:
             try:
                 payload = task(batches, reporter)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 #: Requested kernel socket buffer size.  Large buffers let a sender run a few
 #: segments ahead of its receiver, which is what overlaps network copies with
@@ -44,21 +45,42 @@ def recv_exact(sock: socket.socket, view: memoryview, *, stopping: threading.Eve
     return received
 
 
-def send_buffers(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
+def send_buffers(
+    sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview], *, stopping: threading.Event | None = None
+) -> None:
     """Send several buffers in order, with one ``sendmsg`` in the common case and no concatenation.
 
-    ``sendmsg`` may send only part of them; the rest follows with ``sendall``.
+    ``sendmsg`` may send only part of them; the rest follows. A socket timeout raises
+    ``TimeoutError``, unless ``stopping`` is given: then the send goes on until it is set
+    (and raises ``ConnectionAbortedError``), as :func:`recv_exact` waits.
     """
     views = [memoryview(buffer).cast("B") for buffer in buffers if len(buffer)]
     if not views:
         return
-    sent = sock.sendmsg(views)
+    sent = _patiently(lambda: sock.sendmsg(views), stopping)
     for view in views:
         if sent >= len(view):
             sent -= len(view)
             continue
-        sock.sendall(view[sent:])
+        if stopping is None:
+            sock.sendall(view[sent:])
+        else:
+            rest = view[sent:]
+            while len(rest):
+                rest = rest[_patiently(functools.partial(sock.send, rest), stopping) :]
         sent = 0
+
+
+def _patiently(send: Callable[[], int], stopping: threading.Event | None) -> int:
+    """``send()``, retried after socket timeouts while ``stopping`` (when given) is not set."""
+    while True:
+        try:
+            return send()
+        except TimeoutError:
+            if stopping is None:
+                raise
+            if stopping.is_set():
+                raise ConnectionAbortedError("stopped while sending") from None
 
 
 def tune(sock: socket.socket) -> None:

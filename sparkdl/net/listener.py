@@ -7,7 +7,7 @@ oldest pending one (so idle connections that re-take freed slots cannot lock a
 real peer out).  ``accept()`` errors such as EMFILE are survived: the oldest
 pending connection is dropped to free a descriptor and accepting pauses briefly.
 :class:`ServingListener` runs an acceptor on a thread and hands each
-authenticated connection to a handler on one of a bounded number of threads.
+authenticated connection, as a plain or sealed channel, to a handler on one of a bounded number of threads.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from sparkdl.net import auth
 from sparkdl.net.io import bind_listener, shutdown_and_close, tune
+from sparkdl.net.secure import Channel, open_channel
 
 _log = logging.getLogger(__name__)
 
@@ -232,12 +233,13 @@ class HandshakeAcceptor:
 
 
 class ServingListener:
-    """A listener on exactly ``host`` whose authenticated connections each run ``handler(conn, rank)`` on a thread.
+    """A listener on exactly ``host`` whose authenticated connections each run ``handler(channel, rank)`` on a thread.
 
-    At most ``max_connections`` handlers run at once; an authenticated
-    connection beyond that is closed (and logged).  The handler owns its
-    socket while it runs; :meth:`close` shuts every one down so blocked
-    handlers wake, and joins the threads.
+    The handler gets the connection as a :class:`~sparkdl.net.secure.Channel`, sealed when
+    ``encrypt`` (see :mod:`sparkdl.net.secure`), else plain.  At most ``max_connections``
+    handlers run at once; an authenticated connection beyond that is closed (and logged).
+    The handler owns its channel while it runs; :meth:`close` shuts every socket down so
+    blocked handlers wake, and joins the threads.
     """
 
     def __init__(
@@ -246,9 +248,10 @@ class ServingListener:
         secret: bytes,
         server_rank: int,
         client_ranks: Container[int],
-        handler: Callable[[socket.socket, int], None],
+        handler: Callable[[Channel, int], None],
         *,
         name: str,
+        encrypt: bool = False,
         max_connections: int,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         max_pending: int = MAX_PENDING,
@@ -271,6 +274,8 @@ class ServingListener:
             self._sock.close()
             raise
         self._handler = handler
+        self._secret = secret
+        self._encrypt = encrypt
         self._max_connections = max_connections
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -353,7 +358,10 @@ class ServingListener:
             except OSError as exc:
                 _log.info("%s: rank %d vanished after authenticating: %s", self.name, rank, exc)
                 return
-            self._handler(conn, rank)
+            channel = open_channel(
+                conn, self._secret, proof, encrypt=self._encrypt, is_client=False, peer=f"rank {rank}"
+            )
+            self._handler(channel, rank)
         except Exception:  # never let one connection take the listener down
             _log.exception("%s: unexpected error serving rank %d", self.name, rank)
         finally:

@@ -15,13 +15,15 @@ import socket
 import struct
 import threading
 from collections.abc import Sequence
+from typing import Protocol
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from sparkdl.net.io import recv_exact, send_buffers
+from sparkdl.net.auth import connect_with_proof
+from sparkdl.net.io import ReadTimeout, recv_exact, send_buffers
 
 #: Plaintext bytes per record; a length prefix above this (plus the tag) is refused before allocating.
 RECORD_BYTES = 1 << 20
@@ -33,14 +35,28 @@ class IntegrityError(ConnectionError):
     """A sealed record failed authentication: the stream was tampered with, replayed or reordered."""
 
 
+class Channel(Protocol):
+    """What a connection is after its handshake: exact sends and reads, plain or sealed alike."""
+
+    sock: socket.socket  # for timeouts and shutdown; its bytes are the channel's alone
+
+    def send(
+        self, buffers: Sequence[bytes | bytearray | memoryview], *, stopping: threading.Event | None = None
+    ) -> None: ...
+
+    def recv_into(self, view: memoryview, *, stopping: threading.Event | None = None) -> int: ...
+
+
 class PlainChannel:
     """Today's wire format: buffers go out as they are and are read straight into the caller's memory."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
 
-    def send(self, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
-        send_buffers(self.sock, buffers)
+    def send(
+        self, buffers: Sequence[bytes | bytearray | memoryview], *, stopping: threading.Event | None = None
+    ) -> None:
+        send_buffers(self.sock, buffers, stopping=stopping)
 
     def recv_into(self, view: memoryview, *, stopping: threading.Event | None = None) -> int:
         return recv_exact(self.sock, view, stopping=stopping)
@@ -73,21 +89,27 @@ class SealedChannel:
     def _nonce(counter: int) -> bytes:
         return b"\0\0\0\0" + counter.to_bytes(8, "big")
 
-    def send(self, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
+    def send(
+        self, buffers: Sequence[bytes | bytearray | memoryview], *, stopping: threading.Event | None = None
+    ) -> None:
         data = b"".join(memoryview(buffer).cast("B") for buffer in buffers)
         for start in range(0, len(data), RECORD_BYTES):
             plain = data[start : start + RECORD_BYTES]
             prefix = _LENGTH.pack(len(plain) + TAG_BYTES)
             sealed = self._sealer.encrypt(self._nonce(self._send_counter), plain, prefix)
             self._send_counter += 1
-            send_buffers(self.sock, [prefix, sealed])
+            send_buffers(self.sock, [prefix, sealed], stopping=stopping)
 
     def recv_into(self, view: memoryview, *, stopping: threading.Event | None = None) -> int:
         """Fill ``view`` with opened plaintext; fewer bytes only when the peer closed (or ``stopping`` was set)."""
         filled = 0
         while filled < len(view):
             if not self._plain:
-                if not self._next_record(stopping):
+                try:
+                    more = self._next_record(stopping)
+                except ReadTimeout as exc:  # ``received`` counts this view's bytes, as a plain read's does
+                    raise ReadTimeout(filled + exc.received, len(view)) from None
+                if not more:
                     return filled
             count = min(len(self._plain), len(view) - filled)
             view[filled : filled + count] = self._plain[:count]
@@ -121,8 +143,21 @@ class SealedChannel:
 
 def open_channel(
     sock: socket.socket, secret: bytes, proof: bytes, *, encrypt: bool, is_client: bool, peer: str
-) -> PlainChannel | SealedChannel:
+) -> Channel:
     """The channel a connection uses after its handshake: sealed when ``encrypt``, else today's plain bytes."""
     if encrypt:
         return SealedChannel(sock, secret, proof, is_client=is_client, peer=peer)
     return PlainChannel(sock)
+
+
+def connect_channel(
+    address: str, rank: int, peer: int, secret: bytes, timeout: float, *, encrypt: bool, peer_name: str = ""
+) -> Channel:
+    """The client's side of :func:`open_channel`: connect and authenticate as ``rank`` -> ``peer``, then open.
+
+    Raises :class:`~sparkdl.net.auth.ConnectGaveUp` once ``timeout`` has passed (see
+    :func:`~sparkdl.net.auth.connect_with_proof`); the socket keeps the remaining
+    connect time as its timeout. ``peer_name`` names the listener in errors (default "rank <peer>").
+    """
+    sock, proof = connect_with_proof(address, rank, peer, secret, timeout)
+    return open_channel(sock, secret, proof, encrypt=encrypt, is_client=True, peer=peer_name or f"rank {peer}")

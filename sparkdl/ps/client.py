@@ -20,15 +20,15 @@ server keeps all state, so this is invisible to the caller).
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from sparkdl.collective.transport import CollectiveError, CollectiveTimeout
-from sparkdl.net.auth import ConnectGaveUp, connect_authenticated
-from sparkdl.net.io import recv_exact, send_buffers, shutdown_and_close
+from sparkdl.net.auth import ConnectGaveUp
+from sparkdl.net.io import shutdown_and_close
+from sparkdl.net.secure import Channel, connect_channel
 from sparkdl.ps import protocol
 from sparkdl.ps.protocol import FLOAT, RESPONSE, Msg, Status
 
@@ -49,7 +49,7 @@ class _Conn:
         self.index = index
         self.address = address
         self.size = size
-        self.sock: socket.socket | None = None
+        self.channel: Channel | None = None
         self.seq = 0
         self.last_used = 0.0
         self.version = 0
@@ -62,7 +62,15 @@ class _Conn:
     def connect(self) -> None:
         timeout = self.client.timeout
         try:
-            sock = connect_authenticated(self.address, self.client.worker, self.index, self.client._secret, timeout)
+            channel = connect_channel(
+                self.address,
+                self.client.worker,
+                self.index,
+                self.client._secret,
+                timeout,
+                encrypt=self.client.encrypt,
+                peer_name=f"parameter server shard {self.index}",
+            )
         except ConnectGaveUp as exc:
             raise CollectiveTimeout(
                 f"{self.where()}: could not connect and authenticate within timeout={timeout}s "
@@ -71,14 +79,14 @@ class _Conn:
                 f"the worker id is below the server's num_workers, and that the worker uses the "
                 f"job's secret"
             ) from None
-        sock.settimeout(timeout)
-        self.sock = sock
+        channel.sock.settimeout(timeout)
+        self.channel = channel
         self.last_used = time.monotonic()
 
     def close(self) -> None:
-        if self.sock is not None:
-            shutdown_and_close(self.sock)
-            self.sock = None
+        if self.channel is not None:
+            shutdown_and_close(self.channel.sock)
+            self.channel = None
 
     def request(self, msg: Msg, payload: np.ndarray | None = None) -> np.ndarray | None:
         """Send one request and read its response; a pull's weights are returned."""
@@ -87,7 +95,7 @@ class _Conn:
 
     def send(self, msg: Msg, payload: np.ndarray | None = None) -> None:
         """First half of a request: the frame goes out, the response is left for :meth:`receive`."""
-        if self.sock is None:
+        if self.channel is None:
             raise CollectiveError(f"{self.where()}: the connection is closed")
         if time.monotonic() - self.last_used > self.client.timeout / 2:
             self.close()  # the server drops connections idle for `timeout`
@@ -98,11 +106,11 @@ class _Conn:
         self._send_error = None
         with self._errors(msg):
             try:
-                send_buffers(self.sock, [header, body])
+                self.channel.send([header, body])
             except OSError as exc:
                 # The server may have refused the request and said why: receive() reads that first.
                 self._send_error = exc
-                self.sock.settimeout(min(1.0, self.client.timeout))
+                self.channel.sock.settimeout(min(1.0, self.client.timeout))
 
     def receive(self, msg: Msg) -> np.ndarray | None:
         """Second half of a request: read and check its response."""
@@ -185,9 +193,9 @@ class _Conn:
         raise CollectiveError(f"{self.where()}: {op} failed on the server: {message}")
 
     def _recv_exact(self, view: memoryview, op: str) -> None:
-        if self.sock is None:
+        if self.channel is None:
             raise CollectiveError(f"{self.where()}: {op} on a connection that is closed")
-        if recv_exact(self.sock, view) < len(view):
+        if self.channel.recv_into(view) < len(view):
             raise CollectiveError(
                 f"{self.where()}: the parameter server closed the connection during {op}; "
                 f"check that the server is running and that shard_sizes and the secret "
@@ -199,7 +207,14 @@ class ParameterClient:
     """Connection of one worker to every shard of a :class:`~sparkdl.ps.server.ParameterServer`."""
 
     def __init__(
-        self, addresses: list[str], *, worker: int, secret: bytes, shard_sizes: list[int], timeout: float = 600.0
+        self,
+        addresses: list[str],
+        *,
+        worker: int,
+        secret: bytes,
+        shard_sizes: list[int],
+        timeout: float = 600.0,
+        encrypt: bool = False,
     ):
         if len(addresses) != len(shard_sizes):
             raise ValueError(f"{len(addresses)} shard addresses but {len(shard_sizes)} shard_sizes")
@@ -210,6 +225,7 @@ class ParameterClient:
         self.worker = int(worker)
         self.timeout = float(timeout)
         self._secret = bytes(secret)
+        self.encrypt = encrypt  # seal the connections: the server does (its session encrypts its RPC)
         self.shard_sizes = [int(s) for s in shard_sizes]
         self._conns = [_Conn(self, i, a, s) for i, (a, s) in enumerate(zip(addresses, self.shard_sizes))]
         self._pool = (

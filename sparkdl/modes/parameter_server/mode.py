@@ -91,6 +91,7 @@ class ParameterServerMode(Mode):
                 options.num_servers,
             )
         secret = secrets.token_bytes(32)
+        encrypt = session.encrypts_traffic(spark)
         with ParameterServer(
             server_model.shards,
             host=session.driver_host(spark),
@@ -99,6 +100,7 @@ class ParameterServerMode(Mode):
             num_workers=settings.num_workers,
             max_staleness=options.max_staleness,
             timeout=settings.timeout,
+            encrypt=encrypt,
         ) as server:
             shipped = session.ship(
                 spark,
@@ -109,6 +111,7 @@ class ParameterServerMode(Mode):
                     addresses=server.addresses,
                     shards=server_model.layout.shards,
                     push_every=options.push_every,
+                    encrypt=encrypt,
                 ),
                 size=len(job.start.model_bytes),
                 what="the model",

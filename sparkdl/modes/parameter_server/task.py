@@ -26,7 +26,7 @@ from sparkdl import data
 from sparkdl.keras import callbacks, serialization
 from sparkdl.keras.optimizer_hooks import fused_numpy_call, intercept_apply
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
-from sparkdl.launch.relay import TaskReporter
+from sparkdl.launch.forward import TaskReporter
 from sparkdl.launch.task_context import partition_id
 from sparkdl.modes.base import Settings
 from sparkdl.ps.client import ParameterClient
@@ -43,6 +43,7 @@ class ParameterServerTask:
     addresses: list[str]
     shards: list[list[int]]
     push_every: int
+    encrypt: bool = False  # seal the connections: the session runs with spark.network.crypto.enabled
 
 
 # What each task counts and returns in its payload; the driver sums them into the fit's stats.
@@ -105,7 +106,12 @@ def run_parameter_server_task(
     samples = settings.steps_per_epoch * settings.batch_size
 
     with ParameterClient(
-        task.addresses, worker=rank, secret=task.secret, shard_sizes=layout.shard_sizes, timeout=settings.timeout
+        task.addresses,
+        worker=rank,
+        secret=task.secret,
+        shard_sizes=layout.shard_sizes,
+        timeout=settings.timeout,
+        encrypt=task.encrypt,
     ) as client:
         exchange = _Exchange(client, layout, task.push_every)
 

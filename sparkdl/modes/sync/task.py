@@ -15,7 +15,7 @@ from sparkdl.keras import callbacks, serialization
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
 from sparkdl.launch import payloads
 from sparkdl.launch.backends import trainer_communicator
-from sparkdl.launch.relay import TaskReporter
+from sparkdl.launch.forward import TaskReporter
 from sparkdl.metrics import merge_histories
 from sparkdl.modes.base import Settings
 from sparkdl.modes.sync import replicas
