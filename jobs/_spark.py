@@ -111,7 +111,7 @@ def spark_session(app_name: str, args: argparse.Namespace, conf=None):
     """The job's session: over Spark Connect when a server is given, else from ``conf`` (``classic_conf``)."""
     from pyspark.sql import SparkSession
 
-    from sparkdl.launch import probe
+    import sparkdl
 
     url = remote_url(args)
     if url:
@@ -129,7 +129,7 @@ def spark_session(app_name: str, args: argparse.Namespace, conf=None):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         conf.setIfMissing("spark.driver.host", "127.0.0.1")
         # Python workers forked with TensorFlow loaded (it is this Python's, which has sparkdl): one import, not one each.
-        conf.setIfMissing("spark.python.daemon.module", probe.WORKER_DAEMON)
+        conf.setIfMissing("spark.python.daemon.module", sparkdl.WORKER_DAEMON)
     spark = SparkSession.builder.config(conf=conf).getOrCreate()
     if args.verbose:
         # spark.log.level=INFO is skipped where log4j's root level is INFO already, yet plain python's (PySpark's

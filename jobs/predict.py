@@ -68,36 +68,19 @@ def score(df, scorer, features_col: str):
     """``df`` plus the scorer's output columns; a comma-separated list of columns is scored as one array."""
     from pyspark.ml.functions import vector_to_array
 
+    import sparkdl
+
     assembled = None
     if "," in features_col:
         # KerasModel reads one column: assemble the list into one, checked and named as sparkdl.fit does.
         assembled = _unused_column_name(df, "features")
-        df = df.withColumn(assembled, features_array(df, features_col.split(",")))
+        df = df.withColumn(assembled, sparkdl.features_column(df, features_col.split(",")))
     scored = scorer.transform(df, {scorer.featuresCol: assembled or features_col})
     probability_col = scorer.getProbabilityCol()
     if probability_col in scored.columns:  # a classifier's
         # A plain array instead of Spark ML's Vector, which Parquet stores as a struct only Spark understands.
         scored = scored.withColumn(probability_col, vector_to_array(probability_col, "float64"))
     return scored.drop(assembled) if assembled else scored
-
-
-def features_array(df, columns: list[str]):
-    """The numeric ``columns`` as one ``array<float>`` column, in list order; a missing or non-numeric one is an
-    error naming it, raised before any Spark job."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import BooleanType, NumericType
-
-    for name in columns:
-        if name not in df.columns:
-            raise ValueError(
-                f"Column {name!r} given as `features_col` is not in the DataFrame. Available columns: {df.columns}"
-            )
-        if not isinstance(df.schema[name].dataType, (NumericType, BooleanType)):
-            raise ValueError(
-                f"Expected every column in the `features_col` list to be numeric; column {name!r} is "
-                f"{df.schema[name].dataType.simpleString()}."
-            )
-    return F.array(*(F.col(name).cast("float") for name in columns))
 
 
 def _unused_column_name(df, base: str) -> str:

@@ -23,8 +23,7 @@ import _config
 import _output
 import _spark  # first: it sets the environment before pyspark or keras is imported
 
-from sparkdl.api import MODES, check_mode_options
-from sparkdl.launch import probe
+import sparkdl
 
 # Settings that only some modes use (sparkdl.fit rejects one the chosen mode does not use).
 MODE_SETTINGS = ("push_every", "max_staleness", "num_servers", "sync_every")
@@ -58,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--label-col", default="label", help="integer class label column (default: label)")
     parser.add_argument("--num-workers", type=int, default=2)
-    parser.add_argument("--mode", choices=MODES, default="sync", help="how the workers combine their work")
+    parser.add_argument("--mode", choices=sparkdl.MODES, default="sync", help="how the workers combine their work")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=16, help="rows per worker per step")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
@@ -83,7 +82,7 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argp
     flags = _checks.flag_names(parser)
     try:
         _checks.check_numbers(args, flags, NUMBER_RULES)
-        check_mode_options(args.mode, flags, **{name: getattr(args, name) for name in MODE_SETTINGS})
+        sparkdl.check_mode_options(args.mode, flags, **{name: getattr(args, name) for name in MODE_SETTINGS})
         _spark.check_arguments(args)
     except ValueError as e:
         _checks.fail(parser, str(e))
@@ -124,9 +123,7 @@ def width_and_classes(df, features, label_col: str) -> tuple[int, int]:
     """The features' width and the number of classes (largest label + 1), in one Spark job."""
     from pyspark.sql import functions as F
 
-    from sparkdl.data import features_array
-
-    expr, _ = features_array(df, features)  # checks the columns' types, naming them
+    expr = sparkdl.features_column(df, features)  # checks the columns' types, naming them
     if label_col not in df.columns:
         raise ValueError(
             f"Column {label_col!r} given as `label_col` is not in the data. Available columns: {df.columns}"
@@ -141,9 +138,7 @@ def test_arrays(test_df, features, label_col: str, width: int):
     """The held-out rows as numpy arrays on the driver (one Spark job; fine for a test split of this size)."""
     from pyspark.sql import functions as F
 
-    from sparkdl.data import features_array
-
-    table = test_df.select(features_array(test_df, features)[0].alias("x"), F.col(label_col).alias("y")).toArrow()
+    table = test_df.select(sparkdl.features_column(test_df, features).alias("x"), F.col(label_col).alias("y")).toArrow()
     x = table.column("x").combine_chunks().flatten().to_numpy(zero_copy_only=False).reshape(-1, width)
     return x, table.column("y").to_numpy()
 
@@ -168,8 +163,6 @@ def build_mlp(width: int, classes: int, learning_rate: float):
 def train(spark, args: argparse.Namespace, digits_split) -> None:
     """Trains, scores and saves; ``digits_split`` is the default data's ``digits()``, None with --data."""
     import numpy as np
-
-    import sparkdl
 
     phase = _output.phase
     features = args.features_col.split(",") if "," in args.features_col else args.features_col
@@ -245,7 +238,7 @@ def main(argv=None) -> int:
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         with _output.phase("session"):
             spark = _spark.spark_session("sparkdl-train", args, conf)
-        probe.start_check(spark, args.num_workers, timeout=600.0)  # fit waits for it
+        sparkdl.check_executors(spark, args.num_workers, wait=False)  # fit waits for it
         loading = pool.submit(load_in_background, args)
         with _output.phase("background"):  # what is left of loading Keras and the data
             digits_split = loading.result()

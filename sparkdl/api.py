@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import numbers
 import secrets
 import threading
 import time
 
 from pyspark.sql import DataFrame
 
-from sparkdl import _compat, data, launch, tracking
+from sparkdl import data, launch, tracking
 from sparkdl.checkpoint import Checkpoint, CheckpointStore
 from sparkdl.data import ColumnSpec
 from sparkdl.keras import serialization
-from sparkdl.keras.runtime import use_tensorflow_backend
 from sparkdl.launch import probe
 from sparkdl.modes.base import Job, Settings
 from sparkdl.modes.registry import MODES as _REGISTRY
 from sparkdl.modes.registry import check_mode_options
 from sparkdl.progress import ProgressMonitor
+from sparkdl.validate import check_callbacks, check_settings, check_validation
 
 logger = logging.getLogger(__name__)
 
@@ -146,9 +145,7 @@ def fit(
         >>> result.history["loss"][-1]
     """
     phases = _Phases()
-    _check_settings(
-        df, model, num_workers=num_workers, epochs=epochs, batch_size=batch_size, timeout=timeout, seed=seed
-    )
+    check_settings(df, model, num_workers=num_workers, epochs=epochs, batch_size=batch_size, timeout=timeout, seed=seed)
     values = check_mode_options(
         mode,
         push_every=push_every,
@@ -159,8 +156,8 @@ def fit(
     )
     runner = _REGISTRY[mode]
     options = runner.configure(mode, model, values)
-    _validation_options(validation_col, validation_split)
-    worker_callbacks = _check_callbacks(callbacks, mode, runner.runs_callbacks)
+    check_validation(validation_col, validation_split)
+    worker_callbacks = check_callbacks(callbacks, mode, runner.runs_callbacks)
     if not isinstance(progress, bool):
         raise ValueError(f"Expected `progress` to be True or False. Received: progress={progress!r}")
     tracking.check_available(tensorboard_dir, log_to_mlflow)
@@ -183,7 +180,19 @@ def fit(
     phases.end("checks")
     workers.wait()
     phases.end("workers")
-    steps = data.steps_per_epoch(training.num_rows, num_workers, batch_size)  # training rows only
+    settings = Settings.for_data(
+        training,
+        num_workers=num_workers,
+        epochs=epochs,
+        batch_size=batch_size,
+        seed=seed,
+        shuffle=shuffle,
+        custom_objects=custom_objects,
+        timeout=timeout,
+        initial_epoch=resumed.epoch if resumed is not None else 0,
+        callbacks=worker_callbacks,
+    )
+    steps = settings.steps_per_epoch  # training rows only
     if resumed is not None and resumed.epoch >= epochs:
         logger.info(
             "sparkdl: %s already holds %d trained epochs (epochs=%d): nothing to train",
@@ -202,20 +211,6 @@ def fit(
             resumed.checkpoint.epoch,
         )
     start = resumed.checkpoint if resumed is not None else Checkpoint(0, serialization.model_to_bytes(model), {}, mode)
-    settings = Settings(
-        shapes=training.shapes,
-        num_workers=num_workers,
-        epochs=epochs,
-        batch_size=batch_size,
-        steps_per_epoch=steps,
-        seed=seed,
-        shuffle=shuffle,
-        custom_objects=custom_objects,
-        timeout=timeout,
-        initial_epoch=start.epoch,
-        validate=training.validation_rows > 0,
-        callbacks=worker_callbacks,
-    )
     logger.info(
         "sparkdl: %s training on %d workers, %d rows (%d held out for validation), %d steps/epoch x %d epochs%s",
         mode,
@@ -357,74 +352,3 @@ def _newest_checkpoint(checkpoints: CheckpointStore | None, model, custom_object
         )
     logger.info("sparkdl: found a checkpoint after epoch %d in %s", latest.epoch, checkpoints.uri)
     return _Resumed(latest, saved)
-
-
-def _check_callbacks(callbacks, mode: str, runs_callbacks: bool) -> tuple:
-    """Keras callbacks that can travel to the workers (they are pickled into the tasks)."""
-    if not callbacks:
-        return ()
-    import keras
-    from pyspark import cloudpickle
-
-    if not runs_callbacks:
-        raise ValueError(
-            f"`callbacks` run inside Keras's fit on the workers, which mode={mode!r} does not use (it "
-            "trains in rounds of train_on_batch). Use mode='sync' or a parameter-server mode, or drop "
-            f"the callbacks. Received: callbacks={callbacks!r}"
-        )
-    if not isinstance(callbacks, (list, tuple)):
-        raise ValueError(f"Expected `callbacks` to be a list of keras.callbacks.Callback. Received: {callbacks!r}")
-    for callback in callbacks:
-        if not isinstance(callback, keras.callbacks.Callback):
-            raise ValueError(
-                f"Expected `callbacks` to hold keras.callbacks.Callback instances. Received: {type(callback).__name__}"
-            )
-        try:
-            cloudpickle.dumps(callback)
-        except Exception as exc:
-            raise ValueError(
-                f"Callback {type(callback).__name__} cannot be sent to the workers (it must be "
-                f"picklable; create resources such as files or clients in its on_train_begin): {exc}"
-            ) from exc
-    return tuple(callbacks)
-
-
-def _validation_options(validation_col, validation_split) -> None:
-    """Checks the validation settings (the column itself is checked against the schema in ``data.plan``)."""
-    if validation_col is not None and validation_split is not None:
-        raise ValueError(
-            "`validation_col` and `validation_split` are mutually exclusive: pass one of them. "
-            f"Received: validation_col={validation_col!r}, validation_split={validation_split!r}"
-        )
-    if validation_col is not None and not isinstance(validation_col, str):
-        raise ValueError(f"Expected `validation_col` to be a column name. Received: validation_col={validation_col!r}")
-    if validation_split is not None and (
-        isinstance(validation_split, bool)
-        or not isinstance(validation_split, numbers.Real)
-        or not 0 < float(validation_split) < 1
-    ):
-        raise ValueError(
-            f"Expected `validation_split` to be a float in (0, 1). Received: validation_split={validation_split!r}"
-        )
-
-
-def _check_settings(df, model, *, num_workers, epochs, batch_size, timeout, seed) -> None:
-    if not isinstance(df, DataFrame):
-        raise ValueError(f"Expected `df` to be a pyspark.sql.DataFrame. Received: {type(df).__name__}")
-    use_tensorflow_backend()
-    import keras
-
-    if not isinstance(model, keras.Model):
-        raise ValueError(f"Expected `model` to be a keras.Model. Received: {type(model).__name__}")
-    if keras.backend.backend() != "tensorflow":
-        raise ValueError(f"Expected the TensorFlow Keras backend. Received: KERAS_BACKEND={keras.backend.backend()!r}")
-    if not _compat.is_compiled(model) or getattr(model, "optimizer", None) is None:
-        raise ValueError("Expected a compiled model: call model.compile(optimizer=..., loss=...) before sparkdl.fit.")
-    _compat.check_model_supported(model)
-    for name, value in (("num_workers", num_workers), ("epochs", epochs), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"Expected `{name}` to be a positive integer. Received: {name}={value!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"Expected `timeout` to be a positive number of seconds. Received: timeout={timeout!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ValueError(f"Expected `seed` to be a non-negative integer or None. Received: seed={seed!r}")

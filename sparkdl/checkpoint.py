@@ -5,7 +5,7 @@ A checkpoint directory is any location ``pyarrow.fs`` reaches: a local path, ``f
 
     epoch-000005.keras   the model: weights, compile settings, optimizer state (loads with keras)
     epoch-000005.npz     extra state as plain arrays (the parameter-server shards' optimizers), optional
-    epoch-000005.json    epoch, history, mode: written last, it is what makes the checkpoint complete
+    epoch-000005.json    epoch, history, mode, step: written last, it is what makes the checkpoint complete
 
 Every file is written under a temporary name and then moved into place, and the ``.json`` goes
 last, so a crash at any moment leaves either the previous complete checkpoint or the new one,
@@ -44,13 +44,19 @@ _TEMPORARY_PREFIX = ".tmp-"
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """The state after ``epoch`` complete epochs."""
+    """The state after ``epoch`` complete epochs.
+
+    ``step``: the global step the state was taken at when that is past the epoch's end (average
+    mode saves the state after the round that finished the epoch, up to ``sync_every - 1`` steps
+    into the next one); None (and in checkpoints written before it existed): the epoch's end.
+    """
 
     epoch: int
     model_bytes: bytes
     history: dict[str, list[float]]
     mode: str
     arrays: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +119,7 @@ class CheckpointStore:
             "history": checkpoint.history,
             "mode": checkpoint.mode,
             "arrays": sorted(checkpoint.arrays),
+            "step": checkpoint.step,
             "written": time.time(),
         }
         self._write(filesystem, path, f"{stem}.json", json.dumps(meta).encode())
@@ -143,7 +150,10 @@ class CheckpointStore:
             with filesystem.open_input_stream(f"{stem}.npz") as f:
                 with np.load(io.BytesIO(f.read()), allow_pickle=False) as archive:
                     arrays = {name: archive[name] for name in meta["arrays"]}
-        return Checkpoint(int(meta["epoch"]), model_bytes, meta["history"], meta["mode"], arrays)
+        step = meta.get("step")
+        return Checkpoint(
+            int(meta["epoch"]), model_bytes, meta["history"], meta["mode"], arrays, None if step is None else int(step)
+        )
 
     @staticmethod
     def _write(filesystem, path: str, name: str, payload: bytes) -> None:
@@ -252,9 +262,11 @@ class Checkpointer:
         for name, value in logs.items():
             self._history.setdefault(name, []).append(value)
 
-    def save(self, epoch: int, model_bytes: bytes, arrays: dict[str, np.ndarray] | None = None) -> None:
+    def save(
+        self, epoch: int, model_bytes: bytes, arrays: dict[str, np.ndarray] | None = None, *, step: int | None = None
+    ) -> None:
         history = {name: list(values) for name, values in self._history.items()}
-        self._writer.save(Checkpoint(epoch, model_bytes, history, self._mode, arrays or {}))
+        self._writer.save(Checkpoint(epoch, model_bytes, history, self._mode, arrays or {}, step))
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -20,7 +20,7 @@ identical rows always land on the same side.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -236,6 +236,19 @@ def features_array(df: DataFrame, features_col: ColumnSpec) -> tuple[Column, lis
     return expr, [name for name, _ in parts]
 
 
+def features_column(df: DataFrame, features_col: ColumnSpec) -> Column:
+    """The features as ``sparkdl.fit`` reads them: ``features_col`` as one ``array<float>`` column.
+
+    ``features_col`` is what ``fit`` takes: a Vector, ``array<numeric>`` or numeric column, or a list
+    of numeric columns (their values in list order). The schema is checked at once (no Spark job);
+    a missing or unsupported column is a ``ValueError`` naming it. For example, the width of the
+    features and the number of classes, in one job::
+
+        row = df.agg(F.max(F.size(sparkdl.features_column(df, ["x1", "x2"]))), F.max("label")).first()
+    """
+    return features_array(df, features_col)[0]
+
+
 def _feature_columns(df: DataFrame, features_col: ColumnSpec) -> list[tuple[str, Column]]:
     if isinstance(features_col, str):
         return [(features_col, _float_array(df, features_col, "features_col")[0])]
@@ -337,22 +350,6 @@ class _Checks:
         return {name: stats[f"min_width_{i}"] for i, name in enumerate(self._columns)}
 
 
-def require_rows(rows_by_worker: dict[int, int]) -> None:
-    """The one "at least one training row per worker" rule of every mode: a worker without rows fails the job.
-
-    ``plan().check`` ensures there are at least as many rows as workers, but Spark's repartition
-    may still leave a partition empty. Every mode refuses that rather than train with fewer
-    workers than asked (sync mode could not: its ranks step in lockstep).
-    """
-    empty = sorted(worker for worker, rows in rows_by_worker.items() if rows == 0)
-    if empty:
-        counts = ", ".join(f"worker {worker}: {rows}" for worker, rows in sorted(rows_by_worker.items()))
-        raise ValueError(
-            f"Expected at least one training row on every worker. Received: no rows on worker(s) "
-            f"{empty} ({counts}). Use fewer workers or more data."
-        )
-
-
 def row_counts(batches: Iterable[pa.RecordBatch]) -> tuple[int, int]:
     """A partition's ``(training rows, held-out validation rows)``, without converting any values."""
     train = held_out = 0
@@ -381,54 +378,3 @@ def arrow_to_numpy(
 def _fixed_width(column: pa.Array, width: int) -> np.ndarray:
     values = column.flatten().to_numpy(zero_copy_only=False)
     return values.astype(np.float32, copy=False).reshape(-1, width)
-
-
-def steps_per_epoch(num_rows: int, num_workers: int, batch_size: int) -> int:
-    """Steps every rank runs per epoch: one pass over the data at the global batch size.
-
-    Ranks must agree on this number or the ring deadlocks, so it depends on the
-    total row count only, never on a partition's own size.
-    """
-    return max(1, -(-num_rows // (num_workers * batch_size)))
-
-
-def epoch_order(num_rows: int, num_samples: int, *, seed: int, rank: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """Row indices a rank trains on in one epoch.
-
-    ``num_samples`` (steps x batch size) may exceed ``num_rows``: the order then
-    continues with further permutations so that every rank runs full batches.
-    """
-    if not shuffle:
-        return np.arange(num_samples) % num_rows
-    rng = np.random.default_rng([seed, rank, epoch])
-    passes = -(-num_samples // num_rows)
-    return np.concatenate([rng.permutation(num_rows) for _ in range(passes)])[:num_samples]
-
-
-def batches(
-    x: np.ndarray,
-    y: np.ndarray,
-    *,
-    batch_size: int,
-    steps: int,
-    seed: int,
-    rank: int,
-    shuffle: bool,
-    start: int,
-    stop: int,
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """The one batch schedule of every mode: the full batches of global steps ``start..stop-1``.
-
-    An epoch is ``steps`` steps over the rank's rows in ``epoch_order`` (reshuffled every epoch), so
-    any range of steps (a resumed fit's remaining epochs, an average-mode round) gives exactly the
-    batches an uninterrupted run gives for those steps.
-    """
-    position = start
-    while position < stop:
-        epoch, first = divmod(position, steps)
-        end = min(stop, (epoch + 1) * steps)
-        order = epoch_order(len(x), steps * batch_size, seed=seed, rank=rank, epoch=epoch, shuffle=shuffle)
-        for step in range(first, end - epoch * steps):
-            index = order[step * batch_size : (step + 1) * batch_size]
-            yield x[index], y[index]
-        position = end

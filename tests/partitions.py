@@ -3,7 +3,7 @@
 import numpy as np
 import pyarrow as pa
 
-from sparkdl import data
+from sparkdl import data, schedule
 from sparkdl._compat import collect_arrow
 
 
@@ -43,7 +43,7 @@ def training_stream(parts, *, batch_size, steps, epochs, seed):
     xs, ys = [], []
     for epoch in range(epochs):
         orders = [
-            data.epoch_order(len(px), steps * batch_size, seed=seed, rank=r, epoch=epoch, shuffle=True)
+            schedule.epoch_order(len(px), steps * batch_size, seed=seed, rank=r, epoch=epoch, shuffle=True)
             for r, (px, _) in enumerate(parts)
         ]
         for step in range(steps):

@@ -9,7 +9,7 @@ from models import make_mlp
 from partitions import partitions_as_fit_sees_them
 
 import sparkdl
-from sparkdl import data
+from sparkdl import data, schedule
 from sparkdl.checkpoint import Checkpoint
 from sparkdl.keras import serialization
 from sparkdl.modes.average import mode as average
@@ -23,20 +23,10 @@ def _small_df(spark, digits, rows=128):
     return digits_frame(spark, x_train[:rows], y_train[:rows]).coalesce(1)
 
 
-def run_average(training, *, model_bytes, num_workers, epochs, batch_size, sync_every, seed, shuffle, custom_objects):
-    """The average mode on its own, as ``fit`` runs it: its model, history and stats."""
-    steps = data.steps_per_epoch(training.num_rows, num_workers, batch_size)
-    settings = Settings(
-        shapes=training.shapes,
-        num_workers=num_workers,
-        epochs=epochs,
-        batch_size=batch_size,
-        steps_per_epoch=steps,
-        seed=seed,
-        shuffle=shuffle,
-        custom_objects=custom_objects,
-    )
-    monitor = ProgressMonitor(epochs=epochs, steps_per_epoch=steps, reporting_ranks=1)
+def run_average(training, *, model_bytes, sync_every, **settings):
+    """The average mode on its own, as ``fit`` runs it (``settings``: ``Settings.for_data``'s): model, history, stats."""
+    settings = Settings.for_data(training, **settings)
+    monitor = ProgressMonitor(epochs=settings.epochs, steps_per_epoch=settings.steps_per_epoch, reporting_ranks=1)
     result = AverageMode().run(
         Job(
             training=training,
@@ -108,7 +98,7 @@ def test_digits_adam_reaches_95_percent(digits_df, digits):
 
     accuracy = float(np.mean(trained.predict(x_test, verbose=0).argmax(axis=1) == y_test))
     assert accuracy >= 0.95, accuracy
-    steps = data.steps_per_epoch(len(digits[0]), 2, b)
+    steps = schedule.steps_per_epoch(len(digits[0]), 2, b)
     assert steps == stats["steps_per_epoch"] == 45
     assert stats["rounds"] == -(-epochs * steps // sync_every)
     assert stats["samples"] == epochs * steps * b * 2
@@ -157,7 +147,7 @@ def test_rounds_longer_than_an_epoch_match_local_simulation(spark, digits):
                 v.assign(s)
             for g in range(start, min(start + sync_every, epochs * steps)):
                 epoch, step = divmod(g, steps)
-                order = data.epoch_order(len(px), steps * b, seed=seed, rank=rank, epoch=epoch, shuffle=True)
+                order = schedule.epoch_order(len(px), steps * b, seed=seed, rank=rank, epoch=epoch, shuffle=True)
                 logs = local.train_on_batch(
                     px[order[step * b : (step + 1) * b]], py[order[step * b : (step + 1) * b]], return_dict=True
                 )

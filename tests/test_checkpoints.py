@@ -111,7 +111,7 @@ def test_sync_survives_a_worker_killed_mid_epoch_and_resumes_from_its_checkpoint
     """Rank 1's Python worker dies hard in its third epoch: Spark retries the barrier stage, which resumes
     from the checkpoint of epoch 2 instead of epoch 0, and ends with the weights of a run without the fault."""
     _, x_test, _, y_test = digits
-    steps = sparkdl.data.steps_per_epoch(digits_df.count(), 2, 16)
+    steps = sparkdl.schedule.steps_per_epoch(digits_df.count(), 2, 16)
     marker = str(tmp_path / "crashed")
     settings = dict(
         num_workers=2,
@@ -192,14 +192,14 @@ def test_server_and_average_modes_checkpoint_and_resume(digits_df, digits, tmp_p
     assert accuracy >= 0.9, (mode, accuracy)  # 5 epochs; the fault test holds a run to a clean one
 
 
-@pytest.mark.slow  # two fits of 12 averaging rounds, each a Spark job
-def test_average_mode_resumes_from_a_checkpoint_taken_mid_round(digits_df, tmp_path):
+@pytest.mark.slow  # three fits of 7 to 9 averaging rounds, each a Spark job
+def test_average_mode_resumes_exactly_from_a_checkpoint_taken_mid_round(digits_df, tmp_path):
     """sync_every=20 does not divide the 45-step epoch: the checkpoint of epoch 2 (step 90) is the averaged state
-    after the round of steps 80..99, 10 steps into epoch 3. A fit that died in epoch 3 resumes from it at the first
-    step of epoch 3, with that state's optimizer (sparkdl/modes/average): the step count runs on from
-    the checkpoint's 100, so the 10 steps already in it are trained again."""
-    settings = dict(num_workers=2, mode="average", batch_size=16, seed=0, sync_every=20, checkpoint_dir=str(tmp_path))
-    first = sparkdl.fit(digits_df, make_mlp(), epochs=3, **settings)
+    after the round of steps 80..99, 10 steps into epoch 3, and says so (step 100). A fit that died in epoch 3
+    resumes at step 100 with that state's optimizer, in the rounds of an uninterrupted fit: its weights are that
+    fit's, and nothing is trained twice."""
+    settings = dict(num_workers=2, mode="average", batch_size=16, seed=0, sync_every=20)
+    first = sparkdl.fit(digits_df, make_mlp(), epochs=3, checkpoint_dir=str(tmp_path), **settings)
     steps = first.steps_per_epoch
     assert steps == 45 and first.stats["rounds"] == -(-3 * steps // 20)
     for name in _files(tmp_path):  # as if the first fit had died during epoch 3
@@ -207,14 +207,41 @@ def test_average_mode_resumes_from_a_checkpoint_taken_mid_round(digits_df, tmp_p
             os.remove(tmp_path / name)
     saved = keras.models.load_model(tmp_path / "epoch-000002.keras")
     assert int(saved.optimizer.iterations.numpy()) == 100  # the round that ended epoch 2 ran on to step 100
-    assert json.loads((tmp_path / "epoch-000002.json").read_text())["epoch"] == 2
+    assert json.loads((tmp_path / "epoch-000002.json").read_text())["step"] == 100
+    assert json.loads((tmp_path / "epoch-000001.json").read_text())["step"] == 60  # round 40..59 ended epoch 1
 
-    resumed = sparkdl.fit(digits_df, make_mlp(), epochs=4, **settings)
+    resumed = sparkdl.fit(digits_df, make_mlp(), epochs=4, checkpoint_dir=str(tmp_path), **settings)
+    whole = sparkdl.fit(digits_df, make_mlp(), epochs=4, **settings)
     assert resumed.initial_epoch == 2 and len(resumed.history["loss"]) == 4
     assert resumed.history["loss"][:2] == pytest.approx(first.history["loss"][:2])
-    assert resumed.stats["steps"] == 2 * 2 * steps and resumed.stats["rounds"] == -(-2 * steps // 20)
-    assert int(resumed.model.optimizer.iterations.numpy()) == 100 + 2 * steps  # afresh, it would be 2 * steps
-    assert resumed.history["loss"][-1] < first.history["loss"][-1]
+    # Steps 100..179 in the rounds 100..119, ..., 160..179 of the uninterrupted fit, each trained once.
+    assert resumed.stats["steps"] == 2 * (4 * steps - 100) and resumed.stats["rounds"] == 4
+    assert int(resumed.model.optimizer.iterations.numpy()) == 4 * steps == int(whole.model.optimizer.iterations)
+    for mine, theirs in zip(resumed.model.get_weights(), whole.model.get_weights()):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    assert resumed.history["loss"][3] == pytest.approx(whole.history["loss"][3], rel=1e-5)  # a whole epoch in both
+
+
+def test_a_checkpoint_without_a_step_resumes_at_its_epoch_start(tmp_path):
+    """Checkpoints written before the step was recorded (and other modes') resume at the epoch's first step; so does
+    one whose step lies outside the epoch (the steps per epoch changed), rather than skip or repeat steps."""
+    from sparkdl.keras import serialization
+    from sparkdl.modes.average.rounds import resume_step
+    from sparkdl.modes.base import Settings
+
+    store = CheckpointStore.open(str(tmp_path))
+    store.save(Checkpoint(2, serialization.model_to_bytes(make_mlp(hidden=(8,))), {"loss": [1.0, 0.5]}, "average"))
+    meta = json.loads((tmp_path / "epoch-000002.json").read_text())
+    del meta["step"]  # the format before this field
+    (tmp_path / "epoch-000002.json").write_text(json.dumps(meta))
+    old = store.latest()
+    assert old.epoch == 2 and old.step is None
+    settings = Settings(
+        shapes=None, num_workers=2, epochs=4, batch_size=16, steps_per_epoch=45, seed=0, initial_epoch=2
+    )
+    assert resume_step(settings, old.step) == 90
+    assert resume_step(settings, 100) == 100
+    assert resume_step(settings, 140) == 90  # not in epoch 2's steps 90..134
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import traceback
 
 import numpy as np
 import pytest
+from connect_server import spark_connect_server
 
 # A real Spark Connect server and a client process: the slow command.
 pytestmark = pytest.mark.slow
@@ -32,7 +32,6 @@ except ImportError as missing:
         allow_module_level=True,
     )
 
-_SERVER_START_SECONDS = 240  # a cold JVM on a busy 2-core machine
 _CLIENT_SECONDS = 540
 _MODES = ("sync", "async", "hogwild", "ssp", "average")
 _ROWS, _WORKERS, _EPOCHS, _BATCH = 320, 2, 2, 32
@@ -278,67 +277,11 @@ def _client(url: str, out: str) -> None:
 # The server and the tests (pytest process)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _log_tail(path: str, lines: int = 40) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
-
-
 @pytest.fixture(scope="module")
 def connect_server(tmp_path_factory):
     """A Spark Connect server on ``local[2]`` (its own JVM and Python workers), stopped after the module."""
-    port = _free_port()
-    log = str(tmp_path_factory.mktemp("connect") / "server.log")
-    spark_submit = os.path.join(os.path.dirname(sys.executable), "spark-submit")
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
-    command = [
-        spark_submit,
-        "--class",
-        "org.apache.spark.sql.connect.service.SparkConnectServer",
-        "--master",
-        "local[2]",
-        "--conf",
-        f"spark.connect.grpc.binding.port={port}",
-        "--conf",
-        "spark.connect.grpc.binding.address=127.0.0.1",
-        "--conf",
-        "spark.driver.host=127.0.0.1",
-        "--conf",
-        "spark.ui.enabled=false",
-        "--conf",
-        "spark.sql.shuffle.partitions=4",
-        "spark-internal",
-    ]
-    with open(log, "w") as output:
-        server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + _SERVER_START_SECONDS
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"The Spark Connect server exited with {server.returncode}:\n{_log_tail(log)}")
-            with socket.socket() as probe:
-                probe.settimeout(1.0)
-                if probe.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(
-                    f"The Spark Connect server did not accept connections on port {port} within "
-                    f"{_SERVER_START_SECONDS} s:\n{_log_tail(log)}"
-                )
-            time.sleep(1.0)
-        yield {"url": f"sc://127.0.0.1:{port}", "pid": server.pid, "log": log}
-    finally:
-        os.killpg(server.pid, 15)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, 9)
-            server.wait(timeout=30)
+    with spark_connect_server(tmp_path_factory.mktemp("connect"), conf=("spark.sql.shuffle.partitions=4",)) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from connect_server import spark_connect_server
 
 # Each test starts its own Spark (spark-submit, local-cluster, a Connect server): the slow command.
 pytestmark = pytest.mark.slow
@@ -33,7 +33,8 @@ import _spark  # noqa: E402
 import predict  # noqa: E402
 import train  # noqa: E402
 
-from sparkdl.api import MODES  # noqa: E402
+import sparkdl  # noqa: E402
+from sparkdl import MODES  # noqa: E402
 
 
 def run_job(command, cwd, expect_rc=0, timeout=600):
@@ -442,14 +443,17 @@ def test_predict_job_scores_every_row_of_a_parquet_dataset(tmp_path, digits, dig
     np.testing.assert_allclose(probability, expected, atol=1e-5)
 
 
-def test_predict_job_assembles_a_column_list_and_names_a_bad_column(spark):
-    df = spark.createDataFrame([(1.5, 2, True, "a")], "x double, n int, b boolean, s string")
-    (row,) = df.select(predict.features_array(df, ["n", "x", "b"]).alias("f")).collect()
+def test_the_jobs_assemble_a_column_list_as_fit_does_and_name_a_bad_column(spark):
+    """The jobs read `--features-col` through the public sparkdl.features_column, as fit reads `features_col`."""
+    df = spark.createDataFrame([(1.5, 2, True, "a", [3, 4])], "x double, n int, b boolean, s string, a array<int>")
+    (row,) = df.select(sparkdl.features_column(df, ["n", "x", "b"]).alias("f")).collect()
     assert row.f == [2.0, 1.5, 1.0]
+    (row,) = df.select(sparkdl.features_column(df, "a").alias("f")).collect()
+    assert row.f == [3.0, 4.0]
     with pytest.raises(ValueError, match=r"Column 'nope' given as `features_col` is not in the DataFrame"):
-        predict.features_array(df, ["x", "nope"])
-    with pytest.raises(ValueError, match=r"column 's' is string"):
-        predict.features_array(df, ["x", "s"])
+        sparkdl.features_column(df, ["x", "nope"])
+    with pytest.raises(ValueError, match=r"Expected column 's' \(`features_col`\) to be numeric"):
+        sparkdl.features_column(df, ["x", "s"])
 
 
 def test_predict_job_checks_data_model_and_output_before_starting_spark(tmp_path, capsys, digits_model):
@@ -490,47 +494,9 @@ def test_predict_job_checks_data_model_and_output_before_starting_spark(tmp_path
 
 @pytest.fixture
 def connect_server(tmp_path):
-    """A Spark Connect server (local[2]) in its own process, as spark-submit starts one; stopped afterwards."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path / "server.log", "w")
-    server = subprocess.Popen(
-        [
-            SPARK_SUBMIT,
-            "--class",
-            "org.apache.spark.sql.connect.service.SparkConnectServer",
-            "--master",
-            "local[2]",
-            "--conf",
-            f"spark.connect.grpc.binding.port={port}",
-            "--conf",
-            "spark.connect.grpc.binding.address=127.0.0.1",
-            "--conf",
-            "spark.driver.host=127.0.0.1",
-            "--conf",
-            "spark.ui.enabled=false",
-            "spark-internal",
-        ],
-        cwd=tmp_path,
-        env={**os.environ, "PYSPARK_PYTHON": sys.executable},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
-                time.sleep(0.5)
-        yield f"sc://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
+    """A Spark Connect server (local[2]) in its own process, as spark-submit starts one; its log in ``tmp_path``."""
+    with spark_connect_server(tmp_path) as server:
+        yield server["url"]
 
 
 @pytest.mark.skipif(

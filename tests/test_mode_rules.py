@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from sparkdl import api, data
+from sparkdl import api, schedule
 from sparkdl.metrics import combine_logs
 from sparkdl.modes.base import Mode
 from sparkdl.modes.registry import MODES, check_mode_options
@@ -41,11 +41,11 @@ def test_any_range_of_steps_gets_the_batches_of_the_uninterrupted_schedule():
     x = np.arange(10, dtype=np.float32).reshape(-1, 1)
     y = np.arange(10, dtype=np.float32)
     settings = dict(batch_size=3, steps=4, seed=5, rank=1, shuffle=True)
-    whole = [b for _, b in data.batches(x, y, start=0, stop=12, **settings)]
+    whole = [b for _, b in schedule.batches(x, y, start=0, stop=12, **settings)]
     pieces = [
         b
         for start, stop in ((0, 5), (5, 8), (8, 12))
-        for _, b in data.batches(x, y, start=start, stop=stop, **settings)
+        for _, b in schedule.batches(x, y, start=start, stop=stop, **settings)
     ]
     assert len(whole) == 12 and all(len(b) == 3 for b in whole)
     for a, b in zip(whole, pieces, strict=True):
@@ -54,6 +54,6 @@ def test_any_range_of_steps_gets_the_batches_of_the_uninterrupted_schedule():
 
 
 def test_a_worker_without_training_rows_is_an_error_naming_it():
-    data.require_rows({0: 5, 1: 1})
+    schedule.require_rows({0: 5, 1: 1})
     with pytest.raises(ValueError, match=r"no rows on worker\(s\) \[1\] \(worker 0: 5, worker 1: 0\)"):
-        data.require_rows({0: 5, 1: 0})
+        schedule.require_rows({0: 5, 1: 0})

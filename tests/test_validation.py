@@ -196,10 +196,10 @@ def test_bad_validation_data(spark, rows, kwargs, message):
 
 def test_average_mode_attributes_each_epoch_to_the_next_averaged_model():
     settings = Settings(shapes=None, num_workers=2, epochs=3, batch_size=8, steps_per_epoch=18, seed=0, validate=True)
-    job = Rounds(settings, token="t", sync_every=7)
+    job = Rounds(settings, token="t", sync_every=7, first_step=0)
     finished = {r: list(job.epochs_finished(r)) for r in range(8)}
     assert finished == {0: [], 1: [], 2: [0], 3: [], 4: [], 5: [1], 6: [], 7: [2]}  # epoch ends 18, 36, 54
-    long_rounds = Rounds(settings, token="t", sync_every=40)  # rounds [0,40) [40,54): epochs 0, 1 / 2
+    long_rounds = Rounds(settings, token="t", sync_every=40, first_step=0)  # rounds [0,40) [40,54): epochs 0, 1 / 2
     assert [list(long_rounds.epochs_finished(r)) for r in range(2)] == [[0, 1], [2]]
 
 

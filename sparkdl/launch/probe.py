@@ -73,6 +73,25 @@ def use_driver_python(spark) -> None:
         sc.pythonExec = wanted
 
 
+def check_executors(spark, num_workers: int, *, timeout: float = 600.0, wait: bool = True) -> PendingCheck:
+    """Checks that the executors' Python can run sparkdl's training tasks, and loads TensorFlow there.
+
+    ``fit`` runs this check itself; calling it first, right after the session starts, overlaps it
+    with the driver's own work (``wait=False`` returns at once: ``fit``, or ``.wait()``, waits for
+    this same check). A missing module raises :class:`WorkerEnvironmentError` naming it, the
+    executors' interpreter and the fix::
+
+        spark = SparkSession.builder.getOrCreate()
+        sparkdl.check_executors(spark, num_workers=2, wait=False)
+        ...  # read the data, build the model
+        sparkdl.fit(df, model, num_workers=2)
+    """
+    pending = start_check(spark, num_workers, timeout)
+    if wait:
+        pending.wait()
+    return pending
+
+
 def check_workers(spark, num_workers: int, timeout: float, modules: tuple = TRAINING_MODULES) -> None:
     """Runs the probe (unless it already passed for this session and interpreter) and waits; raises if it fails."""
     start_check(spark, num_workers, timeout, modules).wait()

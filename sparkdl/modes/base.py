@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from sparkdl import data
+from sparkdl import data, schedule
 from sparkdl.checkpoint import Checkpoint, CheckpointStore
 from sparkdl.progress import ProgressMonitor
 
@@ -42,9 +42,26 @@ class Settings:
     validate: bool = False  # rows are held out: the workers evaluate them at every epoch end
     callbacks: tuple = ()  # the user's Keras callbacks (modes with ``runs_callbacks`` only)
 
+    @classmethod
+    def for_data(
+        cls, training: data.TrainingData, *, num_workers: int, epochs: int, batch_size: int, seed: int, **rest
+    ) -> Settings:
+        """The settings of a fit over ``training``: its shapes, steps per epoch from its training rows
+        (:func:`sparkdl.schedule.steps_per_epoch`), and validation when it holds rows out."""
+        return cls(
+            shapes=training.shapes,
+            num_workers=num_workers,
+            epochs=epochs,
+            batch_size=batch_size,
+            steps_per_epoch=schedule.steps_per_epoch(training.num_rows, num_workers, batch_size),
+            seed=seed,
+            validate=training.validation_rows > 0,
+            **rest,
+        )
+
     def batches(self, x: np.ndarray, y: np.ndarray, rank: int, start: int | None = None, stop: int | None = None):
         """Rank ``rank``'s batches of global steps ``start..stop-1`` (default: the epochs left to train)."""
-        return data.batches(
+        return schedule.batches(
             x,
             y,
             batch_size=self.batch_size,

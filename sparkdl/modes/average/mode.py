@@ -85,6 +85,7 @@ from sparkdl.modes.average.deltas import RoundDeltas
 from sparkdl.modes.average.task import METRICS_SCHEMA, evaluate_task, read, round_task, state_variables
 from sparkdl.modes.base import Job, Mode, ModeResult, Option
 from sparkdl.progress import ProgressMonitor
+from sparkdl.schedule import require_rows
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +123,9 @@ class AverageMode(Mode):
         """Trains in rounds from ``job.start``; the model returned holds the averaged weights and optimizer state.
 
         A checkpoint is the averaged state after the round in which its epoch ended, so it may
-        already hold up to ``sync_every - 1`` steps of the next epoch; a resumed fit starts at the
-        first step of that epoch. ``history[name][epoch]`` is the sample-weighted mean over workers
+        already hold up to ``sync_every - 1`` steps of the next epoch; it records that step, and a
+        resumed fit continues from it with the same rounds as an uninterrupted fit (the resumed
+        epoch's training metrics then cover the steps after it). ``history[name][epoch]`` is the sample-weighted mean over workers
         of the training metric over that epoch's steps (like sync mode's history). ``stats`` holds
         ``rounds``, ``samples``, ``steps``, ``delta_bytes`` (summed over the tasks whose updates
         were merged), ``contributions`` (task deltas averaged, ``rounds * num_workers`` when nothing
@@ -135,7 +137,9 @@ class AverageMode(Mode):
         settings = job.settings
         spark = job.training.frame.sparkSession
         sync_every = job.options.sync_every or schedule.recommended_sync_every(settings.steps_per_epoch)
-        rounds = schedule.Rounds(settings, secrets.token_hex(16), sync_every)
+        rounds = schedule.Rounds(
+            settings, secrets.token_hex(16), sync_every, schedule.resume_step(settings, job.start.step)
+        )
         model = serialization.model_from_bytes(job.start.model_bytes, settings.custom_objects)
         variables = state_variables(model)
         state = [read(v) for v in variables]
@@ -265,7 +269,7 @@ class _EpochPublisher:
         self._model = model
         self._variables = variables
         self._metrics = metrics
-        self._waiting: tuple[range, list] | None = None  # epochs whose val_* metrics are not in yet, their state
+        self._waiting: tuple[range, list, int] | None = None  # epochs awaiting val_* metrics, their state, its step
         self._samples_per_second = 0.0
 
     def round_done(self, round_index: int, state: list, seconds: float) -> None:
@@ -283,9 +287,9 @@ class _EpochPublisher:
         finished = self._rounds.epochs_finished(round_index)
         if settings.validate:
             self.finish()
-            self._waiting = (finished, state) if len(finished) else None
+            self._waiting = (finished, state, stop) if len(finished) else None
         elif len(finished):
-            self._publish(finished, state)
+            self._publish(finished, state, stop)
 
     def finish(self) -> None:
         """Publishes the epochs still waiting for their validation metrics."""
@@ -293,7 +297,8 @@ class _EpochPublisher:
             waiting, self._waiting = self._waiting, None
             self._publish(*waiting)
 
-    def _publish(self, epochs: range, state: list) -> None:
+    def _publish(self, epochs: range, state: list, step: int) -> None:
+        """Epochs ``epochs`` are complete; ``state`` is the averaged state at global ``step``."""
         history = self._metrics.history(epochs)
         for index, epoch in enumerate(epochs):
             logs = {name: values[index] for name, values in history.items()}
@@ -302,7 +307,10 @@ class _EpochPublisher:
                 self._checkpointer.record(logs)
         if self._checkpointer is not None:
             _assign(self._variables, state)
-            self._checkpointer.save(epochs[-1] + 1, serialization.model_to_bytes(self._model))
+            end = (epochs[-1] + 1) * self._rounds.settings.steps_per_epoch
+            self._checkpointer.save(
+                epochs[-1] + 1, serialization.model_to_bytes(self._model), step=step if step != end else None
+            )
 
 
 def _assign(variables: list, values: list) -> None:
@@ -326,5 +334,5 @@ def _rows_per_partition(frame, num_workers: int) -> tuple[list[int], list[int]]:
     held_out_by_partition = dict(zip(partitions, table.column("validation_rows").to_pylist()))
     rows = [int(by_partition.get(p, 0)) for p in range(num_workers)]
     held_out = [int(held_out_by_partition.get(p, 0)) for p in range(num_workers)]
-    data.require_rows(dict(enumerate(rows)))
+    require_rows(dict(enumerate(rows)))
     return rows, held_out

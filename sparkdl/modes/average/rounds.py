@@ -22,11 +22,7 @@ class Rounds:
     settings: Settings
     token: str  # names the job's model in the workers' cache
     sync_every: int
-
-    @property
-    def first_step(self) -> int:
-        """The global step training starts at: 0, or a resumed checkpoint's epoch end."""
-        return self.settings.initial_epoch * self.settings.steps_per_epoch
+    first_step: int  # the global step training starts at: 0, or the step a resumed checkpoint's state was taken at
 
     @property
     def total_steps(self) -> int:
@@ -89,3 +85,29 @@ def recommended_sync_every(steps_per_epoch: int) -> int:
     compared to a Spark job, shorter for partitions that differ in distribution.
     """
     return max(1, -(-steps_per_epoch // 2))
+
+
+def resume_step(settings: Settings, saved_step: int | None) -> int:
+    """The global step to resume at: where the checkpoint's state was taken, when that is inside its next epoch.
+
+    The state after the round that finished epoch ``initial_epoch - 1`` already holds the first
+    steps of epoch ``initial_epoch``: resuming at that round's end continues the uninterrupted
+    run's rounds exactly. A checkpoint without the step (older, or another mode's) resumes at the
+    epoch's start; so does one whose step does not fall in that epoch (the rows or ``num_workers``
+    changed, so the steps per epoch did), which is logged.
+    """
+    epoch_start = settings.initial_epoch * settings.steps_per_epoch
+    if saved_step is None or saved_step == epoch_start:
+        return epoch_start
+    if epoch_start < saved_step < epoch_start + settings.steps_per_epoch:
+        return saved_step
+    logger.warning(
+        "sparkdl: the checkpoint's state was taken at step %d, outside epoch %d (steps %d..%d at %d steps per "
+        "epoch: the data or num_workers changed); resuming at the epoch's first step",
+        saved_step,
+        settings.initial_epoch,
+        epoch_start,
+        epoch_start + settings.steps_per_epoch - 1,
+        settings.steps_per_epoch,
+    )
+    return epoch_start

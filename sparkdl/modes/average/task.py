@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from sparkdl import _compat, data
+from sparkdl import _compat, schedule
 from sparkdl.keras import serialization
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
 from sparkdl.launch.task_context import partition_id
@@ -70,7 +70,7 @@ def round_task(
     settings = rounds.settings
     x, y, x_val, y_val = settings.shapes.split_numpy(batches)
     rank = partition_id()
-    data.require_rows({rank: len(x)})
+    schedule.require_rows({rank: len(x)})
     cached, state = _load_state(rounds, model_broadcast, state_broadcast)
     rows = _empty_rows()
     if settings.validate and round_index > 0:  # the state just set is the averaged model after the last round's epochs

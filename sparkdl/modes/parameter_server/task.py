@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import numpy as np
 import pyarrow as pa
 
-from sparkdl import data
+from sparkdl import schedule
 from sparkdl.keras import callbacks, serialization
 from sparkdl.keras.optimizer_hooks import fused_numpy_call, intercept_apply
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
@@ -97,7 +97,7 @@ def run_parameter_server_task(
     settings = task.settings
     rank = partition_id()
     x, y, x_val, y_val = settings.shapes.split_numpy(batches)
-    data.require_rows({rank: len(x)})
+    schedule.require_rows({rank: len(x)})
     limit_threads_to_task_cpus()
     model = serialization.model_from_bytes(task.model_bytes, settings.custom_objects)
     model.jit_compile = False  # the exchange runs through tf.numpy_function, which XLA cannot compile

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import numpy as np
 import pyarrow as pa
 
-from sparkdl import data
+from sparkdl import schedule
 from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore
 from sparkdl.keras import callbacks, serialization
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
@@ -48,7 +48,7 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
         # the same decisions below (raise, validate, how to weigh validation metrics) with no further talk.
         counts = comm.allgather(np.array([len(x), len(x_val)], np.int64))
         rows, validation_rows = counts[:, 0], counts[:, 1]
-        data.require_rows(dict(enumerate(rows.tolist())))
+        schedule.require_rows(dict(enumerate(rows.tolist())))
         if settings.validate and validation_rows.sum() == 0:
             raise ValueError("No worker partition got a validation row: the validation set is empty.")
         limit_threads_to_task_cpus()
