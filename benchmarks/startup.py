@@ -114,7 +114,7 @@ def job_kind(job: dict) -> str:
     site = job["site"]
     if "sparkdl-probe" in job["tags"] or "probe.py" in site:
         return "probe"
-    if "sparkdl/data.py" in site:
+    if "sparkdl/data/" in site:
         return "data.py"
     if "sparkdl/" in site:
         return "training"
@@ -124,7 +124,7 @@ def job_kind(job: dict) -> str:
 def phases(run: dict) -> dict:
     """The phase table's figures (seconds) for one run.
 
-    fit's checks are the ``sparkdl/data.py`` jobs right before the training stage (the job calls
+    fit's checks are the ``sparkdl/data/`` checks job right before the training stage (the job calls
     ``data.prepare`` itself too, before fit and for scoring; with adaptive execution one aggregate
     shows as two Spark jobs). The probe runs in the background and is listed with the jobs.
     """

@@ -58,7 +58,8 @@ def fit(
     model,
     *,
     features_col: ColumnSpec = "features",
-    label_col: str = "label",
+    label_col: ColumnSpec = "label",
+    sample_weight_col: str | None = None,
     num_workers: int = 2,
     mode: str = "sync",
     epochs: int = 1,
@@ -97,8 +98,16 @@ def fit(
     Args:
         df: the training data.
         model: a compiled ``keras.Model`` (TensorFlow backend); it is left untouched.
-        features_col: a Vector column, an ``array<numeric>`` column, or a list of numeric columns.
-        label_col: a numeric column (or a Vector/array column for multi-output targets).
+        features_col: the model's input: a number, Vector, (nested) number array or image column
+            (Spark's image source), or a list of number columns; for a model with several inputs, a
+            mapping from input name to one of those. Each row is reshaped to its input's shape (flat
+            rows of the input's size, or nested arrays of its shape); integer columns reach integer
+            inputs as integers (ids stay exact); see docs/data.md.
+        label_col: the target: a number, Vector or (nested) array column, or a list of number
+            columns; for a model with several outputs, a mapping from output name to one of those.
+            Integer columns arrive as int64, others as float32.
+        sample_weight_col: a number column (>= 0) weighting each row's loss, as Keras's
+            ``sample_weight`` does (weighted metrics follow Keras: ``compile(weighted_metrics=...)``).
         num_workers: Spark tasks that train together; at most the cluster's task slots.
         epochs: passes over the whole DataFrame.
         batch_size: rows per worker per step.
@@ -171,8 +180,15 @@ def fit(
     )
     seed = secrets.randbelow(2**31) if seed is None else seed
     planned = data.plan(
-        df, features_col, label_col, validation_col=validation_col, validation_split=validation_split, seed=seed
-    )  # the columns: no Spark job yet
+        df,
+        model,
+        features_col,
+        label_col,
+        sample_weight_col=sample_weight_col,
+        validation_col=validation_col,
+        validation_split=validation_split,
+        seed=seed,
+    )  # the columns, matched to the model's inputs and outputs: no Spark job yet
     # The executors' Python is checked (and TensorFlow loaded into it) while the driver checks the rows.
     workers = probe.start_check(df.sparkSession, num_workers, timeout)
     phases.end("slots")

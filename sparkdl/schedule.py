@@ -52,8 +52,7 @@ def epoch_order(num_rows: int, num_samples: int, *, seed: int, rank: int, epoch:
 
 
 def batches(
-    x: np.ndarray,
-    y: np.ndarray,
+    num_rows: int,
     *,
     batch_size: int,
     steps: int,
@@ -62,8 +61,8 @@ def batches(
     shuffle: bool,
     start: int,
     stop: int,
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """The one batch schedule of every mode: the full batches of global steps ``start..stop-1``.
+) -> Iterator[np.ndarray]:
+    """The one batch schedule of every mode: the row indices of each batch of global steps ``start..stop-1``.
 
     An epoch is ``steps`` steps over the rank's rows in ``epoch_order`` (reshuffled every epoch), so
     any range of steps (a resumed fit's remaining epochs, an average-mode round) gives exactly the
@@ -73,8 +72,7 @@ def batches(
     while position < stop:
         epoch, first = divmod(position, steps)
         end = min(stop, (epoch + 1) * steps)
-        order = epoch_order(len(x), steps * batch_size, seed=seed, rank=rank, epoch=epoch, shuffle=shuffle)
+        order = epoch_order(num_rows, steps * batch_size, seed=seed, rank=rank, epoch=epoch, shuffle=shuffle)
         for step in range(first, end - epoch * steps):
-            index = order[step * batch_size : (step + 1) * batch_size]
-            yield x[index], y[index]
+            yield order[step * batch_size : (step + 1) * batch_size]
         position = end

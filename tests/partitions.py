@@ -7,8 +7,9 @@ from sparkdl import data, schedule
 from sparkdl._compat import collect_arrow
 
 
-def partitions_as_fit_sees_them(frame, num_workers, feature_width):
-    """Each barrier task's rows in order, read back through the same repartition that fit uses."""
+def partitions_as_fit_sees_them(training, num_workers):
+    """Each barrier task's training rows ``(x, y)`` in order, read back through the same repartition that fit uses."""
+    columns = [field.column for field in training.layout.fields]
 
     def tag(batches):
         from pyspark import TaskContext
@@ -19,21 +20,21 @@ def partitions_as_fit_sees_them(frame, num_workers, feature_width):
                 [
                     pa.array([TaskContext.get().partitionId()] * n, pa.int32()),
                     pa.array(range(n), pa.int32()),
-                    batch.column(data.FEATURES),
-                    batch.column(data.LABEL),
+                    *(batch.column(c) for c in columns),
                 ],
-                names=["part", "pos", data.FEATURES, data.LABEL],
+                names=["part", "pos", *columns],
             )
 
-    schema = f"part int, pos int, {data.FEATURES} array<float>, {data.LABEL} array<float>"
+    frame = training.frame.select(*columns)
+    schema = ", ".join(["part int", "pos int"] + [f"{f.name} {f.dataType.simpleString()}" for f in frame.schema.fields])
     table = collect_arrow(frame.repartition(num_workers).mapInArrow(tag, schema)).sort_by(
         [("part", "ascending"), ("pos", "ascending")]
     )
     parts = []
     for rank in range(num_workers):
         rows = table.filter(pa.compute.equal(table.column("part"), rank))
-        x, y = data.arrow_to_numpy(rows.to_batches(), feature_width, 1)
-        parts.append((x, y.reshape(-1)))
+        train, _ = data.read_partition(training.layout, rows.to_batches())
+        parts.append(train.all())
     return parts
 
 

@@ -51,7 +51,7 @@ def test_sgd_every_step_equals_sync_mode(spark, digits):
     make = lambda: make_mlp(hidden=(32,), optimizer=keras.optimizers.SGD(0.1), seed=1)
 
     synced = sparkdl.fit(df, make(), num_workers=2, mode="sync", epochs=epochs, batch_size=b, seed=seed)
-    training = data.prepare(df, "features", "label", 2)
+    training = data.prepare(df, make(), "features", "label", 2)
     trained, history, stats = run_average(
         training,
         model_bytes=serialization.model_to_bytes(make()),
@@ -83,7 +83,7 @@ def test_digits_adam_reaches_95_percent(digits_df, digits):
     _, x_test, _, y_test = digits
     epochs, b, sync_every = 12, 16, 23  # 24 rounds, the last one 11 steps
     model = make_mlp()
-    training = data.prepare(digits_df, "features", "label", 2)
+    training = data.prepare(digits_df, model, "features", "label", 2)
     trained, history, stats = run_average(
         training,
         model_bytes=serialization.model_to_bytes(model),
@@ -118,7 +118,7 @@ def test_rounds_longer_than_an_epoch_match_local_simulation(spark, digits):
     df = _small_df(spark, digits)
     b, epochs, seed, sync_every = 8, 3, 3, 10
     make = lambda: make_mlp(hidden=(16,), optimizer=keras.optimizers.Adam(0.01), seed=2)
-    training = data.prepare(df, "features", "label", 2)
+    training = data.prepare(df, make(), "features", "label", 2)
     trained, history, stats = run_average(
         training,
         model_bytes=serialization.model_to_bytes(make()),
@@ -134,7 +134,7 @@ def test_rounds_longer_than_an_epoch_match_local_simulation(spark, digits):
     assert stats["rounds"] == 3 and stats["steps"] == 2 * epochs * steps and stats["samples"] == 2 * epochs * steps * b
 
     # The same schedule in this process: two local models, averaged after every round.
-    parts = partitions_as_fit_sees_them(training.frame, 2, 64)
+    parts = partitions_as_fit_sees_them(training, 2)
     local = make()
     local.optimizer.build(local.trainable_variables)
     variables = list(local.weights) + list(local.optimizer.variables)
@@ -174,7 +174,7 @@ def test_failed_attempts_are_not_double_counted(spark, digits, monkeypatch, tmp_
     master = spark.sparkContext.master
     assert master.startswith("local[") and master.count(",") == 1, f"needs task retries, local[N,F]: {master}"
     df = _small_df(spark, digits, rows=64)
-    training = data.prepare(df, "features", "label", 2)
+    training = data.prepare(df, make_mlp(hidden=(8,)), "features", "label", 2)
     settings = dict(num_workers=2, epochs=1, batch_size=8, sync_every=2, seed=0, shuffle=True, custom_objects=None)
     model_bytes = serialization.model_to_bytes(make_mlp(hidden=(8,), optimizer=keras.optimizers.SGD(0.1)))
     clean, _, clean_stats = run_average(training, model_bytes=model_bytes, **settings)

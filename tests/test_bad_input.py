@@ -100,7 +100,7 @@ def test_not_a_dataframe():
             "f",
             r"Column 'f' is ragged: rows have between 2 and 3 values",
         ),
-        ([([], 1), ([], 0)], "f array<double>, label int", "f", r"Column 'f' holds empty vectors"),
+        ([([], 1), ([], 0)], "f array<double>, label int", "f", r"Column 'f' holds empty arrays"),
         ([([0.1, 0.2], None), ([0.1, 0.2], 0)], "f array<double>, label int", "f", r"Column 'label' has 1 null rows"),
         (
             [([0.1, 0.2], float("nan")), ([0.1, 0.2], 0.0)],

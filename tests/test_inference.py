@@ -236,7 +236,10 @@ def test_schema_errors_are_raised_on_the_driver(spark, frames):
     _assert_fails_before_any_job(spark, r"column 'features' is array<float>", df, features_col=["id", "features"])
     cols, _ = frames["columns"]
     _assert_fails_before_any_job(
-        spark, r"`features_col` lists 3 columns .* the model expects 64 values", cols, features_col=COLUMNS[:3]
+        spark,
+        r"Column \[.c0., .c1., .c2.\] \(`features_col`\) holds rows of 3 values; .* takes 64 values per row",
+        cols,
+        features_col=COLUMNS[:3],
     )
     _assert_fails_before_any_job(
         spark, r"Output column 'label' \(`prediction_col`\) already exists", df, prediction_col="label"
@@ -255,22 +258,22 @@ def _action_error(df, model, **kwargs):
 def test_wrong_width_fails_the_task_with_a_clear_message(spark):
     df = spark.createDataFrame([([1.0, 2.0, 3.0],)] * 5, "features array<double>")
     message = _action_error(df, _dense_model(1), features_col="features")
-    assert "Column 'features' has rows with 3 values; the model expects 64" in message
+    assert "Column 'features' (`features_col`) holds rows of 3 values; the model's input" in message
 
 
 def test_null_and_nan_features_fail_the_task_with_a_clear_message(spark):
     model = _dense_model(1)
     good = [float(i) for i in range(WIDTH)]
     df = spark.createDataFrame([(good,), (None,), (good,)], "features array<float>")
-    assert "Column 'features' has null rows" in _action_error(df, model, features_col="features")
+    assert "Column 'features' (`features_col`) has null rows" in _action_error(df, model, features_col="features")
 
     columns = spark.createDataFrame(
         [tuple(good), tuple(good[:7] + [None] + good[8:])], ", ".join(f"{c} double" for c in COLUMNS)
     )
-    assert "Column 'c7' has null rows" in _action_error(columns, model, features_col=COLUMNS)
+    assert "Column 'c7' (`features_col`) has null rows" in _action_error(columns, model, features_col=COLUMNS)
     columns = spark.createDataFrame(
         [tuple(good), tuple(good[:9] + [float("nan")] + good[10:])], ", ".join(f"{c} double" for c in COLUMNS)
     )
-    assert "Column 'c9' has rows containing NaN or infinite values" in _action_error(
+    assert "Column 'c9' (`features_col`) has rows containing NaN or infinite values" in _action_error(
         columns, model, features_col=COLUMNS
     )

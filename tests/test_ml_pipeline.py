@@ -216,8 +216,8 @@ def test_cross_validator_over_two_settings_and_copies_share_no_trained_state(dig
 
 # Each Param set to a value that differs from its default, and the fit argument it must become.
 EVERY_PARAM = {
-    "featuresCol": ("f", "features_col", "f"),
-    "labelCol": ("y", "label_col", "y"),
+    "featuresCol": ({"x": ["a", "b"]}, "features_col", {"x": ["a", "b"]}),
+    "labelCol": (("y",), "label_col", ["y"]),
     "numWorkers": (1, "num_workers", 1),
     "mode": ("ssp", "mode", "ssp"),
     "epochs": (4, "epochs", 4),
@@ -237,6 +237,7 @@ EVERY_PARAM = {
     "seed": (7, "seed", 7),
     "backend": ("horovod", "backend", "horovod"),
     "customObjects": ({"Scale": Scale}, "custom_objects", {"Scale": Scale}),
+    "weightCol": ("w", "sample_weight_col", "w"),
 }
 OUTPUT_PARAMS = {"model", "predictionCol", "probabilityCol", "rawPredictionCol"}  # not fit settings
 

@@ -24,7 +24,7 @@ def test_async_one_worker_push_every_step_equals_sequential_training(spark, digi
 
     result = sparkdl.fit(df, model, num_workers=1, mode="async", push_every=1, epochs=epochs, batch_size=b, seed=seed)
 
-    parts = partitions_as_fit_sees_them(data.prepare(df, "features", "label", 1).frame, 1, 64)
+    parts = partitions_as_fit_sees_them(data.prepare(df, reference, "features", "label", 1), 1)
     x_seen, y_seen = training_stream(parts, batch_size=b, steps=result.steps_per_epoch, epochs=epochs, seed=seed)
     reference.fit(x_seen, y_seen, batch_size=b, epochs=1, shuffle=False, verbose=0)
     for got, want in zip(result.model.get_weights(), reference.get_weights()):
@@ -82,7 +82,7 @@ def test_two_async_workers_each_push_is_applied_once_at_full_scale(spark, digits
     result = sparkdl.fit(df, model, num_workers=2, mode="async", epochs=1, batch_size=32, seed=1)
 
     assert result.steps_per_epoch == 1 and result.stats["pushes"] == 2
-    (xa, ya), (xb, yb) = partitions_as_fit_sees_them(data.prepare(df, "features", "label", 2).frame, 2, 64)
+    (xa, ya), (xb, yb) = partitions_as_fit_sees_them(data.prepare(df, model, "features", "label", 2), 2)
     stepper = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(learning_rate), seed=4)
 
     def update(weights, x, y):  # one SGD step's change, taken at `weights` on the batch (x, y)

@@ -20,9 +20,9 @@ METRICS = {"loss", "accuracy", "val_loss", "val_accuracy"}
 
 def held_out(df, seed, **validation):
     """Exactly the rows fit holds out: the same split, re-applied through data.prepare."""
-    training = data.prepare(df, "features", "label", 2, seed=seed, **validation)
+    training = data.prepare(df, make_mlp(), "features", "label", 2, seed=seed, **validation)
     table = training.frame.where(F.col(data.VALIDATION)).toArrow()
-    x_val, y_val = training.shapes.to_numpy(table.to_batches())
+    x_val, y_val = data.read_partition(training.layout, table.drop_columns([data.VALIDATION]).to_batches())[0].all()
     assert len(x_val) == training.validation_rows
     return training, x_val, y_val
 
@@ -195,7 +195,7 @@ def test_bad_validation_data(spark, rows, kwargs, message):
 
 
 def test_average_mode_attributes_each_epoch_to_the_next_averaged_model():
-    settings = Settings(shapes=None, num_workers=2, epochs=3, batch_size=8, steps_per_epoch=18, seed=0, validate=True)
+    settings = Settings(layout=None, num_workers=2, epochs=3, batch_size=8, steps_per_epoch=18, seed=0, validate=True)
     job = Rounds(settings, token="t", sync_every=7, first_step=0)
     finished = {r: list(job.epochs_finished(r)) for r in range(8)}
     assert finished == {0: [], 1: [], 2: [0], 3: [], 4: [], 5: [1], 6: [], 7: [2]}  # epoch ends 18, 36, 54

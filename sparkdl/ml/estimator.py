@@ -58,6 +58,7 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
         progress=None,
         backend="ring",
         customObjects=None,
+        weightCol=None,
         validationCol=None,
     ):
         super().__init__()
@@ -92,6 +93,7 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
         progress=None,
         backend="ring",
         customObjects=None,
+        weightCol=None,
         validationCol=None,
     ):
         return self._set(**deprecated_validation_col(self._input_kwargs))

@@ -23,16 +23,19 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import pyarrow as pa
 from pyspark.ml.functions import array_to_vector
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from sparkdl import data
+from sparkdl.data import model_io
+from sparkdl.data.batch_shapes import InputColumn
+from sparkdl.data.columns import IMAGE
+from sparkdl.data.plan import ColumnSpec, input_fields
 from sparkdl.launch import probe, session
-from sparkdl.ml.scoring import ARRAY, BINARY, MULTICLASS, REGRESSION, ModelInfo, TaskSpec, predict_batches, shape_string
+from sparkdl.ml.scoring import ARRAY, BINARY, MULTICLASS, REGRESSION, ModelInfo, TaskSpec, predict_batches
 
 _CLASSIFIER_TYPE = "struct<prediction: double, probability: array<double>>"
 _RETURN_TYPES = {MULTICLASS: _CLASSIFIER_TYPE, BINARY: _CLASSIFIER_TYPE, REGRESSION: "double", ARRAY: "array<double>"}
@@ -42,7 +45,7 @@ def predict(
     df: DataFrame,
     model_bytes: bytes,
     *,
-    features_col: str | Sequence[str],
+    features_col: ColumnSpec,
     prediction_col: str,
     probability_col: str | None = "probability",
     raw_prediction_col: str | None = "rawPrediction",
@@ -51,10 +54,10 @@ def predict(
 ) -> DataFrame:
     """``df`` with prediction columns appended (all input columns kept), lazily (a normal transformation).
 
-    ``model_bytes`` is a ``.keras`` archive (what ``model.save(path)`` writes, read as bytes) of a model
-    with one input; ``features_col`` is an ML Vector column, an ``array<numeric>`` column, a numeric
-    column, or a list of numeric columns, as in ``sparkdl.fit``. Each row's values are reshaped to the
-    model's input shape.
+    ``model_bytes`` is a ``.keras`` archive (what ``model.save(path)`` writes, read as bytes);
+    ``features_col`` is what ``sparkdl.fit`` takes: a number, Vector, (nested) array or image column,
+    a list of number columns, or for a model with several inputs a mapping from input name to those.
+    Each row is fitted to its input's shape and dtype by the rule training uses (``sparkdl.data.shapes``).
 
     What is appended depends on the model's output, decided once here on the driver:
 
@@ -72,11 +75,12 @@ def predict(
       ``prediction_col`` is an ``array<double>`` holding all of the row's outputs, flattened in
       row-major order and, for several outputs, concatenated in the model's output order.
 
-    Raises ``ValueError`` before any Spark job for a missing or non-numeric features column, a
-    column list whose length does not match the model's input, output columns that already exist,
-    and bad settings. A features row with the wrong number of values, a null, NaN or infinite
-    value fails the task that reads it, with a message naming the column and the expected shape;
-    Spark raises it from the action.
+    Raises ``ValueError`` before any Spark job for a missing or unsupported features column, a
+    mapping that does not name the model's inputs, a float column for an integer input, a column
+    list whose length does not fit its input, output columns that already exist, and bad settings.
+    ``transform`` starts no job of its own, so a row of the wrong shape, a null, NaN or infinite
+    value, or an integer a float input would round fails the task that reads it, with a message
+    naming the column and the expected shape; Spark raises it from the action.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"Expected `batch_size` to be a positive integer. Received: {batch_size!r}")
@@ -87,26 +91,14 @@ def predict(
             "Expected `model_bytes` to be a non-empty `.keras` archive as bytes "
             f"(what model.save('model.keras') writes, read back as bytes). Received: {type(model_bytes).__name__}"
         )
-    features_expr, feature_names = data.features_array(df, features_col)
     digest = hashlib.sha256(model_bytes).hexdigest()
     info = _driver_model_info(digest, model_bytes, custom_objects)
+    planned = input_fields(df, info.inputs, features_col)  # the columns, matched to the inputs as fit does
     classifier = info.kind in (MULTICLASS, BINARY)
     outputs: dict[str, str | None] = {"prediction_col": prediction_col}
     if classifier:
         outputs.update(probability_col=probability_col, raw_prediction_col=raw_prediction_col)
     columns = _check_output_columns(df, outputs)
-
-    if sum(d is None for d in info.input_shape) > 1:
-        raise ValueError(
-            f"predict needs a model input shape with at most one unknown dimension besides the batch; "
-            f"this model's is {shape_string(info.input_shape)}."
-        )
-    column_list = not isinstance(features_col, str)
-    if column_list and info.fixed_width and len(feature_names) != info.input_width:
-        raise ValueError(
-            f"`features_col` lists {len(feature_names)} columns ({feature_names}); the model expects "
-            f"{info.input_width} values per row (input shape {shape_string(info.input_shape)})."
-        )
 
     probe.check_workers(df.sparkSession, 1, timeout=120.0)  # before the UDF: it fixes the workers' Python
     spec = TaskSpec(
@@ -114,8 +106,12 @@ def predict(
         model=_shipped_model(df.sparkSession, digest, model_bytes),
         custom_objects=custom_objects,
         info=info,
-        # Error messages name the column a bad value came from: for a list, position i is column i.
-        feature_names=tuple(feature_names) if column_list else (features_col,),
+        inputs=tuple(
+            InputColumn(p.port, tuple(s.name for s in p.sources), p.setting, p.sources[0].kind == IMAGE)
+            for p in planned
+            if p.port is not None
+        ),
+        named=len(planned) > 1,
         batch_size=batch_size,
         # A classifier whose Vector columns are both switched off returns its class index only.
         probabilities=classifier and len(columns) > 1,
@@ -129,7 +125,7 @@ def predict(
     # A scalar-iterator UDF, from the type hints (pyspark's overloads do not cover a return type given as a string).
     udf = arrow_udf(predict_udf, return_type)  # type: ignore[call-overload]
     scratch = _unused_name(df, "_sparkdl_prediction")
-    result = df.withColumn(scratch, udf(features_expr))
+    result = df.withColumn(scratch, udf(F.struct(*(p.nested().alias(f"i{i}") for i, p in enumerate(planned)))))
     scored = F.col(scratch)
     if not spec.probabilities:
         return result.withColumn(prediction_col, scored).drop(scratch)
@@ -155,20 +151,16 @@ def model_info(model) -> ModelInfo:
         ) from None
     if not inputs or not outputs:
         raise ValueError(f"predict needs a built model with known inputs and outputs. Received: {type(model).__name__}")
-    if len(inputs) != 1:
-        raise ValueError(
-            f"predict supports models with one input (one features column); this model has {len(inputs)} inputs."
-        )
-    input_shape = tuple(None if d is None else int(d) for d in inputs[0].shape[1:])
+    ports = tuple(model_io.inputs(model))
     if len(outputs) != 1:
-        return ModelInfo(ARRAY, input_shape)
+        return ModelInfo(ARRAY, ports)
     output_shape = tuple(outputs[0].shape[1:])
     activation = _final_activation(outputs[0])
     if len(output_shape) == 1 and output_shape[0] is not None and output_shape[0] > 1 and activation == "softmax":
-        return ModelInfo(MULTICLASS, input_shape)
+        return ModelInfo(MULTICLASS, ports)
     if output_shape in ((), (1,)):
-        return ModelInfo(BINARY if activation == "sigmoid" else REGRESSION, input_shape)
-    return ModelInfo(ARRAY, input_shape)
+        return ModelInfo(BINARY if activation == "sigmoid" else REGRESSION, ports)
+    return ModelInfo(ARRAY, ports)
 
 
 _DRIVER_INFO: OrderedDict[str, ModelInfo] = OrderedDict()

@@ -14,6 +14,7 @@ from pyspark.ml.param.shared import (
     HasRawPredictionCol,
     HasSeed,
     HasValidationIndicatorCol,
+    HasWeightCol,
 )
 
 from sparkdl.api import MODES
@@ -79,8 +80,29 @@ class HasCustomObjects(Params):
         return self.getOrDefault(self.customObjects) if self.isDefined(self.customObjects) else None
 
 
+def column_spec(value):
+    """A column name, a list of column names, or a mapping from a model input/output name to either (as ``fit``)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return list(value)
+    if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+        return {key: column_spec(v) for key, v in value.items()}
+    raise TypeError(
+        "Expected a column name, a non-empty list of column names, or a mapping from the model's input (or "
+        f"output) names to those. Received: {value!r}"
+    )
+
+
 class HasOutputCols(HasFeaturesCol, HasPredictionCol, HasProbabilityCol, HasRawPredictionCol, HasCustomObjects):
     """The columns a KerasModel reads and writes (Spark's usual names and defaults), and what loading it needs."""
+
+    featuresCol = Param(
+        Params._dummy(),
+        "featuresCol",
+        "features column name, list of number columns, or mapping from the model's input names to those",
+        typeConverter=column_spec,
+    )
 
     def setFeaturesCol(self, value: str):
         """Sets the features column (the value of featuresCol)."""
@@ -99,8 +121,16 @@ class HasOutputCols(HasFeaturesCol, HasPredictionCol, HasProbabilityCol, HasRawP
         return self._set(rawPredictionCol=value)
 
 
-class KerasTrainingParams(HasOutputCols, HasLabelCol, HasSeed, HasValidationIndicatorCol):
-    """Every training setting of :func:`sparkdl.fit`, under Spark ML's camelCase names."""
+class KerasTrainingParams(HasOutputCols, HasLabelCol, HasSeed, HasValidationIndicatorCol, HasWeightCol):
+    """Every training setting of :func:`sparkdl.fit`, under Spark ML's camelCase names (``weightCol`` is
+    ``sample_weight_col``)."""
+
+    labelCol = Param(
+        Params._dummy(),
+        "labelCol",
+        "label column name, list of number columns, or mapping from the model's output names to those",
+        typeConverter=column_spec,
+    )
 
     model = Param(
         Params._dummy(), "model", "the compiled keras.Model to train (never modified)", typeConverter=_keras_model
@@ -185,6 +215,7 @@ class KerasTrainingParams(HasOutputCols, HasLabelCol, HasSeed, HasValidationIndi
         "logToMlflow": "log_to_mlflow",
         "progress": "progress",
         "customObjects": "custom_objects",
+        "weightCol": "sample_weight_col",
     }
     # Names that saved stages may still use -> the Param that replaced them.
     RENAMED_PARAMS = {"validationCol": "validationIndicatorCol"}
@@ -224,6 +255,10 @@ class KerasTrainingParams(HasOutputCols, HasLabelCol, HasSeed, HasValidationIndi
     def setLabelCol(self, value: str):
         """Sets the label column (the value of labelCol)."""
         return self._set(labelCol=value)
+
+    def setWeightCol(self, value: str):
+        """Sets the sample weight column, weighting each row's loss (the value of weightCol)."""
+        return self._set(weightCol=value)
 
     def setSeed(self, value: int):
         """Sets the seed for shuffling and per-worker randomness (the value of seed)."""

@@ -8,7 +8,6 @@ SHA-256 of its bytes), checks every batch's values and runs the model on ``batch
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -16,6 +15,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
+from sparkdl.data.batch_shapes import InputColumn
+from sparkdl.data.model_io import Port
 
 MULTICLASS = "multiclass"  # softmax over >1 units: prediction = argmax, probability = the softmax
 BINARY = "binary"  # one sigmoid unit p: prediction = 1.0 if p > 0.5, probability = [1 - p, p]
@@ -25,28 +27,10 @@ ARRAY = "array"  # anything else: prediction = all outputs of the row, flattened
 
 @dataclasses.dataclass(frozen=True)
 class ModelInfo:
-    """What the driver learns from the model once: how to shape its input and read its output."""
+    """What the driver learns from the model once: its inputs, and how to read its output."""
 
     kind: str
-    input_shape: tuple  # one row's input shape, without the batch dimension; None for a free dimension
-
-    @property
-    def input_width(self) -> int:
-        """Values per row for a fixed input shape; for a shape with a free dimension, what the width must divide by."""
-        return math.prod(d for d in self.input_shape if d is not None)
-
-    @property
-    def fixed_width(self) -> bool:
-        return None not in self.input_shape
-
-    def expected(self) -> str:
-        if self.fixed_width:
-            return str(self.input_width)
-        return f"a multiple of {self.input_width}"
-
-
-def shape_string(shape: tuple) -> str:
-    return str((None,) + tuple(shape))
+    inputs: tuple[Port, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +41,8 @@ class TaskSpec:
     model: Any  # the .keras bytes as a pyspark Broadcast (classic) or in the closure (Connect): ``.value``
     custom_objects: dict | None
     info: ModelInfo
-    feature_names: tuple
+    inputs: tuple[InputColumn, ...]  # what feeds each model input, in the order of the UDF's struct fields
+    named: bool  # the model takes a dict by input name (it has several inputs)
     batch_size: int
     probabilities: bool  # classifiers: return the struct with the probabilities, not only the class index
 
@@ -89,21 +74,24 @@ def predict_batches(spec: TaskSpec, batches: Iterator[pa.Array]) -> Iterator[pa.
     model = None
     for column in batches:
         x = _features(column, spec)  # first: bad data fails the task without loading TensorFlow
+        rows = len(column)
         if model is None:
             model = _cached_model(spec)
-        yield _to_arrow(_run_model(model, x, spec.batch_size), spec.info.kind, len(x), spec.probabilities)
+        yield _to_arrow(_run_model(model, x, rows, spec.batch_size), spec.info.kind, rows, spec.probabilities)
 
 
-def _run_model(model, x: np.ndarray, batch_size: int) -> np.ndarray:
-    """The model's outputs for ``x`` as one float64 array of shape (rows, values per row)."""
-    n = len(x)
+def _run_model(model, x, n: int, batch_size: int) -> np.ndarray:
+    """The model's outputs for ``x`` (``n`` rows: one array, or a dict by input name) as one float64 array of
+    shape (rows, values per row)."""
     if n == 0:
         chunks = []
     else:
         # Equal chunks: an Arrow batch of 10,000 rows runs as 3 x 3,334, not 4,096 + 4,096 + 1,808.
         pieces = -(-n // batch_size)
         step = -(-n // pieces)
-        chunks = [_flat_outputs(model.predict_on_batch(x[i : i + step]), min(step, n - i)) for i in range(0, n, step)]
+        chunks = [
+            _flat_outputs(model.predict_on_batch(_rows(x, i, i + step)), min(step, n - i)) for i in range(0, n, step)
+        ]
     if not chunks:
         return np.empty((0, 0), np.float64)
     return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
@@ -143,57 +131,17 @@ def _list_array(values: np.ndarray) -> pa.Array:
     return pa.ListArray.from_arrays(offsets, pa.array(np.ascontiguousarray(values).reshape(-1)))
 
 
-def _features(column: pa.Array, spec: TaskSpec) -> np.ndarray:
-    """An Arrow ``list<float>`` batch as a float32 array of shape (rows, *input shape), checked."""
+def _rows(x, start: int, stop: int):
+    if isinstance(x, dict):
+        return {key: value[start:stop] for key, value in x.items()}
+    return x[start:stop]
+
+
+def _features(column: pa.Array, spec: TaskSpec):
+    """One batch of the UDF's struct column as the model's input: one array, or a dict by input name."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
-    info, names = spec.info, spec.feature_names
-    rows = len(column)
-    if column.null_count:
-        raise ValueError(
-            f"Column {names[0]!r} has null rows: expected a value in every row "
-            f"(found {column.null_count} in a batch of {rows} rows). "
-            f"Drop or impute them first (e.g. df.dropna(subset=[{names[0]!r}]))."
-        )
-    values = column.flatten()
-    offsets = column.offsets.to_numpy()
-    if values.null_count:
-        first = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
-        row = int(np.searchsorted(offsets, offsets[0] + first, side="right")) - 1
-        position = offsets[0] + first - offsets[row]
-        if len(names) > 1:
-            raise ValueError(
-                f"Column {names[position]!r} has null rows: expected a value in every row. "
-                f"Drop or impute them first (e.g. df.dropna(subset=[{names[position]!r}]))."
-            )
-        raise ValueError(
-            f"Column {names[0]!r} has rows containing null values (a row with a null at position {position}): "
-            "expected numbers only. Drop or impute them first."
-        )
-    widths = np.diff(offsets)
-    expected = info.input_width
-    bad = widths != expected if info.fixed_width else (widths == 0) | (widths % max(expected, 1) != 0)
-    if bad.any():
-        width = int(widths[np.argmax(bad)])
-        raise ValueError(
-            f"Column {_label(names)} has rows with {width} values; the model expects {info.expected()} "
-            f"(input shape {shape_string(info.input_shape)})."
-        )
-    x = values.to_numpy(zero_copy_only=False)
-    if x.dtype != np.float32:
-        x = x.astype(np.float32)
-    finite = np.isfinite(x)
-    if not finite.all():
-        first = int(np.argmin(finite))
-        name = names[first % len(names)] if len(names) > 1 else names[0]
-        raise ValueError(
-            f"Column {name!r} has rows containing NaN or infinite values (after conversion to float32): "
-            "expected finite numbers."
-        )
-    if rows == 0:
-        return x.reshape((0,) + tuple(d or 0 for d in info.input_shape))
-    return x.reshape((rows,) + tuple(-1 if d is None else d for d in info.input_shape))
-
-
-def _label(names: tuple) -> str:
-    return repr(names[0]) if len(names) == 1 else f"list {list(names)}"
+    arrays = [feed.to_numpy(column.field(i)) for i, feed in enumerate(spec.inputs)]
+    if spec.named:
+        return {feed.port.name: array for feed, array in zip(spec.inputs, arrays)}
+    return arrays[0]

@@ -18,10 +18,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from sparkdl import data, schedule
 from sparkdl.checkpoint import Checkpoint, CheckpointStore
+from sparkdl.data.fields import Layout
 from sparkdl.progress import ProgressMonitor
 
 
@@ -29,7 +28,7 @@ from sparkdl.progress import ProgressMonitor
 class Settings:
     """The settings every mode's tasks need: small and picklable, shipped in the tasks' closures."""
 
-    shapes: data.ColumnShapes
+    layout: Layout  # the arrays Keras receives: inputs, targets, sample weights
     num_workers: int
     epochs: int
     batch_size: int
@@ -49,7 +48,7 @@ class Settings:
         """The settings of a fit over ``training``: its shapes, steps per epoch from its training rows
         (:func:`sparkdl.schedule.steps_per_epoch`), and validation when it holds rows out."""
         return cls(
-            shapes=training.shapes,
+            layout=training.layout,
             num_workers=num_workers,
             epochs=epochs,
             batch_size=batch_size,
@@ -59,11 +58,11 @@ class Settings:
             **rest,
         )
 
-    def batches(self, x: np.ndarray, y: np.ndarray, rank: int, start: int | None = None, stop: int | None = None):
-        """Rank ``rank``'s batches of global steps ``start..stop-1`` (default: the epochs left to train)."""
-        return schedule.batches(
-            x,
-            y,
+    def batches(self, rows: data.Rows, rank: int, start: int | None = None, stop: int | None = None):
+        """Rank ``rank``'s batches of global steps ``start..stop-1`` (default: the epochs left to train), as
+        ``(x, y)`` or ``(x, y, sample_weight)`` tuples for Keras."""
+        indices = schedule.batches(
+            len(rows),
             batch_size=self.batch_size,
             steps=self.steps_per_epoch,
             seed=self.seed,
@@ -72,6 +71,7 @@ class Settings:
             start=self.initial_epoch * self.steps_per_epoch if start is None else start,
             stop=self.epochs * self.steps_per_epoch if stop is None else stop,
         )
+        return (rows.take(index) for index in indices)
 
 
 @dataclasses.dataclass(frozen=True)

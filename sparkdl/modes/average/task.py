@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from sparkdl import _compat, schedule
+from sparkdl.data import Rows, read_partition
 from sparkdl.keras import serialization
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
 from sparkdl.launch.task_context import partition_id
@@ -68,13 +69,13 @@ def round_task(
     """One worker's round: set the shipped state, train its steps, send the delta; returns its rows."""
     use_tensorflow_backend()  # before anything in this worker imports Keras
     settings = rounds.settings
-    x, y, x_val, y_val = settings.shapes.split_numpy(batches)
+    rows, held_out = read_partition(settings.layout, batches)
     rank = partition_id()
-    schedule.require_rows({rank: len(x)})
+    schedule.require_rows({rank: len(rows)})
     cached, state = _load_state(rounds, model_broadcast, state_broadcast)
-    rows = _empty_rows()
+    out = _empty_rows()
     if settings.validate and round_index > 0:  # the state just set is the averaged model after the last round's epochs
-        _evaluate(cached.model, x_val, y_val, settings.batch_size, rank, rounds.epochs_finished(round_index - 1), rows)
+        _evaluate(cached.model, held_out, settings.batch_size, rank, rounds.epochs_finished(round_index - 1), out)
     _seed_round(cached, rounds, rank, round_index)
 
     model, b, steps_per_epoch = cached.model, settings.batch_size, settings.steps_per_epoch
@@ -84,20 +85,20 @@ def round_task(
         epoch = position // steps_per_epoch
         end = min(stop, (epoch + 1) * steps_per_epoch)
         totals: dict[str, float] = {}
-        for x_batch, y_batch in settings.batches(x, y, rank, position, end):
-            logs = model.train_on_batch(x_batch, y_batch, return_dict=True)  # this batch's metrics
+        for batch in settings.batches(rows, rank, position, end):
+            logs = model.train_on_batch(*batch, return_dict=True)  # this batch's metrics
             for name, value in logs.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
         for name, total in totals.items():
-            _add_row(rows, rank, epoch, (end - position) * b, name, total / (end - position))
+            _add_row(out, rank, epoch, (end - position) * b, name, total / (end - position))
         position = end
 
     delta = [_delta(read(variable), old) for variable, old in zip(cached.variables, state)]
     counts = np.zeros((settings.num_workers, 4), np.int64)
     counts[rank] = (1, (stop - start) * b, stop - start, sum(d.nbytes for d in delta))
     for chunk, payload in sender.send(delta, counts):
-        _add_row(rows, rank, chunk=chunk, payload=payload)
-    return iter([pa.RecordBatch.from_pydict(rows, schema=_METRICS_ARROW_SCHEMA)])
+        _add_row(out, rank, chunk=chunk, payload=payload)
+    return iter([pa.RecordBatch.from_pydict(out, schema=_METRICS_ARROW_SCHEMA)])
 
 
 def evaluate_task(
@@ -105,12 +106,12 @@ def evaluate_task(
 ) -> Iterator[pa.RecordBatch]:
     """The evaluation-only pass after the last round: the final averaged state on this worker's held-out rows."""
     use_tensorflow_backend()
-    _, _, x_val, y_val = rounds.settings.shapes.split_numpy(batches)
-    rows = _empty_rows()
-    if len(x_val):
+    _, held_out = read_partition(rounds.settings.layout, batches)
+    out = _empty_rows()
+    if len(held_out):
         cached, _ = _load_state(rounds, model_broadcast, state_broadcast)
-        _evaluate(cached.model, x_val, y_val, rounds.settings.batch_size, partition_id(), epochs, rows)
-    return iter([pa.RecordBatch.from_pydict(rows, schema=_METRICS_ARROW_SCHEMA)])
+        _evaluate(cached.model, held_out, rounds.settings.batch_size, partition_id(), epochs, out)
+    return iter([pa.RecordBatch.from_pydict(out, schema=_METRICS_ARROW_SCHEMA)])
 
 
 def _empty_rows() -> dict[str, list]:
@@ -135,16 +136,17 @@ def _load_state(rounds: Rounds, model_broadcast, state_broadcast) -> tuple[_Cach
     return cached, state
 
 
-def _evaluate(
-    model, x_val: np.ndarray, y_val: np.ndarray, batch_size: int, rank: int, epochs: range, rows: dict[str, list]
-) -> None:
+def _evaluate(model, held_out: Rows, batch_size: int, rank: int, epochs: range, out: dict[str, list]) -> None:
     """Adds ``val_*`` metric rows for ``epochs``, weighted (``samples`` column) by this worker's held-out rows."""
-    if not len(x_val) or not len(epochs):
+    if not len(held_out) or not len(epochs):
         return
-    logs = model.evaluate(x_val, y_val, batch_size=batch_size, verbose=0, return_dict=True)
+    x, y, *weight = held_out.all()
+    logs = model.evaluate(
+        x, y, sample_weight=weight[0] if weight else None, batch_size=batch_size, verbose=0, return_dict=True
+    )
     for epoch in epochs:
         for name, value in logs.items():
-            _add_row(rows, rank, epoch, len(x_val), f"val_{name}", float(value))
+            _add_row(out, rank, epoch, len(held_out), f"val_{name}", float(value))
 
 
 def _delta(new: np.ndarray, old: np.ndarray) -> np.ndarray:

@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from sparkdl import schedule
+from sparkdl.data import read_partition
 from sparkdl.keras import callbacks, serialization
 from sparkdl.keras.optimizer_hooks import fused_numpy_call, intercept_apply
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
@@ -96,8 +97,8 @@ def run_parameter_server_task(
 
     settings = task.settings
     rank = partition_id()
-    x, y, x_val, y_val = settings.shapes.split_numpy(batches)
-    schedule.require_rows({rank: len(x)})
+    rows, held_out = read_partition(settings.layout, batches)
+    schedule.require_rows({rank: len(rows)})
     limit_threads_to_task_cpus()
     model = serialization.model_from_bytes(task.model_bytes, settings.custom_objects)
     model.jit_compile = False  # the exchange runs through tf.numpy_function, which XLA cannot compile
@@ -122,13 +123,13 @@ def run_parameter_server_task(
             return model.optimizer.iterations.assign_add(1)
 
         _assign_flat(variables, exchange.weights)
-        stream = settings.batches(x, y, rank)
+        stream = settings.batches(rows, rank)
         keras.utils.set_random_seed(settings.seed + rank)  # dropout and the like differ per worker, by design
         progress = callbacks.progress_callback(
             reporter.progress,
             steps_per_epoch=settings.steps_per_epoch,
             batch_size=settings.batch_size,
-            validation_rows=len(x_val),
+            validation_rows=len(held_out),
         )
         with intercept_apply(model.optimizer, push_then_take_server_weights):
             history = model.fit(
@@ -138,7 +139,7 @@ def run_parameter_server_task(
                 steps_per_epoch=settings.steps_per_epoch,
                 shuffle=False,
                 verbose=0,
-                validation_data=(x_val, y_val) if len(x_val) else None,
+                validation_data=held_out.all() if len(held_out) else None,
                 validation_batch_size=settings.batch_size,
                 callbacks=[progress, *settings.callbacks],
             )
@@ -159,7 +160,7 @@ def run_parameter_server_task(
         {
             "history": {name: [float(v) for v in values] for name, values in history.history.items()},
             "samples": samples,
-            "validation_rows": len(x_val),
+            "validation_rows": len(held_out),
             "counters": counters,
         }
     ).encode()

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from sparkdl.data import Rows
 from sparkdl.keras.optimizer_hooks import fused_numpy_call, intercept_apply
 from sparkdl.metrics import combine_logs
 from sparkdl.modes.base import Settings
@@ -55,8 +56,7 @@ class Validation:
     calls; its stand-in metrics have no rows behind them, so they weigh nothing (``metrics.combine_logs``).
     """
 
-    x: np.ndarray
-    y: np.ndarray
+    rows: Rows
     rows_per_rank: np.ndarray
 
 
@@ -166,8 +166,7 @@ def check_replicas_identical(model, comm) -> None:
 
 def train(
     model,
-    x: np.ndarray,
-    y: np.ndarray,
+    rows: Rows,
     *,
     comm,
     settings: Settings,
@@ -188,10 +187,10 @@ def train(
     model.jit_compile = False  # the allreduce runs through tf.numpy_function, which XLA cannot compile
     broadcast_weights(model, comm)
     steps = settings.steps_per_epoch
-    stream = settings.batches(x, y, comm.rank, start=initial_epoch * steps)
+    stream = settings.batches(rows, comm.rank, start=initial_epoch * steps)
     validation_data = None
-    if validation is not None:
-        validation_data = (validation.x, validation.y) if len(validation.x) else (x[:1], y[:1])  # stand-in: weight 0
+    if validation is not None:  # a rank without held-out rows validates on a stand-in, which weighs 0
+        validation_data = validation.rows.all() if len(validation.rows) else rows.take(np.arange(1))
     callback = _average_across_workers_callback(
         comm, samples=steps * settings.batch_size, steps_per_epoch=steps, validation=validation
     )

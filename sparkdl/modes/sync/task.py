@@ -11,6 +11,7 @@ import pyarrow as pa
 
 from sparkdl import schedule
 from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore
+from sparkdl.data import read_partition
 from sparkdl.keras import callbacks, serialization
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
 from sparkdl.launch import payloads
@@ -42,19 +43,19 @@ class SyncTask:
 def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, task: SyncTask) -> bytes | None:
     use_tensorflow_backend()  # before anything in this worker imports Keras
     settings = task.settings
-    x, y, x_val, y_val = settings.shapes.split_numpy(batches)
+    rows, held_out = read_partition(settings.layout, batches)
     with trainer_communicator(task.backend, task.secret, settings.timeout, encrypt=task.encrypt) as comm:
         # Every rank learns every rank's training and validation row counts, so that all of them take
         # the same decisions below (raise, validate, how to weigh validation metrics) with no further talk.
-        counts = comm.allgather(np.array([len(x), len(x_val)], np.int64))
-        rows, validation_rows = counts[:, 0], counts[:, 1]
-        schedule.require_rows(dict(enumerate(rows.tolist())))
+        counts = comm.allgather(np.array([len(rows), len(held_out)], np.int64))
+        rows_per_rank, validation_rows = counts[:, 0], counts[:, 1]
+        schedule.require_rows(dict(enumerate(rows_per_rank.tolist())))
         if settings.validate and validation_rows.sum() == 0:
             raise ValueError("No worker partition got a validation row: the validation set is empty.")
         limit_threads_to_task_cpus()
         start = _starting_point(comm, task, reporter)
         model = serialization.model_from_bytes(start.model_bytes, settings.custom_objects)
-        validation = replicas.Validation(x_val, y_val, validation_rows) if settings.validate else None
+        validation = replicas.Validation(held_out, validation_rows) if settings.validate else None
         extra = list(settings.callbacks)
         saving = task.checkpoints if comm.rank == 0 else None  # rank 0 saves, where checkpoints are asked for
         with Checkpointer(saving, start, "sync") if saving is not None else contextlib.nullcontext() as checkpointer:
@@ -73,8 +74,7 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
                 extra.insert(0, callbacks.checkpoint_callback(checkpointer))
             history = replicas.train(
                 model,
-                x,
-                y,
+                rows,
                 comm=comm,
                 settings=settings,
                 initial_epoch=start.epoch,

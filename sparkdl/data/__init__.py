@@ -1,0 +1,36 @@
+"""The data path: from a Spark DataFrame to the arrays each worker's Keras model trains on.
+
+| module       | side   | what it does                                                                  |
+|--------------|--------|-------------------------------------------------------------------------------|
+| ``model_io`` | driver | the model's inputs and outputs by name, with shapes and dtypes                |
+| ``columns``  | driver | what a column holds (number, Vector, nested array, image) and its flat values |
+| ``plan``     | driver | the user's settings matched to the model, checked, as the frame to train on  |
+| ``checks``   | driver | the one Spark job that checks the rows (nulls, finiteness, shapes, ranges)    |
+| ``shapes``   | both   | the one rule fitting a column's rows to an input's shape and dtype            |
+| ``fields``   | worker | the resolved fields, and one Arrow batch to numpy arrays                      |
+| ``rows``     | worker | a partition's training and validation rows, and the batches Keras takes       |
+"""
+
+from sparkdl.data.columns import features_array, features_column
+from sparkdl.data.plan import ColumnSpec, TrainingData, TrainingPlan, plan, validation_split_mask
+from sparkdl.data.rows import VALIDATION, Rows, read_partition, row_counts
+
+__all__ = [
+    "VALIDATION",
+    "ColumnSpec",
+    "Rows",
+    "TrainingData",
+    "TrainingPlan",
+    "features_array",
+    "features_column",
+    "plan",
+    "prepare",
+    "read_partition",
+    "row_counts",
+    "validation_split_mask",
+]
+
+
+def prepare(df, model, features_col, label_col, num_workers: int, **options) -> TrainingData:
+    """Validates ``df`` against ``model`` and returns the columns to train on: :func:`plan`, then its ``check``."""
+    return plan(df, model, features_col, label_col, **options).check(num_workers)

@@ -1,0 +1,325 @@
+"""From the user's column settings and the model to the columns the workers read, checked on the driver.
+
+``plan`` checks the settings against the DataFrame's schema and the model's inputs and outputs,
+without a Spark job; ``TrainingPlan.check`` runs the one checks job (``sparkdl.data.checks``),
+fits every column to its input's shape (``sparkdl.data.shapes``) and returns the frame the
+workers read: one flat array column per input, target and the sample weight (an image's bytes
+for an image), plus ``VALIDATION`` when rows are held out.
+
+Validation rows: the random split (``validation_split_mask``) is a seeded hash of each row's
+values, not ``F.rand``: it selects the same rows whatever the DataFrame's partitioning or row
+order (so a recomputed partition, a retried task or the driver's count can never disagree with
+the workers), at the price that identical rows always land on the same side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from sparkdl.data import model_io, shapes
+from sparkdl.data.checks import Checks, ColumnStats
+from sparkdl.data.columns import IMAGE, SCALAR, SourceColumn, inspect
+from sparkdl.data.fields import INPUT, TARGET, WEIGHT, Field, Layout
+from sparkdl.data.model_io import Port
+from sparkdl.data.rows import VALIDATION
+
+ColumnSpec = str | Sequence[str] | Mapping[str, str | Sequence[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingData:
+    """A validated DataFrame reduced to the columns the workers read, and how they read them."""
+
+    frame: DataFrame  # one column per field of ``layout``, and VALIDATION (boolean) when rows are held out
+    num_rows: int  # rows to train on (held-out validation rows not included)
+    layout: Layout
+    validation_rows: int = 0  # rows held out for validation (VALIDATION true)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """A field before the checks job: its port, its source columns and the type its values are read as."""
+
+    role: str
+    key: str
+    setting: str  # how the user named it: features_col['ids'], label_col, ...
+    sources: tuple[SourceColumn, ...]
+    element: str  # "float", "double" or "bigint"
+    port: Port | None  # the model input (None for targets and the weight)
+    dtype: str
+
+    @property
+    def what(self) -> str:
+        names = self.sources[0].name if len(self.sources) == 1 else [s.name for s in self.sources]
+        return f"Column {names!r} (`{self.setting}`)"
+
+    def values(self) -> Column:
+        parts = [s.values(self.element) for s in self.sources]
+        return parts[0] if len(parts) == 1 else F.concat(*parts)
+
+    def nested(self) -> Column:
+        """Its values as ``transform`` reads them: nested arrays and images whole, the rest flat."""
+        return self.sources[0].nested(self.element) if len(self.sources) == 1 else self.values()
+
+    def known_shape(self) -> tuple[int, ...] | None:
+        """One row's shape where the schema alone tells it: a number, or a list of number columns."""
+        if len(self.sources) > 1:
+            return (len(self.sources),)
+        return () if self.sources[0].kind == SCALAR else None
+
+
+def plan(
+    df: DataFrame,
+    model,
+    features_col: ColumnSpec,
+    label_col: ColumnSpec,
+    *,
+    sample_weight_col: str | None = None,
+    validation_col: str | None = None,
+    validation_split: float | None = None,
+    seed: int = 0,
+) -> TrainingPlan:
+    """Checks the columns against ``df``'s schema and ``model``, on the driver and without a Spark job.
+
+    ``features_col`` is a column, a list of number columns, or a mapping from the model's input names
+    to either; ``label_col`` likewise for the model's outputs. Raises ``ValueError`` naming the
+    offending setting or column and what was expected.
+    """
+    if validation_col is not None and validation_split is not None:
+        raise ValueError(
+            "`validation_col` and `validation_split` are mutually exclusive: pass one of them. "
+            f"Received: validation_col={validation_col!r}, validation_split={validation_split!r}"
+        )
+    inputs = _inputs(df, model, features_col)
+    targets = _targets(df, model, label_col)
+    weight = _weight(df, sample_weight_col) if sample_weight_col is not None else None
+    mask = None
+    if validation_col is not None:
+        mask = _boolean_column(df, validation_col)
+    elif validation_split is not None:
+        mask = validation_split_mask([p.values() for p in inputs + targets], validation_split, seed)
+    source = (
+        f"`validation_col`={validation_col!r}"
+        if validation_col is not None
+        else f"`validation_split`={validation_split!r}"
+    )
+    return TrainingPlan(df, tuple(inputs), tuple(targets), weight, mask, validation_col, source)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingPlan:
+    """Columns that passed the schema checks, and how they become the training columns."""
+
+    df: DataFrame
+    inputs: tuple[_Planned, ...]
+    targets: tuple[_Planned, ...]
+    weight: _Planned | None
+    mask: Column | None  # true for the rows held out for validation
+    validation_col: str | None
+    validation_source: str  # how the held-out rows were chosen, as the error messages name it
+
+    def check(self, num_workers: int) -> TrainingData:
+        """Checks the rows (one aggregate Spark job) and returns the columns to train on."""
+        checks = Checks()
+        planned = self.inputs + self.targets + ((self.weight,) if self.weight else ())
+        for field in planned:
+            for source in field.sources:
+                checks.add_column(source, "bigint" if source.integer else field.element)
+        if self.weight is not None:
+            checks.add_nonnegative(self.weight.sources[0].name)
+        if self.mask is not None:
+            checks.add_validation(self.mask, self.validation_col)
+        total, held_out, stats = checks.run(self.df)
+        num_rows = _check_counts(total, held_out, num_workers, self.mask is not None, self.validation_source)
+        fields = [_field(p, i, stats) for i, p in enumerate(planned)]
+        layout = Layout(
+            inputs=tuple(f for f in fields if f.role == INPUT),
+            targets=tuple(f for f in fields if f.role == TARGET),
+            weight=next((f for f in fields if f.role == WEIGHT), None),
+            named_inputs=len(self.inputs) > 1,
+            named_targets=len(self.targets) > 1,
+        )
+        columns = [p.values().alias(f.column) for p, f in zip(planned, fields)]
+        if self.mask is not None:
+            columns.append(self.mask.alias(VALIDATION))
+        return TrainingData(self.df.select(*columns), num_rows, layout, held_out)
+
+
+def _check_counts(total: int, held_out: int, num_workers: int, holds_out: bool, source: str) -> int:
+    if total == 0:
+        raise ValueError("The DataFrame passed to sparkdl.fit is empty: expected at least one row per worker.")
+    num_rows = total - held_out
+    if holds_out:
+        if held_out == 0:
+            raise ValueError(
+                f"The validation set is empty: {source} selected none of the {total} rows. "
+                "Hold out more rows, or leave validation out."
+            )
+        if num_rows == 0:
+            raise ValueError(f"No rows left to train on: {source} selected all {total} rows for validation.")
+    if num_rows < num_workers:
+        kept = f" (after holding out {held_out} for validation)" if holds_out else ""
+        raise ValueError(
+            f"Expected at least `num_workers`={num_workers} rows so that every worker gets data. "
+            f"Received: {num_rows} rows{kept}. Use fewer workers or more data."
+        )
+    return num_rows
+
+
+def _field(planned: _Planned, index: int, stats: dict[str, ColumnStats]) -> Field:
+    found = [stats[s.name] for s in planned.sources]
+    if len(planned.sources) > 1:
+        column_shape: tuple[int, ...] = (len(planned.sources),)
+    else:
+        column_shape = found[0].shape
+    nested = len(column_shape) > 1
+    if planned.port is not None:
+        for source, s in zip(planned.sources, found):
+            if source.integer and s.low is not None and s.high is not None:
+                shapes.check_range(f"Column {source.name!r} (`{planned.setting}`)", s.low, s.high, planned.port)
+        shape = shapes.fit_shape(planned.what, column_shape, planned.port, nested=nested)
+    else:
+        shape = column_shape
+    column = {INPUT: f"_sparkdl_input_{index}", TARGET: f"_sparkdl_target_{index}", WEIGHT: "_sparkdl_weight"}
+    return Field(
+        planned.role,
+        planned.key,
+        column[planned.role],
+        tuple(s.name for s in planned.sources),
+        shape,
+        planned.dtype,
+        image=planned.sources[0].kind == IMAGE,
+    )
+
+
+def _inputs(df: DataFrame, model, features_col: ColumnSpec) -> list[_Planned]:
+    return input_fields(df, model_io.inputs(model), features_col)
+
+
+def input_fields(df: DataFrame, ports: Sequence[Port], features_col: ColumnSpec) -> list[_Planned]:
+    """``features_col`` matched to the model's inputs ``ports``, checked against the schema (no Spark job)."""
+    names = [p.name for p in ports]
+    if isinstance(features_col, Mapping):
+        _same_names(features_col, names, "features_col", "input")
+        chosen = [(p, features_col[p.name], f"features_col[{p.name!r}]") for p in ports]
+    elif len(ports) > 1:
+        raise ValueError(
+            f"The model has {len(ports)} inputs {names}: pass `features_col` as a mapping from input name to "
+            f"column, e.g. {{{', '.join(f'{n!r}: ...' for n in names)}}}. Received: {features_col!r}"
+        )
+    else:
+        chosen = [(ports[0], features_col, "features_col")]
+    planned = []
+    for port, spec, setting in chosen:
+        sources = _sources(df, spec, setting)
+        for source in sources:
+            if port.is_integer and not source.integer:
+                raise ValueError(
+                    f"Column {source.name!r} (`{setting}`) holds {source.type_name} values, but the model's input "
+                    f"{port.describe()} takes integers: floats are never rounded into integers. Cast the column to "
+                    "an integer type, or declare the input as float."
+                )
+        element = "bigint" if port.is_integer else ("double" if port.dtype == "float64" else "float")
+        field = _Planned(INPUT, port.name, setting, sources, element, port, port.dtype)
+        known = field.known_shape()
+        if known is not None:  # a number or a list of numbers: its shape is checked at once
+            shapes.fit_shape(field.what, known, port, nested=False)
+        planned.append(field)
+    return planned
+
+
+def _targets(df: DataFrame, model, label_col: ColumnSpec) -> list[_Planned]:
+    ports = model_io.outputs(model)
+    names = [p.name for p in ports]
+    if isinstance(label_col, Mapping):
+        _same_names(label_col, names, "label_col", "output")
+        chosen = [(p.name, label_col[p.name], f"label_col[{p.name!r}]") for p in ports]
+    elif len(ports) > 1:
+        raise ValueError(
+            f"The model has {len(ports)} outputs {names}: pass `label_col` as a mapping from output name to "
+            f"column, e.g. {{{', '.join(f'{n!r}: ...' for n in names)}}}. Received: {label_col!r}"
+        )
+    else:
+        chosen = [(ports[0].name, label_col, "label_col")]
+    planned = []
+    for key, spec, setting in chosen:
+        sources = _sources(df, spec, setting)
+        if any(s.kind == IMAGE for s in sources):
+            raise ValueError(f"`{setting}` names an image column: expected numbers, Vectors or arrays as labels.")
+        integer = all(s.integer for s in sources)
+        planned.append(
+            _Planned(
+                TARGET, key, setting, sources, "bigint" if integer else "float", None, "int64" if integer else "float32"
+            )
+        )
+    return planned
+
+
+def _weight(df: DataFrame, name: str) -> _Planned:
+    source = inspect(df, name, "sample_weight_col")
+    if source.kind != SCALAR:
+        raise ValueError(
+            f"Expected column {name!r} (`sample_weight_col`) to hold one number per row. Received type: {source.type_name}"
+        )
+    return _Planned(WEIGHT, "", "sample_weight_col", (source,), "float", None, "float32")
+
+
+def _sources(df: DataFrame, spec, setting: str) -> tuple[SourceColumn, ...]:
+    if isinstance(spec, str):
+        return (inspect(df, spec, setting),)
+    names = list(spec) if isinstance(spec, (list, tuple)) else None
+    if not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(
+            f"Expected `{setting}` to be a column name or a non-empty list of column names. Received: {spec!r}"
+        )
+    sources = tuple(inspect(df, name, setting) for name in names)
+    for source in sources:
+        if source.kind != SCALAR:
+            raise ValueError(
+                f"Expected every column in the `{setting}` list to be numeric; column {source.name!r} is "
+                f"{source.type_name}. Pass a vector or array column on its own instead."
+            )
+    return sources
+
+
+def _same_names(mapping: Mapping, names: list[str], setting: str, what: str) -> None:
+    unknown = [key for key in mapping if key not in names]
+    if unknown:
+        raise ValueError(
+            f"`{setting}` names {what}(s) {unknown} that the model does not have: its {what}s are {names}."
+        )
+    missing = [name for name in names if name not in mapping]
+    if missing:
+        raise ValueError(f"`{setting}` gives no column for the model's {what}(s) {missing}: its {what}s are {names}.")
+
+
+def validation_split_mask(values: list[Column], fraction: float, seed: int) -> Column:
+    """True for the rows a ``validation_split`` of ``fraction`` holds out: a seeded random selection.
+
+    Each row's values (the converted input and target columns), hashed with ``seed``, give a number
+    uniform in [0, 1); rows below ``fraction`` are held out. The choice depends on the row's values
+    only, never on partitioning or order, so it is the same in the driver's count, in every
+    (retried) task and when recomputed later; identical rows share it.
+    """
+    hashed = F.xxhash64(F.lit(int(seed)), *values)
+    uniform = F.shiftrightunsigned(hashed, 11).cast("double") / float(1 << 53)
+    return uniform < F.lit(float(fraction))
+
+
+def _boolean_column(df: DataFrame, name: str) -> Column:
+    if not isinstance(name, str) or name not in df.columns:
+        raise ValueError(
+            f"Column {name!r} given as `validation_col` is not in the DataFrame. Available columns: {df.columns}"
+        )
+    data_type = df.schema[name].dataType
+    if not isinstance(data_type, T.BooleanType):
+        raise ValueError(
+            f"Expected column {name!r} (`validation_col`) to be boolean (true: hold the row out for "
+            f"validation). Received type: {data_type.simpleString()}"
+        )
+    return F.col(name)

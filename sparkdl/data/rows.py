@@ -1,0 +1,70 @@
+"""A worker's partition as arrays by field: its training rows and its held-out validation rows."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from sparkdl.data.fields import Layout
+
+VALIDATION = "_sparkdl_validation"  # boolean; only present when rows are held out for validation
+
+
+class Rows:
+    """Some rows of a partition, one array per field; ``take`` gives the batches Keras trains on."""
+
+    def __init__(self, layout: Layout, arrays: dict[str, np.ndarray]):
+        self.layout = layout
+        self._arrays = arrays
+        self._count = len(next(iter(arrays.values())))
+
+    def __len__(self) -> int:
+        return self._count
+
+    def take(self, index: np.ndarray) -> tuple:
+        """The rows at ``index`` as ``(x, y)`` or ``(x, y, sample_weight)``."""
+        return self.layout.keras_batch({column: array[index] for column, array in self._arrays.items()})
+
+    def all(self) -> tuple:
+        """Every row, as one batch tuple (for ``validation_data`` and ``evaluate``)."""
+        return self.layout.keras_batch(self._arrays)
+
+
+def read_partition(layout: Layout, batches: Iterable[pa.RecordBatch]) -> tuple[Rows, Rows]:
+    """A partition's Arrow batches as ``(training rows, held-out validation rows)``.
+
+    Without a ``VALIDATION`` column every row is a training row.
+    """
+    train: list[dict[str, np.ndarray]] = []
+    held_out: list[dict[str, np.ndarray]] = []
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        if VALIDATION not in batch.schema.names:
+            train.append(layout.arrays(batch))
+            continue
+        mask = batch.column(VALIDATION)
+        train.append(layout.arrays(batch.filter(pc.invert(mask))))
+        held_out.append(layout.arrays(batch.filter(mask)))
+    return Rows(layout, _concatenate(layout, train)), Rows(layout, _concatenate(layout, held_out))
+
+
+def row_counts(batches: Iterable[pa.RecordBatch]) -> tuple[int, int]:
+    """A partition's ``(training rows, held-out validation rows)``, without converting any values."""
+    train = held_out = 0
+    for batch in batches:
+        validation = (pc.sum(batch.column(VALIDATION)).as_py() or 0) if VALIDATION in batch.schema.names else 0
+        train += batch.num_rows - validation
+        held_out += validation
+    return train, held_out
+
+
+def _concatenate(layout: Layout, parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    if not parts:
+        return layout.empty()
+    if len(parts) == 1:
+        return parts[0]
+    return {column: np.concatenate([part[column] for part in parts]) for column in parts[0]}

@@ -1,0 +1,304 @@
+"""Real models fed from real tables: inputs and outputs by name, shapes, exact integer ids, sample weights, images."""
+
+import keras
+import numpy as np
+import pytest
+from models import make_mlp
+from partitions import partitions_as_fit_sees_them
+from pyspark.sql import functions as F
+from spark_jobs import no_spark_job
+
+import sparkdl
+from sparkdl import data
+from sparkdl.keras.serialization import model_to_bytes
+from sparkdl.launch.errors import WorkerError
+from sparkdl.ml.inference import predict
+
+BASE = 2**53 - 1000  # ids above 2^24 and up to 2^53: float32 would merge them, float64 barely holds them
+IDS = 40
+
+
+def _ids_frame(spark, rows=400, seed=0):
+    """A wide-and-deep table: three numeric features next to an id whose parity alone decides the label."""
+    rng = np.random.default_rng(seed)
+    ids = BASE + rng.integers(0, IDS, rows)
+    numeric = rng.normal(size=(rows, 3))
+    return spark.createDataFrame(
+        [(int(i), n.tolist(), int((i - BASE) % 2)) for i, n in zip(ids, numeric)],
+        "id long, numeric array<double>, label int",
+    )
+
+
+def _wide_and_deep(id_dtype="int64", seed=0):
+    keras.utils.set_random_seed(seed)
+    numeric = keras.Input((3,), name="numeric")
+    ids = keras.Input((1,), name="id", dtype=id_dtype)
+    index = keras.layers.IntegerLookup(vocabulary=np.arange(BASE, BASE + IDS, dtype=np.int64))(ids)
+    embedded = keras.layers.Flatten()(keras.layers.Embedding(IDS + 1, 4)(index))
+    hidden = keras.layers.Dense(16, activation="relu")(keras.layers.Concatenate()([numeric, embedded]))
+    model = keras.Model({"numeric": numeric, "id": ids}, keras.layers.Dense(2, activation="softmax")(hidden))
+    model.compile(keras.optimizers.Adam(0.05), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_wide_and_deep_with_ids_near_2_to_the_53(spark, mode):
+    """Ids that float32 would merge (and float64 would round past 2^53) reach the Embedding exactly."""
+    df = _ids_frame(spark)
+    features = {"numeric": "numeric", "id": "id"}
+    result = sparkdl.fit(
+        df, _wide_and_deep(), features_col=features, num_workers=2, mode=mode, epochs=8, batch_size=16, seed=1
+    )
+    assert result.history["accuracy"][-1] == 1.0  # parity of an id is learnable only if every id arrives intact
+
+    scored = predict(df, model_to_bytes(result.model), features_col=features, prediction_col="p").toPandas()
+    assert (scored["p"] == scored["label"]).mean() == 1.0  # scoring feeds the ids as integers too
+    assert len(np.unique(np.float32(scored["id"]))) < IDS // 2  # what float32 would have made of them
+
+
+def test_two_outputs_and_sample_weights_by_name(spark):
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(256, 4))
+    df = spark.createDataFrame(
+        [(r.tolist(), float(r.sum()), int(r[0] > 0), 1.0 + float(r[1] > 0)) for r in x],
+        "x array<float>, total double, sign int, w double",
+    )
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,), name="x")
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    model = keras.Model(
+        inputs,
+        {
+            "total": keras.layers.Dense(1, name="total")(hidden),
+            "sign": keras.layers.Dense(2, "softmax", name="sign")(hidden),
+        },
+    )
+    model.compile(
+        keras.optimizers.Adam(0.02),
+        loss={"total": "mse", "sign": "sparse_categorical_crossentropy"},
+        metrics={"sign": ["accuracy"]},
+    )
+    labels = {"total": "total", "sign": "sign"}
+    result = sparkdl.fit(
+        df,
+        model,
+        features_col="x",
+        label_col=labels,
+        sample_weight_col="w",
+        num_workers=2,
+        epochs=10,
+        batch_size=16,
+        seed=0,
+    )
+    history = result.history
+    assert {"total_loss", "sign_loss", "sign_accuracy"} <= set(history)
+    assert history["total_loss"][-1] < 0.2 * history["total_loss"][0]
+    assert history["sign_accuracy"][-1] > 0.9
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "average"])
+def test_sample_weights_weigh_the_loss_as_keras_does(spark, digits, mode):
+    """One worker, plain SGD, no shuffling: the trained weights are Keras's own ``fit(sample_weight=...)``'s."""
+    x_train, _, y_train, _ = digits
+    rows, b = 96, 16
+    weights = np.random.default_rng(0).uniform(0.0, 3.0, rows)
+    df = spark.createDataFrame(
+        [(r.tolist(), int(label), float(w)) for r, label, w in zip(x_train[:rows], y_train[:rows], weights)],
+        "features array<float>, label long, w double",
+    ).coalesce(1)
+    make = lambda: make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(0.05), seed=3)  # noqa: E731
+    options = {"sync_every": 2} if mode == "average" else {}
+    result = sparkdl.fit(
+        df, make(), sample_weight_col="w", num_workers=1, mode=mode, epochs=1, batch_size=b, shuffle=False, **options
+    )
+    ((x, y, w),) = partitions_as_fit_sees_them(
+        data.prepare(df, make(), "features", "label", 1, sample_weight_col="w"), 1
+    )
+    np.testing.assert_allclose(np.sort(w), np.sort(weights.astype(np.float32)))
+    reference = make()
+    reference.fit(x, y, sample_weight=w, batch_size=b, epochs=1, shuffle=False, verbose=0)
+    unweighted = make()
+    unweighted.fit(x, y, batch_size=b, epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(result.model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    assert any(not np.allclose(p, w_, atol=1e-4) for p, w_ in zip(unweighted.get_weights(), reference.get_weights()))
+
+
+def _cnn(shape, seed=0):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input(shape),
+            keras.layers.Conv2D(8, 3, activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def test_cnn_on_digits_from_flat_and_nested_rows(spark, digits):
+    """64 flat values and 8x8 nested arrays both feed an (8, 8, 1) input; scoring reshapes by the same rule."""
+    x_train, _, y_train, _ = digits
+    flat = spark.createDataFrame(
+        [(r.tolist(), r.reshape(8, 8).tolist(), int(label)) for r, label in zip(x_train[:600], y_train[:600])],
+        "pixels array<float>, image array<array<float>>, label long",
+    )
+    for column in ("pixels", "image"):
+        result = sparkdl.fit(flat, _cnn((8, 8, 1)), features_col=column, num_workers=2, epochs=6, batch_size=16, seed=0)
+        assert result.history["accuracy"][-1] > 0.9, (column, result.history)
+    scored = predict(flat, model_to_bytes(result.model), features_col="pixels", prediction_col="p").toPandas()
+    assert (scored["p"] == scored["label"]).mean() > 0.9
+
+
+def test_text_model_over_token_ids(spark):
+    """``array<int>`` token ids of one length feed an Embedding whose input has a free length (None,)."""
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(1, 50, size=(400, 12))
+    label = (tokens == 7).any(axis=1)
+    tokens[label, 0] = 7
+    df = spark.createDataFrame([(t.tolist(), int(y)) for t, y in zip(tokens, label)], "tokens array<int>, label int")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((None,), dtype="int32"),
+            keras.layers.Embedding(50, 8),
+            keras.layers.GlobalMaxPooling1D(),
+            keras.layers.Dense(1, activation="sigmoid"),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(0.05), "binary_crossentropy", metrics=["accuracy"])
+    result = sparkdl.fit(df, model, features_col="tokens", num_workers=2, mode="async", epochs=6, batch_size=16, seed=0)
+    assert result.history["accuracy"][-1] > 0.95
+
+
+def test_image_source_feeds_a_cnn(spark, tmp_path):
+    """PNGs read with Spark's image source (its struct column) train a CNN directly, and score."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for i in range(24):
+        red = i % 2 == 0
+        pixels = rng.integers(0, 60, size=(6, 5, 3), dtype=np.uint8)
+        pixels[..., 0 if red else 2] += 180  # RGB: red or blue
+        Image.fromarray(pixels).save(tmp_path / f"{'red' if red else 'blue'}-{i}.png")
+    images = spark.read.format("image").load(str(tmp_path))
+    df = images.withColumn("label", F.col("image.origin").contains("/red-").cast("int"))
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((6, 5, 3)),
+            keras.layers.Rescaling(1 / 255),
+            keras.layers.Conv2D(4, 3, activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1, activation="sigmoid"),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(0.05), "binary_crossentropy", metrics=["accuracy"])
+    result = sparkdl.fit(df, model, features_col="image", num_workers=2, epochs=15, batch_size=4, seed=0)
+    assert result.history["accuracy"][-1] == 1.0
+    scored = predict(df, model_to_bytes(result.model), features_col="image", prediction_col="p").toPandas()
+    assert (scored["p"] == scored["label"]).all()
+
+
+# Bad input: refused on the driver, before the training stage, naming the column and what was expected.
+
+
+def _refused_before_any_job(spark, df, model, match, **kwargs):
+    with no_spark_job(spark), pytest.raises(ValueError, match=match) as info:
+        sparkdl.fit(df, model, num_workers=2, **kwargs)
+    assert not isinstance(info.value, WorkerError)
+
+
+def test_schema_errors_name_inputs_and_columns(spark):
+    df = _ids_frame(spark, rows=40)
+    model = _wide_and_deep()
+    _refused_before_any_job(
+        spark,
+        df,
+        model,
+        r"The model has 2 inputs \['numeric', 'id'\]: pass `features_col` as a mapping",
+        features_col="numeric",
+    )
+    _refused_before_any_job(
+        spark,
+        df,
+        model,
+        r"`features_col` names input\(s\) \['wide'\] that the model does not have: its inputs are",
+        features_col={"wide": "numeric", "id": "id", "numeric": "numeric"},
+    )
+    _refused_before_any_job(
+        spark, df, model, r"gives no column for the model's input\(s\) \['id'\]", features_col={"numeric": "numeric"}
+    )
+    floats = df.withColumn("id", F.col("id").cast("double"))
+    _refused_before_any_job(
+        spark,
+        floats,
+        model,
+        r"Column 'id' \(`features_col\['id'\]`\) holds double values, but the model's input 'id'.*takes integers",
+        features_col={"numeric": "numeric", "id": "id"},
+    )
+    two = keras.Model(model.inputs, [model.outputs[0], model.outputs[0]])
+    _refused_before_any_job(
+        spark, df, two, r"pass `label_col` as a mapping", features_col={"numeric": "numeric", "id": "id"}
+    )
+    _refused_before_any_job(
+        spark,
+        df,
+        make_mlp(width=3),
+        r"Expected column 'numeric' \(`sample_weight_col`\) to hold one number",
+        features_col="numeric",
+        sample_weight_col="numeric",
+    )
+
+
+def _refused_before_training(df, model, match, **kwargs):
+    with pytest.raises(ValueError, match=match) as info:
+        sparkdl.fit(df, model, num_workers=2, **kwargs)
+    assert not isinstance(info.value, WorkerError)  # the driver's checks job, not a training task
+
+
+def test_data_errors_are_refused_before_training(spark):
+    df = _ids_frame(spark, rows=40)
+    features = {"numeric": "numeric", "id": "id"}
+    _refused_before_training(
+        df,
+        _wide_and_deep(id_dtype="float32"),
+        r"Column 'id' .* holds integers up to .* exactly only up to 16777216",
+        features_col=features,
+    )
+    _refused_before_training(
+        df,
+        _wide_and_deep(id_dtype="int32"),
+        r"Column 'id' .* outside what the model's input 'id'.*int32",
+        features_col=features,
+    )
+    pixels = df.withColumn("pixels", F.array_repeat(F.lit(1.0), 63))
+    _refused_before_training(
+        pixels,
+        _cnn((8, 8, 1)),
+        r"Column 'pixels' \(`features_col`\) holds rows of 63 values; the model's input .*\(None, 8, 8, 1\)",
+        features_col="pixels",
+    )
+    nested = df.withColumn("image", F.array_repeat(F.array_repeat(F.lit(1.0), 4), 16))
+    _refused_before_training(
+        nested, _cnn((8, 8, 1)), r"Column 'image' .* holds rows of shape \(16, 4\)", features_col="image"
+    )
+    holes = nested.withColumn(
+        "image", F.when(F.col("label") == 1, F.array(F.lit(None).cast("array<double>"))).otherwise(F.col("image"))
+    )
+    _refused_before_training(
+        holes,
+        _cnn((8, 8, 1)),
+        r"Column 'image' has \d+ rows with a null array at nesting level 2",
+        features_col="image",
+    )
+    negative = df.withColumn("w", F.lit(-1.0))
+    _refused_before_training(
+        negative,
+        make_mlp(width=3, classes=2),
+        r"Column 'w' \(`sample_weight_col`\) has 40 negative weights",
+        features_col="numeric",
+        sample_weight_col="w",
+    )
