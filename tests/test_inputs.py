@@ -240,6 +240,7 @@ def test_schema_errors_name_inputs_and_columns(spark):
         features_col={"numeric": "numeric", "id": "id"},
     )
     two = keras.Model(model.inputs, [model.outputs[0], model.outputs[0]])
+    two.compile("adam", ["sparse_categorical_crossentropy"] * 2)
     _refused_before_any_job(
         spark, df, two, r"pass `label_col` as a mapping", features_col={"numeric": "numeric", "id": "id"}
     )
