@@ -35,6 +35,9 @@ class FitResult:
     ``model`` is a new ``keras.Model`` on the driver holding the trained
     weights and optimizer state (the model passed in is left untouched);
     ``history`` maps each metric to its per-epoch values averaged over workers;
+    ``steps_per_epoch`` the steps each worker ran per epoch (every training row once per epoch: the
+    largest partition in batches of ``batch_size``; in async/hogwild/ssp, where each worker runs its own
+    partition's steps, the most any worker ran);
     ``stats`` holds the mode's counters (samples, pushes, pulls, bytes,
     highest staleness seen, rounds); ``validation_rows`` the rows held out
     for validation (0 without ``validation_col``/``validation_split``);
@@ -208,7 +211,7 @@ def fit(
         initial_epoch=resumed.epoch if resumed is not None else 0,
         callbacks=worker_callbacks,
     )
-    steps = settings.steps_per_epoch  # training rows only
+    steps = settings.steps_per_epoch  # an estimate: the workers count their rows and report the exact steps
     if resumed is not None and resumed.epoch >= epochs:
         logger.info(
             "sparkdl: %s already holds %d trained epochs (epochs=%d): nothing to train",
@@ -228,7 +231,7 @@ def fit(
         )
     start = resumed.checkpoint if resumed is not None else Checkpoint(0, serialization.model_to_bytes(model), {}, mode)
     logger.info(
-        "sparkdl: %s training on %d workers, %d rows (%d held out for validation), %d steps/epoch x %d epochs%s",
+        "sparkdl: %s training on %d workers, %d rows (%d held out for validation), about %d steps/epoch x %d epochs%s",
         mode,
         num_workers,
         training.num_rows,
@@ -274,7 +277,7 @@ def fit(
         result.model,
         result.history,
         num_workers,
-        steps,
+        monitor.steps_per_epoch,
         seconds,
         result.stats,
         training.validation_rows,

@@ -120,7 +120,8 @@ class ProgressMonitor:
     ):
         self._epochs = epochs
         self._watch = watch
-        self._steps_per_epoch = steps_per_epoch
+        self._steps_per_epoch = steps_per_epoch  # the driver's estimate, then the largest a worker reported
+        self._reported_steps: dict[int, int] = {}  # rank -> its steps per epoch (workers report them when they start)
         self._reporting_ranks = reporting_ranks
         self._listeners = list(listeners)
         self._lock = threading.Lock()
@@ -152,6 +153,8 @@ class ProgressMonitor:
             self._watch(rank, event)
         kind = event.get("event")
         if kind == "start":
+            if "steps_per_epoch" in event:
+                self.steps_known(rank, int(event["steps_per_epoch"]))
             self._start(rank, int(event["initial_epoch"]))
         elif kind == "step":
             self.step(rank, int(event["epoch"]), int(event["step"]), event["logs"], float(event["samples_per_second"]))
@@ -160,10 +163,23 @@ class ProgressMonitor:
 
     # -- from the driver (and the above) -----------------------------------------------------
 
+    @property
+    def steps_per_epoch(self) -> int:
+        """The steps per epoch the workers reported (the most any ran), else the driver's estimate."""
+        return max(self._reported_steps.values(), default=self._steps_per_epoch)
+
+    def steps_known(self, rank: int, steps: int) -> None:
+        """Worker ``rank`` runs ``steps`` steps per epoch (known once it has counted its rows)."""
+        with self._lock:
+            self._reported_steps[rank] = steps
+            self._steps_per_epoch = max(self._reported_steps.values())
+            if self._bar is not None:
+                self._bar.reset(total=self._epochs * self._steps_per_epoch)
+
     def step(self, rank: int, epoch: int, step: int, logs: dict[str, float], samples_per_second: float) -> None:
         """A worker (or, in average mode, the driver: rank 0) is ``step`` steps into ``epoch``."""
         with self._lock:
-            self._positions[rank] = epoch * self._steps_per_epoch + step
+            self._positions[rank] = epoch * self._steps_per_epoch + step * self._steps_per_epoch // self._steps_of(rank)
             self._rates[rank] = samples_per_second
             position, rate = self._position(), sum(self._rates.values())
             self._update_bar(position, logs, rate)
@@ -253,6 +269,9 @@ class ProgressMonitor:
             [r.get("validation_rows", 0) for r in reports.values()],
         )
         self.epoch_end(epoch, logs, sum(float(r["samples_per_second"]) for r in reports.values()))
+
+    def _steps_of(self, rank: int) -> int:
+        return self._reported_steps.get(rank, self._steps_per_epoch)
 
     def _position(self) -> int:
         """Global steps done: the mean over reporting workers (in sync mode, rank 0's)."""

@@ -1,16 +1,24 @@
 """Which rows each worker trains on at each step: the one batch schedule every mode follows.
 
-Ranks must agree on the number of steps per epoch (the ring would deadlock otherwise), so it depends on
-the total row count only; each rank's order within an epoch is a seeded permutation of its own rows, and
-any range of global steps (a resumed fit's remaining epochs, an average-mode round) gives exactly the
-batches an uninterrupted run gives for those steps.
+Every training row is used exactly once per epoch, however unevenly Spark split the rows: a worker
+spreads its epoch's (seeded, per-epoch) permutation of its ``n`` rows over the epoch's ``steps``,
+step ``s`` taking positions ``[s*n//steps, (s+1)*n//steps)``, so its batches differ by at most one
+row and none is repeated or left out. Workers that step in lockstep (sync mode's ranks, average
+mode's rounds) share ``steps = ceil(max n / batch_size)``; a worker whose partition holds fewer rows
+than that has empty steps, where sync mode's rank still takes part in the collective (with a
+one-row *filler* batch whose gradient weighs nothing: :func:`gradient_scales`) and average mode's
+worker trains nothing. Any range of global steps (a resumed fit, an average-mode round) gives
+exactly the batches an uninterrupted run gives for those steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Iterator, Sequence
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 
 def require_rows(rows_by_worker: dict[int, int]) -> None:
@@ -29,50 +37,82 @@ def require_rows(rows_by_worker: dict[int, int]) -> None:
         )
 
 
-def steps_per_epoch(num_rows: int, num_workers: int, batch_size: int) -> int:
-    """Steps every rank runs per epoch: one pass over the data at the global batch size.
+def steps_per_epoch(rows_per_worker: Sequence[int], batch_size: int) -> int:
+    """Steps per epoch for workers holding ``rows_per_worker`` rows: the largest partition in batches of ``batch_size``."""
+    return max(1, -(-max(rows_per_worker) // batch_size))
 
-    Ranks must agree on this number or the ring deadlocks, so it depends on the
-    total row count only, never on a partition's own size.
+
+def estimated_steps(num_rows: int, num_workers: int, batch_size: int) -> int:
+    """The steps per epoch of evenly split rows: what the driver shows until the workers report their counts."""
+    return steps_per_epoch([-(-num_rows // num_workers)], batch_size)
+
+
+def step_sizes(num_rows: int, steps: int) -> np.ndarray:
+    """The rows of each of an epoch's ``steps`` steps for a worker holding ``num_rows`` rows (0 for an empty step)."""
+    return np.diff(np.arange(steps + 1, dtype=np.int64) * num_rows // steps)
+
+
+def gradient_scales(rows_per_rank: Sequence[int], rank: int, steps: int) -> np.ndarray | None:
+    """Per step of an epoch, what rank ``rank`` multiplies its gradient by before the ranks average them.
+
+    Rank r's gradient is the mean over its k_r rows of the step; scaled by ``k_r * N / sum(k)`` and
+    averaged over the N ranks, the update is the mean over all rows of the global step, as one
+    process training on them in one batch. ``None`` when every rank has the same rows at every step
+    (all scales are 1).
     """
-    return max(1, -(-num_rows // (num_workers * batch_size)))
+    sizes = np.stack([step_sizes(n, steps) for n in rows_per_rank])
+    if (sizes == sizes[0]).all():
+        return None
+    return sizes[rank] * len(rows_per_rank) / sizes.sum(axis=0)
 
 
-def epoch_order(num_rows: int, num_samples: int, *, seed: int, rank: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """Row indices a rank trains on in one epoch.
+def warn_fillers(rows_per_rank: Sequence[int], steps: int) -> None:
+    """Logs the workers whose partitions are too small for ``steps`` steps (they run filler steps)."""
+    for rank, rows in enumerate(rows_per_rank):
+        if rows < steps:
+            logger.warning(
+                "sparkdl: worker %d holds %d rows for %d steps per epoch: it runs %d filler steps on one of its "
+                "rows each epoch, whose gradient weighs nothing but which its own unweighted metrics count. "
+                "Spread the rows more evenly (repartition the DataFrame) or use a larger batch_size.",
+                rank,
+                rows,
+                steps,
+                steps - rows,
+            )
 
-    ``num_samples`` (steps x batch size) may exceed ``num_rows``: the order then
-    continues with further permutations so that every rank runs full batches.
-    """
+
+def epoch_order(num_rows: int, *, seed: int, rank: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """A rank's rows in the order it trains on them in one epoch: each exactly once."""
     if not shuffle:
-        return np.arange(num_samples) % num_rows
-    rng = np.random.default_rng([seed, rank, epoch])
-    passes = -(-num_samples // num_rows)
-    return np.concatenate([rng.permutation(num_rows) for _ in range(passes)])[:num_samples]
+        return np.arange(num_rows)
+    return np.random.default_rng([seed, rank, epoch]).permutation(num_rows)
 
 
 def batches(
     num_rows: int,
     *,
-    batch_size: int,
     steps: int,
     seed: int,
     rank: int,
     shuffle: bool,
     start: int,
     stop: int,
+    fillers: bool = True,
 ) -> Iterator[np.ndarray]:
     """The one batch schedule of every mode: the row indices of each batch of global steps ``start..stop-1``.
 
-    An epoch is ``steps`` steps over the rank's rows in ``epoch_order`` (reshuffled every epoch), so
-    any range of steps (a resumed fit's remaining epochs, an average-mode round) gives exactly the
-    batches an uninterrupted run gives for those steps.
+    An empty step (fewer rows than steps) gives a one-row filler batch with ``fillers``, nothing otherwise.
     """
+    bounds = np.arange(steps + 1, dtype=np.int64) * num_rows // steps
     position = start
     while position < stop:
         epoch, first = divmod(position, steps)
         end = min(stop, (epoch + 1) * steps)
-        order = epoch_order(num_rows, steps * batch_size, seed=seed, rank=rank, epoch=epoch, shuffle=shuffle)
+        order = epoch_order(num_rows, seed=seed, rank=rank, epoch=epoch, shuffle=shuffle)
         for step in range(first, end - epoch * steps):
-            yield order[step * batch_size : (step + 1) * batch_size]
+            index = order[bounds[step] : bounds[step + 1]]
+            if len(index):
+                yield index
+            elif fillers:
+                yield order[:1]
         position = end

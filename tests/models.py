@@ -1,6 +1,7 @@
 """Small real Keras models shared by the tests."""
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 
@@ -137,3 +138,32 @@ def recorded_batches(directory, rank):
     import numpy as np
 
     return [np.load(path) for path in sorted(glob.glob(f"{directory}/rank{rank}-call*.npy"))]
+
+
+@keras.utils.register_keras_serializable(package="sparkdl_tests")
+class RecordIds(keras.layers.Layer):
+    """Identity on its second input; in training, appends ``partition id`` lines for the ids of every batch it
+    sees (its first input) to ``<directory>/<pid>.txt``: which rows really reached a worker's train step."""
+
+    def __init__(self, directory, **kwargs):
+        super().__init__(**kwargs)
+        self.directory = directory
+
+    def _record(self, ids):
+        import os
+
+        from pyspark import TaskContext
+
+        partition = TaskContext.get().partitionId()
+        with open(os.path.join(self.directory, f"{os.getpid()}.txt"), "a") as f:
+            f.writelines(f"{partition} {int(i)}\n" for i in ids.reshape(-1))
+        return np.float32(0)
+
+    def call(self, inputs, training=None):
+        ids, x = inputs
+        if not training:
+            return x
+        return x + tf.ensure_shape(tf.numpy_function(self._record, [ids], tf.float32, stateful=True), [])
+
+    def get_config(self):
+        return {**super().get_config(), "directory": self.directory}

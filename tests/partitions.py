@@ -3,7 +3,7 @@
 import numpy as np
 import pyarrow as pa
 
-from sparkdl import data, schedule
+from sparkdl import data
 from sparkdl._compat import collect_arrow
 
 
@@ -38,18 +38,24 @@ def partitions_as_fit_sees_them(training, num_workers):
     return parts
 
 
-def training_stream(parts, *, batch_size, steps, epochs, seed):
+def training_stream(parts, *, steps, epochs, seed):
     """The rows of every step of every epoch, the workers' batches side by side: what one process
-    training at the global batch size must see to match the workers."""
-    xs, ys = [], []
+    training on each global step's rows in one batch must see to match the workers.
+
+    Written from the rule, not with the library's schedule: each worker permutes its n rows per epoch
+    (``numpy.random.default_rng([seed, rank, epoch])``) and step s takes positions [s*n//steps, (s+1)*n//steps).
+    Returns ``(x, y, sizes)``: the rows in order and the size of each global step's batch.
+    """
+    xs, ys, sizes = [], [], []
     for epoch in range(epochs):
-        orders = [
-            schedule.epoch_order(len(px), steps * batch_size, seed=seed, rank=r, epoch=epoch, shuffle=True)
-            for r, (px, _) in enumerate(parts)
-        ]
+        orders = [np.random.default_rng([seed, r, epoch]).permutation(len(px)) for r, (px, *_) in enumerate(parts)]
         for step in range(steps):
-            for (px, py), order in zip(parts, orders):
-                index = order[step * batch_size : (step + 1) * batch_size]
+            size = 0
+            for (px, py, *_), order in zip(parts, orders):
+                n = len(px)
+                index = order[step * n // steps : (step + 1) * n // steps]
                 xs.append(px[index])
                 ys.append(py[index])
-    return np.concatenate(xs), np.concatenate(ys)
+                size += len(index)
+            sizes.append(size)
+    return np.concatenate(xs), np.concatenate(ys), sizes

@@ -38,19 +38,46 @@ def test_metrics_are_weighted_by_the_samples_behind_them_and_weightless_values_n
 
 
 def test_any_range_of_steps_gets_the_batches_of_the_uninterrupted_schedule():
-    x = np.arange(10, dtype=np.float32).reshape(-1, 1)
-    y = np.arange(10, dtype=np.float32)
-    settings = dict(batch_size=3, steps=4, seed=5, rank=1, shuffle=True)
-    whole = [b for _, b in schedule.batches(x, y, start=0, stop=12, **settings)]
+    settings = dict(steps=4, seed=5, rank=1, shuffle=True)
+    whole = list(schedule.batches(10, start=0, stop=12, **settings))
     pieces = [
-        b
-        for start, stop in ((0, 5), (5, 8), (8, 12))
-        for _, b in schedule.batches(x, y, start=start, stop=stop, **settings)
+        b for start, stop in ((0, 5), (5, 8), (8, 12)) for b in schedule.batches(10, start=start, stop=stop, **settings)
     ]
-    assert len(whole) == 12 and all(len(b) == 3 for b in whole)
+    assert len(whole) == 12 and [len(b) for b in whole[:4]] == [2, 3, 2, 3]
     for a, b in zip(whole, pieces, strict=True):
         np.testing.assert_array_equal(a, b)
-    assert set(np.concatenate(whole[:4]).tolist()) == set(range(10))
+    for epoch in range(3):  # every row exactly once per epoch
+        assert sorted(np.concatenate(whole[4 * epoch : 4 * epoch + 4]).tolist()) == list(range(10))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 31, 32, 33, 100, 1000])
+@pytest.mark.parametrize("batch_size", [1, 7, 32])
+def test_every_row_once_per_epoch_in_batches_of_at_most_batch_size(rows, batch_size):
+    others = [rows, max(1, rows // 3), rows + 40]  # uneven partitions: the steps follow the largest
+    steps = schedule.steps_per_epoch(others, batch_size)
+    assert steps == max(1, -(-(rows + 40) // batch_size))
+    for shuffle in (True, False):
+        batches = list(schedule.batches(rows, steps=steps, seed=3, rank=0, shuffle=shuffle, start=0, stop=2 * steps))
+        assert len(batches) == 2 * steps  # one per step: the ranks stay in lockstep
+        for epoch in range(2):
+            epoch_batches = batches[epoch * steps : (epoch + 1) * steps]
+            real = [b for b in epoch_batches if len(b)]
+            assert all(len(b) <= batch_size for b in epoch_batches)
+            if rows >= steps:
+                assert sorted(np.concatenate(real).tolist()) == list(range(rows))
+        unfilled = list(
+            schedule.batches(rows, steps=steps, seed=3, rank=0, shuffle=shuffle, start=0, stop=steps, fillers=False)
+        )
+        assert sorted(np.concatenate(unfilled).tolist()) == list(range(rows))  # without fillers: exactly once
+
+
+def test_fillers_run_where_a_worker_has_fewer_rows_than_steps():
+    batches = list(schedule.batches(3, steps=5, seed=0, rank=0, shuffle=False, start=0, stop=5))
+    assert [len(b) for b in batches] == [1, 1, 1, 1, 1]  # two filler steps of one row
+    assert schedule.step_sizes(3, 5).tolist() == [0, 1, 0, 1, 1]
+    scales = schedule.gradient_scales([3, 10], rank=0, steps=5)
+    assert scales.tolist() == [0.0, 1 * 2 / 3, 0.0, 2 / 3, 2 / 3]  # fillers weigh nothing; k_r * N / K elsewhere
+    assert schedule.gradient_scales([10, 10], rank=0, steps=5) is None
 
 
 def test_a_worker_without_training_rows_is_an_error_naming_it():

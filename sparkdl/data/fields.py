@@ -28,6 +28,15 @@ class Field:
     dtype: str  # what Keras receives: the input's dtype; int64 or float32 for targets; float32 for weights
     image: bool = False  # the column holds an image's raw bytes (uint8, ``shape`` is (height, width, channels))
 
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        """The dtype of its arrays (bfloat16, which numpy lacks, travels as float32: Keras casts it)."""
+        return np.dtype("float32") if self.dtype == "bfloat16" else np.dtype(self.dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape) * self.numpy_dtype.itemsize
+
     def describe(self) -> str:
         columns = self.sources[0] if len(self.sources) == 1 else list(self.sources)
         return f"column {columns!r}"
@@ -43,8 +52,7 @@ class Field:
                 f"{self.describe()} has rows with a number of values other than {width}: expected one row shape "
                 f"{self.shape} for every row (it was checked before training; did the data change?)."
             )
-        dtype = np.dtype("float32") if self.dtype == "bfloat16" else np.dtype(self.dtype)
-        return values.astype(dtype, copy=False).reshape((rows, *self.shape))
+        return values.astype(self.numpy_dtype, copy=False).reshape((rows, *self.shape))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +72,6 @@ class Layout:
     def arrays(self, batch: pa.RecordBatch) -> dict[str, np.ndarray]:
         """One record batch as arrays by frame column."""
         return {field.column: field.to_numpy(batch.column(field.column)) for field in self.fields}
-
-    def empty(self) -> dict[str, np.ndarray]:
-        dtype = lambda f: np.float32 if f.dtype == "bfloat16" else f.dtype  # noqa: E731
-        return {f.column: np.empty((0, *f.shape), dtype(f)) for f in self.fields}
 
     def keras_batch(self, arrays: dict[str, np.ndarray]) -> tuple:
         """``(x, y)``, or ``(x, y, sample_weight)`` with a weight column, as ``model.fit`` takes them."""

@@ -1,4 +1,8 @@
-"""A worker's partition as arrays by field: its training rows and its held-out validation rows."""
+"""A worker's partition as arrays by field: its training rows and its held-out validation rows.
+
+The rows are streamed to local disk as they arrive and read back memory-mapped
+(``sparkdl.data.spill``), so a worker's memory does not grow with its partition.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkdl.data.fields import Layout
+from sparkdl.data.spill import SpilledArrays, spill_directory
 
 VALIDATION = "_sparkdl_validation"  # boolean; only present when rows are held out for validation
 
@@ -16,17 +21,21 @@ VALIDATION = "_sparkdl_validation"  # boolean; only present when rows are held o
 class Rows:
     """Some rows of a partition, one array per field; ``take`` gives the batches Keras trains on."""
 
-    def __init__(self, layout: Layout, arrays: dict[str, np.ndarray]):
+    def __init__(self, layout: Layout, arrays: dict[str, np.ndarray], spilled: SpilledArrays | None = None):
         self.layout = layout
         self._arrays = arrays
+        self._spilled = spilled
         self._count = len(next(iter(arrays.values())))
 
     def __len__(self) -> int:
         return self._count
 
     def take(self, index: np.ndarray) -> tuple:
-        """The rows at ``index`` as ``(x, y)`` or ``(x, y, sample_weight)``."""
-        return self.layout.keras_batch({column: array[index] for column, array in self._arrays.items()})
+        """The rows at ``index`` as ``(x, y)`` or ``(x, y, sample_weight)`` (copies, in memory)."""
+        batch = self.layout.keras_batch({column: array[index] for column, array in self._arrays.items()})
+        if self._spilled is not None:
+            self._spilled.touched(len(index))
+        return batch
 
     def all(self) -> tuple:
         """Every row, as one batch tuple (for ``validation_data`` and ``evaluate``)."""
@@ -34,22 +43,28 @@ class Rows:
 
 
 def read_partition(layout: Layout, batches: Iterable[pa.RecordBatch]) -> tuple[Rows, Rows]:
-    """A partition's Arrow batches as ``(training rows, held-out validation rows)``.
+    """A partition's Arrow batches as ``(training rows, held-out validation rows)``, spilled to local disk.
 
-    Without a ``VALIDATION`` column every row is a training row.
+    Without a ``VALIDATION`` column every row is a training row. One Arrow batch is in memory at a time.
     """
-    train: list[dict[str, np.ndarray]] = []
-    held_out: list[dict[str, np.ndarray]] = []
-    for batch in batches:
-        if batch.num_rows == 0:
-            continue
-        if VALIDATION not in batch.schema.names:
-            train.append(layout.arrays(batch))
-            continue
-        mask = batch.column(VALIDATION)
-        train.append(layout.arrays(batch.filter(pc.invert(mask))))
-        held_out.append(layout.arrays(batch.filter(mask)))
-    return Rows(layout, _concatenate(layout, train)), Rows(layout, _concatenate(layout, held_out))
+    directory = spill_directory()
+    train = SpilledArrays(layout.fields, directory)
+    held_out = SpilledArrays(layout.fields, directory)
+    try:
+        for batch in batches:
+            if batch.num_rows == 0:
+                continue
+            if VALIDATION not in batch.schema.names:
+                train.append(layout.arrays(batch))
+                continue
+            mask = batch.column(VALIDATION)
+            train.append(layout.arrays(batch.filter(pc.invert(mask))))
+            held_out.append(layout.arrays(batch.filter(mask)))
+    except BaseException:
+        train.discard()
+        held_out.discard()
+        raise
+    return Rows(layout, train.finish(), train), Rows(layout, held_out.finish(), held_out)
 
 
 def row_counts(batches: Iterable[pa.RecordBatch]) -> tuple[int, int]:
@@ -60,11 +75,3 @@ def row_counts(batches: Iterable[pa.RecordBatch]) -> tuple[int, int]:
         train += batch.num_rows - validation
         held_out += validation
     return train, held_out
-
-
-def _concatenate(layout: Layout, parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    if not parts:
-        return layout.empty()
-    if len(parts) == 1:
-        return parts[0]
-    return {column: np.concatenate([part[column] for part in parts]) for column in parts[0]}

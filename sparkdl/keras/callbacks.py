@@ -36,14 +36,15 @@ def progress_callback(
     report: Callable[[dict], None],
     *,
     steps_per_epoch: int,
-    batch_size: int,
+    rows_per_epoch: int,
     validation_rows: int = 0,
     interval: float = STEP_REPORT_SECONDS,
 ):
     """Reports step progress (rate-limited) and every epoch's logs and throughput to the driver.
 
-    An epoch event carries the samples behind its metrics (``samples``, ``validation_rows``),
-    which weigh them when the driver combines workers (``metrics.combine_logs``).
+    ``rows_per_epoch`` are the training rows behind the reported metrics (the rank's own, or all ranks'
+    when one reports for all). An epoch event carries them (``samples``, ``validation_rows``), which
+    weigh the metrics when the driver combines workers (``metrics.combine_logs``).
     """
     import keras
 
@@ -64,7 +65,10 @@ def progress_callback(
                     "epoch": self._epoch,
                     "step": step,
                     "logs": numeric_logs(logs),
-                    "samples_per_second": (step - self._reported_step) * batch_size / (now - self._reported_at),
+                    "samples_per_second": (step - self._reported_step)
+                    * rows_per_epoch
+                    / steps_per_epoch
+                    / (now - self._reported_at),
                 }
             )
             self._reported_at, self._reported_step = now, step
@@ -76,8 +80,8 @@ def progress_callback(
                     "event": "epoch",
                     "epoch": epoch,
                     "logs": numeric_logs(logs),
-                    "samples_per_second": steps_per_epoch * batch_size / seconds,
-                    "samples": steps_per_epoch * batch_size,
+                    "samples_per_second": rows_per_epoch / seconds,
+                    "samples": rows_per_epoch,
                     "validation_rows": validation_rows,
                 }
             )

@@ -15,7 +15,7 @@ reads the user's arguments itself.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sparkdl import data, schedule
@@ -32,7 +32,7 @@ class Settings:
     num_workers: int
     epochs: int
     batch_size: int
-    steps_per_epoch: int
+    steps_per_epoch: int  # on the driver an estimate (even partitions); the tasks use ``for_rows``'s exact count
     seed: int
     shuffle: bool = True
     custom_objects: dict | None = None
@@ -45,31 +45,37 @@ class Settings:
     def for_data(
         cls, training: data.TrainingData, *, num_workers: int, epochs: int, batch_size: int, seed: int, **rest
     ) -> Settings:
-        """The settings of a fit over ``training``: its shapes, steps per epoch from its training rows
-        (:func:`sparkdl.schedule.steps_per_epoch`), and validation when it holds rows out."""
+        """The settings of a fit over ``training``: its layout, the steps per epoch evenly split rows would take
+        (:func:`sparkdl.schedule.estimated_steps`), and validation when it holds rows out."""
         return cls(
             layout=training.layout,
             num_workers=num_workers,
             epochs=epochs,
             batch_size=batch_size,
-            steps_per_epoch=schedule.steps_per_epoch(training.num_rows, num_workers, batch_size),
+            steps_per_epoch=schedule.estimated_steps(training.num_rows, num_workers, batch_size),
             seed=seed,
             validate=training.validation_rows > 0,
             **rest,
         )
 
-    def batches(self, rows: data.Rows, rank: int, start: int | None = None, stop: int | None = None):
+    def for_rows(self, rows_per_worker: Sequence[int]) -> Settings:
+        """These settings with the exact steps per epoch of workers holding ``rows_per_worker`` training rows."""
+        return dataclasses.replace(self, steps_per_epoch=schedule.steps_per_epoch(rows_per_worker, self.batch_size))
+
+    def batches(
+        self, rows: data.Rows, rank: int, start: int | None = None, stop: int | None = None, *, fillers: bool = True
+    ):
         """Rank ``rank``'s batches of global steps ``start..stop-1`` (default: the epochs left to train), as
-        ``(x, y)`` or ``(x, y, sample_weight)`` tuples for Keras."""
+        ``(x, y)`` or ``(x, y, sample_weight)`` tuples for Keras (see :func:`sparkdl.schedule.batches`)."""
         indices = schedule.batches(
             len(rows),
-            batch_size=self.batch_size,
             steps=self.steps_per_epoch,
             seed=self.seed,
             rank=rank,
             shuffle=self.shuffle,
             start=self.initial_epoch * self.steps_per_epoch if start is None else start,
             stop=self.epochs * self.steps_per_epoch if stop is None else stop,
+            fillers=fillers,
         )
         return (rows.take(index) for index in indices)
 

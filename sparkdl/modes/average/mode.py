@@ -134,11 +134,22 @@ class AverageMode(Mode):
         ``val_*``: the averaged model's metrics on them (module docstring).
         """
         started = time.perf_counter()
-        settings = job.settings
         spark = job.training.frame.sparkSession
+        frame = job.training.frame.repartition(job.settings.num_workers).persist(StorageLevel.MEMORY_AND_DISK)
+        try:
+            partition_rows, validation_rows = _rows_per_partition(frame, job.settings.num_workers)
+        except BaseException:
+            frame.unpersist()
+            raise
+        settings = job.settings.for_rows(partition_rows)  # the rounds' common steps per epoch
+        job.monitor.steps_known(0, settings.steps_per_epoch)
         sync_every = job.options.sync_every or schedule.recommended_sync_every(settings.steps_per_epoch)
         rounds = schedule.Rounds(
-            settings, secrets.token_hex(16), sync_every, schedule.resume_step(settings, job.start.step)
+            settings,
+            secrets.token_hex(16),
+            sync_every,
+            schedule.resume_step(settings, job.start.step),
+            tuple(partition_rows),
         )
         model = serialization.model_from_bytes(job.start.model_bytes, settings.custom_objects)
         variables = state_variables(model)
@@ -147,14 +158,12 @@ class AverageMode(Mode):
         checkpointer = Checkpointer(job.checkpoints, job.start, "average") if job.checkpoints else None
         publisher = _EpochPublisher(rounds, job.monitor, checkpointer, model, variables, metrics)
 
-        frame = job.training.frame.repartition(settings.num_workers).persist(StorageLevel.MEMORY_AND_DISK)
         model_broadcast = session.ship(spark, job.start.model_bytes, size=len(job.start.model_bytes), what="the model")
         state_bytes = len(job.start.model_bytes) + sum(array.nbytes for array in state)  # each round ships both
         state_broadcast = None
         totals = np.zeros(4, np.int64)
         with checkpointer or contextlib.nullcontext():  # waits for the last checkpoint; raises if one was not written
             try:
-                partition_rows, validation_rows = _rows_per_partition(frame, settings.num_workers)
                 logger.info(
                     "sparkdl: average mode, %d workers, rows per worker %s, %d steps/epoch x %d epochs, "
                     "%d rounds of %d steps",
@@ -275,7 +284,7 @@ class _EpochPublisher:
     def round_done(self, round_index: int, state: list, seconds: float) -> None:
         settings = self._rounds.settings
         start, stop = self._rounds.steps(round_index)
-        self._samples_per_second = (stop - start) * settings.batch_size * settings.num_workers / max(seconds, 1e-9)
+        self._samples_per_second = self._rounds.rows(start, stop) / max(seconds, 1e-9)
         epoch = (stop - 1) // settings.steps_per_epoch
         logs = {
             name: values[0]

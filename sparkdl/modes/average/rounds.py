@@ -8,6 +8,7 @@ import logging
 import numpy as np
 
 from sparkdl.modes.base import Settings
+from sparkdl.schedule import step_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -19,10 +20,23 @@ CONTRIBUTIONS, SAMPLES, STEPS, DELTA_BYTES = range(4)
 class Rounds:
     """What every task of every round needs; shipped in the task closure (small)."""
 
-    settings: Settings
+    settings: Settings  # with the exact steps per epoch of ``partition_rows`` (``Settings.for_rows``)
     token: str  # names the job's model in the workers' cache
     sync_every: int
     first_step: int  # the global step training starts at: 0, or the step a resumed checkpoint's state was taken at
+    partition_rows: tuple[int, ...] = ()  # training rows of each worker
+
+    def rows(self, start: int, stop: int, rank: int | None = None) -> int:
+        """Rows trained in global steps ``start..stop-1`` by worker ``rank`` (all workers: None)."""
+        steps = self.settings.steps_per_epoch
+        ranks = range(len(self.partition_rows)) if rank is None else (rank,)
+        total = 0
+        for r in ranks:
+            sizes = step_sizes(self.partition_rows[r], steps)
+            whole, first = divmod(start, steps)
+            end_whole, last = divmod(stop, steps)
+            total += (end_whole - whole) * int(sizes.sum()) - int(sizes[:first].sum()) + int(sizes[:last].sum())
+        return total
 
     @property
     def total_steps(self) -> int:
@@ -44,7 +58,11 @@ class Rounds:
 
 
 def apply_average(state: list[np.ndarray], delta_sums: list, counter_sums: list, round_index: int) -> list[np.ndarray]:
-    """The state plus the mean of the round's deltas (divided by the contributions actually merged)."""
+    """The state plus the mean of the round's deltas, weighted by the rows each worker trained.
+
+    Workers send float deltas multiplied by their rows (``SAMPLES``), so the float sums divide by the
+    rows merged; integer deltas (iteration counters) come unweighted and divide by the contributions.
+    """
     if not counter_sums or not delta_sums:
         raise RuntimeError(f"Round {round_index}: no task delta reached the driver.")
     contributions = counter_sums[0][:, CONTRIBUTIONS]
@@ -61,11 +79,12 @@ def apply_average(state: list[np.ndarray], delta_sums: list, counter_sums: list,
     if len(delta_sums) != len(state):
         raise RuntimeError(f"Round {round_index}: workers sent {len(delta_sums)} arrays for {len(state)} variables.")
     n = int(contributions.sum())
+    rows = max(int(counter_sums[0][:, SAMPLES].sum()), 1)
     updated = []
     for old, total in zip(state, delta_sums):
         new: np.ndarray
         if np.issubdtype(old.dtype, np.floating):
-            new = old.astype(np.float64) + np.asarray(total, np.float64) / n
+            new = old.astype(np.float64) + np.asarray(total, np.float64) / rows
         else:  # iteration counters: every worker adds the same count
             new = old.astype(np.int64) + np.rint(np.asarray(total, np.float64) / n).astype(np.int64)
         updated.append(new.astype(old.dtype))

@@ -3,8 +3,8 @@
 Python workers are reused between tasks (``spark.python.worker.reuse=true``): the deserialized
 model stays cached here between rounds, keyed by the job's token. Every worker runs the batches
 of the one schedule (``Settings.batches``, rank = partition index, global steps carried across
-rounds), so with plain SGD and ``sync_every=1`` averaging the deltas is exactly averaging the
-gradients: the result equals sync mode. A round's metrics come back as rows of its job, each
+rounds), so with plain SGD and ``sync_every=1`` averaging the deltas, weighted by the rows each
+worker trained, is exactly sync mode's rows-weighted average of the gradients: the result equals sync mode. A round's metrics come back as rows of its job, each
 weighted by the samples behind it (``samples``: rows trained, or held-out rows for ``val_*``).
 """
 
@@ -78,24 +78,30 @@ def round_task(
         _evaluate(cached.model, held_out, settings.batch_size, rank, rounds.epochs_finished(round_index - 1), out)
     _seed_round(cached, rounds, rank, round_index)
 
-    model, b, steps_per_epoch = cached.model, settings.batch_size, settings.steps_per_epoch
+    model, steps_per_epoch = cached.model, settings.steps_per_epoch
     start, stop = rounds.steps(round_index)
-    position = start
+    position, trained, steps = start, 0, 0
     while position < stop:  # one segment per epoch the round touches, its metrics a row each
         epoch = position // steps_per_epoch
         end = min(stop, (epoch + 1) * steps_per_epoch)
         totals: dict[str, float] = {}
-        for batch in settings.batches(rows, rank, position, end):
+        segment = 0
+        for batch in settings.batches(rows, rank, position, end, fillers=False):  # empty steps: nothing to train
             logs = model.train_on_batch(*batch, return_dict=True)  # this batch's metrics
+            size = _batch_rows(batch)
             for name, value in logs.items():
-                totals[name] = totals.get(name, 0.0) + float(value)
+                totals[name] = totals.get(name, 0.0) + float(value) * size
+            segment += size
+            steps += 1
         for name, total in totals.items():
-            _add_row(out, rank, epoch, (end - position) * b, name, total / (end - position))
+            _add_row(out, rank, epoch, segment, name, total / segment)
+        trained += segment
         position = end
 
-    delta = [_delta(read(variable), old) for variable, old in zip(cached.variables, state)]
+    # Float deltas go weighted by the rows behind them; the driver divides their sum by all workers' rows.
+    delta = [d * trained if np.issubdtype(d.dtype, np.floating) else d for d in _deltas(cached, state)]
     counts = np.zeros((settings.num_workers, 4), np.int64)
-    counts[rank] = (1, (stop - start) * b, stop - start, sum(d.nbytes for d in delta))
+    counts[rank] = (1, trained, steps, sum(d.nbytes for d in delta))
     for chunk, payload in sender.send(delta, counts):
         _add_row(out, rank, chunk=chunk, payload=payload)
     return iter([pa.RecordBatch.from_pydict(out, schema=_METRICS_ARROW_SCHEMA)])
@@ -147,6 +153,15 @@ def _evaluate(model, held_out: Rows, batch_size: int, rank: int, epochs: range, 
     for epoch in epochs:
         for name, value in logs.items():
             _add_row(out, rank, epoch, len(held_out), f"val_{name}", float(value))
+
+
+def _batch_rows(batch: tuple) -> int:
+    targets = batch[1]
+    return len(next(iter(targets.values())) if isinstance(targets, dict) else targets)
+
+
+def _deltas(cached: _CachedModel, state: list[np.ndarray]) -> list[np.ndarray]:
+    return [_delta(read(variable), old) for variable, old in zip(cached.variables, state)]
 
 
 def _delta(new: np.ndarray, old: np.ndarray) -> np.ndarray:

@@ -99,12 +99,13 @@ def run_parameter_server_task(
     rank = partition_id()
     rows, held_out = read_partition(settings.layout, batches)
     schedule.require_rows({rank: len(rows)})
+    settings = settings.for_rows([len(rows)])  # no lockstep: a worker's epoch is its own rows, in its own steps
     limit_threads_to_task_cpus()
     model = serialization.model_from_bytes(task.model_bytes, settings.custom_objects)
     model.jit_compile = False  # the exchange runs through tf.numpy_function, which XLA cannot compile
     variables = model.trainable_variables
     layout = ShardLayout([tuple(v.shape) for v in variables], task.shards)
-    samples = settings.steps_per_epoch * settings.batch_size
+    samples = len(rows)  # every row once per epoch
 
     with ParameterClient(
         task.addresses,
@@ -125,10 +126,13 @@ def run_parameter_server_task(
         _assign_flat(variables, exchange.weights)
         stream = settings.batches(rows, rank)
         keras.utils.set_random_seed(settings.seed + rank)  # dropout and the like differ per worker, by design
+        reporter.progress(
+            {"event": "start", "initial_epoch": settings.initial_epoch, "steps_per_epoch": settings.steps_per_epoch}
+        )
         progress = callbacks.progress_callback(
             reporter.progress,
             steps_per_epoch=settings.steps_per_epoch,
-            batch_size=settings.batch_size,
+            rows_per_epoch=samples,
             validation_rows=len(held_out),
         )
         with intercept_apply(model.optimizer, push_then_take_server_weights):

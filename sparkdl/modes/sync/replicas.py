@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import logging
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from sparkdl import schedule
 from sparkdl.data import Rows
 from sparkdl.keras.optimizer_hooks import fused_numpy_call, intercept_apply
 from sparkdl.metrics import combine_logs
@@ -28,18 +30,30 @@ _REPLICA_TOLERANCE = 1e-5
 
 
 @contextlib.contextmanager
-def distributed_optimizer(optimizer, comm) -> Iterator[None]:
+def distributed_optimizer(optimizer, comm, scales: np.ndarray | None = None, first_step: int = 0) -> Iterator[None]:
     """Makes ``optimizer`` average its gradients over ``comm`` while the block runs.
 
     A communicator with its own in-graph collective (Horovod's) averages them
     there; otherwise they cross into Python once per step, fused, for ``comm.allreduce``.
+    ``scales`` (per step of an epoch, from global step ``first_step`` on: ``schedule.gradient_scales``)
+    weigh this rank's gradient by its rows when the ranks' batches differ in size.
     """
+    steps = itertools.count(first_step)
+
+    def next_scale() -> np.float32:
+        return np.float32(1.0 if scales is None else scales[next(steps) % len(scales)])
 
     def mean_over_ranks(fused: np.ndarray) -> np.ndarray:
-        return comm.allreduce(fused, average=True)
+        scale = next_scale()
+        return comm.allreduce(fused if scale == 1 else fused * scale, average=True)
 
     def allreduce_then_apply(apply, grads, variables):
         if hasattr(comm, "average_gradients"):
+            if scales is not None:
+                import tensorflow as tf
+
+                scale = tf.numpy_function(next_scale, [], tf.float32, stateful=True)
+                grads = [None if g is None else g * tf.cast(scale, g.dtype) for g in grads]
             return apply(comm.average_gradients(grads), variables)
         return apply(fused_numpy_call(grads, mean_over_ranks, "sparkdl_allreduce"), variables)
 
@@ -170,11 +184,15 @@ def train(
     *,
     comm,
     settings: Settings,
+    rows_per_rank: Sequence[int],
     initial_epoch: int,
     validation: Validation | None = None,
     callbacks: Sequence = (),
 ) -> dict[str, list[float]]:
     """Trains ``model`` in place on this rank's rows, in lockstep with the other ranks; returns the history.
+
+    ``settings.steps_per_epoch`` is the ranks' common count (``Settings.for_rows(rows_per_rank)``):
+    each rank trains each of its rows once per epoch, its gradient weighed by its rows at each step.
 
     With ``validation``, every rank evaluates its held-out rows at each epoch end (Keras's own
     ``validation_data``) and the history gains the combined ``val_*`` metrics. Training runs
@@ -191,10 +209,9 @@ def train(
     validation_data = None
     if validation is not None:  # a rank without held-out rows validates on a stand-in, which weighs 0
         validation_data = validation.rows.all() if len(validation.rows) else rows.take(np.arange(1))
-    callback = _average_across_workers_callback(
-        comm, samples=steps * settings.batch_size, steps_per_epoch=steps, validation=validation
-    )
-    with distributed_optimizer(model.optimizer, comm):
+    callback = _average_across_workers_callback(comm, samples=len(rows), steps_per_epoch=steps, validation=validation)
+    scales = schedule.gradient_scales(rows_per_rank, comm.rank, steps)
+    with distributed_optimizer(model.optimizer, comm, scales, first_step=initial_epoch * steps):
         history = model.fit(
             stream,
             epochs=settings.epochs,

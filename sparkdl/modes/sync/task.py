@@ -50,6 +50,9 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
         counts = comm.allgather(np.array([len(rows), len(held_out)], np.int64))
         rows_per_rank, validation_rows = counts[:, 0], counts[:, 1]
         schedule.require_rows(dict(enumerate(rows_per_rank.tolist())))
+        settings = settings.for_rows(rows_per_rank.tolist())  # every rank: the same steps per epoch
+        if comm.rank == 0:
+            schedule.warn_fillers(rows_per_rank.tolist(), settings.steps_per_epoch)
         if settings.validate and validation_rows.sum() == 0:
             raise ValueError("No worker partition got a validation row: the validation set is empty.")
         limit_threads_to_task_cpus()
@@ -60,13 +63,15 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
         saving = task.checkpoints if comm.rank == 0 else None  # rank 0 saves, where checkpoints are asked for
         with Checkpointer(saving, start, "sync") if saving is not None else contextlib.nullcontext() as checkpointer:
             if comm.rank == 0:  # the ranks hold the same model and (combined) metrics: one of them reports and saves
-                reporter.progress({"event": "start", "initial_epoch": start.epoch})
+                reporter.progress(
+                    {"event": "start", "initial_epoch": start.epoch, "steps_per_epoch": settings.steps_per_epoch}
+                )
                 extra.insert(
                     0,
-                    callbacks.progress_callback(  # for all ranks: the global batch, all held-out rows
+                    callbacks.progress_callback(  # for all ranks: every training row, all held-out rows
                         reporter.progress,
                         steps_per_epoch=settings.steps_per_epoch,
-                        batch_size=settings.batch_size * comm.size,
+                        rows_per_epoch=int(rows_per_rank.sum()),
                         validation_rows=int(validation_rows.sum()),
                     ),
                 )
@@ -77,6 +82,7 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
                 rows,
                 comm=comm,
                 settings=settings,
+                rows_per_rank=rows_per_rank.tolist(),
                 initial_epoch=start.epoch,
                 validation=validation,
                 callbacks=extra,

@@ -1,0 +1,38 @@
+"""Trains one worker on a partition of ``rows`` x 100 float32 values; its Python runs through ``python_wrapper``.
+
+    python tests/memory_job.py ROWS PYTHON_WRAPPER
+
+Used by tests/test_partition_memory.py, which puts the wrapper's processes (the PySpark daemon and the
+worker it forks) in a memory cgroup smaller than the partition. Prints one JSON line: the rows trained.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+import sparkdl
+
+rows, wrapper = int(sys.argv[1]), sys.argv[2]
+spark = (
+    SparkSession.builder.master("local[1]")
+    .config("spark.ui.enabled", "false")
+    .config("spark.pyspark.python", wrapper)
+    .config("spark.driver.memory", "3g")
+    .getOrCreate()
+)
+features = F.array(*[F.rand(seed) for seed in range(100)]).cast("array<float>")
+df = spark.range(0, rows, numPartitions=4).select(
+    features.alias("features"), (F.rand(1000) * 10).cast("int").alias("label")
+)
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((100,)), keras.layers.Dense(10, activation="softmax")])
+model.compile("sgd", "sparse_categorical_crossentropy")
+result = sparkdl.fit(df, model, num_workers=1, epochs=1, batch_size=4096, seed=0, progress=False)
+print(json.dumps({"rows": rows, "steps": result.steps_per_epoch, "sparkdl": os.path.dirname(sparkdl.__file__)}))
+spark.stop()

@@ -1,0 +1,65 @@
+"""A partition larger than the worker's memory limit trains: the worker streams it to disk and reads it mapped.
+
+The limit is real: the test makes a memory cgroup (v1, as root) and starts the job's PySpark daemon in it
+through a wrapper script, so the daemon and the worker it forks are held to ``LIMIT`` bytes of memory
+(swap included); an in-memory partition of ``ROWS`` x 100 float32 values (``PARTITION`` bytes, more
+than ``LIMIT``) could not fit. The cgroup's own counters show the limit was reached and held.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROWS = 3_000_000
+PARTITION = ROWS * 100 * 4  # 1.2 GB as float32
+LIMIT = 1_100 << 20  # a TensorFlow worker takes about 0.8 GB before any data
+CGROUPS = Path("/sys/fs/cgroup/memory")
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def memory_cgroup():
+    if not os.access(CGROUPS, os.W_OK):
+        pytest.skip(f"needs a writable cgroup v1 memory hierarchy at {CGROUPS} (root)")
+    group = CGROUPS / f"sparkdl-test-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(LIMIT))
+        swap = group / "memory.memsw.limit_in_bytes"
+        if swap.exists():
+            swap.write_text(str(LIMIT))
+        yield group
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            subprocess.run(["kill", "-9", pid], check=False)
+        group.rmdir()
+
+
+def test_partition_larger_than_the_memory_limit_trains(memory_cgroup, tmp_path):
+    assert PARTITION > LIMIT
+    wrapper = tmp_path / "python-in-cgroup"
+    wrapper.write_text(f'#!/bin/sh\necho $$ > {memory_cgroup / "cgroup.procs"}\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_GATEWAY_PORT", "SPARK_REMOTE")}
+    done = subprocess.run(
+        [sys.executable, str(HERE / "memory_job.py"), str(ROWS), str(wrapper)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["rows"] == ROWS and result["steps"] == -(-ROWS // 4096)
+    peak = int((memory_cgroup / "memory.max_usage_in_bytes").read_text())
+    print(f"cgroup peak {peak >> 20} MB, limit hit {(memory_cgroup / 'memory.failcnt').read_text().strip()} times")
+    assert peak > 600 << 20, f"the worker did not run in the cgroup (peak {peak} bytes)"  # it held TensorFlow
+    assert peak <= LIMIT
