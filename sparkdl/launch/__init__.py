@@ -2,6 +2,7 @@
 
 from sparkdl.launch.errors import WorkerError
 from sparkdl.launch.session import task_slots
-from sparkdl.launch.stage import check_slots, connect_collective, run_tasks
+from sparkdl.launch.slots import check_slots, claim_slots
+from sparkdl.launch.stage import connect_collective, run_tasks
 
-__all__ = ["WorkerError", "check_slots", "connect_collective", "run_tasks", "task_slots"]
+__all__ = ["WorkerError", "check_slots", "claim_slots", "connect_collective", "run_tasks", "task_slots"]
