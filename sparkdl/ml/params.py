@@ -18,17 +18,28 @@ from pyspark.ml.param.shared import (
 
 from sparkdl.api import MODES
 from sparkdl.ml import custom_objects
+from sparkdl.ml.optimizer import HasOptimizerSettings
 
 if TYPE_CHECKING:
     import keras
 
 
 def _keras_model(value):
+    """The model Param's type converter: a keras.Model, held in a KerasModel.
+
+    PySpark's tuning writers (``_ValidatorSharedReadWrite``) save a grid's values as JSON, except
+    Transformers, which they save with their own writer and load back: held in a KerasModel, a grid over
+    ``model`` saves with a CrossValidatorModel. The KerasModel holds the very object (no copy).
+    """
+    from sparkdl.ml.model import KerasModel  # model.py imports this module
+
+    if isinstance(value, KerasModel):
+        return value
     import keras
 
     if not isinstance(value, keras.Model):
         raise TypeError(f"Expected `model` to be a keras.Model. Received: {type(value).__name__}")
-    return value
+    return KerasModel._holding(value)
 
 
 def deprecated_validation_col(kwargs: dict) -> dict:
@@ -99,8 +110,8 @@ class HasOutputCols(HasFeaturesCol, HasPredictionCol, HasProbabilityCol, HasRawP
         return self._set(rawPredictionCol=value)
 
 
-class KerasTrainingParams(HasOutputCols, HasLabelCol, HasSeed, HasValidationIndicatorCol):
-    """Every training setting of :func:`sparkdl.fit`, under Spark ML's camelCase names."""
+class KerasTrainingParams(HasOutputCols, HasLabelCol, HasSeed, HasValidationIndicatorCol, HasOptimizerSettings):
+    """Every training setting of :func:`sparkdl.fit`, under Spark ML's camelCase names, and the optimizer's."""
 
     model = Param(
         Params._dummy(), "model", "the compiled keras.Model to train (never modified)", typeConverter=_keras_model
@@ -244,8 +255,8 @@ class KerasTrainingParams(HasOutputCols, HasLabelCol, HasSeed, HasValidationIndi
         return self.setValidationIndicatorCol(value)
 
     def getModel(self) -> keras.Model:
-        """Gets the Keras model to train (the value of model)."""
-        return self.getOrDefault(self.model)
+        """Gets the Keras model to train (the value of model, held in a KerasModel)."""
+        return self.getOrDefault(self.model)._keras_model_with(self.custom_objects_or_none())
 
     def setModel(self, value: keras.Model):
         """Sets the Keras model to train (the value of model)."""
