@@ -1,4 +1,4 @@
-"""Running functions on Spark tasks: the barrier stage, worker output and errors, GPUs, collective backends."""
+"""Running functions on Spark tasks: task slots, the barrier stage, worker output and errors, GPUs, collective backends."""
 
 from sparkdl.launch.errors import WorkerError
 from sparkdl.launch.session import task_slots
