@@ -178,111 +178,113 @@ def fit(
     phases.end("settings")
 
     # Prepare: the slots, the data, the executors' Python, the job.
-    launch.check_slots(
-        df.sparkSession, num_workers, wait_seconds=30.0, why=lambda slots: runner.why_all_at_once(mode, slots)
-    )
-    seed = secrets.randbelow(2**31) if seed is None else seed
-    planned = data.plan(
-        df,
-        model,
-        features_col,
-        label_col,
-        sample_weight_col=sample_weight_col,
-        validation_col=validation_col,
-        validation_split=validation_split,
-        seed=seed,
-    )  # the columns, matched to the model's inputs and outputs: no Spark job yet
-    # The executors' Python is checked (and TensorFlow loaded into it) while the driver checks the rows.
-    workers = probe.start_check(df.sparkSession, num_workers, timeout)
-    phases.end("slots")
-    training = planned.check(num_workers)
-    phases.end("checks")
-    workers.wait()
-    phases.end("workers")
-    settings = Settings.for_data(
-        training,
-        num_workers=num_workers,
-        epochs=epochs,
-        batch_size=batch_size,
-        seed=seed,
-        shuffle=shuffle,
-        custom_objects=custom_objects,
-        timeout=timeout,
-        initial_epoch=resumed.epoch if resumed is not None else 0,
-        callbacks=worker_callbacks,
-    )
-    steps = settings.steps_per_epoch  # an estimate: the workers count their rows and report the exact steps
-    if resumed is not None and resumed.epoch >= epochs:
-        logger.info(
-            "sparkdl: %s already holds %d trained epochs (epochs=%d): nothing to train",
-            checkpoint_dir,
-            resumed.epoch,
-            epochs,
+    # The slots are held from here to the end of the fit: other fits running now cannot take them.
+    with launch.claim_slots(df.sparkSession, num_workers, why=lambda slots: runner.why_all_at_once(mode, slots)):
+        seed = secrets.randbelow(2**31) if seed is None else seed
+        planned = data.plan(
+            df,
+            model,
+            features_col,
+            label_col,
+            sample_weight_col=sample_weight_col,
+            validation_col=validation_col,
+            validation_split=validation_split,
+            seed=seed,
+        )  # the columns, matched to the model's inputs and outputs: no Spark job yet
+        # The executors' Python is checked (and TensorFlow loaded into it) while the driver checks the rows.
+        workers = probe.start_check(df.sparkSession, num_workers, timeout)
+        phases.end("slots")
+        training = planned.check(num_workers)
+        phases.end("checks")
+        waited = workers.wait()
+        phases.end("workers")
+        settings = Settings.for_data(
+            training,
+            num_workers=num_workers,
+            epochs=epochs,
+            batch_size=batch_size,
+            seed=seed,
+            shuffle=shuffle,
+            custom_objects=custom_objects,
+            timeout=timeout,
+            initial_epoch=resumed.epoch if resumed is not None else 0,
+            callbacks=worker_callbacks,
         )
-        return FitResult(
-            resumed.model,
-            resumed.checkpoint.history,
-            num_workers,
-            steps,
-            0.0,
-            {},
-            training.validation_rows,
-            resumed.checkpoint.epoch,
-        )
-    start = resumed.checkpoint if resumed is not None else Checkpoint(0, serialization.model_to_bytes(model), {}, mode)
-    logger.info(
-        "sparkdl: %s training on %d workers, %d rows (%d held out for validation), about %d steps/epoch x %d epochs%s",
-        mode,
-        num_workers,
-        training.num_rows,
-        training.validation_rows,
-        steps,
-        epochs,
-        f", resuming after epoch {start.epoch}" if start.epoch else "",
-    )
-    monitor = ProgressMonitor(
-        epochs=epochs,
-        steps_per_epoch=steps,
-        initial_epoch=start.epoch,
-        reporting_ranks=runner.reporting_ranks(num_workers),
-        console=progress,
-        listeners=_listeners(
-            tensorboard_dir, log_to_mlflow, mode=mode, settings=settings, backend=backend, values=values
-        ),
-        description=f"sparkdl {mode} x{num_workers}",
-        watch=phases.watch,
-    )
-    phases.end("serialize")
-
-    # Run the mode.
-    started = time.perf_counter()
-    with monitor:
-        result = runner.run(
-            Job(
-                training=training,
-                start=start,
-                settings=settings,
-                mode=mode,
-                options=options,
-                monitor=monitor,
-                checkpoints=checkpoints,
+        steps = settings.steps_per_epoch  # an estimate: the workers count their rows and report the exact steps
+        if resumed is not None and resumed.epoch >= epochs:
+            logger.info(
+                "sparkdl: %s already holds %d trained epochs (epochs=%d): nothing to train",
+                checkpoint_dir,
+                resumed.epoch,
+                epochs,
             )
+            return FitResult(
+                resumed.model,
+                resumed.checkpoint.history,
+                num_workers,
+                steps,
+                0.0,
+                {},
+                training.validation_rows,
+                resumed.checkpoint.epoch,
+            )
+        start = (
+            resumed.checkpoint if resumed is not None else Checkpoint(0, serialization.model_to_bytes(model), {}, mode)
         )
-    seconds = time.perf_counter() - started
-    phases.end("result")
-    logger.info("sparkdl: phases %s; %s", phases, workers.summary())
+        logger.info(
+            "sparkdl: %s training on %d workers, %d rows (%d held out for validation), about %d steps/epoch x %d "
+            "epochs%s",
+            mode,
+            num_workers,
+            training.num_rows,
+            training.validation_rows,
+            steps,
+            epochs,
+            f", resuming after epoch {start.epoch}" if start.epoch else "",
+        )
+        monitor = ProgressMonitor(
+            epochs=epochs,
+            steps_per_epoch=steps,
+            initial_epoch=start.epoch,
+            reporting_ranks=runner.reporting_ranks(num_workers),
+            console=progress,
+            listeners=_listeners(
+                tensorboard_dir, log_to_mlflow, mode=mode, settings=settings, backend=backend, values=values
+            ),
+            description=f"sparkdl {mode} x{num_workers}",
+            watch=phases.watch,
+        )
+        phases.end("serialize")
 
-    # Build the result.
-    return FitResult(
-        result.model,
-        result.history,
-        num_workers,
-        monitor.steps_per_epoch,
-        seconds,
-        result.stats,
-        training.validation_rows,
-        result.initial_epoch,
-    )
+        # Run the mode.
+        started = time.perf_counter()
+        with monitor:
+            result = runner.run(
+                Job(
+                    training=training,
+                    start=start,
+                    settings=settings,
+                    mode=mode,
+                    options=options,
+                    monitor=monitor,
+                    checkpoints=checkpoints,
+                )
+            )
+        seconds = time.perf_counter() - started
+        phases.end("result")
+        logger.info("sparkdl: phases %s; %s", phases, workers.summary(waited))
+
+        # Build the result.
+        return FitResult(
+            result.model,
+            result.history,
+            num_workers,
+            monitor.steps_per_epoch,
+            seconds,
+            result.stats,
+            training.validation_rows,
+            result.initial_epoch,
+        )
 
 
 def _listeners(

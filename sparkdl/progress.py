@@ -43,6 +43,11 @@ logger = logging.getLogger("sparkdl.progress")
 # Seconds between two step lines in the log (the bar moves with every step event).
 STEP_LOG_SECONDS = 30.0
 
+# Held by the monitor that shows a bar, which also redirects the process's console above it: fits running
+# side by side (CrossValidator's `parallelism`) would stack and unwind those redirects out of order, so
+# the others show their epoch lines only.
+_BAR = threading.Lock()
+
 
 class EpochListener(Protocol):
     def on_epoch(self, epoch: int, logs: dict[str, float], samples_per_second: float) -> None: ...
@@ -134,7 +139,8 @@ class ProgressMonitor:
         self._stdout = sys.stdout  # where sparkdl's own lines go, also while the console is redirected above a bar
         self._redirects = contextlib.ExitStack()
         self._bar = None
-        if console and bar_is_visible():
+        self._bar_held = console and bar_is_visible() and _BAR.acquire(blocking=False)
+        if self._bar_held:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(
@@ -214,8 +220,10 @@ class ProgressMonitor:
 
     def close(self) -> None:
         self._redirects.close()
-        if self._bar is not None:
+        if self._bar is not None and self._bar_held:
+            self._bar_held = False
             self._bar.close()
+            _BAR.release()
         for listener in self._listeners:
             try:
                 listener.close()

@@ -167,3 +167,42 @@ class RecordIds(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "directory": self.directory}
+
+
+@keras.utils.register_keras_serializable(package="sparkdl_tests")
+class WaitForPeers(keras.layers.Layer):
+    """Identity layer whose first training call in a process leaves a file in ``directory`` and waits (up to
+    ``seconds``) until ``peers`` files are there: ``peers`` fits' tasks meet only if they train at the same time.
+    A later fit finds the files there and goes on at once."""
+
+    def __init__(self, directory=None, peers=2, seconds=120.0, **kwargs):
+        super().__init__(**kwargs)
+        self.directory = directory
+        self.peers = peers
+        self.seconds = seconds
+        self._met = False
+
+    def _meet(self, x):
+        import os
+        import time
+        import uuid
+
+        if self._met or self.directory is None:
+            return x
+        open(os.path.join(self.directory, uuid.uuid4().hex), "w").close()
+        deadline = time.monotonic() + self.seconds
+        while len(os.listdir(self.directory)) < self.peers:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no other fit trained within {self.seconds}s: the fits did not run at once")
+            time.sleep(0.05)
+        self._met = True
+        return x
+
+    def call(self, x, training=None):
+        if not training:
+            return x
+        y = tf.numpy_function(self._meet, [x], x.dtype, stateful=True)
+        return tf.ensure_shape(y, x.shape)
+
+    def get_config(self):
+        return {**super().get_config(), "directory": self.directory, "peers": self.peers, "seconds": self.seconds}

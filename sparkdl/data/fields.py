@@ -33,10 +33,6 @@ class Field:
         """The dtype of its arrays (bfloat16, which numpy lacks, travels as float32: Keras casts it)."""
         return np.dtype("float32") if self.dtype == "bfloat16" else np.dtype(self.dtype)
 
-    @property
-    def row_bytes(self) -> int:
-        return math.prod(self.shape) * self.numpy_dtype.itemsize
-
     def describe(self) -> str:
         columns = self.sources[0] if len(self.sources) == 1 else list(self.sources)
         return f"column {columns!r}"

@@ -21,10 +21,9 @@ VALIDATION = "_sparkdl_validation"  # boolean; only present when rows are held o
 class Rows:
     """Some rows of a partition, one array per field; ``take`` gives the batches Keras trains on."""
 
-    def __init__(self, layout: Layout, arrays: dict[str, np.ndarray], spilled: SpilledArrays | None = None):
+    def __init__(self, layout: Layout, arrays: dict[str, np.ndarray]):
         self.layout = layout
         self._arrays = arrays
-        self._spilled = spilled
         self._count = len(next(iter(arrays.values())))
 
     def __len__(self) -> int:
@@ -32,10 +31,7 @@ class Rows:
 
     def take(self, index: np.ndarray) -> tuple:
         """The rows at ``index`` as ``(x, y)`` or ``(x, y, sample_weight)`` (copies, in memory)."""
-        batch = self.layout.keras_batch({column: array[index] for column, array in self._arrays.items()})
-        if self._spilled is not None:
-            self._spilled.touched(len(index))
-        return batch
+        return self.layout.keras_batch({column: array[index] for column, array in self._arrays.items()})
 
     def all(self) -> tuple:
         """Every row, as one batch tuple (for ``validation_data`` and ``evaluate``)."""
@@ -64,7 +60,7 @@ def read_partition(layout: Layout, batches: Iterable[pa.RecordBatch]) -> tuple[R
         train.discard()
         held_out.discard()
         raise
-    return Rows(layout, train.finish(), train), Rows(layout, held_out.finish(), held_out)
+    return Rows(layout, train.finish()), Rows(layout, held_out.finish())
 
 
 def row_counts(batches: Iterable[pa.RecordBatch]) -> tuple[int, int]:

@@ -7,10 +7,14 @@ stays readable through the mapping, no other process can open it, and the kernel
 mapping closes or the task's process dies, however it dies. The files are created owner-only
 (a 0700 directory, 0600 files).
 
-Reading a batch copies its rows out of the page cache. The pages a process has touched count in its
-resident memory until it lets go of them, so after every ``RELEASE_BYTES`` of rows read the
-mappings are told to drop their pages (``madvise(MADV_DONTNEED)``): they stay in the page cache,
-the next read maps them again, and the worker's resident memory stays flat whatever the partition's size.
+Reading a batch copies its rows out of the page cache into a small array; the worker's own memory
+(anonymous, what it allocates) stays flat whatever the partition's size. The file pages it has read
+stay mapped and count in its resident set size, but they are page cache, which the kernel reclaims
+whenever memory is short (``tests/test_partition_memory.py`` trains a partition larger than a memory
+cgroup's limit). Releasing them eagerly (``madvise(MADV_DONTNEED)``) was measured and rejected: rows
+are read in a fresh random order every epoch, and the kernel maps page-cache folios of up to 2 MB
+at a time, so one batch maps most of the file again and every release costs throughput (0.8x at 4M
+rows) without lowering the peak (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,9 +26,6 @@ import tempfile
 import numpy as np
 
 from sparkdl.data.fields import Field
-
-RELEASE_BYTES = 64 << 20
-_PAGE = mmap.PAGESIZE
 
 
 def spill_directory() -> str:
@@ -45,10 +46,6 @@ class SpilledArrays:
             for column, path in self._paths.items()
         }
         self._rows = 0
-        self._maps: list[mmap.mmap] = []
-        self._row_cost = sum(max(f.row_bytes, _PAGE) for f in fields)  # at least one page touched per field and row
-        self._touched = 0
-        self._mapped_bytes = 0
 
     def append(self, arrays: dict[str, np.ndarray]) -> None:
         for column, array in arrays.items():
@@ -67,26 +64,12 @@ class SpilledArrays:
                     continue
                 with open(self._paths[field.column], "rb") as f:
                     mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                self._advise(mapped, "MADV_RANDOM")  # batches read rows in shuffled order: no read-ahead
-                self._maps.append(mapped)
-                self._mapped_bytes += len(mapped)
+                if hasattr(mmap, "MADV_RANDOM"):  # rows are read in shuffled order: no read-ahead from disk
+                    mapped.madvise(mmap.MADV_RANDOM)
                 arrays[field.column] = np.frombuffer(mapped, dtype).reshape((self._rows, *field.shape))
         finally:
             self.discard()
         return arrays
-
-    def touched(self, rows: int) -> None:
-        """``rows`` rows were read; past ``RELEASE_BYTES`` the mappings drop their pages from this process.
-
-        Rows read in shuffled order touch a page each (per field), so the mapped pages grow by up to
-        ``rows * row_cost`` bytes, and never past the files' size: files smaller than ``RELEASE_BYTES``
-        are never released.
-        """
-        self._touched = min(self._touched + rows * self._row_cost, self._mapped_bytes)
-        if self._touched >= RELEASE_BYTES:
-            self._touched = 0
-            for mapped in self._maps:
-                self._advise(mapped, "MADV_DONTNEED")
 
     def discard(self) -> None:
         """Removes the files (mapped ones stay readable until the process lets go of them)."""
@@ -97,8 +80,3 @@ class SpilledArrays:
                 os.unlink(path)
         if os.path.isdir(self._directory):
             os.rmdir(self._directory)
-
-    @staticmethod
-    def _advise(mapped: mmap.mmap, advice: str) -> None:
-        if hasattr(mmap, advice):  # Linux and most Unixes; elsewhere the pages stay until the kernel reclaims them
-            mapped.madvise(getattr(mmap, advice))

@@ -10,17 +10,22 @@ import io
 import json
 import os
 import tempfile
+import threading
 
 import numpy as np
 
 from sparkdl import _compat
 
+# Concurrent fits (CrossValidator's `parallelism`) save the same model from several threads: building its
+# optimizer's slots on first save is not safe to run twice at once, so saves take turns.
+_SAVING = threading.Lock()
+
 
 def model_to_bytes(model) -> bytes:
     """The model, its compile settings and optimizer state as ``.keras`` bytes."""
-    # Saved unbuilt, the optimizer's slots could not be matched on load and Keras warns on every worker.
-    _compat.build_optimizer(model.optimizer, model.trainable_variables)
-    with tempfile.TemporaryDirectory(prefix="sparkdl-") as tmp:
+    with _SAVING, tempfile.TemporaryDirectory(prefix="sparkdl-") as tmp:
+        # Saved unbuilt, the optimizer's slots could not be matched on load and Keras warns on every worker.
+        _compat.build_optimizer(model.optimizer, model.trainable_variables)
         path = os.path.join(tmp, "model.keras")
         _compat.save_model(model, path)
         with open(path, "rb") as f:

@@ -128,17 +128,22 @@ class PendingCheck:
         self._reports: list[dict] = []
         self._failure: BaseException | None = None
         self.seconds = 0.0  # the probe job's duration
-        self.waited = 0.0  # how long the last wait() blocked
 
     def start(self, num_workers: int, modules: tuple) -> None:
+        # The probe's job carries the job tags of the thread starting it (a fit's slot claim, ``slots``):
+        # a classic session's tags are the local properties of the thread, which a new thread does not inherit.
+        sc = _classic_context(self._spark)
+        properties = sc._jsc.sc().getLocalProperties().clone() if sc is not None else None
         self._thread = threading.Thread(
-            target=self._run, args=(num_workers, modules), name="sparkdl-probe", daemon=True
+            target=self._run, args=(num_workers, modules, properties), name="sparkdl-probe", daemon=True
         )
         self._thread.start()
 
-    def _run(self, num_workers: int, modules: tuple) -> None:
+    def _run(self, num_workers: int, modules: tuple, properties) -> None:
         started = time.perf_counter()
         try:
+            if properties is not None:
+                self._spark.sparkContext._jsc.sc().setLocalProperties(properties)
             with self._tag:
                 self._reports = _run_probe(self._spark, num_workers, modules)
         except BaseException as exc:  # raised to the caller of wait(), in its thread
@@ -146,10 +151,11 @@ class PendingCheck:
         finally:
             self.seconds = time.perf_counter() - started
 
-    def wait(self) -> None:
+    def wait(self) -> float:
+        """Returns how long it blocked (concurrent fits may wait for the same check)."""
         started = time.perf_counter()
         self._thread.join(self._timeout)
-        self.waited = time.perf_counter() - started
+        waited = time.perf_counter() - started
         try:
             if self._thread.is_alive():
                 self._tag.cancel()
@@ -174,13 +180,14 @@ class PendingCheck:
                 for r in self._reports
             ),
         )
+        return waited
 
-    def summary(self) -> str:
-        """What the check cost this caller, in words (for ``fit``'s phase line)."""
+    def summary(self, waited: float) -> str:
+        """What the check cost a caller that ``waited`` for it, in words (for ``fit``'s phase line)."""
         warmed = sum(bool(r.get("warmed")) for r in self._reports or ())
         slowest = max((r["seconds"] for r in self._reports or ()), default=0.0)
         return (
-            f"worker check {self.seconds:.2f}s in the background, waited for {self.waited:.2f}s (imports "
+            f"worker check {self.seconds:.2f}s in the background, waited for {waited:.2f}s (imports "
             f"{slowest:.2f}s" + (f", TensorFlow loaded in {warmed} Python worker(s)" if warmed else "") + ")"
         )
 

@@ -12,7 +12,8 @@ from pyspark.sql import SparkSession
 from sparkdl.launch import probe
 from sparkdl.launch.backends import check_backend, user_backend
 from sparkdl.launch.session import encrypts_traffic
-from sparkdl.launch.stage import check_slots, run_tasks
+from sparkdl.launch.slots import claim_slots
+from sparkdl.launch.stage import run_tasks
 
 
 def run(
@@ -62,8 +63,6 @@ def run(
     spark = spark or SparkSession.getActiveSession()
     if spark is None:
         raise ValueError("sparkdl.run needs a SparkSession: create one first or pass `spark=`.")
-    check_slots(spark, num_workers, wait_seconds=30.0)
-    probe.check_workers(spark, num_workers, timeout, probe.LAUNCH_MODULES)
     secret = secrets.token_bytes(32)
     encrypt = encrypts_traffic(spark)
     call_args, call_kwargs = tuple(args), dict(kwargs or {})
@@ -78,5 +77,7 @@ def run(
         return cloudpickle.dumps(result) if BarrierTaskContext.get().partitionId() == 0 else None
 
     placeholder = spark.range(num_workers, numPartitions=num_workers)
-    results = run_tasks(placeholder, num_workers, task, barrier=True, timeout=timeout, spark_results=True)
+    with claim_slots(spark, num_workers):  # before the probe: it is the first job
+        probe.check_workers(spark, num_workers, timeout, probe.LAUNCH_MODULES)
+        results = run_tasks(placeholder, num_workers, task, barrier=True, timeout=timeout, spark_results=True)
     return cloudpickle.loads(results[0])

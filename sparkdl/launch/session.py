@@ -143,11 +143,19 @@ def driver_host(spark: SparkSession) -> str:
 
 
 class JobTag:
-    """A tag on the Spark jobs this thread starts while ``with tag:`` runs; ``cancel()`` stops them from any thread."""
+    """A tag on the Spark jobs this thread starts while ``with tag:`` runs; ``cancel()`` stops them from any thread.
+
+    Tags live in per-thread state (classic: the thread's local properties in the JVM; Connect: the
+    client's thread-locals), but threads started through PySpark's ``inheritable_thread_target``, as
+    CrossValidator's and TrainValidationSplit's ``parallelism`` threads are, share one copy of that state:
+    a tag added in one would mark the jobs of all. So ``with tag:`` gives this thread its own copy for the
+    block, with the tags it had plus this one, and puts the thread's former state back when it ends.
+    """
 
     def __init__(self, spark: SparkSession, prefix: str = "sparkdl"):
         self._spark = spark
         self.name = f"{prefix}-{secrets.token_hex(8)}"
+        self._outer: Any = None  # the thread's state before the block
 
     def cancel(self) -> None:
         if is_connect(self._spark):
@@ -157,16 +165,24 @@ class JobTag:
 
     def __enter__(self) -> JobTag:
         if is_connect(self._spark):
-            self._spark.addTag(self.name)
+            self._outer = set(self._spark.getTags())
+            self._spark.clearTags()  # a new set for this thread, not the one it may share
+            for name in (*self._outer, self.name):
+                self._spark.addTag(name)
         else:
+            jvm_context = self._spark.sparkContext._jsc.sc()
+            self._outer = jvm_context.getLocalProperties()
+            jvm_context.setLocalProperties(self._outer.clone())
             self._spark.sparkContext.addJobTag(self.name)
         return self
 
     def __exit__(self, *exc_info) -> None:
         if is_connect(self._spark):
-            self._spark.removeTag(self.name)
+            self._spark.clearTags()
+            for name in self._outer:
+                self._spark.addTag(name)
         else:
-            self._spark.sparkContext.removeJobTag(self.name)
+            self._spark.sparkContext._jsc.sc().setLocalProperties(self._outer)
 
 
 class InClosure:

@@ -14,14 +14,12 @@ raising (a lost executor) is left to Spark's retries.
 
 from __future__ import annotations
 
-import logging
 import secrets
-import time
 from collections.abc import Callable, Iterable, Iterator
 
 import pyarrow as pa
 from pyspark import BarrierTaskContext
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame
 
 from sparkdl import _compat
 from sparkdl._tf_log import quiet_tensorflow
@@ -31,8 +29,6 @@ from sparkdl.launch.errors import worker_error
 from sparkdl.launch.forward import TaskReporter, forward_output
 from sparkdl.launch.relay import OutputRelay
 from sparkdl.launch.task_context import current_task
-
-logger = logging.getLogger(__name__)
 
 # One row per task that returned bytes (the bytes themselves only with spark_results, in chunks): which
 # attempt of the task Spark kept, and how many bytes it returned.
@@ -50,43 +46,6 @@ _CHUNK_BYTES = 32 << 20  # keeps each binary row far below Arrow's 2 GB limit
 
 # A task gets its partition's batches and its reporter (errors, progress) and returns bytes for the driver.
 TaskFunction = Callable[[Iterable[pa.RecordBatch], TaskReporter], bytes | None]
-
-
-def _barrier_reason(slots: int) -> str:
-    return "A barrier stage needs all of its tasks running together"
-
-
-def check_slots(
-    spark: SparkSession, num_workers: int, wait_seconds: float, *, why: Callable[[int], str] = _barrier_reason
-) -> None:
-    """Fails fast when the workers could never run together, instead of letting Spark (or the server) hang.
-
-    Executors of a freshly started cluster register over a few seconds, so the
-    check waits up to ``wait_seconds`` for enough of them (not in local mode,
-    whose slots are fixed, nor under Spark Connect, whose slots are read from
-    the server's settings). ``why(slots)`` says why the job needs a slot per
-    worker (a training mode's ``Mode.why_all_at_once``), for the error.
-    """
-    master = session.master(spark)
-    if session.is_local_mode(master) or session.is_connect(spark):
-        wait_seconds = 0.0
-    deadline = time.monotonic() + wait_seconds
-    while (slots := session.task_slots(spark)) is not None and slots < num_workers:
-        if time.monotonic() >= deadline:
-            raise ValueError(
-                f"Expected `num_workers` <= the cluster's task slots. Received num_workers={num_workers}, but the "
-                f"cluster runs {slots} tasks at once (master={master!r}, "
-                f"spark.task.cpus={spark.conf.get('spark.task.cpus', '1')}). {why(slots)}: "
-                "lower num_workers or add executors/cores."
-            )
-        time.sleep(0.5)
-    if slots is None:
-        logger.info(
-            "sparkdl: the task slots of master=%r cannot be read over Spark Connect (set "
-            "spark.executor.instances and spark.executor.cores to enable the check): the slot check is "
-            "skipped, and Spark's own barrier check applies",
-            master,
-        )
 
 
 # How long the driver waits, after a failed job, for the tasks' last output and error reports.

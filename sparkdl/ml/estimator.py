@@ -18,10 +18,11 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
 
     Every setting of :func:`sparkdl.fit` but ``callbacks`` is a Param (camelCase; ``validation_col``
     is Spark ML's ``validationIndicatorCol``, ``validationCol`` is its deprecated alias); ``fit`` calls
-    ``sparkdl.fit`` itself, so every mode is available. ``customObjects`` is saved as import paths
-    (``sparkdl.ml.custom_objects``). The Keras model passed
-    in is never modified, so copies of the estimator (as CrossValidator makes)
-    share no trained state.
+    ``sparkdl.fit`` itself, so every mode is available. ``learningRate`` and ``optimizerOptions``
+    change the model's optimizer for the fit (``sparkdl.ml.optimizer``). ``customObjects`` is saved as
+    import paths (``sparkdl.ml.custom_objects``). The Keras model passed in is never modified, so
+    copies of the estimator (as CrossValidator makes) share no trained state, and a CrossValidator
+    may vary any Param, ``model`` too, train its candidates in parallel and be saved.
 
     Example:
         >>> est = KerasEstimator(model=keras_model, featuresCol="scaled", labelCol="label",
@@ -59,6 +60,8 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
         backend="ring",
         customObjects=None,
         weightCol=None,
+        learningRate=None,
+        optimizerOptions=None,
         validationCol=None,
     ):
         super().__init__()
@@ -94,6 +97,8 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
         backend="ring",
         customObjects=None,
         weightCol=None,
+        learningRate=None,
+        optimizerOptions=None,
         validationCol=None,
     ):
         return self._set(**deprecated_validation_col(self._input_kwargs))
@@ -101,7 +106,9 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
     def _fit(self, dataset) -> KerasModel:
         if not self.isDefined(self.model):
             raise ValueError("KerasEstimator needs `model`: a compiled keras.Model.")
-        result = sparkdl.fit(dataset, self.getModel(), **self.fit_arguments())
+        # Checked (and the model copied) before any Spark job: a bad optimizer setting fails here.
+        model = self.with_optimizer_settings(self.getModel(), self.custom_objects_or_none())
+        result = sparkdl.fit(dataset, model, **self.fit_arguments())
         trained = KerasModel._from_keras_bytes(serialization.model_to_bytes(result.model), result.history)
         return self._copyValues(trained)  # featuresCol, output columns, customObjects
 

@@ -10,7 +10,7 @@ from pyspark.ml import Model
 
 from sparkdl.keras import serialization
 from sparkdl.ml.inference import predict
-from sparkdl.ml.params import HasOutputCols
+from sparkdl.ml.model_params import HasOutputCols
 from sparkdl.ml.persistence import KerasStagePersistence
 
 if TYPE_CHECKING:
@@ -80,17 +80,28 @@ class KerasModel(HasOutputCols, Model, KerasStagePersistence):
         model.history = history
         return model
 
+    @classmethod
+    def _holding(cls, model: keras.Model) -> KerasModel:
+        """Holds ``model`` itself, serialized only when saved or scoring (KerasEstimator's ``model`` Param)."""
+        holder = cls()
+        holder._keras_model = model
+        return holder
+
     @property
     def keras_model(self):
         """The trained keras.Model, loaded on first use."""
+        return self._keras_model_with(self.custom_objects_or_none())
+
+    def _keras_model_with(self, custom_objects: dict | None):
+        """The keras.Model; loading it, the first time, with ``custom_objects`` (a KerasEstimator's)."""
         if self._keras_model is None:
-            self._keras_model = serialization.model_from_bytes(self._model_bytes, self.custom_objects_or_none())
+            self._keras_model = serialization.model_from_bytes(self._keras_bytes(), custom_objects)
         return self._keras_model
 
     def _transform(self, dataset):
         return predict(
             dataset,
-            self._model_bytes,
+            self._keras_bytes(),
             features_col=self.getFeaturesCol(),
             prediction_col=self.getPredictionCol(),
             probability_col=self.getProbabilityCol() or None,
@@ -100,15 +111,16 @@ class KerasModel(HasOutputCols, Model, KerasStagePersistence):
 
     def copy(self, extra=None) -> KerasModel:
         copied = super().copy(extra)
-        copied._keras_model = None  # the bytes are immutable and shared; a loaded Keras model is not
+        if self._model_bytes is not None:
+            copied._keras_model = None  # the bytes are immutable and shared; a loaded Keras model is not
         return copied
 
     def _keras_bytes(self) -> bytes:
-        if self._model_bytes is None:
-            raise ValueError(
-                "This KerasModel holds no trained model: get one from KerasEstimator.fit or KerasModel.load."
-            )
-        return self._model_bytes
+        if self._model_bytes is not None:
+            return self._model_bytes
+        if self._keras_model is not None:  # a held model, as it is now
+            return serialization.model_to_bytes(self._keras_model)
+        raise ValueError("This KerasModel holds no trained model: get one from KerasEstimator.fit or KerasModel.load.")
 
     def _extra_metadata(self) -> dict:
         return {"history": self.history}

@@ -7,29 +7,36 @@ from typing import TYPE_CHECKING
 
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.param.shared import (
-    HasFeaturesCol,
     HasLabelCol,
-    HasPredictionCol,
-    HasProbabilityCol,
-    HasRawPredictionCol,
     HasSeed,
     HasValidationIndicatorCol,
     HasWeightCol,
 )
 
 from sparkdl.api import MODES
-from sparkdl.ml import custom_objects
+from sparkdl.ml.model_params import HasOutputCols, column_spec
+from sparkdl.ml.optimizer import HasOptimizerSettings
 
 if TYPE_CHECKING:
     import keras
 
 
 def _keras_model(value):
+    """The model Param's type converter: a keras.Model, held in a KerasModel.
+
+    PySpark's tuning writers (``_ValidatorSharedReadWrite``) save a grid's values as JSON, except
+    Transformers, which they save with their own writer and load back: held in a KerasModel, a grid over
+    ``model`` saves with a CrossValidatorModel. The KerasModel holds the very object (no copy).
+    """
+    from sparkdl.ml.model import KerasModel  # model.py imports this module
+
+    if isinstance(value, KerasModel):
+        return value
     import keras
 
     if not isinstance(value, keras.Model):
         raise TypeError(f"Expected `model` to be a keras.Model. Received: {type(value).__name__}")
-    return value
+    return KerasModel._holding(value)
 
 
 def deprecated_validation_col(kwargs: dict) -> dict:
@@ -57,73 +64,11 @@ def _warn_validation_col(stacklevel: int = 3) -> None:
     )
 
 
-class HasCustomObjects(Params):
-    """Keras custom objects needed to load the model (saved as import paths: ``sparkdl.ml.custom_objects``)."""
-
-    customObjects = Param(
-        Params._dummy(),
-        "customObjects",
-        "Keras custom objects (name -> class or function) that loading the model needs",
-        typeConverter=custom_objects.to_objects,
-    )
-
-    def getCustomObjects(self) -> dict:
-        """Gets the Keras custom objects (the value of customObjects)."""
-        return self.getOrDefault(self.customObjects)
-
-    def setCustomObjects(self, value: dict):
-        """Sets the Keras custom objects (the value of customObjects)."""
-        return self._set(customObjects=value)
-
-    def custom_objects_or_none(self):
-        """The custom objects when set, for ``keras.models.load_model``."""
-        return self.getOrDefault(self.customObjects) if self.isDefined(self.customObjects) else None
-
-
-def column_spec(value):
-    """A column name, a list of column names, or a mapping from a model input/output name to either (as ``fit``)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
-        return list(value)
-    if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
-        return {key: column_spec(v) for key, v in value.items()}
-    raise TypeError(
-        "Expected a column name, a non-empty list of column names, or a mapping from the model's input (or "
-        f"output) names to those. Received: {value!r}"
-    )
-
-
-class HasOutputCols(HasFeaturesCol, HasPredictionCol, HasProbabilityCol, HasRawPredictionCol, HasCustomObjects):
-    """The columns a KerasModel reads and writes (Spark's usual names and defaults), and what loading it needs."""
-
-    featuresCol = Param(
-        Params._dummy(),
-        "featuresCol",
-        "features column name, list of number columns, or mapping from the model's input names to those",
-        typeConverter=column_spec,
-    )
-
-    def setFeaturesCol(self, value: str):
-        """Sets the features column (the value of featuresCol)."""
-        return self._set(featuresCol=value)
-
-    def setPredictionCol(self, value: str):
-        """Sets the prediction column (the value of predictionCol)."""
-        return self._set(predictionCol=value)
-
-    def setProbabilityCol(self, value: str):
-        """Sets the probability column, ``""`` for none (the value of probabilityCol)."""
-        return self._set(probabilityCol=value)
-
-    def setRawPredictionCol(self, value: str):
-        """Sets the raw prediction column, ``""`` for none (the value of rawPredictionCol)."""
-        return self._set(rawPredictionCol=value)
-
-
-class KerasTrainingParams(HasOutputCols, HasLabelCol, HasSeed, HasValidationIndicatorCol, HasWeightCol):
+class KerasTrainingParams(
+    HasOutputCols, HasLabelCol, HasSeed, HasValidationIndicatorCol, HasWeightCol, HasOptimizerSettings
+):
     """Every training setting of :func:`sparkdl.fit`, under Spark ML's camelCase names (``weightCol`` is
-    ``sample_weight_col``)."""
+    ``sample_weight_col``), and the optimizer's."""
 
     labelCol = Param(
         Params._dummy(),
@@ -279,8 +224,8 @@ class KerasTrainingParams(HasOutputCols, HasLabelCol, HasSeed, HasValidationIndi
         return self.setValidationIndicatorCol(value)
 
     def getModel(self) -> keras.Model:
-        """Gets the Keras model to train (the value of model)."""
-        return self.getOrDefault(self.model)
+        """Gets the Keras model to train (the value of model, held in a KerasModel)."""
+        return self.getOrDefault(self.model)._keras_model_with(self.custom_objects_or_none())
 
     def setModel(self, value: keras.Model):
         """Sets the Keras model to train (the value of model)."""

@@ -1,0 +1,152 @@
+"""Task slots: a fit holds the slots its workers need from its first Spark job to its end, or fails at once.
+
+Spark refuses a barrier stage with more tasks than the cluster has slots, but one that fits waits
+for free slots, without end, while other tasks hold them: another fit's training may hold them for
+hours. Fits run side by side when CrossValidator or TrainValidationSplit has ``parallelism`` above 1,
+so every fit first claims its slots (:func:`claim_slots`), under one lock for the whole process::
+
+    free = the cluster's task slots (session.task_slots)
+         - the tasks running now (the status tracker's active stages), but those of claimed fits
+         - the slots claimed by the other sparkdl fits of this process
+
+A claim lasts as long as its fit. Every job the fit starts carries the claim's job tag (the worker
+probe, whose thread the fit starts, too), so its own tasks, which run inside its claimed slots, are
+not counted twice: a claim counts the same from the fit's check, through its data checks, to its
+last training task. When the claims of other fits leave too few slots, the fit fails at once. When
+the tasks of other jobs (a finished candidate's evaluation, a query of another thread) are what is
+short, it waits for them to end, up to ``BUSY_WAIT_SECONDS``, and then fails the same way.
+
+Spark Connect has no status tracker in this process: there only the check of the cluster's total
+slots (:func:`check_slots`) applies, and a log line says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from pyspark.sql import SparkSession
+
+from sparkdl.launch import session
+
+logger = logging.getLogger(__name__)
+
+# How long a fit waits for the tasks of other (non-sparkdl) jobs to end before it fails.
+BUSY_WAIT_SECONDS = 10.0
+_POLL_SECONDS = 0.2
+_lock = threading.Lock()
+_claims: dict[str, int] = {}  # the job tag of each running fit of this process -> the slots it claimed
+
+
+def _barrier_reason(slots: int) -> str:
+    return "A barrier stage needs all of its tasks running together"
+
+
+def check_slots(
+    spark: SparkSession, num_workers: int, wait_seconds: float, *, why: Callable[[int], str] = _barrier_reason
+) -> None:
+    """Fails fast when the workers could never run together, instead of letting Spark (or the server) hang.
+
+    Executors of a freshly started cluster register over a few seconds, so the
+    check waits up to ``wait_seconds`` for enough of them (not in local mode,
+    whose slots are fixed, nor under Spark Connect, whose slots are read from
+    the server's settings). ``why(slots)`` says why the job needs a slot per
+    worker (a training mode's ``Mode.why_all_at_once``), for the error.
+    """
+    master = session.master(spark)
+    if session.is_local_mode(master) or session.is_connect(spark):
+        wait_seconds = 0.0
+    deadline = time.monotonic() + wait_seconds
+    while (slots := session.task_slots(spark)) is not None and slots < num_workers:
+        if time.monotonic() >= deadline:
+            raise ValueError(
+                f"Expected `num_workers` <= the cluster's task slots. Received num_workers={num_workers}, but the "
+                f"cluster runs {slots} tasks at once (master={master!r}, "
+                f"spark.task.cpus={spark.conf.get('spark.task.cpus', '1')}). {why(slots)}: "
+                "lower num_workers or add executors/cores."
+            )
+        time.sleep(0.5)
+    if slots is None:
+        logger.info(
+            "sparkdl: the task slots of master=%r cannot be read over Spark Connect (set "
+            "spark.executor.instances and spark.executor.cores to enable the check): the slot check is "
+            "skipped, and Spark's own barrier check applies",
+            master,
+        )
+
+
+@contextlib.contextmanager
+def claim_slots(
+    spark: SparkSession,
+    num_workers: int,
+    *,
+    why: Callable[[int], str] = _barrier_reason,
+    wait_seconds: float = 30.0,
+) -> Iterator[None]:
+    """Holds ``num_workers`` free task slots while the block runs (a whole fit), released however it ends.
+
+    First the cluster must have that many slots at all (:func:`check_slots`, which waits up to
+    ``wait_seconds`` for executors to register); then that many must be free now (module
+    docstring), or a ``ValueError`` names the slots needed and free. Jobs that this thread starts in
+    the block carry the claim's job tag. ``why(slots)`` says why the workers need their slots at once.
+    """
+    check_slots(spark, num_workers, wait_seconds, why=why)
+    if session.is_connect(spark):
+        logger.info(
+            "sparkdl: over Spark Connect the free task slots cannot be read (no status tracker in this "
+            "process): only the cluster's total slots were checked, and a fit that finds its slots busy "
+            "waits for them"
+        )
+        yield
+        return
+    tag = session.JobTag(spark, "sparkdl-fit")
+    _claim(spark, tag.name, num_workers, why)
+    try:
+        with tag:
+            yield
+    finally:
+        with _lock:
+            del _claims[tag.name]
+
+
+def _claim(spark: SparkSession, name: str, num_workers: int, why: Callable[[int], str]) -> None:
+    deadline = time.monotonic() + BUSY_WAIT_SECONDS
+    while True:
+        with _lock:  # two fits checking at the same moment cannot both take the last slots
+            slots = session.task_slots(spark) or 0
+            claimed, fits = sum(_claims.values()), len(_claims)
+            busy = _busy_tasks(spark, list(_claims))
+            free = slots - busy - claimed
+            if free >= num_workers:
+                _claims[name] = num_workers
+                return
+        if slots - claimed < num_workers or time.monotonic() >= deadline:
+            raise ValueError(
+                f"Expected `num_workers` <= the free task slots. Received num_workers={num_workers}: the workers "
+                f"need {num_workers} task slot(s) at once, and {max(free, 0)} of the cluster's {slots} are free now "
+                f"({claimed} claimed by {fits} other sparkdl fit(s) running in this process, {busy} running the "
+                f"tasks of other jobs). {why(slots)}, so the fit would wait for the busy slots for as long as "
+                "their work runs. Run fewer fits at once (CrossValidator/TrainValidationSplit `parallelism`), "
+                "lower num_workers, or add executors/cores."
+            )
+        time.sleep(_POLL_SECONDS)
+
+
+def _busy_tasks(spark: SparkSession, claim_tags: list[str]) -> int:
+    """Tasks running now in the stages of jobs that no claim's tag marks (a claimed fit runs in its own slots)."""
+    tracker = spark.sparkContext.statusTracker()
+    jvm_tracker = spark.sparkContext._jsc.sc().statusTracker()
+    claimed_stages: set[int] = set()
+    for tag in claim_tags:
+        for job in jvm_tracker.getJobIdsForTag(tag):
+            job_info = tracker.getJobInfo(job)
+            claimed_stages.update(job_info.stageIds if job_info is not None else ())
+    busy = 0
+    for stage in tracker.getActiveStageIds():
+        stage_info = tracker.getStageInfo(stage)
+        if stage not in claimed_stages and stage_info is not None:
+            busy += stage_info.numActiveTasks
+    return busy

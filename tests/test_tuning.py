@@ -1,0 +1,264 @@
+"""Tuning KerasEstimator the way Spark users tune: optimizer settings as Params, tuning models saved and loaded,
+candidates trained in parallel, and a fit that finds too few free task slots failing at once."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+from models import RecordEpochs, make_mlp
+from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+from pyspark.ml.tuning import CrossValidator, CrossValidatorModel, ParamGridBuilder, TrainValidationSplit
+from pyspark.util import inheritable_thread_target
+from spark_jobs import no_spark_job
+
+import sparkdl
+from sparkdl.launch import claim_slots, session
+from sparkdl.ml import KerasEstimator, KerasModel
+
+TESTS = Path(__file__).resolve().parent
+SPARK_SUBMIT = os.path.join(os.path.dirname(sys.executable), "spark-submit")
+
+
+@pytest.fixture(scope="module")
+def small_df(digits_df):
+    return digits_df.limit(400).repartition(2).cache()
+
+
+def learning_rate(model: KerasModel) -> float:
+    return float(model.keras_model.optimizer.learning_rate)
+
+
+# Optimizer settings as Params ---------------------------------------------------------------------
+
+
+def test_a_grid_over_learning_rate_trains_each_candidate_with_its_value(small_df):
+    """Two candidates at once (parallelism=2, one worker each, on the two slots): each sub-model's optimizer
+    has its grid value and the fixed optimizerOptions; the chosen model's has the winner's; the model given
+    to the estimator keeps its own optimizer."""
+    base = make_mlp(hidden=(16,), optimizer=keras.optimizers.Adam(1e-3))
+    estimator = KerasEstimator(
+        model=base, numWorkers=1, epochs=2, batchSize=32, seed=0, progress=False, optimizerOptions={"beta_1": 0.8}
+    )
+    rates = [0.02, 0.0005]
+    tuning = TrainValidationSplit(
+        estimator=estimator,
+        estimatorParamMaps=ParamGridBuilder().addGrid(estimator.learningRate, rates).build(),
+        evaluator=MulticlassClassificationEvaluator(metricName="accuracy"),
+        parallelism=2,
+        collectSubModels=True,
+        seed=0,
+    )
+    fitted = tuning.fit(small_df)
+    assert [learning_rate(sub) for sub in fitted.subModels] == pytest.approx(rates)
+    assert all(sub.keras_model.optimizer.get_config()["beta_1"] == pytest.approx(0.8) for sub in fitted.subModels)
+    best = int(np.argmax(fitted.validationMetrics))
+    assert learning_rate(fitted.bestModel) == pytest.approx(rates[best])
+    assert float(base.optimizer.learning_rate) == pytest.approx(1e-3) and base.optimizer.iterations.numpy() == 0
+
+
+def test_optimizer_params_save_with_the_estimator_and_bad_ones_fail_before_any_job(spark, small_df, tmp_path):
+    estimator = KerasEstimator(model=make_mlp(hidden=(8,)), learningRate=0.05, optimizerOptions={"amsgrad": True})
+    estimator.save(str(tmp_path / "estimator"))
+    loaded = KerasEstimator.load(str(tmp_path / "estimator"))
+    assert (loaded.getLearningRate(), loaded.getOptimizerOptions()) == (0.05, {"amsgrad": True})
+
+    bad = KerasEstimator(model=make_mlp(hidden=(8,)), numWorkers=1, optimizerOptions={"beta_3": 0.5})
+    with no_spark_job(spark), pytest.raises(ValueError) as refused:
+        bad.fit(small_df)
+    assert "optimizerOptions" in str(refused.value) and "'beta_3'" in str(refused.value)
+    assert "beta_1, beta_2" in str(refused.value)  # the optimizer's valid keys
+    both = KerasEstimator(model=make_mlp(hidden=(8,)), learningRate=0.1, optimizerOptions={"learning_rate": 0.2})
+    with no_spark_job(spark), pytest.raises(ValueError, match="learningRate=0.1 and optimizerOptions"):
+        both.fit(small_df)
+    with pytest.raises(TypeError, match="optimizerOptions"):
+        KerasEstimator(optimizerOptions={"beta_1": object()})
+
+
+# Tuning models saved and loaded -------------------------------------------------------------------
+
+
+def test_cross_validator_over_models_and_learning_rates_saves_and_loads(spark, small_df, digits, tmp_path):
+    models = [make_mlp(hidden=(16,), seed=1), make_mlp(hidden=(32,), seed=2)]
+    estimator = KerasEstimator(model=models[0], numWorkers=1, epochs=2, batchSize=32, seed=0, progress=False)
+    grid = ParamGridBuilder().addGrid(estimator.model, models).addGrid(estimator.learningRate, [0.01, 0.002]).build()
+    fitted = CrossValidator(
+        estimator=estimator,
+        estimatorParamMaps=grid,
+        evaluator=MulticlassClassificationEvaluator(metricName="accuracy"),
+        numFolds=2,
+        seed=0,
+    ).fit(small_df)
+    path = str(tmp_path / "cv")
+    fitted.save(path)
+    loaded = CrossValidatorModel.load(path)
+
+    _, x_test, _, _ = digits
+    test = spark.createDataFrame([(row.tolist(),) for row in x_test], "features array<float>")
+    want = [r.probability.toArray() for r in fitted.transform(test).collect()]
+    got = [r.probability.toArray() for r in loaded.transform(test).collect()]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert loaded.avgMetrics == fitted.avgMetrics
+    # The grid came back: each map's model is the candidate's model (usable as the estimator's), its rate the same.
+    for original, saved in zip(grid, loaded.getEstimatorParamMaps()):
+        by_name = {param.name: value for param, value in saved.items()}
+        assert by_name["learningRate"] == original[estimator.learningRate]
+        model = loaded.getEstimator().copy(saved).getModel()
+        assert isinstance(model, keras.Model)
+        for a, b in zip(model.get_weights(), original[estimator.model].keras_model.get_weights()):
+            np.testing.assert_array_equal(a, b)
+
+
+# Free task slots ----------------------------------------------------------------------------------
+
+
+def test_claims_at_the_same_moment_cannot_both_take_the_last_slot(spark):
+    """Three claims of one slot each, at once, on two slots: two hold theirs, one is refused; all are released."""
+    start, release = threading.Barrier(3), threading.Event()
+    outcomes: list = []
+
+    def claim():
+        start.wait(timeout=30)
+        try:
+            with claim_slots(spark, 1):
+                outcomes.append("held")
+                release.wait(timeout=60)
+        except ValueError as exc:
+            outcomes.append(str(exc))
+
+    threads = [threading.Thread(target=claim) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while len(outcomes) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    release.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(o if o == "held" else "refused" for o in outcomes) == ["held", "held", "refused"], outcomes
+    (refusal,) = [o for o in outcomes if o != "held"]
+    assert "need 1 task slot(s) at once, and 0 of the cluster's 2 are free now" in refusal
+    with claim_slots(spark, 2):  # both released
+        pass
+    with pytest.raises(RuntimeError), claim_slots(spark, 2):  # released however the block ends
+        raise RuntimeError("the fit failed")
+    with claim_slots(spark, 2):
+        pass
+
+
+def test_a_fit_finding_too_few_free_slots_fails_at_once(spark, small_df, tmp_path):
+    """A one-worker fit trains (held in its second epoch until the test lets it go): a two-worker fit finds one
+    of the two slots free and fails at once, naming both numbers, without starting any Spark job."""
+    go_on = tmp_path / "go-on"
+    holding = dict(num_workers=1, epochs=2, batch_size=32, seed=0, progress=False)
+    callbacks = [RecordEpochs(str(tmp_path), wait_for=str(go_on), wait_before_epoch=1)]
+    first: dict = {}
+
+    def train():
+        try:
+            first["result"] = sparkdl.fit(small_df, make_mlp(hidden=(8,)), callbacks=callbacks, **holding)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            first["error"] = exc
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "rank0-epoch0.json").exists():  # the first fit's task is training
+            assert thread.is_alive() and time.monotonic() < deadline, first
+            time.sleep(0.1)
+        with no_spark_job(spark), pytest.raises(ValueError) as refused:
+            sparkdl.fit(small_df, make_mlp(hidden=(8,)), num_workers=2, epochs=1, progress=False)
+        message = str(refused.value)
+        assert "need 2 task slot(s) at once, and 1 of the cluster's 2 are free now" in message, message
+        assert "1 claimed by 1 other sparkdl fit(s)" in message and "parallelism" in message
+    finally:
+        go_on.touch()
+        thread.join(timeout=300)
+    assert "error" not in first, first
+    assert len(first["result"].history["loss"]) == 2
+
+
+def test_a_job_tag_marks_only_its_own_threads_jobs_among_tuning_threads(spark):
+    """CrossValidator's threads share one copy of their parent's local properties (PySpark's
+    inheritable_thread_target): a fit's job tag, added in one of them, must not mark the jobs of another
+    (its cancel would stop them, and the slot claims would count them as its own)."""
+    sc, tag = spark.sparkContext, session.JobTag(spark)
+    wrap = inheritable_thread_target(spark)  # as CrossValidator wraps its tasks: one copy for all of them
+    tagged, done = threading.Event(), threading.Event()
+    group = f"untagged-{time.monotonic_ns()}"
+
+    def with_tag():
+        with tag:
+            sc.parallelize([1], 1).count()
+            tagged.set()
+            done.wait(timeout=60)
+
+    def without_tag():
+        tagged.wait(timeout=60)
+        sc.setJobGroup(group, "a job of another tuning thread")
+        sc.parallelize([1], 1).count()
+        done.set()
+
+    threads = [threading.Thread(target=wrap(f)) for f in (with_tag, without_tag)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    tracker, jvm_tracker = sc.statusTracker(), sc._jsc.sc().statusTracker()
+    deadline = time.monotonic() + 30  # the status store hears of jobs from Spark's listener bus
+    while not (tracker.getJobIdsForGroup(group) and list(jvm_tracker.getJobIdsForTag(tag.name))):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    (other,) = tracker.getJobIdsForGroup(group)
+    ours = list(jvm_tracker.getJobIdsForTag(tag.name))
+    assert len(ours) == 1 and other not in ours, (ours, other)
+
+
+# Parallel candidates on separate executors --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_parallel_candidates_train_at_once_on_a_local_cluster(tmp_path):
+    """spark-submit on local-cluster[2,1,1024] (executors in processes of their own): TrainValidationSplit
+    with parallelism=2 trains its two one-worker candidates at the same time. Spark's own record (its event
+    log) shows two training (barrier) stages whose runs overlap; the candidates' tasks met while training."""
+    events = tmp_path / "events"
+    events.mkdir()
+    command = [
+        SPARK_SUBMIT,
+        "--master",
+        "local-cluster[2,1,1024]",
+        *("--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.ui.enabled=false"),
+        *("--conf", "spark.eventLog.enabled=true", "--conf", f"spark.eventLog.dir={events.as_uri()}"),
+        *("--conf", "spark.eventLog.compress=false", "--conf", "spark.eventLog.rolling.enabled=false"),
+        str(TESTS / "tuning_job.py"),
+        str(tmp_path / "out"),
+    ]
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
+    for name in ("PYSPARK_PYTHON", "PYSPARK_GATEWAY_PORT", "SPARK_REMOTE"):
+        env.pop(name, None)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["learning_rates"] == pytest.approx([0.01, 0.002])
+
+    (log,) = events.iterdir()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    ends = {e["Event"] for e in records}
+    assert "SparkListenerStageCompleted" in ends
+    barrier = [
+        e["Stage Info"]
+        for e in records
+        if e["Event"] == "SparkListenerStageCompleted" and any(r.get("Barrier") for r in e["Stage Info"]["RDD Info"])
+    ]
+    # Two candidates, then the chosen one again on all the rows: three training stages, the first two at once.
+    assert len(barrier) == 3, [s["Stage ID"] for s in barrier]
+    first, second = sorted(barrier, key=lambda s: s["Submission Time"])[:2]
+    assert second["Submission Time"] < first["Completion Time"], (first, second)
