@@ -10,14 +10,43 @@ unknown key or a wrong type stops the job before any Spark session starts, namin
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Sequence
 
 import tomllib
 
+
+def column_spec(text: str):
+    """A columns option on the command line: a column, ``a,b,c`` (a list), or a JSON object mapping the model's
+    input (or output) names to those: ``'{"numeric": "x", "user": "user_id"}'``."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON object: {e}") from None
+        return _columns(value)
+    return text.split(",") if "," in text else text
+
+
+def _columns(value):
+    """A TOML or JSON columns value, checked: a string, a list of strings, or a table of either."""
+    if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+        return value
+    if isinstance(value, dict) and value and all(isinstance(v, (str, list)) for v in value.values()):
+        return {key: _columns(v) for key, v in value.items()}
+    raise ValueError(f"expected a column name, a list of them, or a table of either. Received: {value!r}")
+
+
 # What a TOML value may be for an option of each argparse type (None: argparse's default, str).
 # bool is excluded on purpose: TOML's `true` is not an integer, although Python's bool is an int.
-_ACCEPTED_TYPES = {int: (int,), float: (int, float), str: (str,), None: (str,)}
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", None: "a string"}
+_ACCEPTED_TYPES = {int: (int,), float: (int, float), str: (str,), None: (str,), column_spec: (str, list, dict)}
+_TYPE_NAMES = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    None: "a string",
+    column_spec: "a column name, a list of column names, or a table from the model's input (output) names to those",
+}
 
 
 def job_parser(description: str) -> argparse.ArgumentParser:
@@ -69,4 +98,9 @@ def _checked_value(path: str, key: str, value, option: argparse.Action):
         )
     if option.choices is not None and value not in option.choices:
         raise ValueError(f"Expected {key!r} in {path} to be one of {list(option.choices)}. Received: {value!r}")
+    if option.type is column_spec:
+        try:
+            return column_spec(value) if isinstance(value, str) else _columns(value)
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            raise ValueError(f"Expected {key!r} in {path} to be {_TYPE_NAMES[column_spec]}: {e}") from None
     return float(value) if option.type is float else value

@@ -1,10 +1,11 @@
-"""Train a Keras MLP on a Spark DataFrame with sparkdl, under spark-submit or plain python.
+"""Train a Keras model on a Spark DataFrame with sparkdl, under spark-submit or plain python.
 
     python jobs/train.py                                  # digits, bundled with scikit-learn, on local[*]
     spark-submit --master 'local-cluster[2,1,1024]' jobs/train.py --num-workers 2
     spark-submit --properties-file conf/spark-local.conf jobs/train.py --config conf/jobs/train-async.toml --epochs 5
     python jobs/train.py --data some.parquet --features-col features --label-col label
     python jobs/train.py --remote sc://localhost:15002   # over Spark Connect
+    python jobs/train.py --model my.keras --data t.parquet --features-col '{"numeric": "x", "user": "user_id"}'
 
 sparkdl logs one line per epoch; the job then prints the test accuracy and saves the trained model.
 Options come from flags and from a ``--config`` TOML file (conf/jobs/train-*.toml, one per mode);
@@ -28,7 +29,7 @@ import sparkdl
 # Settings that only some modes use (sparkdl.fit rejects one the chosen mode does not use).
 MODE_SETTINGS = ("push_every", "max_staleness", "num_servers", "sync_every")
 # Settings that sparkdl.fit takes only when given.
-OPTIONAL_FIT_SETTINGS = (*MODE_SETTINGS, "validation_split", "checkpoint_dir")
+OPTIONAL_FIT_SETTINGS = (*MODE_SETTINGS, "validation_split", "checkpoint_dir", "sample_weight_col")
 
 _POSITIVE_INTEGER = (lambda v: v >= 1, "a positive integer")
 _FRACTION = (lambda v: 0 < v < 1, "a fraction in (0, 1)")
@@ -51,11 +52,24 @@ def build_parser() -> argparse.ArgumentParser:
         "is checked before Spark starts; hdfs://, s3a://, ... are checked by Spark",
     )
     parser.add_argument(
-        "--features-col",
-        default="features",
-        help="vector/array column, or comma-separated numeric columns (default: features)",
+        "--model",
+        help="a compiled Keras model (.keras file) to train instead of the built-in MLP; it may have several "
+        "inputs and outputs (give --features-col/--label-col as mappings)",
     )
-    parser.add_argument("--label-col", default="label", help="integer class label column (default: label)")
+    parser.add_argument(
+        "--features-col",
+        type=_config.column_spec,
+        default="features",
+        help="vector/array column, comma-separated numeric columns, or a JSON object mapping the model's input "
+        "names to columns (default: features)",
+    )
+    parser.add_argument(
+        "--label-col",
+        type=_config.column_spec,
+        default="label",
+        help="label column, or a JSON object mapping the model's output names to columns (default: label)",
+    )
+    parser.add_argument("--sample-weight-col", help="number column weighting each row's loss")
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--mode", choices=sparkdl.MODES, default="sync", help="how the workers combine their work")
     parser.add_argument("--epochs", type=int, default=20)
@@ -83,6 +97,14 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argp
     try:
         _checks.check_numbers(args, flags, NUMBER_RULES)
         sparkdl.check_mode_options(args.mode, flags, **{name: getattr(args, name) for name in MODE_SETTINGS})
+        for name in ("features_col", "label_col"):
+            if not args.model and isinstance(getattr(args, name), dict):
+                raise ValueError(
+                    f"{flags[name]} maps model input/output names to columns: that needs your model, --model "
+                    "(the built-in MLP has one input and one output)."
+                )
+        if args.model and not os.path.isfile(args.model):
+            raise ValueError(f"Expected --model to be a .keras file. Received: {args.model!r}, which is not a file.")
         _spark.check_arguments(args)
     except ValueError as e:
         _checks.fail(parser, str(e))
@@ -143,6 +165,21 @@ def test_arrays(test_df, features, label_col: str, width: int):
     return x, table.column("y").to_numpy()
 
 
+def test_accuracy(test_df, model, args: argparse.Namespace) -> float | None:
+    """A user's model scored on the test rows with sparkdl's batch inference (any inputs, by the fit's rule);
+    the accuracy of a classifier of one label column, else None."""
+    from pyspark.sql import functions as F
+
+    from sparkdl.keras.serialization import model_to_bytes
+    from sparkdl.ml.inference import predict
+
+    scored = predict(test_df, model_to_bytes(model), features_col=args.features_col, prediction_col="_prediction")
+    if not isinstance(args.label_col, str) or dict(scored.dtypes)["_prediction"] != "double":
+        return None
+    row = scored.agg(F.avg((F.col("_prediction") == F.col(args.label_col)).cast("double"))).first()
+    return float(row[0])
+
+
 def build_mlp(width: int, classes: int, learning_rate: float):
     import keras
 
@@ -165,7 +202,7 @@ def train(spark, args: argparse.Namespace, digits_split) -> None:
     import numpy as np
 
     phase = _output.phase
-    features = args.features_col.split(",") if "," in args.features_col else args.features_col
+    features = args.features_col
     with phase("data"):
         if args.data:
             df = spark.read.parquet(args.data)
@@ -174,10 +211,15 @@ def train(spark, args: argparse.Namespace, digits_split) -> None:
         else:  # on the driver already: its width and classes cost no Spark job
             (x_train, y_train), (x_test, y_test) = digits_split
             train_df, width, classes = digits_frame(spark, x_train, y_train), x_train.shape[1], int(y_train.max()) + 1
-    if args.data:
-        with phase("width_and_classes"):
-            width, classes = width_and_classes(train_df, features, args.label_col)
-    model = build_mlp(width, classes, args.learning_rate)
+    if args.model:
+        import keras
+
+        model = keras.models.load_model(args.model)
+    else:
+        if args.data:
+            with phase("width_and_classes"):
+                width, classes = width_and_classes(train_df, features, args.label_col)
+        model = build_mlp(width, classes, args.learning_rate)
 
     optional = {name: getattr(args, name) for name in OPTIONAL_FIT_SETTINGS if getattr(args, name) is not None}
     with phase("fit"):
@@ -198,10 +240,16 @@ def train(spark, args: argparse.Namespace, digits_split) -> None:
         f"{result.steps_per_epoch} steps/epoch of {args.batch_size} rows per worker)"
     )
     with phase("test"):
-        if args.data:
-            x_test, y_test = test_arrays(test_df, features, args.label_col, width)
-        accuracy = float(np.mean(result.model.predict(x_test, verbose=0).argmax(axis=1) == y_test))
-    print(f"test accuracy: {accuracy:.4f}")
+        if args.model:
+            accuracy = test_accuracy(test_df if args.data else digits_frame(spark, x_test, y_test), result.model, args)
+        else:
+            if args.data:
+                x_test, y_test = test_arrays(test_df, features, args.label_col, width)
+            accuracy = float(np.mean(result.model.predict(x_test, verbose=0).argmax(axis=1) == y_test))
+    if accuracy is None:
+        print("test accuracy: not computed (the model is not a classifier of one label column)")
+    else:
+        print(f"test accuracy: {accuracy:.4f}")
 
     with phase("save"):
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

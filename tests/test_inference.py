@@ -155,7 +155,7 @@ def test_regression_gives_a_double(frames, test_rows):
     np.testing.assert_allclose([r.y for r in _by_id(out)], model.predict(x, verbose=0)[:, 0], rtol=1e-5, atol=1e-6)
 
 
-def test_several_outputs_give_flat_arrays(frames, test_rows):
+def test_one_output_of_several_values_is_an_array_and_several_outputs_a_struct(frames, test_rows):
     df, features_col = frames["vector"]
     x, _ = test_rows
     model = _dense_model(3)
@@ -163,12 +163,24 @@ def test_several_outputs_give_flat_arrays(frames, test_rows):
     assert out.columns == df.columns + ["y"] and dict(out.dtypes)["y"] == "array<double>"
     np.testing.assert_allclose([r.y for r in _by_id(out)], model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
-    # Two heads (a functional model): each row gets both outputs, concatenated in output order.
+    # Two heads (a functional model): a struct with a field per output, by name.
     inputs = keras.Input((WIDTH,))
-    two = keras.Model(inputs, [keras.layers.Dense(2)(inputs), keras.layers.Dense(1, activation="sigmoid")(inputs)])
+    heads = [
+        keras.layers.Dense(2, name="scores")(inputs),
+        keras.layers.Dense(1, activation="sigmoid", name="p")(inputs),
+    ]
+    two = keras.Model(inputs, heads)
     out = predict(df, model_to_bytes(_compiled(two)), features_col=features_col, prediction_col="y", batch_size=50)
-    expected = np.concatenate(two.predict(x, verbose=0), axis=1)
-    np.testing.assert_allclose([r.y for r in _by_id(out)], expected, rtol=1e-5, atol=1e-6)
+    assert dict(out.dtypes)["y"] == "struct<scores:array<double>,p:double>"
+    scores, p = two.predict(x, verbose=0)
+    rows = _by_id(out.select("id", "y.scores", "y.p"))
+    np.testing.assert_allclose([r.scores for r in rows], scores, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose([r.p for r in rows], p[:, 0], rtol=1e-5, atol=1e-6)
+    # The same model built on a dict of outputs: the fields follow its output names.
+    named = keras.Model(inputs, {"p": heads[1], "scores": heads[0]})
+    out = predict(df, model_to_bytes(_compiled(named)), features_col=features_col, prediction_col="y")
+    rows = _by_id(out.select("id", "y.scores", "y.p"))
+    np.testing.assert_allclose([r.p for r in rows], p[:, 0], rtol=1e-5, atol=1e-6)
 
 
 def _compiled(model):

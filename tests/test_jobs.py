@@ -346,6 +346,47 @@ def test_python_job_on_user_parquet_with_column_list(tmp_path, spark, digits):
     assert not re.search(r" INFO |log4j profile|NativeCodeLoader", out), out  # plain python is quiet too
 
 
+def test_python_job_trains_a_users_two_input_model_from_a_toml_mapping(tmp_path, spark):
+    """--model with inputs by name (a TOML table), integer ids through an Embedding, and sample weights."""
+    import keras
+
+    rng = np.random.default_rng(0)
+    ids = 2**40 + rng.integers(0, 30, 600)
+    rows = [(int(i), rng.normal(size=3).tolist(), int(i % 3 == 0), 1.0) for i in ids]
+    spark.createDataFrame(rows, "user_id long, numeric array<double>, clicked int, w double").write.parquet(
+        str(tmp_path / "clicks.parquet")
+    )
+    numeric = keras.Input((3,), name="numeric")
+    user = keras.Input((1,), name="user", dtype="int64")
+    index = keras.layers.IntegerLookup(vocabulary=np.arange(2**40, 2**40 + 30, dtype=np.int64))(user)
+    embedded = keras.layers.Flatten()(keras.layers.Embedding(31, 4)(index))
+    joined = keras.layers.Concatenate()([numeric, embedded])
+    model = keras.Model({"numeric": numeric, "user": user}, keras.layers.Dense(2, activation="softmax")(joined))
+    model.compile(keras.optimizers.Adam(0.05), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.save(tmp_path / "clicks.keras")
+    (tmp_path / "clicks.toml").write_text(
+        'model = "clicks.keras"\ndata = "clicks.parquet"\nlabel_col = "clicked"\nsample_weight_col = "w"\n'
+        "epochs = 8\nbatch_size = 16\ntest_fraction = 0.2\n"
+        '[features_col]\nnumeric = "numeric"\nuser = "user_id"\n'
+    )
+
+    out = run_job(
+        [sys.executable, TRAIN_JOB, "--master", "local[2]", "--config", "clicks.toml", "--output", "out/m.keras"],
+        tmp_path,
+    )
+    assert re.search(r"trained on 2 workers", out), out
+    assert float(re.search(r"test accuracy: ([\d.]+)", out).group(1)) > 0.95, out  # ids intact, else ~0.67
+    assert (tmp_path / "out" / "m.keras").exists()
+
+
+def test_a_column_mapping_needs_the_users_model(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--features-col", '{"numeric": "x"}'])
+    assert "--features-col maps model input/output names to columns: that needs your model, --model" in (
+        capsys.readouterr().err
+    )
+
+
 def _jvm_maps_of(process, archive, timeout=120.0):
     """The files mapped by the JVM that ``process`` (a plain-python job) started with ``archive`` in its options."""
     deadline = time.monotonic() + timeout

@@ -35,7 +35,17 @@ from sparkdl.data.batch_shapes import InputColumn
 from sparkdl.data.columns import IMAGE
 from sparkdl.data.plan import ColumnSpec, input_fields
 from sparkdl.launch import probe, session
-from sparkdl.ml.scoring import ARRAY, BINARY, MULTICLASS, REGRESSION, ModelInfo, TaskSpec, predict_batches
+from sparkdl.ml.scoring import (
+    ARRAY,
+    BINARY,
+    MULTICLASS,
+    OUTPUTS,
+    REGRESSION,
+    ModelInfo,
+    TaskSpec,
+    one_value,
+    predict_batches,
+)
 
 _CLASSIFIER_TYPE = "struct<prediction: double, probability: array<double>>"
 _RETURN_TYPES = {MULTICLASS: _CLASSIFIER_TYPE, BINARY: _CLASSIFIER_TYPE, REGRESSION: "double", ARRAY: "array<double>"}
@@ -71,9 +81,11 @@ def predict(
       ``BinaryClassificationEvaluator`` run on the output with their default column names when
       ``prediction_col="prediction"``.
     * a single output value (regression): ``prediction_col`` is that value as a double.
-    * anything else (several units without softmax, several outputs, sequences):
-      ``prediction_col`` is an ``array<double>`` holding all of the row's outputs, flattened in
-      row-major order and, for several outputs, concatenated in the model's output order.
+    * one output of several values (several units without softmax, sequences):
+      ``prediction_col`` is an ``array<double>`` holding the row's values, flattened in row-major order.
+    * several outputs: ``prediction_col`` is a struct with one field per output, named as the
+      model names it (``model.output_names``): a double for an output of one value per row, else an
+      ``array<double>``. Select one with ``F.col("prediction.total")``.
 
     Raises ``ValueError`` before any Spark job for a missing or unsupported features column, a
     mapping that does not name the model's inputs, a float column for an integer input, a column
@@ -121,7 +133,10 @@ def predict(
     def predict_udf(batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
         return predict_batches(spec, batches)
 
-    return_type = _RETURN_TYPES[info.kind] if spec.probabilities or not classifier else "double"
+    return_type = _RETURN_TYPES.get(info.kind) if spec.probabilities or not classifier else "double"
+    if info.kind == OUTPUTS:  # one field per output, by its name
+        fields = (f"`{p.name}`: {'double' if one_value(p) else 'array<double>'}" for p in info.outputs)
+        return_type = f"struct<{', '.join(fields)}>"
     # A scalar-iterator UDF, from the type hints (pyspark's overloads do not cover a return type given as a string).
     udf = arrow_udf(predict_udf, return_type)  # type: ignore[call-overload]
     scratch = _unused_name(df, "_sparkdl_prediction")
@@ -151,16 +166,16 @@ def model_info(model) -> ModelInfo:
         ) from None
     if not inputs or not outputs:
         raise ValueError(f"predict needs a built model with known inputs and outputs. Received: {type(model).__name__}")
-    ports = tuple(model_io.inputs(model))
+    ports, heads = tuple(model_io.inputs(model)), tuple(model_io.outputs(model))
     if len(outputs) != 1:
-        return ModelInfo(ARRAY, ports)
+        return ModelInfo(OUTPUTS, ports, heads)
     output_shape = tuple(outputs[0].shape[1:])
     activation = _final_activation(outputs[0])
     if len(output_shape) == 1 and output_shape[0] is not None and output_shape[0] > 1 and activation == "softmax":
-        return ModelInfo(MULTICLASS, ports)
+        return ModelInfo(MULTICLASS, ports, heads)
     if output_shape in ((), (1,)):
-        return ModelInfo(BINARY if activation == "sigmoid" else REGRESSION, ports)
-    return ModelInfo(ARRAY, ports)
+        return ModelInfo(BINARY if activation == "sigmoid" else REGRESSION, ports, heads)
+    return ModelInfo(ARRAY, ports, heads)
 
 
 _DRIVER_INFO: OrderedDict[str, ModelInfo] = OrderedDict()

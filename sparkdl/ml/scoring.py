@@ -22,7 +22,8 @@ from sparkdl.data.model_io import Port
 MULTICLASS = "multiclass"  # softmax over >1 units: prediction = argmax, probability = the softmax
 BINARY = "binary"  # one sigmoid unit p: prediction = 1.0 if p > 0.5, probability = [1 - p, p]
 REGRESSION = "regression"  # one output value: prediction = that value
-ARRAY = "array"  # anything else: prediction = all outputs of the row, flattened, as array<double>
+ARRAY = "array"  # one output of several values: prediction = the row's values, flattened, as array<double>
+OUTPUTS = "outputs"  # several outputs: prediction = a struct with a field per output name (double, or array<double>)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,7 @@ class ModelInfo:
 
     kind: str
     inputs: tuple[Port, ...]
+    outputs: tuple[Port, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,35 +79,39 @@ def predict_batches(spec: TaskSpec, batches: Iterator[pa.Array]) -> Iterator[pa.
         rows = len(column)
         if model is None:
             model = _cached_model(spec)
-        yield _to_arrow(_run_model(model, x, rows, spec.batch_size), spec.info.kind, rows, spec.probabilities)
+        yield _to_arrow(_run_model(model, x, rows, spec), spec.info, rows, spec.probabilities)
 
 
-def _run_model(model, x, n: int, batch_size: int) -> np.ndarray:
-    """The model's outputs for ``x`` (``n`` rows: one array, or a dict by input name) as one float64 array of
-    shape (rows, values per row)."""
+def _run_model(model, x, n: int, spec: TaskSpec) -> list[np.ndarray]:
+    """The model's outputs for ``x`` (``n`` rows: one array, or a dict by input name): one float64 array of
+    shape (rows, values per row) per output, in the order of ``spec.info.outputs``."""
     if n == 0:
-        chunks = []
-    else:
-        # Equal chunks: an Arrow batch of 10,000 rows runs as 3 x 3,334, not 4,096 + 4,096 + 1,808.
-        pieces = -(-n // batch_size)
-        step = -(-n // pieces)
-        chunks = [
-            _flat_outputs(model.predict_on_batch(_rows(x, i, i + step)), min(step, n - i)) for i in range(0, n, step)
-        ]
-    if not chunks:
-        return np.empty((0, 0), np.float64)
-    return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+        return [np.empty((0, 0), np.float64) for _ in spec.info.outputs or (None,)]
+    # Equal chunks: an Arrow batch of 10,000 rows runs as 3 x 3,334, not 4,096 + 4,096 + 1,808.
+    pieces = -(-n // spec.batch_size)
+    step = -(-n // pieces)
+    names = [port.name for port in spec.info.outputs]
+    chunks = [
+        _outputs(model.predict_on_batch(_rows(x, i, i + step)), min(step, n - i), names) for i in range(0, n, step)
+    ]
+    return [parts[0] if len(parts) == 1 else np.concatenate(parts) for parts in zip(*chunks)]
 
 
-def _flat_outputs(out, rows: int) -> np.ndarray:
+def _outputs(out, rows: int, names: list[str]) -> list[np.ndarray]:
     if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (list, tuple)):
-        return np.concatenate([np.asarray(o, np.float64).reshape(rows, -1) for o in out], axis=1)
-    return np.asarray(out, np.float64).reshape(rows, -1)
+        out = [out[name] for name in names]
+    if not isinstance(out, (list, tuple)):
+        out = [out]
+    return [np.asarray(o, np.float64).reshape(rows, -1) for o in out]
 
 
-def _to_arrow(y: np.ndarray, kind: str, rows: int, probabilities: bool = True) -> pa.Array:
+def _to_arrow(ys: list[np.ndarray], info: ModelInfo, rows: int, probabilities: bool = True) -> pa.Array:
+    kind, y = info.kind, ys[0]
+    if kind == OUTPUTS:
+        return pa.StructArray.from_arrays(
+            [_values_array(part, rows, port) for part, port in zip(ys, info.outputs)],
+            names=[port.name for port in info.outputs],
+        )
     if kind == REGRESSION:
         return pa.array(y.reshape(rows))
     if kind == ARRAY:
@@ -122,6 +128,15 @@ def _to_arrow(y: np.ndarray, kind: str, rows: int, probabilities: bool = True) -
     return pa.StructArray.from_arrays(
         [pa.array(prediction), _list_array(probability)], names=["prediction", "probability"]
     )
+
+
+def one_value(port: Port) -> bool:
+    """Whether an output gives one value per row (a double) rather than several (an array<double>)."""
+    return port.shape in ((), (1,))
+
+
+def _values_array(y: np.ndarray, rows: int, port: Port) -> pa.Array:
+    return pa.array(y.reshape(rows)) if one_value(port) else _list_array(y.reshape(rows, -1))
 
 
 def _list_array(values: np.ndarray) -> pa.Array:
