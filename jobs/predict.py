@@ -34,8 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", default="output/predictions.parquet", help="where to write the scored rows")
     parser.add_argument(
         "--features-col",
+        type=_config.column_spec,
         default="features",
-        help="vector/array column, or comma-separated numeric columns (default: features)",
+        help="vector/array column, comma-separated numeric columns, or a JSON object mapping the model's input "
+        "names to columns (default: features)",
     )
     parser.add_argument("--prediction-col", default="prediction")
     parser.add_argument(
@@ -64,30 +66,17 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argp
     return args
 
 
-def score(df, scorer, features_col: str):
-    """``df`` plus the scorer's output columns; a comma-separated list of columns is scored as one array."""
+def score(df, scorer, features_col):
+    """``df`` plus the scorer's output columns; ``features_col`` is a column, a list of columns or a mapping from
+    the model's input names to columns, read as ``sparkdl.fit`` reads them."""
     from pyspark.ml.functions import vector_to_array
 
-    import sparkdl
-
-    assembled = None
-    if "," in features_col:
-        # KerasModel reads one column: assemble the list into one, checked and named as sparkdl.fit does.
-        assembled = _unused_column_name(df, "features")
-        df = df.withColumn(assembled, sparkdl.features_column(df, features_col.split(",")))
-    scored = scorer.transform(df, {scorer.featuresCol: assembled or features_col})
+    scored = scorer.transform(df, {scorer.featuresCol: features_col})
     probability_col = scorer.getProbabilityCol()
     if probability_col in scored.columns:  # a classifier's
         # A plain array instead of Spark ML's Vector, which Parquet stores as a struct only Spark understands.
         scored = scored.withColumn(probability_col, vector_to_array(probability_col, "float64"))
-    return scored.drop(assembled) if assembled else scored
-
-
-def _unused_column_name(df, base: str) -> str:
-    name = f"_{base}"
-    while name in df.columns:
-        name = f"_{name}"
-    return name
+    return scored
 
 
 def check_paths(args: argparse.Namespace, conf) -> None:

@@ -106,7 +106,12 @@ def test_sample_weights_weigh_the_loss_as_keras_does(spark, digits, mode):
         [(r.tolist(), int(label), float(w)) for r, label, w in zip(x_train[:rows], y_train[:rows], weights)],
         "features array<float>, label long, w double",
     ).coalesce(1)
-    make = lambda: make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(0.05), seed=3)  # noqa: E731
+
+    def make():
+        model = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(0.05), seed=3)
+        model.compile(model.optimizer, model.loss, weighted_metrics=["accuracy"])  # accuracy weighted as the loss
+        return model
+
     options = {"sync_every": 2} if mode == "average" else {}
     result = sparkdl.fit(
         df, make(), sample_weight_col="w", num_workers=1, mode=mode, epochs=1, batch_size=b, shuffle=False, **options
@@ -116,7 +121,10 @@ def test_sample_weights_weigh_the_loss_as_keras_does(spark, digits, mode):
     )
     np.testing.assert_allclose(np.sort(w), np.sort(weights.astype(np.float32)))
     reference = make()
-    reference.fit(x, y, sample_weight=w, batch_size=b, epochs=1, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, sample_weight=w, batch_size=b, epochs=1, shuffle=False, verbose=0).history
+    if mode != "average":  # a worker's own Keras fit reports the epoch: its weighted loss and metrics are Keras's
+        for name in ("loss", "accuracy"):
+            assert result.history[name][0] == pytest.approx(expected[name][0], rel=1e-4), name
     unweighted = make()
     unweighted.fit(x, y, batch_size=b, epochs=1, shuffle=False, verbose=0)
     for got, want in zip(result.model.get_weights(), reference.get_weights()):
@@ -303,3 +311,21 @@ def test_data_errors_are_refused_before_training(spark):
         features_col="numeric",
         sample_weight_col="w",
     )
+
+
+def test_estimator_takes_inputs_by_name_and_a_weight_column(spark, tmp_path):
+    """KerasEstimator and KerasModel read the same mappings as fit, and keep them through save and load."""
+    from sparkdl.ml import KerasEstimator, KerasModel
+
+    df = _ids_frame(spark).withColumn("w", F.lit(1.0))
+    features = {"numeric": "numeric", "id": "id"}
+    estimator = KerasEstimator(
+        model=_wide_and_deep(), featuresCol=features, weightCol="w", numWorkers=2, epochs=8, batchSize=16, seed=1
+    )
+    fitted = estimator.fit(df)
+    assert fitted.getFeaturesCol() == features
+    fitted.write().save(str(tmp_path / "model"))
+    loaded = KerasModel.load(str(tmp_path / "model"))
+    assert loaded.getFeaturesCol() == features
+    scored = loaded.transform(df).select("prediction", "label").toPandas()
+    assert (scored["prediction"] == scored["label"]).mean() == 1.0

@@ -52,7 +52,7 @@ def distributed_optimizer(optimizer, comm, scales: np.ndarray | None = None, fir
             if scales is not None:
                 import tensorflow as tf
 
-                scale = tf.numpy_function(next_scale, [], tf.float32, stateful=True)
+                scale = tf.ensure_shape(tf.numpy_function(next_scale, [], tf.float32, stateful=True), [])
                 grads = [None if g is None else g * tf.cast(scale, g.dtype) for g in grads]
             return apply(comm.average_gradients(grads), variables)
         return apply(fused_numpy_call(grads, mean_over_ranks, "sparkdl_allreduce"), variables)
