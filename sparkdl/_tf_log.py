@@ -13,7 +13,8 @@ before ``import tensorflow`` (or ``import keras``) in that process.
 sparkdl sets ``TF_CPP_MIN_LOG_LEVEL=1`` (C++ INFO lines off; warnings and
 errors stay) when it is imported, which is also what happens first in every
 task (the task's code is unpickled by importing sparkdl), and again at the
-start of each task; a level already in the environment always wins.
+start of each task; a level already in the environment always wins. TensorFlow
+2.21 logs its oneDNN notice at import whatever the level (docs/output.md).
 """
 
 from __future__ import annotations

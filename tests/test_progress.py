@@ -302,6 +302,26 @@ _TENSORFLOW_START_UP = (
 _SCRIPT_TIMEOUT = 540
 
 
+def _assert_no_start_up_lines_but_the_scripts_own_import(text, tmp_path):
+    """TensorFlow's start-up lines in ``text`` are at most those a bare ``import sparkdl, keras`` prints here.
+
+    TensorFlow 2.21 writes its oneDNN notice (and absl's preamble) at import whatever TF_CPP_MIN_LOG_LEVEL
+    says, so the script's own ``import keras`` prints them on the driver; with 2.20 and earlier that import
+    prints nothing. Anything beyond it (a worker's import, a line the level hides) is sparkdl's noise.
+    """
+    bare = subprocess.run(
+        [sys.executable, "-c", "import sparkdl, keras"],
+        capture_output=True,
+        text=True,
+        env=_script_env(),
+        cwd=tmp_path,
+        timeout=_SCRIPT_TIMEOUT,
+        check=True,
+    )
+    for noise in _TENSORFLOW_START_UP:
+        assert text.count(noise) <= (bare.stdout + bare.stderr).count(noise), (noise, text)
+
+
 def _script_env():
     env = dict(os.environ)
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # set by conftest: the script must show what sparkdl does on its own
@@ -359,8 +379,7 @@ def test_a_piped_script_prints_one_line_per_epoch_and_no_tensorflow_start_up_lin
     logged = _assert_one_true_line_per_epoch(stdout + stderr, 3, second)
     assert all(" INFO sparkdl.progress: epoch " in segment for ((segment, _),) in logged.values()), logged
     assert "%|" not in stderr  # no bar in a file
-    for noise in _TENSORFLOW_START_UP:
-        assert noise not in stdout + stderr, noise
+    _assert_no_start_up_lines_but_the_scripts_own_import(stdout + stderr, tmp_path)
 
 
 def _run_in_terminal(command, env, cwd, timeout):
@@ -404,8 +423,7 @@ def test_in_a_terminal_the_bar_is_drawn_and_every_epoch_line_stands_whole_above_
     lines = _assert_one_true_line_per_epoch(text, 2, history)
     # each epoch line is a line of its own: the bar was cleared before it and redrawn after it
     assert all(segment.startswith("epoch ") for ((segment, _),) in lines.values()), lines
-    for noise in _TENSORFLOW_START_UP:
-        assert noise not in text, noise
+    _assert_no_start_up_lines_but_the_scripts_own_import(text, tmp_path)
 
 
 def test_the_estimators_progress_param_reaches_fit():
