@@ -1,6 +1,6 @@
 """A worker's partition as arrays by field: its training rows and its held-out validation rows.
 
-The rows are streamed to local disk as they arrive and read back memory-mapped
+The rows are streamed to local disk as they arrive and read back a batch at a time
 (``sparkdl.data.spill``), so a worker's memory does not grow with its partition.
 """
 
@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkdl.data.fields import Layout
-from sparkdl.data.spill import SpilledArrays, spill_directory
+from sparkdl.data.spill import FileRows, MappedRows, SpilledRows, spill_directory
 
 VALIDATION = "_sparkdl_validation"  # boolean; only present when rows are held out for validation
 
@@ -21,21 +21,21 @@ VALIDATION = "_sparkdl_validation"  # boolean; only present when rows are held o
 class Rows:
     """Some rows of a partition, one array per field; ``take`` gives the batches Keras trains on."""
 
-    def __init__(self, layout: Layout, arrays: dict[str, np.ndarray]):
+    def __init__(self, layout: Layout, rows: MappedRows | FileRows):
         self.layout = layout
-        self._arrays = arrays
-        self._count = len(next(iter(arrays.values())))
+        self._rows = rows
+        self._count = len(rows)
 
     def __len__(self) -> int:
         return self._count
 
     def take(self, index: np.ndarray) -> tuple:
         """The rows at ``index`` as ``(x, y)`` or ``(x, y, sample_weight)`` (copies, in memory)."""
-        return self.layout.keras_batch({column: array[index] for column, array in self._arrays.items()})
+        return self.layout.keras_batch(self._rows.read(index))
 
     def all(self) -> tuple:
-        """Every row, as one batch tuple (for ``validation_data`` and ``evaluate``)."""
-        return self.layout.keras_batch(self._arrays)
+        """Every row, as one batch tuple in memory (for ``validation_data`` and ``evaluate``)."""
+        return self.take(np.arange(self._count))
 
 
 def read_partition(layout: Layout, batches: Iterable[pa.RecordBatch]) -> tuple[Rows, Rows]:
@@ -44,8 +44,8 @@ def read_partition(layout: Layout, batches: Iterable[pa.RecordBatch]) -> tuple[R
     Without a ``VALIDATION`` column every row is a training row. One Arrow batch is in memory at a time.
     """
     directory = spill_directory()
-    train = SpilledArrays(layout.fields, directory)
-    held_out = SpilledArrays(layout.fields, directory)
+    train = SpilledRows(layout.fields, directory)
+    held_out = SpilledRows(layout.fields, directory)
     try:
         for batch in batches:
             if batch.num_rows == 0:

@@ -1,20 +1,26 @@
-"""A partition streamed to local disk as its Arrow batches arrive, read back memory-mapped: memory stays flat.
+"""A partition streamed to local disk as its Arrow batches arrive, read back a batch at a time: memory stays flat.
 
-Each field's rows go, batch by batch, to a file of fixed-size rows in the executor's local
-directory (Spark's ``spark.local.dir``, which executors pass to Python as ``SPARK_LOCAL_DIRS``). Once
-the partition has arrived, every file is memory-mapped read-only and unlinked at once: the data
-stays readable through the mapping, no other process can open it, and the kernel frees it when the
-mapping closes or the task's process dies, however it dies. The files are created owner-only
-(a 0700 directory, 0600 files).
+The rows go, batch by batch, to one file of fixed-size records (every field of a row side by side)
+in the executor's local directory (Spark's ``spark.local.dir``, which executors pass to Python as
+``SPARK_LOCAL_DIRS``). Once the partition has arrived, the file is opened for reading and unlinked at
+once: the data stays readable through the open file, no other process can open it, and the kernel
+frees it when the worker lets go of it or its process dies, however it dies. It is created
+owner-only (a 0700 directory, a 0600 file).
 
-Reading a batch copies its rows out of the page cache into a small array; the worker's own memory
-(anonymous, what it allocates) stays flat whatever the partition's size. The file pages it has read
-stay mapped and count in its resident set size, but they are page cache, which the kernel reclaims
-whenever memory is short (``tests/test_partition_memory.py`` trains a partition larger than a memory
-cgroup's limit). Releasing them eagerly (``madvise(MADV_DONTNEED)``) was measured and rejected: rows
-are read in a fresh random order every epoch, and the kernel maps page-cache folios of up to 2 MB
-at a time, so one batch maps most of the file again and every release costs throughput (0.8x at 4M
-rows) without lowering the peak (docs/benchmarks.md).
+Two ways to read a batch's rows back, chosen by the size of the file:
+
+- up to ``MAPPED_BYTES``, the file is memory-mapped and a batch is a gather from the mapping
+  (0.1 µs a row here). The pages it has read stay mapped and count in the worker's resident set:
+  rows are read in a fresh random order every epoch and the kernel maps page-cache folios of up to
+  2 MB per fault, so one shuffled batch maps most of the file and releasing pages eagerly
+  (``MADV_DONTNEED``) was measured slower and no lower (docs/benchmarks.md);
+- beyond it, each row of a shuffled batch is one ``os.pread`` (0.65 µs a row here, whatever the
+  number of fields; a batch of consecutive rows is one read): the rows come from the page cache, which the kernel
+  reclaims whenever memory is short, and only the batch is the worker's. A worker's resident set
+  stays flat however large its partition, which matters where something counts it: YARN's container
+  monitor kills a container whose processes' resident sets exceed its memory, and PySpark caps a
+  worker's address space (mappings included) at ``spark.executor.pyspark.memory`` when it is set,
+  so the threshold is a quarter of that when it is smaller.
 """
 
 from __future__ import annotations
@@ -22,10 +28,20 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+import weakref
 
 import numpy as np
 
 from sparkdl.data.fields import Field
+
+# A partition's training (or held-out) rows are memory-mapped up to this size, read with system calls beyond it.
+MAPPED_BYTES = 256 << 20
+
+
+def mapped_bytes_limit() -> int:
+    """``MAPPED_BYTES``, or a quarter of the worker's address-space cap (``spark.executor.pyspark.memory``) if smaller."""
+    cap_mb = int(os.environ.get("PYSPARK_EXECUTOR_MEMORY_MB") or -1)  # what PySpark's worker sets RLIMIT_AS from
+    return MAPPED_BYTES if cap_mb <= 0 else min(MAPPED_BYTES, (cap_mb << 20) // 4)
 
 
 def spill_directory() -> str:
@@ -34,49 +50,108 @@ def spill_directory() -> str:
     return local_dirs[0] if local_dirs else tempfile.gettempdir()
 
 
-class SpilledArrays:
-    """One set of rows (a partition's training or held-out rows) written field by field, then mapped."""
+class SpilledRows:
+    """One set of rows (a partition's training or held-out rows) written as they arrive, then read back by row number."""
 
-    def __init__(self, fields: tuple[Field, ...], directory: str):
-        self._fields = fields
+    def __init__(self, fields: tuple[Field, ...], directory: str, mapped_bytes: int | None = None):
+        # one record per row, fields side by side and unpadded: a row is one read
+        by_column = {field.column: field for field in fields}  # a column two fields read is stored once
+        self._record = np.dtype([(column, field.numpy_dtype, field.shape) for column, field in by_column.items()])
+        self._mapped_bytes = mapped_bytes_limit() if mapped_bytes is None else mapped_bytes
         self._directory = tempfile.mkdtemp(prefix="sparkdl-partition-", dir=directory)  # 0700
-        self._paths = {field.column: os.path.join(self._directory, field.column) for field in fields}
-        self._files = {
-            column: os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
-            for column, path in self._paths.items()
-        }
+        self._path = os.path.join(self._directory, "rows")
+        self._file = os.fdopen(os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
         self._rows = 0
 
     def append(self, arrays: dict[str, np.ndarray]) -> None:
+        """Writes one Arrow batch's rows, given as one ``(rows, *shape)`` array per field."""
+        records = np.empty(len(next(iter(arrays.values()))), self._record)
         for column, array in arrays.items():
-            self._files[column].write(np.ascontiguousarray(array).tobytes())
-        self._rows += len(next(iter(arrays.values())))
+            records[column] = array
+        self._file.write(records.tobytes())
+        self._rows += len(records)
 
-    def finish(self) -> dict[str, np.ndarray]:
-        """Maps every file read-only and removes it from the disk; returns one ``(rows, *shape)`` array per field."""
-        arrays = {}
+    def finish(self) -> MappedRows | FileRows:
+        """Opens the file for reading and removes it from the disk; returns its reader."""
         try:
-            for field in self._fields:
-                self._files[field.column].close()
-                dtype = field.numpy_dtype
-                if self._rows == 0:
-                    arrays[field.column] = np.empty((0, *field.shape), dtype)
-                    continue
-                with open(self._paths[field.column], "rb") as f:
-                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                if hasattr(mmap, "MADV_RANDOM"):  # rows are read in shuffled order: no read-ahead from disk
-                    mapped.madvise(mmap.MADV_RANDOM)
-                arrays[field.column] = np.frombuffer(mapped, dtype).reshape((self._rows, *field.shape))
+            self._file.close()
+            if self._rows * self._record.itemsize <= self._mapped_bytes:
+                return MappedRows(self._path, self._record, self._rows)
+            return FileRows(os.open(self._path, os.O_RDONLY), self._record, self._rows)
         finally:
             self.discard()
-        return arrays
 
     def discard(self) -> None:
-        """Removes the files (mapped ones stay readable until the process lets go of them)."""
-        for handle in self._files.values():
-            handle.close()
-        for path in self._paths.values():
-            if os.path.exists(path):
-                os.unlink(path)
+        """Removes the file (once opened, it stays readable until the process lets go of it)."""
+        self._file.close()
+        if os.path.exists(self._path):
+            os.unlink(self._path)
         if os.path.isdir(self._directory):
             os.rmdir(self._directory)
+
+
+class MappedRows:
+    """Rows read from a memory mapping of their file: a batch is a gather."""
+
+    def __init__(self, path: str, record: np.dtype, rows: int):
+        self._records = np.empty(0, record)
+        if rows:
+            with open(path, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            if hasattr(mmap, "MADV_RANDOM"):  # rows are read in shuffled order: no read-ahead from disk
+                mapped.madvise(mmap.MADV_RANDOM)
+            self._records = np.frombuffer(mapped, record)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def read(self, index: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows at ``index``, one ``(len(index), *shape)`` array per field."""
+        return _fields(self._records[_checked(index, len(self))])
+
+
+class FileRows:
+    """Rows read from their open file with a system call each: only the rows asked for come into memory."""
+
+    def __init__(self, fd: int, record: np.dtype, rows: int):
+        self._fd, self._record, self._rows = fd, record, rows
+        weakref.finalize(self, os.close, fd)  # the file's space is freed once no reader holds it
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def read(self, index: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows at ``index``, one ``(len(index), *shape)`` array per field."""
+        index = _checked(index, self._rows)
+        size = self._record.itemsize
+        if len(index) and index[-1] - index[0] == len(index) - 1 and (np.diff(index) == 1).all():
+            data = _read_at(self._fd, len(index) * size, int(index[0]) * size)  # consecutive rows: one read
+        else:
+            pread, fd = os.pread, self._fd
+            data = b"".join([pread(fd, size, offset) for offset in (index * size).tolist()])
+            if len(data) != len(index) * size:
+                raise EOFError("sparkdl's spilled partition is shorter than the rows written to it")
+        return _fields(np.frombuffer(data, self._record))
+
+
+def _checked(index: np.ndarray, rows: int) -> np.ndarray:
+    index = np.asarray(index, np.int64)
+    if index.ndim != 1 or (len(index) and (index.min() < 0 or index.max() >= rows)):
+        raise IndexError(f"row numbers must be a 1-D array within 0..{rows - 1}")
+    return index
+
+
+def _fields(records: np.ndarray) -> dict[str, np.ndarray]:
+    names = records.dtype.names or ()
+    return {name: np.ascontiguousarray(records[name]) for name in names}
+
+
+def _read_at(fd: int, size: int, offset: int) -> bytes:
+    parts = []
+    while size:  # a read may return less than asked (one over 2 GB does)
+        part = os.pread(fd, size, offset)
+        if not part:
+            raise EOFError("sparkdl's spilled partition is shorter than the rows written to it")
+        parts.append(part)
+        size, offset = size - len(part), offset + len(part)
+    return b"".join(parts)
