@@ -11,6 +11,7 @@ from spark_jobs import no_spark_job
 
 import sparkdl
 from sparkdl import data
+from sparkdl.keras.held_out import in_batches
 from sparkdl.modes.average.rounds import Rounds
 from sparkdl.modes.base import Settings
 from sparkdl.modes.parameter_server.mode import combine_histories
@@ -22,7 +23,8 @@ def held_out(df, seed, **validation):
     """Exactly the rows fit holds out: the same split, re-applied through data.prepare."""
     training = data.prepare(df, make_mlp(), "features", "label", 2, seed=seed, **validation)
     table = training.frame.where(F.col(data.VALIDATION)).toArrow()
-    x_val, y_val = data.read_partition(training.layout, table.drop_columns([data.VALIDATION]).to_batches())[0].all()
+    rows, _ = data.read_partition(training.layout, table.drop_columns([data.VALIDATION]).to_batches())
+    x_val, y_val = rows.take(np.arange(len(rows)))
     assert len(x_val) == training.validation_rows
     return training, x_val, y_val
 
@@ -80,6 +82,23 @@ def test_validation_split_in_every_mode(digits_df, mode, options):
     if mode == "average":
         assert sum(result.stats["partition_rows"]) == training.num_rows
         assert sum(result.stats["partition_validation_rows"]) == len(x_val)
+
+
+def test_held_out_rows_are_evaluated_a_batch_at_a_time_as_keras_cuts_arrays(digits_df):
+    training, x_val, y_val = held_out(digits_df, 0, validation_split=0.2)
+    table = training.frame.where(F.col(data.VALIDATION)).toArrow().drop_columns([data.VALIDATION])
+    rows, _ = data.read_partition(training.layout, table.to_batches())
+    batches = in_batches(rows, 16)
+    assert len(batches) == math.ceil(len(x_val) / 16) and len(x_val) % 16  # the last batch is shorter
+    for i in range(len(batches)):
+        x, y = batches[i]
+        np.testing.assert_array_equal(x, x_val[i * 16 : (i + 1) * 16])
+        np.testing.assert_array_equal(y, y_val[i * 16 : (i + 1) * 16])
+    with pytest.raises(IndexError):
+        batches[len(batches)]
+    model = make_mlp()
+    got = model.evaluate(batches, verbose=0, return_dict=True)
+    assert got == model.evaluate(x_val, y_val, batch_size=16, verbose=0, return_dict=True)
 
 
 @pytest.mark.parametrize("mode", ["sync", "ssp"])

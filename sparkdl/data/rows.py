@@ -33,10 +33,6 @@ class Rows:
         """The rows at ``index`` as ``(x, y)`` or ``(x, y, sample_weight)`` (copies, in memory)."""
         return self.layout.keras_batch(self._rows.read(index))
 
-    def all(self) -> tuple:
-        """Every row, as one batch tuple in memory (for ``validation_data`` and ``evaluate``)."""
-        return self.take(np.arange(self._count))
-
 
 def read_partition(layout: Layout, batches: Iterable[pa.RecordBatch]) -> tuple[Rows, Rows]:
     """A partition's Arrow batches as ``(training rows, held-out validation rows)``, spilled to local disk.

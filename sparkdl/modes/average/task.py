@@ -20,6 +20,7 @@ import pyarrow as pa
 from sparkdl import _compat, schedule
 from sparkdl.data import Rows, read_partition
 from sparkdl.keras import serialization
+from sparkdl.keras.held_out import in_batches
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
 from sparkdl.launch.task_context import partition_id
 from sparkdl.modes.average.deltas import ROW_FIELDS, Sender
@@ -146,10 +147,7 @@ def _evaluate(model, held_out: Rows, batch_size: int, rank: int, epochs: range, 
     """Adds ``val_*`` metric rows for ``epochs``, weighted (``samples`` column) by this worker's held-out rows."""
     if not len(held_out) or not len(epochs):
         return
-    x, y, *weight = held_out.all()
-    logs = model.evaluate(
-        x, y, sample_weight=weight[0] if weight else None, batch_size=batch_size, verbose=0, return_dict=True
-    )
+    logs = model.evaluate(in_batches(held_out, batch_size), verbose=0, return_dict=True)
     for epoch in epochs:
         for name, value in logs.items():
             _add_row(out, rank, epoch, len(held_out), f"val_{name}", float(value))

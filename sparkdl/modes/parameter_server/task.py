@@ -25,6 +25,7 @@ import pyarrow as pa
 from sparkdl import schedule
 from sparkdl.data import read_partition
 from sparkdl.keras import callbacks, serialization
+from sparkdl.keras.held_out import in_batches
 from sparkdl.keras.optimizer_hooks import fused_numpy_call, intercept_apply
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
 from sparkdl.launch.forward import TaskReporter
@@ -143,8 +144,7 @@ def run_parameter_server_task(
                 steps_per_epoch=settings.steps_per_epoch,
                 shuffle=False,
                 verbose=0,
-                validation_data=held_out.all() if len(held_out) else None,
-                validation_batch_size=settings.batch_size,
+                validation_data=in_batches(held_out, settings.batch_size) if len(held_out) else None,
                 callbacks=[progress, *settings.callbacks],
             )
         exchange.flush()

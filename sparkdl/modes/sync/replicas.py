@@ -18,6 +18,7 @@ import numpy as np
 
 from sparkdl import schedule
 from sparkdl.data import Rows
+from sparkdl.keras.held_out import in_batches
 from sparkdl.keras.optimizer_hooks import fused_numpy_call, intercept_apply
 from sparkdl.metrics import combine_logs
 from sparkdl.modes.base import Settings
@@ -208,7 +209,10 @@ def train(
     stream = settings.batches(rows, comm.rank, start=initial_epoch * steps)
     validation_data = None
     if validation is not None:  # a rank without held-out rows validates on a stand-in, which weighs 0
-        validation_data = validation.rows.all() if len(validation.rows) else rows.take(np.arange(1))
+        if len(validation.rows):
+            validation_data = in_batches(validation.rows, settings.batch_size)
+        else:
+            validation_data = rows.take(np.arange(1))
     callback = _average_across_workers_callback(comm, samples=len(rows), steps_per_epoch=steps, validation=validation)
     scales = schedule.gradient_scales(rows_per_rank, comm.rank, steps)
     with distributed_optimizer(model.optimizer, comm, scales, first_step=initial_epoch * steps):
@@ -220,7 +224,6 @@ def train(
             shuffle=False,
             verbose=0,
             validation_data=validation_data,
-            validation_batch_size=settings.batch_size,
             callbacks=[callback, *callbacks],
         )
     check_replicas_identical(model, comm)
