@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 ROWS = 4_000_000
 PARTITION = ROWS * 100 * 4  # 1.6 GB as float32
 VALIDATION_SPLIT = 0.25  # about 1.2 GB of training rows and 0.4 GB held out
-LIMIT = 1_100 << 20  # a TensorFlow worker takes about 0.8 GB before any data
+TENSORFLOW = 800 << 20  # what a TensorFlow worker takes before any data
+LIMIT = 1_100 << 20
 CGROUPS = Path("/sys/fs/cgroup/memory")
 HERE = Path(__file__).resolve().parent
 
@@ -46,7 +47,7 @@ def memory_cgroup():
 
 
 def test_partition_larger_than_the_memory_limit_trains(memory_cgroup, tmp_path):
-    assert (1 - VALIDATION_SPLIT) * PARTITION > LIMIT and VALIDATION_SPLIT * PARTITION > LIMIT - (800 << 20)
+    assert (1 - VALIDATION_SPLIT) * PARTITION > LIMIT and VALIDATION_SPLIT * PARTITION > LIMIT - TENSORFLOW
     wrapper = tmp_path / "python-in-cgroup"
     wrapper.write_text(f'#!/bin/sh\necho $$ > {memory_cgroup / "cgroup.procs"}\nexec {sys.executable} "$@"\n')
     wrapper.chmod(0o755)

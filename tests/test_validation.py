@@ -22,11 +22,17 @@ METRICS = {"loss", "accuracy", "val_loss", "val_accuracy"}
 def held_out(df, seed, **validation):
     """Exactly the rows fit holds out: the same split, re-applied through data.prepare."""
     training = data.prepare(df, make_mlp(), "features", "label", 2, seed=seed, **validation)
-    table = training.frame.where(F.col(data.VALIDATION)).toArrow()
-    rows, _ = data.read_partition(training.layout, table.drop_columns([data.VALIDATION]).to_batches())
+    rows = held_out_rows(training)
     x_val, y_val = rows.take(np.arange(len(rows)))
     assert len(x_val) == training.validation_rows
     return training, x_val, y_val
+
+
+def held_out_rows(training):
+    """The held-out rows of ``training`` as a worker holds them: spilled, read back by row number."""
+    table = training.frame.where(F.col(data.VALIDATION)).toArrow()
+    rows, _ = data.read_partition(training.layout, table.drop_columns([data.VALIDATION]).to_batches())
+    return rows
 
 
 def digits_with_held_out(spark, digits, held_out_rows, rows=200):
@@ -86,9 +92,7 @@ def test_validation_split_in_every_mode(digits_df, mode, options):
 
 def test_held_out_rows_are_evaluated_a_batch_at_a_time_as_keras_cuts_arrays(digits_df):
     training, x_val, y_val = held_out(digits_df, 0, validation_split=0.2)
-    table = training.frame.where(F.col(data.VALIDATION)).toArrow().drop_columns([data.VALIDATION])
-    rows, _ = data.read_partition(training.layout, table.to_batches())
-    batches = in_batches(rows, 16)
+    batches = in_batches(held_out_rows(training), 16)
     assert len(batches) == math.ceil(len(x_val) / 16) and len(x_val) % 16  # the last batch is shorter
     for i in range(len(batches)):
         x, y = batches[i]
