@@ -1,6 +1,7 @@
 """A worker's peak memory and throughput as its partition grows: the data paths of checkouts side by side.
 
-    python benchmarks/partition_memory.py --before /path/to/other/checkout [--before ...] [--rows 200000 1000000 4000000]
+    python benchmarks/partition_memory.py --before /path/to/other/checkout [--before ...]
+        [--rows 200000 1000000 4000000] [--repeat 3]
 
 Each run is a fresh process and SparkSession (``local[2]``, so fresh Python workers) training a
 softmax layer over ``rows`` x 100 float32 features on 2 workers (sync mode, batch 512, 2 epochs).
@@ -9,9 +10,10 @@ partitions): nothing is held on the driver. A Keras callback inside every worker
 resident memory (``VmHWM`` of ``/proc/self/status``: everything resident, file pages it has mapped
 included), its own memory (``RssAnon``, the larger of the two epoch ends: what it allocated, not
 page cache) and the second epoch's samples per second (the first includes reading the partition). The
-checkouts run alternately, each size once per checkout, so they see the same machine state; the
-script prints each and their ratios. Each ``--before`` is a checkout of sparkdl (e.g. ``git worktree
-add /tmp/before <commit>``) put first on ``PYTHONPATH`` for the driver and its workers.
+checkouts run alternately, ``--repeat`` rounds of them per size, each round started by the next
+checkout (the first run after a pause is slower), so they see the same machine state; the script
+prints each run, and the ratios of their medians. Each ``--before`` is a checkout of sparkdl (e.g.
+``git worktree add /tmp/before <commit>``) put first on ``PYTHONPATH`` for the driver and its workers.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -124,6 +127,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", action="append", default=[], help="a checkout to compare with (repeatable)")
     parser.add_argument("--rows", type=int, nargs="+", default=[200_000, 1_000_000, 4_000_000])
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each checkout per size (medians are compared)")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -135,20 +139,30 @@ def main() -> None:
     }
     results: dict[str, list[dict]] = {name: [] for name in checkouts}
     for rows in args.rows:
-        for name, checkout in checkouts.items():
-            results[name].append(measure(checkout, rows))
-            r = results[name][-1]
-            print(
-                f"{name:8s} {rows:>9,d} rows: worker peak {r['worker_peak_mb']:7.0f} MB "
-                f"(own {r['worker_own_mb']:5.0f} MB), "
-                f"{r['samples_per_second']:>9,.0f} samples/s (epoch 2), fit {r['fit_seconds']:.1f} s",
-                flush=True,
+        runs: dict[str, list[dict]] = {name: [] for name in checkouts}
+        names = list(checkouts)
+        for round_ in range(args.repeat):
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:  # each goes first in turn
+                runs[name].append(measure(checkouts[name], rows))
+                r = runs[name][-1]
+                print(
+                    f"{name:8s} {rows:>9,d} rows: worker peak {r['worker_peak_mb']:7.0f} MB "
+                    f"(own {r['worker_own_mb']:5.0f} MB), "
+                    f"{r['samples_per_second']:>9,.0f} samples/s (epoch 2), fit {r['fit_seconds']:.1f} s",
+                    flush=True,
+                )
+        for name, measured in runs.items():
+            results[name].append(
+                {key: statistics.median(r[key] for r in measured) for key in measured[0]} | {"rows": rows}
             )
-    for name, runs in results.items():
-        peak = runs[-1]["worker_peak_mb"] / runs[0]["worker_peak_mb"]
-        own = runs[-1]["worker_own_mb"] / runs[0]["worker_own_mb"]
+    if args.repeat > 1:
+        print(f"medians of {args.repeat} runs:")
+    for name, medians in results.items():
+        peak = medians[-1]["worker_peak_mb"] / medians[0]["worker_peak_mb"]
+        own = medians[-1]["worker_own_mb"] / medians[0]["worker_own_mb"]
         print(
-            f"{name}: at {runs[-1]['rows']:,} rows / at {runs[0]['rows']:,} rows: peak {peak:.2f}x, own memory {own:.2f}x"
+            f"{name}: at {medians[-1]['rows']:,} rows / at {medians[0]['rows']:,} rows: "
+            f"peak {peak:.2f}x, own memory {own:.2f}x"
         )
     for before in list(results)[1:]:
         for a, b in zip(results["after"], results[before]):

@@ -13,6 +13,7 @@ exactly the batches an uninterrupted run gives for those steps.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 
@@ -88,7 +89,19 @@ def epoch_order(num_rows: int, *, seed: int, rank: int, epoch: int, shuffle: boo
     return np.random.default_rng([seed, rank, epoch]).permutation(num_rows)
 
 
-def batches(
+@dataclasses.dataclass(frozen=True)
+class EpochSteps:
+    """Consecutive steps of one epoch: the rank's rows in the epoch's order, and each step's rows as a span of it.
+
+    Readers that can plan (``sparkdl.data.windows``) read a whole part at once; a step's row indices are
+    ``order[start:stop]``; a filler step's span is ``(0, 1)``.
+    """
+
+    order: np.ndarray
+    spans: list[tuple[int, int]]
+
+
+def epoch_steps(
     num_rows: int,
     *,
     steps: int,
@@ -98,21 +111,21 @@ def batches(
     start: int,
     stop: int,
     fillers: bool = True,
-) -> Iterator[np.ndarray]:
-    """The one batch schedule of every mode: the row indices of each batch of global steps ``start..stop-1``.
+) -> Iterator[EpochSteps]:
+    """The one batch schedule of every mode: global steps ``start..stop-1``, a part per epoch they reach.
 
-    An empty step (fewer rows than steps) gives a one-row filler batch with ``fillers``, nothing otherwise.
+    An empty step (fewer rows than steps) is a one-row filler with ``fillers``, left out otherwise.
     """
     bounds = np.arange(steps + 1, dtype=np.int64) * num_rows // steps
     position = start
     while position < stop:
         epoch, first = divmod(position, steps)
         end = min(stop, (epoch + 1) * steps)
-        order = epoch_order(num_rows, seed=seed, rank=rank, epoch=epoch, shuffle=shuffle)
+        spans = []
         for step in range(first, end - epoch * steps):
-            index = order[bounds[step] : bounds[step + 1]]
-            if len(index):
-                yield index
+            if bounds[step] < bounds[step + 1]:
+                spans.append((int(bounds[step]), int(bounds[step + 1])))
             elif fillers:
-                yield order[:1]
+                spans.append((0, 1))
+        yield EpochSteps(epoch_order(num_rows, seed=seed, rank=rank, epoch=epoch, shuffle=shuffle), spans)
         position = end

@@ -219,6 +219,24 @@ def _refused_before_any_job(spark, df, model, match, **kwargs):
     assert not isinstance(info.value, WorkerError)
 
 
+def test_a_vector_whose_ml_attributes_give_its_size_is_checked_before_any_job_in_fit_and_transform(spark):
+    """VectorAssembler writes a Vector's size into the schema: a model input of another size is refused at once."""
+    from pyspark.ml.feature import VectorAssembler
+
+    rows = spark.createDataFrame(
+        [(float(i), 1.0, 2.0, i % 2) for i in range(8)], "a double, b double, c double, label int"
+    )
+    df = VectorAssembler(inputCols=["a", "b", "c"], outputCol="features").transform(rows)
+    assert df.schema["features"].metadata["ml_attr"]["num_attrs"] == 3
+    model = make_mlp(width=4, hidden=(), classes=2)
+    message = r"Column 'features' \(`features_col`\) holds rows of 3 values; the model's input .* takes 4 values"
+    _refused_before_any_job(spark, df, model, message)
+    with no_spark_job(spark), pytest.raises(ValueError, match=message):
+        predict(df, model_to_bytes(model), features_col="features", prediction_col="p")
+    right = make_mlp(width=3, hidden=(), classes=2)  # the size the attributes give trains
+    assert sparkdl.fit(df, right, num_workers=2, epochs=1, batch_size=4, progress=False).history["loss"]
+
+
 def test_schema_errors_name_inputs_and_columns(spark):
     df = _ids_frame(spark, rows=40)
     model = _wide_and_deep()

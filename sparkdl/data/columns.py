@@ -35,6 +35,7 @@ class SourceColumn:
     depth: int  # array nesting: 0 for a number, 1 for a Vector or array, 2 for array<array<...>>, ...
     integer: bool  # holds whole numbers exactly (integral or boolean types)
     type_name: str  # the Spark type, for messages
+    size: int | None = None  # a Vector's size, where its ML attributes give it (VectorAssembler writes them)
 
     def values(self, element: str) -> Column:
         """The row's values as one flat ``array<element>`` (row-major); for an image, its bytes."""
@@ -73,7 +74,7 @@ def inspect(df: DataFrame, name: str, setting: str) -> SourceColumn:
     data_type = df.schema[name].dataType
     type_name = data_type.simpleString()
     if isinstance(data_type, (VectorUDT, MLlibVectorUDT)):
-        return SourceColumn(name, VECTOR, 1, False, type_name)
+        return SourceColumn(name, VECTOR, 1, False, type_name, _vector_size(df.schema[name]))
     if isinstance(data_type, T.StructType) and {f.name for f in data_type.fields} >= IMAGE_FIELDS:
         return SourceColumn(name, IMAGE, 3, True, type_name)
     depth, element = 0, data_type
@@ -86,6 +87,13 @@ def inspect(df: DataFrame, name: str, setting: str) -> SourceColumn:
         f"Expected column {name!r} (`{setting}`) to be numeric, an ML Vector, a (nested) array of numbers or an "
         f"image (Spark's image source). Received type: {type_name}"
     )
+
+
+def _vector_size(field: T.StructField) -> int | None:
+    """A Vector column's size from its ML attributes (``ml_attr.num_attrs`` in the column's metadata, which
+    Spark ML's VectorAssembler, OneHotEncoder and the like write), or None where the schema does not say."""
+    size = (field.metadata or {}).get("ml_attr", {}).get("num_attrs")
+    return size if isinstance(size, int) and size >= 0 else None
 
 
 def features_array(df: DataFrame, features_col: str | Sequence[str]) -> tuple[Column, list[str]]:

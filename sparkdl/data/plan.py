@@ -23,7 +23,7 @@ from pyspark.sql import types as T
 
 from sparkdl.data import model_io, shapes
 from sparkdl.data.checks import Checks, ColumnStats
-from sparkdl.data.columns import IMAGE, SCALAR, SourceColumn, inspect
+from sparkdl.data.columns import IMAGE, SCALAR, VECTOR, SourceColumn, inspect
 from sparkdl.data.fields import INPUT, TARGET, WEIGHT, Field, Layout
 from sparkdl.data.model_io import Port
 from sparkdl.data.rows import VALIDATION
@@ -67,10 +67,14 @@ class _Planned:
         return self.sources[0].nested(self.element) if len(self.sources) == 1 else self.values()
 
     def known_shape(self) -> tuple[int, ...] | None:
-        """One row's shape where the schema alone tells it: a number, or a list of number columns."""
+        """One row's shape where the schema alone tells it: a number, a list of number columns, or a Vector
+        whose ML attributes give its size (an array's length is not in the schema: the checks job finds it)."""
         if len(self.sources) > 1:
             return (len(self.sources),)
-        return () if self.sources[0].kind == SCALAR else None
+        source = self.sources[0]
+        if source.kind == VECTOR and source.size is not None:
+            return (source.size,)
+        return () if source.kind == SCALAR else None
 
 
 def plan(
@@ -227,7 +231,7 @@ def input_fields(df: DataFrame, ports: Sequence[Port], features_col: ColumnSpec)
         element = "bigint" if port.is_integer else ("double" if port.dtype == "float64" else "float")
         field = _Planned(INPUT, port.name, setting, sources, element, port, port.dtype)
         known = field.known_shape()
-        if known is not None:  # a number or a list of numbers: its shape is checked at once
+        if known is not None:  # the schema tells its shape: checked at once
             shapes.fit_shape(field.what, known, port, nested=False)
         planned.append(field)
     return planned

@@ -6,7 +6,7 @@ The rows are streamed to local disk as they arrive and read back a batch at a ti
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 
 from sparkdl.data.fields import Layout
 from sparkdl.data.spill import FileRows, MappedRows, SpilledRows, spill_directory
+from sparkdl.schedule import EpochSteps
 
 VALIDATION = "_sparkdl_validation"  # boolean; only present when rows are held out for validation
 
@@ -32,6 +33,12 @@ class Rows:
     def take(self, index: np.ndarray) -> tuple:
         """The rows at ``index`` as ``(x, y)`` or ``(x, y, sample_weight)`` (copies, in memory)."""
         return self.layout.keras_batch(self._rows.read(index))
+
+    def batches(self, parts: Iterable[EpochSteps]) -> Iterator[tuple]:
+        """Each step's rows of the schedule's ``parts`` (:func:`sparkdl.schedule.epoch_steps`), as :meth:`take` gives them."""
+        for part in parts:
+            for arrays in self._rows.read_spans(part.order, part.spans):
+                yield self.layout.keras_batch(arrays)
 
 
 def read_partition(layout: Layout, batches: Iterable[pa.RecordBatch]) -> tuple[Rows, Rows]:

@@ -7,20 +7,21 @@ once: the data stays readable through the open file, no other process can open i
 frees it when the worker lets go of it or its process dies, however it dies. It is created
 owner-only (a 0700 directory, a 0600 file).
 
-Two ways to read a batch's rows back, chosen by the size of the file:
+Two ways to read the rows back, chosen by the size of the file:
 
-- up to ``MAPPED_BYTES``, the file is memory-mapped and a batch is a gather from the mapping
-  (0.1 µs a row here). The pages it has read stay mapped and count in the worker's resident set:
-  rows are read in a fresh random order every epoch and the kernel maps page-cache folios of up to
-  2 MB per fault, so one shuffled batch maps most of the file and releasing pages eagerly
-  (``MADV_DONTNEED``) was measured slower and no lower (docs/benchmarks.md);
-- beyond it, each row of a shuffled batch is one ``os.pread`` (0.65 µs a row here, whatever the
-  number of fields; a batch of consecutive rows is one read): the rows come from the page cache, which the kernel
-  reclaims whenever memory is short, and only the batch is the worker's. A worker's resident set
-  stays flat however large its partition, which matters where something counts it: YARN's container
-  monitor kills a container whose processes' resident sets exceed its memory, and PySpark caps a
-  worker's address space (mappings included) at ``spark.executor.pyspark.memory`` when it is set,
-  so the threshold is a quarter of that when it is smaller.
+- up to ``MAPPED_BYTES``, the file is memory-mapped and a batch is a gather from the mapping, field
+  by field (0.2 µs a row here, as from arrays in memory). The pages it has read stay mapped and count
+  in the worker's resident set: rows are read in a fresh random order every epoch and the kernel maps
+  page-cache folios of up to 2 MB per fault, so one shuffled batch maps most of the file and
+  releasing pages eagerly (``MADV_DONTNEED``) was measured slower and no lower (docs/benchmarks.md);
+- beyond it, the file is read with system calls, so that only what is being read is the worker's:
+  the rest stays in the page cache, which the kernel reclaims whenever memory is short. A worker's
+  resident set stays flat however large its partition, which matters where something counts it:
+  YARN's container monitor kills a container whose processes' resident sets exceed its memory, and
+  PySpark caps a worker's address space (mappings included) at ``spark.executor.pyspark.memory`` when
+  it is set, so the threshold is a quarter of that when it is smaller. An epoch's shuffled steps are
+  read a window at a time with sequential reads (``sparkdl.data.windows``); a few steps, or held-out
+  rows, with one ``os.pread`` per row (1.2 µs a row here; a batch of consecutive rows is one read).
 """
 
 from __future__ import annotations
@@ -29,10 +30,13 @@ import mmap
 import os
 import tempfile
 import weakref
+from collections.abc import Iterator
+from typing import IO
 
 import numpy as np
 
 from sparkdl.data.fields import Field
+from sparkdl.data.windows import read_in_windows
 
 # A partition's training (or held-out) rows are memory-mapped up to this size, read with system calls beyond it.
 MAPPED_BYTES = 256 << 20
@@ -58,6 +62,7 @@ class SpilledRows:
         by_column = {field.column: field for field in fields}  # a column two fields read is stored once
         self._record = np.dtype([(column, field.numpy_dtype, field.shape) for column, field in by_column.items()])
         self._mapped_bytes = mapped_bytes_limit() if mapped_bytes is None else mapped_bytes
+        self._scratch_directory = directory  # where a FileRows sorts an epoch's rows into windows
         self._directory = tempfile.mkdtemp(prefix="sparkdl-partition-", dir=directory)  # 0700
         self._path = os.path.join(self._directory, "rows")
         self._file = os.fdopen(os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
@@ -77,7 +82,7 @@ class SpilledRows:
             self._file.close()
             if self._rows * self._record.itemsize <= self._mapped_bytes:
                 return MappedRows(self._path, self._record, self._rows)
-            return FileRows(os.open(self._path, os.O_RDONLY), self._record, self._rows)
+            return FileRows(os.open(self._path, os.O_RDONLY), self._record, self._rows, self._scratch_directory)
         finally:
             self.discard()
 
@@ -90,7 +95,19 @@ class SpilledRows:
             os.rmdir(self._directory)
 
 
-class MappedRows:
+class _Reader:
+    """What both readers share: the steps of part of an epoch, given the rows to read as spans of its order."""
+
+    def read(self, index: np.ndarray) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def read_spans(self, order: np.ndarray, spans: list[tuple[int, int]]) -> Iterator[dict[str, np.ndarray]]:
+        """The rows at ``order[start:stop]`` for each span, one ``(rows, *shape)`` array per field."""
+        for start, stop in spans:
+            yield self.read(order[start:stop])
+
+
+class MappedRows(_Reader):
     """Rows read from a memory mapping of their file: a batch is a gather."""
 
     def __init__(self, path: str, record: np.dtype, rows: int):
@@ -107,14 +124,17 @@ class MappedRows:
 
     def read(self, index: np.ndarray) -> dict[str, np.ndarray]:
         """The rows at ``index``, one ``(len(index), *shape)`` array per field."""
-        return _fields(self._records[_checked(index, len(self))])
+        index = _checked(index, len(self))
+        return {name: self._records[name][index] for name in self._records.dtype.names or ()}  # field by field: 2x
 
 
-class FileRows:
-    """Rows read from their open file with a system call each: only the rows asked for come into memory."""
+class FileRows(_Reader):
+    """Rows read from their open file with system calls: only the rows being read come into memory."""
 
-    def __init__(self, fd: int, record: np.dtype, rows: int):
+    def __init__(self, fd: int, record: np.dtype, rows: int, scratch_directory: str):
         self._fd, self._record, self._rows = fd, record, rows
+        self._scratch_directory = scratch_directory
+        self._scratch: IO[bytes] | None = None  # where epochs are sorted into windows (made when first needed)
         weakref.finalize(self, os.close, fd)  # the file's space is freed once no reader holds it
 
     def __len__(self) -> int:
@@ -131,7 +151,28 @@ class FileRows:
             data = b"".join([pread(fd, size, offset) for offset in (index * size).tolist()])
             if len(data) != len(index) * size:
                 raise EOFError("sparkdl's spilled partition is shorter than the rows written to it")
-        return _fields(np.frombuffer(data, self._record))
+        records = np.frombuffer(data, self._record)
+        return {name: np.ascontiguousarray(records[name]) for name in records.dtype.names or ()}
+
+    def read_spans(self, order: np.ndarray, spans: list[tuple[int, int]]) -> Iterator[dict[str, np.ndarray]]:
+        """The rows at ``order[start:stop]`` for each span: in windows when the spans are much of a shuffled epoch."""
+        if not _worth_windows(order, spans, self._rows):
+            yield from super().read_spans(order, spans)
+            return
+        _checked(order[spans[0][0] : spans[-1][1]], self._rows)
+        if self._scratch is None:  # no name, owner-only, closed (and freed) with the reader
+            self._scratch = tempfile.TemporaryFile(dir=self._scratch_directory)
+        yield from read_in_windows(self._fd, self._record, self._rows, order, spans, self._scratch.fileno())
+
+
+def _worth_windows(order: np.ndarray, spans: list[tuple[int, int]], rows: int) -> bool:
+    """Whether spans are read faster in windows: steps that follow each other, at least a quarter of the
+    file (a pass over the whole file costs about what reading a quarter of its rows one by one does),
+    in shuffled order (consecutive rows are one read each step)."""
+    if not spans or any(stop != start for (_, stop), (start, _) in zip(spans, spans[1:])):
+        return False
+    low, high = spans[0][0], spans[-1][1]
+    return 4 * (high - low) >= rows and not (np.diff(order[low:high]) == 1).all()
 
 
 def _checked(index: np.ndarray, rows: int) -> np.ndarray:
@@ -139,11 +180,6 @@ def _checked(index: np.ndarray, rows: int) -> np.ndarray:
     if index.ndim != 1 or (len(index) and (index.min() < 0 or index.max() >= rows)):
         raise IndexError(f"row numbers must be a 1-D array within 0..{rows - 1}")
     return index
-
-
-def _fields(records: np.ndarray) -> dict[str, np.ndarray]:
-    names = records.dtype.names or ()
-    return {name: np.ascontiguousarray(records[name]) for name in names}
 
 
 def _read_at(fd: int, size: int, offset: int) -> bytes:

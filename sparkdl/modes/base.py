@@ -66,8 +66,8 @@ class Settings:
         self, rows: data.Rows, rank: int, start: int | None = None, stop: int | None = None, *, fillers: bool = True
     ):
         """Rank ``rank``'s batches of global steps ``start..stop-1`` (default: the epochs left to train), as
-        ``(x, y)`` or ``(x, y, sample_weight)`` tuples for Keras (see :func:`sparkdl.schedule.batches`)."""
-        indices = schedule.batches(
+        ``(x, y)`` or ``(x, y, sample_weight)`` tuples for Keras (see :func:`sparkdl.schedule.epoch_steps`)."""
+        parts = schedule.epoch_steps(
             len(rows),
             steps=self.steps_per_epoch,
             seed=self.seed,
@@ -77,7 +77,7 @@ class Settings:
             stop=self.epochs * self.steps_per_epoch if stop is None else stop,
             fillers=fillers,
         )
-        return (rows.take(index) for index in indices)
+        return rows.batches(parts)
 
 
 @dataclasses.dataclass(frozen=True)
