@@ -21,7 +21,7 @@ Two ways to read the rows back, chosen by the size of the file:
   PySpark caps a worker's address space (mappings included) at ``spark.executor.pyspark.memory`` when
   it is set, so the threshold is a quarter of that when it is smaller. An epoch's shuffled steps are
   read a window at a time with sequential reads (``sparkdl.data.windows``); a few steps, or held-out
-  rows, with one ``os.pread`` per row (1.2 µs a row here; a batch of consecutive rows is one read).
+  rows, with one ``os.pread`` per row (1.3 µs a row here; a batch of consecutive rows is one read).
 """
 
 from __future__ import annotations
