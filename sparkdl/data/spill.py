@@ -125,7 +125,8 @@ class MappedRows(_Reader):
     def read(self, index: np.ndarray) -> dict[str, np.ndarray]:
         """The rows at ``index``, one ``(len(index), *shape)`` array per field."""
         index = _checked(index, len(self))
-        return {name: self._records[name][index] for name in self._records.dtype.names or ()}  # field by field: 2x
+        # field by field: twice as fast as gathering whole records and then splitting them
+        return {name: self._records[name][index] for name in self._records.dtype.names or ()}
 
 
 class FileRows(_Reader):
@@ -167,8 +168,8 @@ class FileRows(_Reader):
 
 def _worth_windows(order: np.ndarray, spans: list[tuple[int, int]], rows: int) -> bool:
     """Whether spans are read faster in windows: steps that follow each other, at least a quarter of the
-    file (a pass over the whole file costs about what reading a quarter of its rows one by one does),
-    in shuffled order (consecutive rows are one read each step)."""
+    file (one pass over the whole file costs less than reading a quarter of its rows one by one), in
+    shuffled order (a step of consecutive rows is one read)."""
     if not spans or any(stop != start for (_, stop), (start, _) in zip(spans, spans[1:])):
         return False
     low, high = spans[0][0], spans[-1][1]

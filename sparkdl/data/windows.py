@@ -30,8 +30,8 @@ def read_in_windows(
     """The records at ``order[start:stop]`` for each span, as one ``(rows, *shape)`` array per field.
 
     ``fd`` holds ``rows`` records; ``scratch`` is an open file these reads fill and empty again, one
-    reading at a time. The spans must follow each other (each starts where the one before stopped) and ``order`` must not
-    repeat a row within them, as an epoch's steps of the schedule (``sparkdl.schedule.epoch_steps``) do.
+    reading at a time. The spans must follow each other (each starts where the one before stopped) and
+    ``order`` must not repeat a row within them, as an epoch's steps (``sparkdl.schedule.epoch_steps``) do.
     """
     windows = _windows(spans, max(1, WINDOW_BYTES // record.itemsize))
     first = spans[0][0]
