@@ -1,6 +1,7 @@
 """Tuning KerasEstimator the way Spark users tune: optimizer settings as Params, tuning models saved and loaded,
 candidates trained in parallel, and a fit that finds too few free task slots failing at once."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ from pyspark.util import inheritable_thread_target
 from spark_jobs import no_spark_job
 
 import sparkdl
-from sparkdl.launch import claim_slots, session
+from sparkdl.launch import claim_slots, session, slots
 from sparkdl.ml import KerasEstimator, KerasModel
 
 TESTS = Path(__file__).resolve().parent
@@ -150,6 +151,51 @@ def test_claims_at_the_same_moment_cannot_both_take_the_last_slot(spark):
         raise RuntimeError("the fit failed")
     with claim_slots(spark, 2):
         pass
+
+
+def _hold_both_slots(spark, go_on: str, *, as_probe: bool) -> threading.Thread:
+    """A job whose two tasks wait (in the executors' Python) until ``go_on`` exists: a worker probe's or another's."""
+
+    def wait(_):
+        deadline = time.monotonic() + 120
+        while not os.path.exists(go_on) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def run():
+        tag = session.JobTag(spark, "sparkdl-probe")
+        with tag, slots.probing(tag.name) if as_probe else contextlib.nullcontext():
+            spark.sparkContext.parallelize(range(2), 2).foreach(wait)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    tracker, deadline = spark.sparkContext.statusTracker(), time.monotonic() + 60
+    while sum(tracker.getStageInfo(s).numActiveTasks for s in tracker.getActiveStageIds()) < 2:
+        assert time.monotonic() < deadline, "the holding job's tasks did not start"
+        time.sleep(0.05)
+    return thread
+
+
+@pytest.mark.parametrize("as_probe", [True, False], ids=["a worker probe", "another job"])
+def test_a_running_worker_probe_holds_no_slots_of_a_claim_but_another_jobs_tasks_do(
+    spark, tmp_path, monkeypatch, as_probe
+):
+    """A job starts its session's probe beside its own work (jobs/train.py: ``check_executors(wait=False)``) and
+    the fit waits for that probe anyway: its tasks are not busy slots to the fit's claim, however long they run.
+    Another job's tasks are, and a claim that finds them still running after ``BUSY_WAIT_SECONDS`` fails."""
+    monkeypatch.setattr(slots, "BUSY_WAIT_SECONDS", 1.0)
+    go_on = str(tmp_path / "go-on")
+    holder = _hold_both_slots(spark, go_on, as_probe=as_probe)
+    try:
+        if as_probe:
+            with claim_slots(spark, 2):
+                pass
+        else:
+            with pytest.raises(ValueError, match=r"0 of the cluster's 2 are free now .*2 running the tasks of other"):
+                with claim_slots(spark, 2):
+                    pass
+    finally:
+        Path(go_on).touch()
+        holder.join(timeout=120)
 
 
 def test_a_fit_finding_too_few_free_slots_fails_at_once(spark, small_df, tmp_path):

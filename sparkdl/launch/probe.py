@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from sparkdl.launch import session
+from sparkdl.launch import session, slots
 
 _log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class PendingCheck:
         try:
             if properties is not None:
                 self._spark.sparkContext._jsc.sc().setLocalProperties(properties)
-            with self._tag:
+            with self._tag, slots.probing(self._tag.name):
                 self._reports = _run_probe(self._spark, num_workers, modules)
         except BaseException as exc:  # raised to the caller of wait(), in its thread
             self._failure = exc

@@ -6,7 +6,8 @@ hours. Fits run side by side when CrossValidator or TrainValidationSplit has ``p
 so every fit first claims its slots (:func:`claim_slots`), under one lock for the whole process::
 
     free = the cluster's task slots (session.task_slots)
-         - the tasks running now (the status tracker's active stages), but those of claimed fits
+         - the tasks running now (the status tracker's active stages), but those of claimed fits and
+           of sparkdl's worker probes (a fit waits for its probe anyway)
          - the slots claimed by the other sparkdl fits of this process
 
 A claim lasts as long as its fit. Every job the fit starts carries the claim's job tag (the worker
@@ -39,6 +40,10 @@ BUSY_WAIT_SECONDS = 10.0
 _POLL_SECONDS = 0.2
 _lock = threading.Lock()
 _claims: dict[str, int] = {}  # the job tag of each running fit of this process -> the slots it claimed
+# The job tags of sparkdl's worker probes running now (``sparkdl.launch.probe``): a fit waits for the probe of its
+# session before training, wherever it was started (a job starts it early, beside its own work), so the probe's
+# tasks are not busy slots to that fit.
+_probes: set[str] = set()
 
 
 def _barrier_reason(slots: int) -> str:
@@ -118,7 +123,7 @@ def _claim(spark: SparkSession, name: str, num_workers: int, why: Callable[[int]
         with _lock:  # two fits checking at the same moment cannot both take the last slots
             slots = session.task_slots(spark) or 0
             claimed, fits = sum(_claims.values()), len(_claims)
-            busy = _busy_tasks(spark, list(_claims))
+            busy = _busy_tasks(spark, [*_claims, *_probes])
             free = slots - busy - claimed
             if free >= num_workers:
                 _claims[name] = num_workers
@@ -135,8 +140,21 @@ def _claim(spark: SparkSession, name: str, num_workers: int, why: Callable[[int]
         time.sleep(_POLL_SECONDS)
 
 
+@contextlib.contextmanager
+def probing(tag: str) -> Iterator[None]:
+    """While the block runs, the jobs tagged ``tag`` (a worker probe's) do not count as busy slots."""
+    with _lock:
+        _probes.add(tag)
+    try:
+        yield
+    finally:
+        with _lock:
+            _probes.discard(tag)
+
+
 def _busy_tasks(spark: SparkSession, claim_tags: list[str]) -> int:
-    """Tasks running now in the stages of jobs that no claim's tag marks (a claimed fit runs in its own slots)."""
+    """Tasks running now in the stages of jobs that no claim's (or probe's) tag marks: a claimed fit runs in its
+    own slots, and a fit waits for its probe."""
     tracker = spark.sparkContext.statusTracker()
     jvm_tracker = spark.sparkContext._jsc.sc().statusTracker()
     claimed_stages: set[int] = set()
