@@ -36,7 +36,7 @@ from typing import IO
 import numpy as np
 
 from sparkdl.data.fields import Field
-from sparkdl.data.windows import read_in_windows
+from sparkdl.data.windows import read_in_windows, read_into
 
 # A partition's training (or held-out) rows are memory-mapped up to this size, read with system calls beyond it.
 MAPPED_BYTES = 256 << 20
@@ -146,13 +146,14 @@ class FileRows(_Reader):
         index = _checked(index, self._rows)
         size = self._record.itemsize
         if len(index) and index[-1] - index[0] == len(index) - 1 and (np.diff(index) == 1).all():
-            data = _read_at(self._fd, len(index) * size, int(index[0]) * size)  # consecutive rows: one read
+            records = np.empty(len(index), self._record)
+            read_into(self._fd, records, int(index[0]) * size)  # consecutive rows: one read
         else:
             pread, fd = os.pread, self._fd
             data = b"".join([pread(fd, size, offset) for offset in (index * size).tolist()])
             if len(data) != len(index) * size:
                 raise EOFError("sparkdl's spilled partition is shorter than the rows written to it")
-        records = np.frombuffer(data, self._record)
+            records = np.frombuffer(data, self._record)
         return {name: np.ascontiguousarray(records[name]) for name in records.dtype.names or ()}
 
     def read_spans(self, order: np.ndarray, spans: list[tuple[int, int]]) -> Iterator[dict[str, np.ndarray]]:
@@ -181,14 +182,3 @@ def _checked(index: np.ndarray, rows: int) -> np.ndarray:
     if index.ndim != 1 or (len(index) and (index.min() < 0 or index.max() >= rows)):
         raise IndexError(f"row numbers must be a 1-D array within 0..{rows - 1}")
     return index
-
-
-def _read_at(fd: int, size: int, offset: int) -> bytes:
-    parts = []
-    while size:  # a read may return less than asked (one over 2 GB does)
-        part = os.pread(fd, size, offset)
-        if not part:
-            raise EOFError("sparkdl's spilled partition is shorter than the rows written to it")
-        parts.append(part)
-        size, offset = size - len(part), offset + len(part)
-    return b"".join(parts)

@@ -76,7 +76,7 @@ def _sort_into_windows(
     block = np.empty(block_rows, record)
     for start in range(0, rows, block_rows):
         part = block[: min(block_rows, rows - start)]
-        _read_into(fd, part, start * record.itemsize)
+        read_into(fd, part, start * record.itemsize)
         destination = window_of[start : start + len(part)]
         by_window = np.argsort(destination, kind="stable")  # file order within each window
         skipped = int(np.count_nonzero(destination < 0))
@@ -94,7 +94,7 @@ def _sort_into_windows(
 def _window_in_order(scratch: int, record: np.dtype, window_order: np.ndarray, offset: int) -> dict[str, np.ndarray]:
     """A window's rows, read back from its region (in file order), as arrays by field in ``window_order``."""
     region = np.empty(len(window_order), record)
-    _read_into(scratch, region, offset)
+    read_into(scratch, region, offset)
     positions = np.argsort(window_order)  # the region's k-th row is window_order[positions[k]]
     in_order = {}
     for name in record.names or ():
@@ -104,10 +104,11 @@ def _window_in_order(scratch: int, record: np.dtype, window_order: np.ndarray, o
     return in_order
 
 
-def _read_into(fd: int, array: np.ndarray, offset: int) -> None:
+def read_into(fd: int, array: np.ndarray, offset: int) -> None:
+    """Fills ``array`` (C-contiguous) with the file's bytes from ``offset``."""
     view = array.view(np.uint8).data
     done = 0
-    while done < len(view):  # a read may return less than asked
+    while done < len(view):  # a read may return less than asked (one over 2 GB does)
         got = os.preadv(fd, [view[done:]], offset + done)
         if not got:
             raise EOFError("sparkdl's spilled partition is shorter than the rows written to it")
