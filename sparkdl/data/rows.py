@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkdl.data.fields import Layout
+from sparkdl.data.read_ahead import read_ahead
 from sparkdl.data.spill import FileRows, MappedRows, SpilledRows, spill_directory
 from sparkdl.schedule import EpochSteps
 
@@ -35,9 +36,11 @@ class Rows:
         return self.layout.keras_batch(self._rows.read(index))
 
     def batches(self, parts: Iterable[EpochSteps]) -> Iterator[tuple]:
-        """Each step's rows of the schedule's ``parts`` (:func:`sparkdl.schedule.epoch_steps`), as :meth:`take` gives them."""
-        for part in parts:
-            for arrays in self._rows.read_spans(part.order, part.spans):
+        """Each step's rows of the schedule's ``parts`` (:func:`sparkdl.schedule.epoch_steps`), as :meth:`take`
+        gives them, read by a thread ahead of training (:func:`sparkdl.data.read_ahead.read_ahead`)."""
+        chunks = (chunk for part in parts for chunk in self._rows.chunks(part.order, part.spans))
+        for chunk in read_ahead(chunks):
+            for arrays in chunk.step_arrays():
                 yield self.layout.keras_batch(arrays)
 
 

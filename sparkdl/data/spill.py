@@ -29,6 +29,7 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import IO
@@ -36,10 +37,12 @@ from typing import IO
 import numpy as np
 
 from sparkdl.data.fields import Field
+from sparkdl.data.read_ahead import Chunk
 from sparkdl.data.windows import read_in_windows, read_into
 
 # A partition's training (or held-out) rows are memory-mapped up to this size, read with system calls beyond it.
 MAPPED_BYTES = 256 << 20
+SCRATCH_WAIT_SECONDS = 60  # an earlier reading stops within a window of rows: far less than this
 
 
 def mapped_bytes_limit() -> int:
@@ -101,10 +104,10 @@ class _Reader:
     def read(self, index: np.ndarray) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
-    def read_spans(self, order: np.ndarray, spans: list[tuple[int, int]]) -> Iterator[dict[str, np.ndarray]]:
-        """The rows at ``order[start:stop]`` for each span, one ``(rows, *shape)`` array per field."""
+    def chunks(self, order: np.ndarray, spans: list[tuple[int, int]]) -> Iterator[Chunk]:
+        """The rows at ``order[start:stop]`` for each span, a chunk a span."""
         for start, stop in spans:
-            yield self.read(order[start:stop])
+            yield Chunk(self.read(order[start:stop]), [(0, stop - start)])
 
 
 class MappedRows(_Reader):
@@ -136,6 +139,7 @@ class FileRows(_Reader):
         self._fd, self._record, self._rows = fd, record, rows
         self._scratch_directory = scratch_directory
         self._scratch: IO[bytes] | None = None  # where epochs are sorted into windows (made when first needed)
+        self._scratch_lock = threading.Lock()
         weakref.finalize(self, os.close, fd)  # the file's space is freed once no reader holds it
 
     def __len__(self) -> int:
@@ -156,15 +160,25 @@ class FileRows(_Reader):
             records = np.frombuffer(data, self._record)
         return {name: np.ascontiguousarray(records[name]) for name in records.dtype.names or ()}
 
-    def read_spans(self, order: np.ndarray, spans: list[tuple[int, int]]) -> Iterator[dict[str, np.ndarray]]:
-        """The rows at ``order[start:stop]`` for each span: in windows when the spans are much of a shuffled epoch."""
+    def chunks(self, order: np.ndarray, spans: list[tuple[int, int]]) -> Iterator[Chunk]:
+        """The rows at ``order[start:stop]`` for each span: a window a chunk when the spans are much of a shuffled
+        epoch, a span a chunk otherwise."""
         if not _worth_windows(order, spans, self._rows):
-            yield from super().read_spans(order, spans)
+            yield from super().chunks(order, spans)
             return
         _checked(order[spans[0][0] : spans[-1][1]], self._rows)
-        if self._scratch is None:  # no name, owner-only, closed (and freed) with the reader
-            self._scratch = tempfile.TemporaryFile(dir=self._scratch_directory)
-        yield from read_in_windows(self._fd, self._record, self._rows, order, spans, self._scratch.fileno())
+        # one reading at a time fills the scratch file: a reading dropped half-way lets go once its thread stops
+        if not self._scratch_lock.acquire(timeout=SCRATCH_WAIT_SECONDS):
+            raise RuntimeError(
+                f"sparkdl's scratch file for reading rows in windows was still in use after {SCRATCH_WAIT_SECONDS} s "
+                "by an earlier reading of the same rows"
+            )
+        try:
+            if self._scratch is None:  # no name, owner-only, closed (and freed) with the reader
+                self._scratch = tempfile.TemporaryFile(dir=self._scratch_directory)
+            yield from read_in_windows(self._fd, self._record, self._rows, order, spans, self._scratch.fileno())
+        finally:
+            self._scratch_lock.release()
 
 
 def _worth_windows(order: np.ndarray, spans: list[tuple[int, int]], rows: int) -> bool:

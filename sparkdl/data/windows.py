@@ -20,14 +20,16 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from sparkdl.data.read_ahead import Chunk
+
 WINDOW_BYTES = 32 << 20  # rows put in order in memory at a time
 BLOCK_BYTES = 16 << 20  # rows of the file sorted into windows at a time
 
 
 def read_in_windows(
     fd: int, record: np.dtype, rows: int, order: np.ndarray, spans: list[tuple[int, int]], scratch: int
-) -> Iterator[dict[str, np.ndarray]]:
-    """The records at ``order[start:stop]`` for each span, as one ``(rows, *shape)`` array per field.
+) -> Iterator[Chunk]:
+    """The records at ``order[start:stop]`` for each span, a window's spans to a chunk.
 
     ``fd`` holds ``rows`` records; ``scratch`` is an open file these reads fill and empty again, one
     reading at a time. The spans must follow each other (each starts where the one before stopped) and
@@ -41,8 +43,7 @@ def read_in_windows(
         in_order = _window_in_order(scratch, record, order[low:high], (low - first) * record.itemsize)
         if window is windows[-1]:
             os.ftruncate(scratch, 0)
-        for start, stop in window:
-            yield {name: array[start - low : stop - low] for name, array in in_order.items()}
+        yield Chunk(in_order, [(start - low, stop - low) for start, stop in window])
 
 
 def _windows(spans: list[tuple[int, int]], window_rows: int) -> list[list[tuple[int, int]]]:
