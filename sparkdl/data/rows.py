@@ -1,7 +1,8 @@
 """A worker's partition as arrays by field: its training rows and its held-out validation rows.
 
-The rows are streamed to local disk as they arrive and read back a batch at a time
-(``sparkdl.data.spill``), so a worker's memory does not grow with its partition.
+The rows are streamed to local disk as they arrive and read back a batch (or a window of batches) at
+a time (``sparkdl.data.spill``), by a thread ahead of training (``sparkdl.data.read_ahead``), so a
+worker's memory does not grow with its partition.
 """
 
 from __future__ import annotations
