@@ -15,6 +15,7 @@ import dataclasses
 import queue
 import threading
 from collections.abc import Iterable, Iterator
+from typing import cast
 
 import numpy as np
 
@@ -49,11 +50,11 @@ def read_ahead(chunks: Iterable[Chunk], depth: int = DEPTH) -> Iterator[Chunk]:
     try:
         while True:
             item = _next_ready(ready, thread)
+            if item is _END:
+                return
             if isinstance(item, _Failed):
                 raise item.error
-            if not isinstance(item, Chunk):  # the end
-                return
-            yield item
+            yield cast(Chunk, item)
     finally:
         stop.set()
 

@@ -149,7 +149,7 @@ class FileRows(_Reader):
         """The rows at ``index``, one ``(len(index), *shape)`` array per field."""
         index = _checked(index, self._rows)
         size = self._record.itemsize
-        if len(index) and index[-1] - index[0] == len(index) - 1 and (np.diff(index) == 1).all():
+        if len(index) and _consecutive(index):
             records = np.empty(len(index), self._record)
             read_into(self._fd, records, int(index[0]) * size)  # consecutive rows: one read
         else:
@@ -188,7 +188,12 @@ def _worth_windows(order: np.ndarray, spans: list[tuple[int, int]], rows: int) -
     if not spans or any(stop != start for (_, stop), (start, _) in zip(spans, spans[1:])):
         return False
     low, high = spans[0][0], spans[-1][1]
-    return 4 * (high - low) >= rows and not (np.diff(order[low:high]) == 1).all()
+    return 4 * (high - low) >= rows and not _consecutive(order[low:high])
+
+
+def _consecutive(index: np.ndarray) -> bool:
+    """Whether ``index`` (not empty) is a run of consecutive row numbers: rows one read fetches."""
+    return bool(index[-1] - index[0] == len(index) - 1 and (np.diff(index) == 1).all())
 
 
 def _checked(index: np.ndarray, rows: int) -> np.ndarray:
