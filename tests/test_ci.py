@@ -1,0 +1,136 @@
+""".ci/run fails when any of its steps fails, and runs nothing after it.
+
+The script runs unchanged in a scratch repository: its ``python3.11 -m venv`` makes virtualenvs whose ``ruff`` and
+``python`` are this machine's real ruff and Python (so a real lint error and a real failing test fail them), and
+whose ``pip`` records its arguments and fails when asked to (a failed install, without touching the network).
+``conf/horovod/install.sh`` is a stand-in that fails when asked to. Every step writes a line to a log, so a test
+sees which steps ran.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+# A virtualenv's tools as `python3.11 -m venv DIR` makes them here: each logs its arguments, then runs the real tool
+# (ruff, python) or, for pip and the Horovod installer, succeeds unless its command line holds $FAIL_WHEN.
+_LOGGED = """#!/bin/sh
+echo "{name} $*" >> "$STEPS_LOG"
+case "{name} $*" in *"$FAIL_WHEN"*) [ -n "$FAIL_WHEN" ] && exit 1;; esac
+{run}
+"""
+_VENV = """#!/bin/sh
+# python3.11: `-m venv DIR` makes DIR/bin with logged tools; anything else is an error here
+echo "python3.11 $*" >> "$STEPS_LOG"
+[ "$1 $2" = "-m venv" ] || exit 97
+mkdir -p "$3/bin"
+for tool in pip mypy; do
+  printf '%s' "$PIP" | sed "s/{name}/$tool/g" > "$3/bin/$tool"
+done
+printf '%s' "$RUFF" > "$3/bin/ruff"
+printf '%s' "$PYTHON" > "$3/bin/python"
+chmod +x "$3"/bin/*
+"""
+
+_SLOW_TEST = "import pytest\n\n\n@pytest.mark.slow\ndef test_slow():\n    assert {outcome}\n"
+
+
+def _tool(name: str, run: str) -> str:
+    return _LOGGED.format(name=name, run=run)
+
+
+@pytest.fixture
+def scratch(tmp_path):
+    """A repository holding .ci/run as it is, a clean Python file and a passing test, and the fake tools."""
+    repo = tmp_path / "repo"
+    (repo / ".ci").mkdir(parents=True)
+    shutil.copy2(REPO / ".ci" / "run", repo / ".ci" / "run")
+    (repo / "conf" / "horovod").mkdir(parents=True)
+    installer = repo / "conf" / "horovod" / "install.sh"
+    installer.write_text(_tool("install.sh", 'mkdir -p "$1/bin" && cp "$(dirname "$0")/python" "$1/bin/python"'))
+    installer.chmod(0o755)
+    (repo / "conf" / "horovod" / "python").write_text(_tool("horovod-python", "exit 0"))
+    (repo / "conf" / "horovod" / "python").chmod(0o755)
+    (repo / "pyproject.toml").write_text(
+        "[tool.ruff]\nline-length = 120\n[tool.pytest.ini_options]\naddopts = \"-p no:cacheprovider -m 'not slow'\"\n"
+        'markers = ["slow: the slow command"]\n'
+    )
+    (repo / "tests").mkdir()
+    (repo / "tests" / "test_ok.py").write_text("def test_ok():\n    assert 1 + 1 == 2\n")
+    (repo / "tests" / "test_slow.py").write_text(_SLOW_TEST.format(outcome="True"))
+    path = tmp_path / "path"
+    path.mkdir()
+    (path / "python3.11").write_text(_VENV)
+    (path / "python3.11").chmod(0o755)
+    env = {
+        "PATH": f"{path}{os.pathsep}/usr/bin{os.pathsep}/bin",
+        "HOME": str(tmp_path),
+        "STEPS_LOG": str(tmp_path / "steps.log"),
+        "FAIL_WHEN": "",
+        "PIP": _tool("{name}", "exit 0"),
+        "RUFF": _tool("ruff", f'exec "{BIN / "ruff"}" "$@"'),
+        # the scratch tests must not pick up this suite's conftest or a PYTHONPATH of ours
+        "PYTHON": _tool("python", f'cd "{repo}" && exec "{sys.executable}" "$@"'),
+    }
+    return repo, env
+
+
+def _run(repo: Path, env: dict) -> tuple[int, list[str]]:
+    done = subprocess.run(["bash", str(repo / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=300)
+    log = Path(env["STEPS_LOG"])
+    return done.returncode, log.read_text().splitlines() if log.exists() else []
+
+
+def test_every_step_runs_in_order_when_all_pass(scratch):
+    repo, env = scratch
+    code, steps = _run(repo, env)
+    assert code == 0, steps
+    assert [step.split()[0] for step in steps] == [
+        "python3.11",
+        "pip",
+        "ruff",
+        "ruff",
+        "mypy",
+        "python3.11",
+        "pip",
+        "python",
+        "python",
+        "install.sh",
+        "horovod-python",
+    ], steps
+
+
+@pytest.mark.parametrize(
+    "break_it, failing_step",
+    [
+        ("lint", "ruff check"),  # a real lint error, found by the real ruff
+        ("format", "ruff format --check"),  # a file the real formatter would rewrite
+        ("install", "pip install -q -e"),  # the lint stack's install fails
+        ("default install", "pip install -e"),  # the default stack's install fails: the suite must not be skipped
+        ("type check", "mypy"),
+        ("test", "python -m pytest -q tests"),  # a real failing test, run by the real pytest
+        ("slow test", "python -m pytest -q -m slow tests"),
+        ("horovod install", "install.sh"),
+    ],
+)
+def test_a_failing_step_fails_the_script_and_nothing_after_it_runs(scratch, break_it, failing_step):
+    repo, env = scratch
+    if break_it == "lint":
+        (repo / "tests" / "lint_error.py").write_text("import os\n")  # F401: imported but unused
+    elif break_it == "format":
+        (repo / "tests" / "unformatted.py").write_text("x = [1,2 , 3]\n")
+    elif break_it == "test":
+        (repo / "tests" / "test_ok.py").write_text("def test_ok():\n    assert 1 + 1 == 3\n")
+    elif break_it == "slow test":
+        (repo / "tests" / "test_slow.py").write_text(_SLOW_TEST.format(outcome="False"))
+    else:
+        env["FAIL_WHEN"] = failing_step
+    code, steps = _run(repo, env)
+    assert code != 0, f"{break_it}: .ci/run exited 0 although {failing_step!r} failed; steps: {steps}"
+    assert steps and failing_step in steps[-1], f"{break_it}: steps ran after the failing one: {steps}"
