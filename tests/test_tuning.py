@@ -1,8 +1,9 @@
 """Tuning KerasEstimator the way Spark users tune: optimizer settings as Params, tuning models saved and loaded,
-candidates trained in parallel, and a fit that finds too few free task slots failing at once."""
+candidates trained in parallel, and fits that find too few free task slots waiting their turn."""
 
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -34,6 +35,22 @@ def small_df(digits_df):
 
 def learning_rate(model: KerasModel) -> float:
     return float(model.keras_model.optimizer.learning_rate)
+
+
+def _logged(caplog, text: str) -> list[str]:
+    """Waits (up to a minute) until a captured log line holds ``text``; returns every one that does."""
+    deadline = time.monotonic() + 60
+    while not (found := [r.getMessage() for r in caplog.records if text in r.getMessage()]):
+        assert time.monotonic() < deadline, f"no log line {text!r}: {caplog.text}"
+        time.sleep(0.05)
+    return found
+
+
+@pytest.fixture
+def slots_log(caplog):
+    """The slot claims' log lines (INFO, ``sparkdl.launch.slots``), from every thread."""
+    caplog.set_level(logging.INFO, logger=slots.__name__)
+    return caplog
 
 
 # Optimizer settings as Params ---------------------------------------------------------------------
@@ -116,41 +133,128 @@ def test_cross_validator_over_models_and_learning_rates_saves_and_loads(spark, s
             np.testing.assert_array_equal(a, b)
 
 
+def test_cross_validator_with_parallelism_2_waits_its_turn_and_gives_the_models_of_parallelism_1(small_df, slots_log):
+    """Two-worker candidates on local[2]'s two slots: with parallelism=2 one fit of each pair waits for the other's
+    slots (and says so) instead of failing, and every model, its weights and the average metrics are those of
+    parallelism=1 (seeded training)."""
+    estimator = KerasEstimator(
+        model=make_mlp(hidden=(16,)), numWorkers=2, epochs=1, batchSize=32, seed=0, progress=False
+    )
+
+    def tune(parallelism: int) -> CrossValidatorModel:
+        return CrossValidator(
+            estimator=estimator,
+            estimatorParamMaps=ParamGridBuilder().addGrid(estimator.learningRate, [0.01, 0.002]).build(),
+            evaluator=MulticlassClassificationEvaluator(metricName="accuracy"),
+            numFolds=2,
+            parallelism=parallelism,
+            collectSubModels=True,
+            seed=0,
+        ).fit(small_df)
+
+    one = tune(1)
+    slots_log.clear()
+    two = tune(2)
+    waits = [
+        r.getMessage() for r in slots_log.records if "waiting up to 600s for 2 free task slot(s)" in r.getMessage()
+    ]
+    # One candidate of each fold waited for the other's slots (and any fit may have waited a moment for the tasks
+    # of an evaluation job that had just ended: the status tracker hears of them a little later).
+    assert sum("2 claimed by 1 other sparkdl fit(s)" in w for w in waits) >= 2, waits
+    assert len(_logged(slots_log, "got 2 task slot(s) after waiting")) == len(waits)
+    assert two.avgMetrics == one.avgMetrics
+    pairs = [(a, b) for fold_a, fold_b in zip(one.subModels, two.subModels) for a, b in zip(fold_a, fold_b)]
+    for a, b in [*pairs, (one.bestModel, two.bestModel)]:
+        for x, y in zip(a.keras_model.get_weights(), b.keras_model.get_weights(), strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
 # Free task slots ----------------------------------------------------------------------------------
 
 
-def test_claims_at_the_same_moment_cannot_both_take_the_last_slot(spark):
-    """Three claims of one slot each, at once, on two slots: two hold theirs, one is refused; all are released."""
-    start, release = threading.Barrier(3), threading.Event()
-    outcomes: list = []
+def test_claims_at_the_same_moment_take_the_free_slots_and_the_third_waits_its_turn(spark, slots_log):
+    """Three claims of one slot each, at once, on two slots: two hold theirs, the third waits (and says so),
+    never a third slot held at once; it gets the slot the first to end releases. All are released."""
+    start, lock = threading.Barrier(3), threading.Lock()
+    release = [threading.Event() for _ in range(3)]
+    holding: set[int] = set()
+    held: list[set[int]] = []  # who held a slot, each time one more did
 
-    def claim():
+    def claim(who: int) -> None:
         start.wait(timeout=30)
-        try:
-            with claim_slots(spark, 1):
-                outcomes.append("held")
-                release.wait(timeout=60)
-        except ValueError as exc:
-            outcomes.append(str(exc))
+        with claim_slots(spark, 1, timeout=120):
+            with lock:
+                holding.add(who)
+                held.append(set(holding))
+            release[who].wait(timeout=120)
+            with lock:
+                holding.discard(who)
 
-    threads = [threading.Thread(target=claim) for _ in range(3)]
+    threads = [threading.Thread(target=claim, args=(who,)) for who in range(3)]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 60
-    while len(outcomes) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    release.set()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert sorted(o if o == "held" else "refused" for o in outcomes) == ["held", "held", "refused"], outcomes
-    (refusal,) = [o for o in outcomes if o != "held"]
-    assert "need 1 task slot(s) at once, and 0 of the cluster's 2 are free now" in refusal
-    with claim_slots(spark, 2):  # both released
+    try:
+        _logged(slots_log, "waiting up to 120s for 1 free task slot(s): 0 of the cluster's 2 are free (2 claimed")
+        deadline = time.monotonic() + 60
+        while len(held) < 2:  # the two claims that hold their slots go on into their blocks
+            assert time.monotonic() < deadline, held
+            time.sleep(0.05)
+        with lock:
+            first, waiter = sorted(holding), ({0, 1, 2} - holding).pop()
+        assert len(first) == 2, held
+        release[first[0]].set()
+        while waiter not in holding:
+            assert time.monotonic() < deadline, held
+            time.sleep(0.05)
+        _logged(slots_log, "got 1 task slot(s) after waiting")
+    finally:
+        for event in release:
+            event.set()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert len(held) == 3 and max(len(h) for h in held) == 2, held
+    with claim_slots(spark, 2, timeout=1):  # all released
         pass
-    with pytest.raises(RuntimeError), claim_slots(spark, 2):  # released however the block ends
+    with pytest.raises(RuntimeError), claim_slots(spark, 2, timeout=1):  # released however the block ends
         raise RuntimeError("the fit failed")
-    with claim_slots(spark, 2):
+    with claim_slots(spark, 2, timeout=1):
         pass
+
+
+def test_a_fit_waiting_for_many_slots_is_not_overtaken_by_later_ones(spark, slots_log):
+    """One slot of two is claimed. A claim of two waits; a later claim of one finds the free slot but waits
+    behind it (first come, first served), and gets its slot once the claim of two has had, and ended, its turn."""
+    release = {name: threading.Event() for name in ("holder", "two", "one")}
+    order: list[str] = []
+
+    def claim(name: str, workers: int) -> None:
+        with claim_slots(spark, workers, timeout=120):
+            order.append(name)
+            release[name].wait(timeout=120)
+
+    threads = {"holder": threading.Thread(target=claim, args=("holder", 1))}
+    threads["holder"].start()
+    try:
+        while order != ["holder"]:
+            assert threads["holder"].is_alive()
+            time.sleep(0.05)
+        threads["two"] = threading.Thread(target=claim, args=("two", 2))
+        threads["two"].start()
+        _logged(slots_log, "for 2 free task slot(s)")
+        threads["one"] = threading.Thread(target=claim, args=("one", 1))
+        threads["one"].start()
+        (behind,) = _logged(slots_log, "1 fit(s) waiting before this one")
+        assert "for 1 free task slot(s): 1 of the cluster's 2 are free" in behind, behind
+        assert order == ["holder"], order
+        release["holder"].set()
+        _logged(slots_log, "got 2 task slot(s)")
+        release["two"].set()
+    finally:
+        for event in release.values():
+            event.set()
+        for thread in threads.values():
+            thread.join(timeout=60)
+    assert order == ["holder", "two", "one"], order
 
 
 def _hold_both_slots(spark, go_on: str, *, as_probe: bool) -> threading.Thread:
@@ -177,58 +281,78 @@ def _hold_both_slots(spark, go_on: str, *, as_probe: bool) -> threading.Thread:
 
 @pytest.mark.parametrize("as_probe", [True, False], ids=["a worker probe", "another job"])
 def test_a_running_worker_probe_holds_no_slots_of_a_claim_but_another_jobs_tasks_do(
-    spark, tmp_path, monkeypatch, as_probe
+    spark, small_df, tmp_path, slots_log, as_probe
 ):
     """A job starts its session's probe beside its own work (jobs/train.py: ``check_executors(wait=False)``) and
     the fit waits for that probe anyway: its tasks are not busy slots to the fit's claim, however long they run.
-    Another job's tasks are, and a claim that finds them still running after ``BUSY_WAIT_SECONDS`` fails."""
-    monkeypatch.setattr(slots, "BUSY_WAIT_SECONDS", 1.0)
+    Another job's tasks are: a fit that finds them still running after its ``timeout`` fails, naming them."""
     go_on = str(tmp_path / "go-on")
     holder = _hold_both_slots(spark, go_on, as_probe=as_probe)
     try:
         if as_probe:
-            with claim_slots(spark, 2):
+            with claim_slots(spark, 2, timeout=1):
                 pass
         else:
-            with pytest.raises(ValueError, match=r"0 of the cluster's 2 are free now .*2 running the tasks of other"):
-                with claim_slots(spark, 2):
-                    pass
+            started = time.monotonic()
+            with pytest.raises(ValueError) as refused:
+                sparkdl.fit(small_df, make_mlp(hidden=(8,)), num_workers=2, timeout=1.0, progress=False)
+            assert time.monotonic() - started >= 1.0
+            message = str(refused.value)
+            assert "Expected 2 task slot(s) to be free within timeout=1s" in message, message
+            assert "0 of the cluster's 2 are free (0 claimed by 0 other sparkdl fit(s)" in message, message
+            assert "2 running the tasks of other jobs" in message and "Raise `timeout`" in message, message
+            _logged(slots_log, "waiting up to 1s for 2 free task slot(s)")
     finally:
         Path(go_on).touch()
         holder.join(timeout=120)
 
 
-def test_a_fit_finding_too_few_free_slots_fails_at_once(spark, small_df, tmp_path):
-    """A one-worker fit trains (held in its second epoch until the test lets it go): a two-worker fit finds one
-    of the two slots free and fails at once, naming both numbers, without starting any Spark job."""
+def test_a_fit_waits_for_the_slots_another_fit_holds_up_to_its_timeout(spark, small_df, tmp_path, slots_log):
+    """A one-worker fit trains (held in its second epoch until the test lets it go). A two-worker fit finds one
+    of the two slots free: with timeout=1 it waits, starts no Spark job, and fails after its timeout naming the
+    slots; with the default timeout it waits, again without a job, and trains once the first fit has ended."""
     go_on = tmp_path / "go-on"
     holding = dict(num_workers=1, epochs=2, batch_size=32, seed=0, progress=False)
     callbacks = [RecordEpochs(str(tmp_path), wait_for=str(go_on), wait_before_epoch=1)]
     first: dict = {}
+    second: dict = {}
 
-    def train():
+    def train(into: dict, **settings) -> None:
         try:
-            first["result"] = sparkdl.fit(small_df, make_mlp(hidden=(8,)), callbacks=callbacks, **holding)
+            into["result"] = sparkdl.fit(small_df, make_mlp(hidden=(8,)), **settings)
         except BaseException as exc:  # noqa: BLE001 - reported by the test below
-            first["error"] = exc
+            into["error"] = exc
 
-    thread = threading.Thread(target=train)
-    thread.start()
+    threads = [threading.Thread(target=train, args=(first,), kwargs=dict(callbacks=callbacks, **holding))]
+    threads[0].start()
     try:
         deadline = time.monotonic() + 300
         while not (tmp_path / "rank0-epoch0.json").exists():  # the first fit's task is training
-            assert thread.is_alive() and time.monotonic() < deadline, first
+            assert threads[0].is_alive() and time.monotonic() < deadline, first
             time.sleep(0.1)
-        with no_spark_job(spark), pytest.raises(ValueError) as refused:
-            sparkdl.fit(small_df, make_mlp(hidden=(8,)), num_workers=2, epochs=1, progress=False)
-        message = str(refused.value)
-        assert "need 2 task slot(s) at once, and 1 of the cluster's 2 are free now" in message, message
-        assert "1 claimed by 1 other sparkdl fit(s)" in message and "parallelism" in message
+        with no_spark_job(spark):
+            started = time.monotonic()
+            with pytest.raises(ValueError) as refused:
+                sparkdl.fit(small_df, make_mlp(hidden=(8,)), num_workers=2, epochs=1, timeout=1.0, progress=False)
+            assert time.monotonic() - started >= 1.0
+            message = str(refused.value)
+            assert "Expected 2 task slot(s) to be free within timeout=1s" in message, message
+            assert "1 of the cluster's 2 are free (1 claimed by 1 other sparkdl fit(s)" in message, message
+            assert "parallelism" in message and "Raise `timeout`" in message, message
+
+            threads.append(threading.Thread(target=train, args=(second,), kwargs=dict(num_workers=2, progress=False)))
+            threads[1].start()
+            (waiting,) = _logged(slots_log, "waiting up to 600s for 2 free task slot(s)")
+            assert "1 claimed by 1 other sparkdl fit(s)" in waiting, waiting
+            time.sleep(1.0)  # still waiting, still without a job
+            assert threads[1].is_alive() and "got 2 task slot(s)" not in slots_log.text
     finally:
         go_on.touch()
-        thread.join(timeout=300)
-    assert "error" not in first, first
-    assert len(first["result"].history["loss"]) == 2
+        for thread in threads:
+            thread.join(timeout=300)
+    assert "error" not in first and "error" not in second, (first, second)
+    assert len(first["result"].history["loss"]) == 2 and len(second["result"].history["loss"]) == 1
+    _logged(slots_log, "got 2 task slot(s) after waiting")
 
 
 def test_a_job_tag_marks_only_its_own_threads_jobs_among_tuning_threads(spark):
@@ -271,10 +395,12 @@ def test_a_job_tag_marks_only_its_own_threads_jobs_among_tuning_threads(spark):
 
 
 @pytest.mark.slow
-def test_parallel_candidates_train_at_once_on_a_local_cluster(tmp_path):
-    """spark-submit on local-cluster[2,1,1024] (executors in processes of their own): TrainValidationSplit
-    with parallelism=2 trains its two one-worker candidates at the same time. Spark's own record (its event
-    log) shows two training (barrier) stages whose runs overlap; the candidates' tasks met while training."""
+@pytest.mark.parametrize("tuner", ["TrainValidationSplit", "CrossValidator"])
+def test_parallel_candidates_train_at_once_on_a_local_cluster(tmp_path, tuner):
+    """spark-submit on local-cluster[2,1,1024] (executors in processes of their own): the tuner with
+    parallelism=2 trains its two one-worker candidates at the same time (CrossValidator: those of each of its two
+    folds). Spark's own record (its event log) shows the first two training (barrier) stages overlapping; the
+    candidates' tasks met while training."""
     events = tmp_path / "events"
     events.mkdir()
     command = [
@@ -286,6 +412,7 @@ def test_parallel_candidates_train_at_once_on_a_local_cluster(tmp_path):
         *("--conf", "spark.eventLog.compress=false", "--conf", "spark.eventLog.rolling.enabled=false"),
         str(TESTS / "tuning_job.py"),
         str(tmp_path / "out"),
+        tuner,
     ]
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
     for name in ("PYSPARK_PYTHON", "PYSPARK_GATEWAY_PORT", "SPARK_REMOTE"):
@@ -304,7 +431,7 @@ def test_parallel_candidates_train_at_once_on_a_local_cluster(tmp_path):
         for e in records
         if e["Event"] == "SparkListenerStageCompleted" and any(r.get("Barrier") for r in e["Stage Info"]["RDD Info"])
     ]
-    # Two candidates, then the chosen one again on all the rows: three training stages, the first two at once.
-    assert len(barrier) == 3, [s["Stage ID"] for s in barrier]
+    # Two candidates (a pair per fold), then the chosen one again on all the rows; the first pair at once.
+    assert len(barrier) == {"TrainValidationSplit": 3, "CrossValidator": 5}[tuner], [s["Stage ID"] for s in barrier]
     first, second = sorted(barrier, key=lambda s: s["Submission Time"])[:2]
     assert second["Submission Time"] < first["Completion Time"], (first, second)

@@ -1,8 +1,9 @@
-"""TrainValidationSplit(parallelism=2) over two one-worker candidates, run by tests/test_tuning.py with spark-submit.
+"""A tuner with parallelism=2 over two one-worker candidates, run by tests/test_tuning.py with spark-submit.
 
-Usage: tuning_job.py DIRECTORY. The candidates' model holds a ``WaitForPeers`` layer: each candidate's task
-waits for the other's in DIRECTORY/peers, so the fit succeeds only if both train at once. Writes
-DIRECTORY/result.json (the validation metrics and each candidate's learning rate).
+Usage: tuning_job.py DIRECTORY TUNER, TUNER being TrainValidationSplit or CrossValidator (two folds). The
+candidates' model holds a ``WaitForPeers`` layer: each candidate's task waits for the other's in DIRECTORY/peers,
+so the first two fits succeed only if they train at once (later fits find the peers there and go on). Writes
+DIRECTORY/result.json (the validation or average metrics and each candidate's learning rate).
 """
 
 import json
@@ -16,13 +17,15 @@ import numpy as np
 from frames import digits_frame
 from models import WaitForPeers
 from pyspark.ml.evaluation import MulticlassClassificationEvaluator
-from pyspark.ml.tuning import ParamGridBuilder, TrainValidationSplit
+from pyspark.ml.tuning import CrossValidator, ParamGridBuilder, TrainValidationSplit
 from pyspark.sql import SparkSession
 from sklearn.datasets import load_digits
 
 from sparkdl.ml import KerasEstimator
 
-directory = sys.argv[1]
+directory, tuner = sys.argv[1:3]
+if tuner not in ("TrainValidationSplit", "CrossValidator"):
+    raise SystemExit(f"Expected TUNER to be TrainValidationSplit or CrossValidator. Received: {tuner!r}")
 peers = os.path.join(directory, "peers")
 os.makedirs(peers)
 spark = SparkSession.builder.getOrCreate()
@@ -48,21 +51,25 @@ estimator = KerasEstimator(
     progress=False,
     customObjects={"WaitForPeers": WaitForPeers},  # the workers import it from tests/models.py
 )
-grid = ParamGridBuilder().addGrid(estimator.learningRate, [0.01, 0.002]).build()
-tuning = TrainValidationSplit(
+common = dict(
     estimator=estimator,
-    estimatorParamMaps=grid,
+    estimatorParamMaps=ParamGridBuilder().addGrid(estimator.learningRate, [0.01, 0.002]).build(),
     evaluator=MulticlassClassificationEvaluator(metricName="accuracy"),
     parallelism=2,
     collectSubModels=True,
     seed=0,
 )
-fitted = tuning.fit(df)
+if tuner == "CrossValidator":
+    fitted = CrossValidator(numFolds=2, **common).fit(df)
+    metrics, candidates = fitted.avgMetrics, fitted.subModels[0]  # the first fold's candidates
+else:  # TrainValidationSplit
+    fitted = TrainValidationSplit(**common).fit(df)
+    metrics, candidates = fitted.validationMetrics, fitted.subModels
 with open(os.path.join(directory, "result.json"), "w") as f:
     json.dump(
         {
-            "metrics": list(fitted.validationMetrics),
-            "learning_rates": [float(sub.keras_model.optimizer.learning_rate) for sub in fitted.subModels],
+            "metrics": list(metrics),
+            "learning_rates": [float(sub.keras_model.optimizer.learning_rate) for sub in candidates],
         },
         f,
     )

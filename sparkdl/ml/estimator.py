@@ -22,7 +22,9 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
     change the model's optimizer for the fit (``sparkdl.ml.optimizer``). ``customObjects`` is saved as
     import paths (``sparkdl.ml.custom_objects``). The Keras model passed in is never modified, so
     copies of the estimator (as CrossValidator makes) share no trained state, and a CrossValidator
-    may vary any Param, ``model`` too, train its candidates in parallel and be saved.
+    may vary any Param, ``model`` too, train its candidates in parallel and be saved. When the
+    cluster's task slots cannot hold ``parallelism`` candidates at once, a candidate waits its turn for
+    free slots, up to ``timeout`` (``sparkdl.launch.slots``).
 
     Example:
         >>> est = KerasEstimator(model=keras_model, featuresCol="scaled", labelCol="label",
