@@ -170,6 +170,28 @@ class RecordIds(keras.layers.Layer):
 
 
 @keras.utils.register_keras_serializable(package="sparkdl_tests")
+class RecordScoredIds(RecordIds):
+    """``RecordIds`` that records when the model scores too (``KerasModel.transform``), not only in training."""
+
+    def call(self, inputs, training=None):
+        ids, x = inputs
+        return x + tf.ensure_shape(tf.numpy_function(self._record, [ids], tf.float32, stateful=True), [])
+
+
+def recorded_ids(directory) -> dict[int, list[int]]:
+    """The ids ``RecordIds`` (or ``RecordScoredIds``) recorded in ``directory``, by partition, each partition's in
+    order (one process per partition in sync and async modes)."""
+    from pathlib import Path
+
+    by_partition: dict[int, list[int]] = {}
+    for file in sorted(Path(directory).glob("*.txt")):
+        for line in file.read_text().splitlines():
+            partition, row = map(int, line.split())
+            by_partition.setdefault(partition, []).append(row)
+    return by_partition
+
+
+@keras.utils.register_keras_serializable(package="sparkdl_tests")
 class WaitForPeers(keras.layers.Layer):
     """Identity layer whose first training call in a process leaves a file in ``directory`` and waits (up to
     ``seconds``) until ``peers`` files are there: ``peers`` fits' tasks meet only if they train at the same time.

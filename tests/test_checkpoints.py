@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from frames import digits_frame
 from models import CrashOnFirstAttempt, make_mlp
+from pyspark.sql import functions as F
 from spark_jobs import no_spark_job
 
 import sparkdl
@@ -190,6 +191,55 @@ def test_server_and_average_modes_checkpoint_and_resume(digits_df, digits, tmp_p
     assert resumed.history["loss"][-1] < first.history["loss"][-1]
     accuracy = float(np.mean(resumed.model.predict(x_test, verbose=0).argmax(axis=1) == y_test))
     assert accuracy >= 0.9, (mode, accuracy)  # 5 epochs; the fault test holds a run to a clean one
+
+
+def _adam_moments(optimizer_variables) -> dict[str, np.ndarray]:
+    """Adam's step count and moments by name, from ``(name, value)`` pairs in its variables' order."""
+    return {
+        name: value for name, value in optimizer_variables if name.endswith(("iteration", "_momentum", "_velocity"))
+    }
+
+
+@pytest.mark.parametrize("mode, options", [("async", {}), ("average", {"sync_every": 4})])
+def test_resume_restores_adams_moments_not_only_its_step_count(spark, digits, tmp_path, mode, options):
+    """A fit saves Adam's state after one epoch; a second fit resumes it for another on rows weighted 0, where
+    every gradient is exactly 0: Adam then only decays its moments (m <- beta_1 m, v <- beta_2 v per step), in any
+    order the steps come in. So every moment after the resume is the checkpoint's times beta^steps, and one restarted
+    at 0 (only the step count restored) stays 0. Async: the server shards' optimizers, saved beside the model;
+    average: the averaged model's own."""
+    x_train, _, y_train, _ = digits
+    df = digits_frame(spark, x_train[:128], y_train[:128]).coalesce(1).withColumn("nothing", F.lit(0.0))
+    settings = dict(num_workers=2, mode=mode, batch_size=16, seed=0, checkpoint_dir=str(tmp_path), **options)
+    model = make_mlp(hidden=(16,))
+
+    def names():  # the optimizer's variables in order; one server shard builds it over the same variables
+        adam = keras.optimizers.Adam.from_config(model.optimizer.get_config())
+        adam.build(model.trainable_variables)
+        return [v.path for v in adam.variables]
+
+    def saved(epoch):
+        if mode == "async":
+            arrays = np.load(tmp_path / f"epoch-{epoch:06d}.npz", allow_pickle=False)
+            return _adam_moments((name, arrays[f"shard0/{j}"]) for j, name in enumerate(names()))
+        optimizer = keras.models.load_model(tmp_path / f"epoch-{epoch:06d}.keras").optimizer
+        return _adam_moments((v.path, np.asarray(v.numpy())) for v in optimizer.variables)
+
+    sparkdl.fit(df, model, epochs=1, **settings)
+    before = saved(1)
+    resumed = sparkdl.fit(df, make_mlp(hidden=(16,)), epochs=2, sample_weight_col="nothing", **settings)
+    after = saved(2)
+
+    assert resumed.initial_epoch == 1 and resumed.history["loss"][1] == 0.0
+    steps = resumed.stats["versions"][0] if mode == "async" else resumed.steps_per_epoch  # Adam steps since resume
+    assert steps == (2 * 4 if mode == "async" else 4)  # 64 rows per worker in batches of 16: 4 steps, each a push
+    assert len(before) == 1 + 2 * len(model.trainable_variables) and after.keys() == before.keys()
+    for name, value in before.items():
+        if name.endswith("iteration"):
+            assert int(after[name]) == int(value) + steps
+            continue
+        assert np.abs(value).max() > 1e-6, f"{name} is 0 in the checkpoint: the test could not tell it was restored"
+        beta = 0.9 if name.endswith("_momentum") else 0.999
+        np.testing.assert_allclose(after[name], value * beta**steps, rtol=1e-5, atol=0, err_msg=name)
 
 
 @pytest.mark.slow  # three fits of 7 to 9 averaging rounds, each a Spark job

@@ -1,15 +1,15 @@
 """Real models fed from real tables: inputs and outputs by name, shapes, exact integer ids, sample weights, images."""
 
+from collections import Counter
+
 import keras
 import numpy as np
 import pytest
-from models import make_mlp
-from partitions import partitions_as_fit_sees_them
+from models import RecordBatches, RecordScoredIds, make_mlp, recorded_batches, recorded_ids
 from pyspark.sql import functions as F
 from spark_jobs import no_spark_job
 
 import sparkdl
-from sparkdl import data
 from sparkdl.keras.serialization import model_to_bytes
 from sparkdl.launch.errors import WorkerError
 from sparkdl.ml.inference import predict
@@ -56,6 +56,56 @@ def test_wide_and_deep_with_ids_near_2_to_the_53(spark, mode):
     assert len(np.unique(np.float32(scored["id"]))) < IDS // 2  # what float32 would have made of them
 
 
+def _ids_beyond_float64(size=64, seed=0) -> list[int]:
+    """``size`` distinct ids spread over [2^53, 2^63 - 1]: 2^53, 2^53 + 1, 2^63 - 1, and odd ids of every magnitude
+    between. float64 holds 2^53 only (its spacing there is 2 and more), so a path through it changes all the others."""
+    rng = np.random.default_rng(seed)
+    exponents = rng.integers(53, 63, size - 3)
+    spread = (2**exponents + rng.integers(0, 2**exponents, dtype=np.int64)) | 1
+    ids = [2**53, 2**53 + 1, 2**63 - 1, *map(int, spread)]
+    assert len(set(ids)) == size and [i for i in ids if int(float(i)) == i] == [2**53]
+    return ids
+
+
+@pytest.mark.parametrize("path", ["sync", "async", "transform"])
+def test_ids_up_to_2_to_the_63_reach_the_model_to_the_last_bit(spark, tmp_path, path):
+    """The ids a model's int64 input receives, recorded inside the model (in the workers' train steps, or where
+    ``KerasModel.transform`` scores), are the DataFrame's to the last bit."""
+    from sparkdl.ml import KerasModel
+
+    ids = _ids_beyond_float64()
+    df = spark.createDataFrame(
+        [(i, [float(k % 7), 1.0], float(k % 3)) for k, i in enumerate(ids)], "id long, x array<float>, y double"
+    )
+    keras.utils.set_random_seed(0)
+    id_input, x = keras.Input((1,), name="id", dtype="int64"), keras.Input((2,), name="x")
+    output = keras.layers.Dense(1)(RecordScoredIds(str(tmp_path))([id_input, x]))
+    model = keras.Model({"id": id_input, "x": x}, output)
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    features = {"id": "id", "x": "x"}
+
+    if path == "transform":
+        scorer = KerasModel.from_keras(model, featuresCol=features, customObjects={"RecordScoredIds": RecordScoredIds})
+        assert len(scorer.transform(df).select("prediction").collect()) == len(ids)
+    else:
+        sparkdl.fit(
+            df,
+            model,
+            features_col=features,
+            label_col="y",
+            num_workers=2,
+            mode=path,
+            epochs=1,
+            batch_size=16,
+            custom_objects={"RecordScoredIds": RecordScoredIds},
+        )
+
+    recorded = recorded_ids(tmp_path)
+    if path != "transform":
+        assert sorted(recorded) == [0, 1]  # both workers trained, in the Spark tasks
+    assert sorted(i for part in recorded.values() for i in part) == sorted(ids)
+
+
 def test_two_outputs_and_sample_weights_by_name(spark):
     rng = np.random.default_rng(2)
     x = rng.normal(size=(256, 4))
@@ -98,35 +148,37 @@ def test_two_outputs_and_sample_weights_by_name(spark):
 
 @pytest.mark.parametrize("mode", ["sync", "async", "average"])
 def test_sample_weights_weigh_the_loss_as_keras_does(spark, digits, mode):
-    """One worker, plain SGD, no shuffling: the trained weights are Keras's own ``fit(sample_weight=...)``'s."""
+    """One worker, plain SGD, every epoch one batch of all the rows: the trained weights are Keras's own
+    ``fit(sample_weight=...)``'s on the rows as collected from the DataFrame. The order Spark delivers the rows in
+    cannot matter, but the worker shuffles them each epoch, so a weight that left its row would change the step."""
     x_train, _, y_train, _ = digits
-    rows, b = 96, 16
+    rows, epochs = 96, 3
     weights = np.random.default_rng(0).uniform(0.0, 3.0, rows)
     df = spark.createDataFrame(
         [(r.tolist(), int(label), float(w)) for r, label, w in zip(x_train[:rows], y_train[:rows], weights)],
         "features array<float>, label long, w double",
-    ).coalesce(1)
+    )
 
     def make():
-        model = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(0.05), seed=3)
+        model = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(0.5), seed=3)
         model.compile(model.optimizer, model.loss, weighted_metrics=["accuracy"])  # accuracy weighted as the loss
         return model
 
     options = {"sync_every": 2} if mode == "average" else {}
     result = sparkdl.fit(
-        df, make(), sample_weight_col="w", num_workers=1, mode=mode, epochs=1, batch_size=b, shuffle=False, **options
+        df, make(), sample_weight_col="w", num_workers=1, mode=mode, epochs=epochs, batch_size=rows, seed=1, **options
     )
-    ((x, y, w),) = partitions_as_fit_sees_them(
-        data.prepare(df, make(), "features", "label", 1, sample_weight_col="w"), 1
-    )
-    np.testing.assert_allclose(np.sort(w), np.sort(weights.astype(np.float32)))
+    collected = df.collect()
+    x = np.array([row.features for row in collected], np.float32)
+    y = np.array([row.label for row in collected], np.int64)
+    w = np.array([row.w for row in collected], np.float32)
     reference = make()
-    expected = reference.fit(x, y, sample_weight=w, batch_size=b, epochs=1, shuffle=False, verbose=0).history
+    expected = reference.fit(x, y, sample_weight=w, batch_size=rows, epochs=epochs, shuffle=False, verbose=0).history
     if mode != "average":  # a worker's own Keras fit reports the epoch: its weighted loss and metrics are Keras's
         for name in ("loss", "accuracy"):
-            assert result.history[name][0] == pytest.approx(expected[name][0], rel=1e-4), name
+            np.testing.assert_allclose(result.history[name], expected[name], rtol=1e-4, err_msg=name)
     unweighted = make()
-    unweighted.fit(x, y, batch_size=b, epochs=1, shuffle=False, verbose=0)
+    unweighted.fit(x, y, batch_size=rows, epochs=epochs, shuffle=False, verbose=0)
     for got, want in zip(result.model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     assert any(not np.allclose(p, w_, atol=1e-4) for p, w_ in zip(unweighted.get_weights(), reference.get_weights()))
@@ -181,22 +233,39 @@ def test_text_model_over_token_ids(spark):
     assert result.history["accuracy"][-1] > 0.95
 
 
-def test_image_source_feeds_a_cnn(spark, tmp_path):
-    """PNGs read with Spark's image source (its struct column) train a CNN directly, and score."""
+def _distinct_pixels(rng, bright_channel):
+    """6 x 5 RGB pixels whose 90 values all differ: channel ``bright_channel`` in 166..255, the other two in 0..59."""
+    dark = rng.choice(60, 60, replace=False)
+    pixels = np.empty((6, 5, 3), np.uint8)
+    pixels[..., bright_channel] = rng.choice(np.arange(166, 256), 30, replace=False).reshape(6, 5)
+    pixels[..., [c for c in range(3) if c != bright_channel]] = dark.reshape(6, 5, 2)
+    return pixels
+
+
+def test_image_source_feeds_a_cnn_each_pixel_in_bgr_order(spark, tmp_path):
+    """PNGs read with Spark's image source (its struct column) train a CNN directly, and score. The tensor the
+    workers' model receives is each PNG's pixels in the source's OpenCV channel order (docs/data.md: BGR), channel
+    by channel: every value of an image differs from the others, so a swapped channel order or moved pixel matches
+    no image."""
     from PIL import Image
 
     rng = np.random.default_rng(0)
+    folder, seen = tmp_path / "png", tmp_path / "seen"
+    folder.mkdir(), seen.mkdir()
+    expected = {}  # what the model should receive for each PNG: its (height, width, RGB) pixels as BGR
     for i in range(24):
         red = i % 2 == 0
-        pixels = rng.integers(0, 60, size=(6, 5, 3), dtype=np.uint8)
-        pixels[..., 0 if red else 2] += 180  # RGB: red or blue
-        Image.fromarray(pixels).save(tmp_path / f"{'red' if red else 'blue'}-{i}.png")
-    images = spark.read.format("image").load(str(tmp_path))
+        pixels = _distinct_pixels(rng, 0 if red else 2)
+        path = folder / f"{'red' if red else 'blue'}-{i}.png"
+        Image.fromarray(pixels).save(path)
+        expected[path.name] = pixels[..., ::-1].astype(np.float32)
+    images = spark.read.format("image").load(str(folder))
     df = images.withColumn("label", F.col("image.origin").contains("/red-").cast("int"))
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [
             keras.Input((6, 5, 3)),
+            RecordBatches(str(seen)),
             keras.layers.Rescaling(1 / 255),
             keras.layers.Conv2D(4, 3, activation="relu"),
             keras.layers.Flatten(),
@@ -204,10 +273,34 @@ def test_image_source_feeds_a_cnn(spark, tmp_path):
         ]
     )
     model.compile(keras.optimizers.Adam(0.05), "binary_crossentropy", metrics=["accuracy"])
-    result = sparkdl.fit(df, model, features_col="image", num_workers=2, epochs=15, batch_size=4, seed=0)
+    custom_objects = {"RecordBatches": RecordBatches}
+    epochs, b = 15, 4
+    result = sparkdl.fit(
+        df,
+        model,
+        features_col="image",
+        num_workers=2,
+        epochs=epochs,
+        batch_size=b,
+        seed=0,
+        custom_objects=custom_objects,
+    )
     assert result.history["accuracy"][-1] == 1.0
-    scored = predict(df, model_to_bytes(result.model), features_col="image", prediction_col="p").toPandas()
+    scored = predict(
+        df, model_to_bytes(result.model), features_col="image", prediction_col="p", custom_objects=custom_objects
+    ).toPandas()
     assert (scored["p"] == scored["label"]).all()
+
+    received = [image for rank in (0, 1) for batch in recorded_batches(seen, rank) for image in batch]
+    assert len(received) == epochs * len(expected)
+    names = {image.tobytes(): name for name, image in expected.items()}
+    assert Counter(names.get(image.tobytes(), "no PNG") for image in received) == {name: epochs for name in expected}
+    name = "red-0.png"  # and what tells them apart, for one image: BGR is its PNG's channels reversed
+    first = next(image for image in received if names.get(image.tobytes()) == name)
+    rgb = np.asarray(Image.open(folder / name), np.float32)
+    for channel in range(3):
+        np.testing.assert_array_equal(first[..., channel], rgb[..., 2 - channel])
+    assert not np.array_equal(first, rgb)
 
 
 # Bad input: refused on the driver, before the training stage, naming the column and what was expected.

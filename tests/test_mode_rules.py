@@ -4,10 +4,12 @@ import math
 
 import numpy as np
 import pytest
+from models import make_mlp
 
+import sparkdl
 from sparkdl import api, schedule
 from sparkdl.metrics import combine_logs
-from sparkdl.modes.base import Mode
+from sparkdl.modes.base import Job, Mode, ModeResult, Option
 from sparkdl.modes.registry import MODES, check_mode_options
 
 
@@ -16,6 +18,44 @@ def test_every_mode_name_has_one_mode_object_and_fit_accepts_exactly_those():
     assert all(isinstance(mode, Mode) and name in mode.names for name, mode in MODES.items())
     assert MODES["async"] is MODES["ssp"] is MODES["hogwild"]  # one mode, three variants
     assert [name for name, mode in MODES.items() if not mode.runs_callbacks] == ["average"]
+
+
+class _StubMode(Mode):
+    """A mode that trains nothing: it keeps the job ``fit`` gives it and returns a result of its own."""
+
+    names = ("stub",)
+
+    def __init__(self):
+        self.jobs: list[Job] = []
+        self.result = ModeResult(model=object(), history={"loss": [0.25, 0.125]}, stats={"stub": 1}, initial_epoch=0)
+
+    def options(self, name):
+        return {"sync_every": Option()}
+
+    def configure(self, name, model, values):
+        return ("stub options", values["sync_every"])
+
+    def run(self, job):
+        self.jobs.append(job)
+        return self.result
+
+
+def test_fit_runs_a_mode_through_the_registry(digits_df, monkeypatch):
+    """A mode registered under a new name is run by ``fit``: its options checked, its ``run`` given the job, and its
+    result returned (a hard-coded choice among the built-in modes would refuse the name or run another mode)."""
+    stub = _StubMode()
+    monkeypatch.setitem(MODES, "stub", stub)
+
+    result = sparkdl.fit(digits_df, make_mlp(), mode="stub", sync_every=3, epochs=2, batch_size=16, progress=False)
+
+    (job,) = stub.jobs
+    assert job.mode == "stub" and job.options == ("stub options", 3)
+    assert (job.settings.epochs, job.settings.batch_size, job.settings.num_workers) == (2, 16, 2)
+    assert job.training.num_rows == digits_df.count() and job.start.epoch == 0
+    assert result.model is stub.result.model
+    assert result.history == stub.result.history and result.stats == stub.result.stats
+    with pytest.raises(ValueError, match=r"`push_every` applies to mode='async' or 'hogwild' or 'ssp' only"):
+        sparkdl.fit(digits_df, make_mlp(), mode="stub", push_every=2)  # the options are the stub's, not another's
 
 
 def test_options_are_checked_against_the_mode_that_takes_them():

@@ -45,6 +45,10 @@ def test_async_one_worker_push_every_step_equals_sequential_training(spark, digi
         ("async", {"push_every": 1}, 1, 64, 1.0),
         # one worker, two batches of 32 at the same pulled weights, averaged into one push: the batch of 64
         ("async", {"push_every": 2}, 1, 32, 1.0),
+        # hogwild and ssp with one worker: nothing races, so they are async's plain gradient descent too (two
+        # shards, each with its own optimizer, step as one)
+        ("hogwild", {"push_every": 2, "num_servers": 2}, 1, 32, 1.0),
+        ("ssp", {"max_staleness": 0, "num_servers": 2}, 1, 64, 1.0),
         # two workers, one local step each from the same broadcast weights, then the driver averages the weights:
         # the step of the mean over all 64 rows
         ("average", {"sync_every": 1}, 2, 32, 1.0),
