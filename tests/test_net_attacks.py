@@ -2,7 +2,8 @@
 
 Each test attacks with real sockets (and real processes where a resource limit
 must be lowered) and then asserts that the legitimate peer still finishes its
-work with correct results.
+work with correct results. An attacker on "another host" connects from another
+loopback address (:mod:`attackers`). The handshake under a flood: tests/test_net_handshakes.py.
 """
 
 from __future__ import annotations
@@ -11,20 +12,28 @@ import io
 import json
 import os
 import secrets
-import selectors
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
+import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 
+import keras
 import numpy as np
 import pytest
+from attackers import HOST, OTHER_HOST, Hog, logged_refusals, recv_exactly
+from frames import digits_frame
+from models import make_mlp
 from shards import LR, SGDShard
 
+import sparkdl
 from sparkdl.collective.transport import Listener, Op, connect_peer
-from sparkdl.launch.frames import ERROR, HEADER, RELAY_ID, ErrorReport
+from sparkdl.launch import payloads
+from sparkdl.launch.forward import TaskReporter, _Forwarder
+from sparkdl.launch.frames import ERROR, HEADER, RELAY_ID, STDOUT, ErrorReport
 from sparkdl.launch.relay import OutputRelay
 from sparkdl.net.auth import ConnectGaveUp, connect_authenticated
 from sparkdl.net.io import parse_address
@@ -32,59 +41,9 @@ from sparkdl.ps import protocol
 from sparkdl.ps.client import NonFiniteGradientError, ParameterClient
 from sparkdl.ps.server import ParameterServer
 
-HOST = "127.0.0.1"
 SECRET = b"attack-test-secret"
 #: Longer than any test: a hogged slot is freed by eviction only, never by its handshake deadline.
 FOREVER = 3600.0
-
-
-class Hog:
-    """Holds ``count`` idle, unauthenticated connections to ``address`` and re-opens each one the listener drops."""
-
-    def __init__(self, address: str, count: int):
-        self._address = parse_address(address)
-        self._selector = selectors.DefaultSelector()
-        self._stop = threading.Event()
-        self._missing = 0  # dropped connections not yet re-opened (the listener refused or timed out a connect)
-        for _ in range(count):
-            self._open()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _open(self) -> None:
-        sock = socket.create_connection(self._address, timeout=10)
-        sock.setblocking(False)
-        self._selector.register(sock, selectors.EVENT_READ)
-
-    def _reopen(self) -> None:
-        while self._missing and not self._stop.is_set():
-            try:
-                self._open()
-            except OSError:  # the listener's backlog is full, or it is closing: try again on the next round
-                return
-            self._missing -= 1
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._reopen()
-            for key, _ in self._selector.select(0.05):
-                try:
-                    data = key.fileobj.recv(4096)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    data = b""
-                if not data:  # dropped: take the slot again
-                    self._selector.unregister(key.fileobj)
-                    key.fileobj.close()
-                    self._missing += 1
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        for key in list(self._selector.get_map().values()):
-            key.fileobj.close()
-        self._selector.close()
 
 
 # -- pending-slot hogging -------------------------------------------------------------------------------------------
@@ -140,8 +99,88 @@ def test_hogged_relay_still_takes_a_real_task(caplog):
     assert _evictions(caplog) >= 16
 
 
+def test_an_async_fit_trains_exactly_while_another_host_hogs_its_parameter_server(spark, digits, monkeypatch):
+    """A whole fit while 72 idle and 8 garbage connections from another host hog each shard of its parameter server
+    from the moment it starts until the fit has returned: the weights are exactly plain SGD's (one worker, one batch
+    of all rows a step), and the server's refused connections show the hog at work."""
+    hogs: list[Hog] = []
+    start = ParameterServer.start
+
+    def start_and_hog(server):
+        addresses = start(server)
+        for address in addresses:
+            hogs.extend([Hog(address, 72, source=OTHER_HOST), Hog(address, 8, source=OTHER_HOST, garbage=True)])
+        return addresses
+
+    monkeypatch.setattr(ParameterServer, "start", start_and_hog)
+    x_train, _, y_train, _ = digits
+    x, y = x_train[:64], y_train[:64]
+    model = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(0.5), seed=4)
+    reference = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(0.5), seed=4)
+    try:
+        result = sparkdl.fit(
+            digits_frame(spark, x, y), model, num_workers=1, mode="async", epochs=3, batch_size=64, timeout=120
+        )
+        assert hogs and all(hog.running() for hog in hogs)  # still hogging when the fit returned
+    finally:
+        for hog in hogs:
+            hog.close()
+    reference.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0)
+    for got, want, initial in zip(result.model.get_weights(), reference.get_weights(), model.get_weights()):
+        assert not np.allclose(want, initial, atol=1e-3)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert result.stats["pushes"] == 3
+    assert result.stats["refused_connections"] > 8
+
+
+def test_an_announced_result_costs_the_relay_nothing_until_its_bytes_arrive(caplog):
+    """A task that announces a 256 MiB result and stays silent costs the driver no 256 MiB; a real upload beside it
+    arrives intact; an absurd size is refused with an error naming the rank and the size."""
+    exchange = payloads.PayloadExchange()
+    out = io.StringIO()
+    upload = os.urandom((3 << 20) + 5)  # three frames and a bit
+    absurd = 1 << 62
+    with OutputRelay(HOST, SECRET, num_workers=3, exchange=exchange, stdout=out) as relay:
+        tracemalloc.start()
+        try:
+            silent = connect_authenticated(relay.address, 0, RELAY_ID, SECRET, timeout=10)
+            start = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            # the output line after the announcement shows when the relay has handled it
+            silent.sendall(_announcement(256 << 20) + HEADER.pack(STDOUT, 7) + b"marker\n")
+            deadline = time.monotonic() + 30
+            while "[rank 0] marker" not in out.getvalue():
+                assert time.monotonic() < deadline, "the relay did not handle the announcement"
+                time.sleep(0.01)
+            grown = tracemalloc.get_traced_memory()[1] - start
+        finally:
+            tracemalloc.stop()
+        reporter = TaskReporter(_Forwarder(relay.address, SECRET, 1, timeout=10.0, encrypt=False), 1)
+        payloads.upload(reporter, upload, attempt=2)
+        reporter.connection.close()
+        refused = connect_authenticated(relay.address, 2, RELAY_ID, SECRET, timeout=10)
+        refused.sendall(_announcement(absurd))
+        refused.settimeout(10)
+        assert refused.recv(1) == b""  # the relay dropped that connection
+        refused.close()
+        silent.close()
+        relay.wait_until_quiet(10)
+    assert grown < 16 << 20, f"announcing 256 MiB cost {grown / 2**20:.0f} MiB"
+    assert exchange.take(1, 2, len(upload)) == upload
+    with pytest.raises(RuntimeError, match="never reached the driver's relay"):
+        exchange.take(0, 1, 256 << 20)
+    (refusal,) = [record.getMessage() for record in caplog.records if "rank 2" in record.getMessage()]
+    assert f"Expected rank 2's result to be 0 to {payloads.MAX_RESULT_BYTES:,} bytes" in refusal
+    assert f"Received: an announced size of {absurd:,} bytes" in refusal
+
+
+def _announcement(size: int) -> bytes:
+    header = json.dumps({"attempt": 1, "size": size}).encode()
+    return HEADER.pack(payloads._RESULT, len(header)) + header
+
+
 def _evictions(caplog) -> int:
-    return sum("evicted: more than" in record.getMessage() for record in caplog.records)
+    return logged_refusals(caplog.records, "evicted: more than")
 
 
 # -- file descriptors exhausted -------------------------------------------------------------------------------------
@@ -245,24 +284,17 @@ def test_non_finite_push_is_refused_before_anything_is_applied(bad):
         # The raw answer is BAD_REQUEST, and the connection stays usable.
         sock = connect_authenticated(ps.addresses[1], 0, 1, SECRET, timeout=10)
         sock.sendall(protocol.pack_request(protocol.Msg.PUSH, 1, 16) + gradient.tobytes())
-        response = _recv(sock, protocol.RESPONSE.size)
+        response = recv_exactly(sock, protocol.RESPONSE.size)
         _, msg, status, _, seq, _, length = protocol.RESPONSE.unpack(response)
         assert (msg, status, seq) == (protocol.Msg.PUSH, protocol.Status.BAD_REQUEST, 1)
-        assert _recv(sock, length).decode().startswith(protocol.NON_FINITE)
+        assert recv_exactly(sock, length).decode().startswith(protocol.NON_FINITE)
         sock.sendall(protocol.pack_request(protocol.Msg.PULL, 2, 0))
-        _, msg, status, _, seq, version, length = protocol.RESPONSE.unpack(_recv(sock, protocol.RESPONSE.size))
+        _, msg, status, _, seq, version, length = protocol.RESPONSE.unpack(recv_exactly(sock, protocol.RESPONSE.size))
         assert (status, seq, version, length) == (protocol.Status.OK, 2, 1, 16)
-        np.testing.assert_array_equal(np.frombuffer(_recv(sock, 16), np.float32), np.arange(4, dtype=np.float32) - LR)
+        np.testing.assert_array_equal(
+            np.frombuffer(recv_exactly(sock, 16), np.float32), np.arange(4, dtype=np.float32) - LR
+        )
         sock.close()
-
-
-def _recv(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        assert chunk, f"closed after {len(data)} of {size} bytes"
-        data += chunk
-    return data
 
 
 # -- malformed frames -----------------------------------------------------------------------------------------------
@@ -274,7 +306,7 @@ def test_parameter_server_answers_a_2_to_the_64_length_and_keeps_serving():
         for length in (2**64 - 1, 7, 0):
             sock = connect_authenticated(ps.addresses[0], 0, 0, SECRET, timeout=10)
             sock.sendall(protocol.REQUEST.pack(protocol.REQUEST_MAGIC, protocol.Msg.PUSH, 0, 0, 1, length))
-            _, _, status, _, _, _, _ = protocol.RESPONSE.unpack(_recv(sock, protocol.RESPONSE.size))
+            _, _, status, _, _, _, _ = protocol.RESPONSE.unpack(recv_exactly(sock, protocol.RESPONSE.size))
             assert status == protocol.Status.BAD_REQUEST
             sock.close()
         with ParameterClient(ps.addresses, worker=0, secret=SECRET, shard_sizes=[2], timeout=10) as worker:

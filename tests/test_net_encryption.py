@@ -11,14 +11,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from frames import digits_frame
+from models import make_mlp
 from shards import LR, SGDShard
 
+import sparkdl
 from sparkdl.collective import CollectiveError, Listener, RingCommunicator
 from sparkdl.launch import payloads
 from sparkdl.launch.forward import TaskReporter, _Forwarder
+from sparkdl.launch.frames import HEADER, MAX_FRAME_BYTES
 from sparkdl.launch.relay import OutputRelay
+from sparkdl.launch.session import encrypts_traffic
+from sparkdl.net import listener
 from sparkdl.net.auth import CLIENT_HELLO
 from sparkdl.net.secure import RECORD_BYTES, TAG_BYTES, IntegrityError, SealedChannel
+from sparkdl.ps import protocol
 from sparkdl.ps.client import ParameterClient
 from sparkdl.ps.server import ParameterServer
 
@@ -260,6 +267,48 @@ def test_sealed_relay_carries_results_and_errors_and_the_wire_holds_no_plaintext
     recorded = bytes(proxy.recorded)
     assert (PATTERN[:64].tobytes() in recorded) is not encrypt
     assert (b"a-marker-in-the-report" in recorded) is not encrypt
+
+
+def test_links_stay_plain_when_sparks_crypto_is_off(spark, monkeypatch):
+    """The shared session runs without spark.network.crypto.enabled: the raw bytes on a fit's relay and
+    parameter-server connections and on a ring's links are the plain protocol (the sealed side:
+    test_fits_with_spark_rpc_encryption)."""
+    assert not encrypts_traffic(spark)
+    opened = []  # (channel type, first bytes on the socket) of each connection a driver's listener served
+    open_channel = listener.open_channel
+
+    def peeking_open_channel(conn, *args, **kwargs):
+        conn.settimeout(60)  # every client speaks first after its handshake: a frame header, or a request's
+        head = conn.recv(HEADER.size, socket.MSG_PEEK | socket.MSG_WAITALL)
+        conn.settimeout(None)
+        channel = open_channel(conn, *args, **kwargs)
+        opened.append((type(channel).__name__, head))
+        return channel
+
+    monkeypatch.setattr(listener, "open_channel", peeking_open_channel)
+    rng = np.random.default_rng(0)
+    data = digits_frame(spark, rng.random((32, 64), dtype=np.float32), rng.integers(0, 10, 32))
+    result = sparkdl.fit(data, make_mlp(hidden=(16,)), num_workers=2, epochs=1, batch_size=8, mode="async")
+    assert np.isfinite(result.history["loss"]).all()
+    assert {name for name, _ in opened} == {"PlainChannel"}, opened
+    requests = [head for _, head in opened if head.startswith(protocol.REQUEST_MAGIC)]  # a worker's first request
+    relayed = [HEADER.unpack(head) for _, head in opened if not head.startswith(protocol.REQUEST_MAGIC)]
+    assert len(requests) >= 2 and len(relayed) >= 2, opened  # each worker's shard and relay connections
+    # a task's first frame as it is (a sealed record would start with its length: a 0 byte)
+    assert all(1 <= kind <= 8 and length <= MAX_FRAME_BYTES for kind, length in relayed), relayed
+
+    def ring_link_bytes():
+        from sparkdl.collective import context, transport
+
+        communicator = context._communicator()
+        communicator._to_next.send(transport.Op.ALLREDUCE, 0, PATTERN)
+        incoming = communicator._from_prev._channel
+        raw = incoming.sock.recv(transport._FRAME.size + PATTERN.nbytes, socket.MSG_PEEK | socket.MSG_WAITALL)
+        received = np.empty_like(PATTERN)
+        communicator._from_prev.recv_into(transport.Op.ALLREDUCE, 0, received)
+        return type(incoming).__name__, PATTERN.tobytes() in raw, np.array_equal(received, PATTERN)
+
+    assert sparkdl.run(ring_link_bytes, num_workers=2, spark=spark) == ("PlainChannel", True, True)
 
 
 _ENCRYPTED_FIT = """

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from sparkdl.net.acceptor import HANDSHAKE_TIMEOUT, MAX_PENDING, HandshakeAcceptor
 from sparkdl.net.auth import ConnectGaveUp, connect_authenticated
 from sparkdl.net.io import (
     SOCKET_BUFFER_BYTES,
@@ -23,7 +24,6 @@ from sparkdl.net.io import (
     parse_address,
     shutdown_and_close,
 )
-from sparkdl.net.listener import HANDSHAKE_TIMEOUT, MAX_PENDING, HandshakeAcceptor
 from sparkdl.net.secure import Channel, connect_channel, open_channel
 
 __all__ = [
@@ -197,7 +197,7 @@ class Listener:
     Created before addresses are exchanged, so each rank's address is known
     (and connectable) before anyone tries to connect.  ``handshake_timeout``
     and ``max_pending`` bound each unauthenticated connection (see
-    :mod:`sparkdl.net.listener`).
+    :mod:`sparkdl.net.acceptor`).
     """
 
     def __init__(

@@ -3,11 +3,14 @@
 A task's result (the trained ``.keras`` archive, a history) goes up and a
 payload the driver offers (the model to train) comes down over the task's
 authenticated connection to the driver's output relay, in frames of at most
-``MAX_FRAME_BYTES``, straight into one buffer of the announced size (sizes are
-checked, nothing is unpickled). Neither direction passes through a JVM heap,
-Spark's task results (``spark.driver.maxResultSize``) or a Spark Connect
-message, so no Spark setting limits their size; the driver's and the tasks'
-Python processes hold them in memory.
+``MAX_FRAME_BYTES``, into one buffer (sizes are checked, nothing is unpickled).
+Neither direction passes through a JVM heap, Spark's task results
+(``spark.driver.maxResultSize``) or a Spark Connect message, so no Spark
+setting limits their size; the driver's and the tasks' Python processes hold
+them in memory. An upload's buffer grows as its bytes arrive, never beyond the
+size the task announced, so an announcement costs the driver nothing until the
+bytes come; one beyond the driver's physical memory (``MAX_RESULT_BYTES``) is
+refused at once, naming the rank and the size.
 
 Results are kept by partition AND task attempt: a task uploads before it
 reports success (its small result row names its attempt), and the driver keeps
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import threading
 from collections.abc import Mapping
 
@@ -31,6 +36,18 @@ _log = logging.getLogger(__name__)
 
 # Frame kinds on the relay's connection, after the relay's own (output, errors, progress).
 _RESULT, _CHUNK, _FETCH, _REPLY = 5, 6, 7, 8  # task -> driver: _RESULT, _FETCH, _CHUNK; driver -> task: _REPLY, _CHUNK
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): no limit beyond what a bytearray holds
+        return sys.maxsize
+
+
+#: The largest result an upload may announce: the driver's physical memory, which holds a result whole
+#: (a larger announcement could never be received, only cost the driver until it fails).
+MAX_RESULT_BYTES = _physical_memory()
 
 
 class PayloadExchange:
@@ -89,8 +106,9 @@ class _Session:
     def __init__(self, exchange: PayloadExchange, rank: int):
         self._exchange = exchange
         self._rank = rank
-        self._upload: tuple[int, memoryview] | None = None  # attempt, the part of its buffer still to fill
-        self._buffer = bytearray()
+        self._upload: tuple[int, int] | None = None  # attempt, announced size
+        self._buffer = bytearray()  # what arrived of the upload so far
+        self._frame = bytearray()  # where a chunk lands before it joins the buffer (allocated at the first one)
 
     def handle(self, channel: Channel, kind: int, length: int, stopping: threading.Event) -> None:
         if length > MAX_FRAME_BYTES:
@@ -112,30 +130,37 @@ class _Session:
             self._serve(channel, message.decode("utf-8", "replace"), stopping)
 
     def _begin(self, channel: Channel, attempt: int, size: int, stopping: threading.Event) -> None:
-        if self._upload is not None or size < 0:
+        if self._upload is not None:
             raise ValueError(f"rank {self._rank} announced a result of {size} bytes in the middle of another one")
-        self._buffer = bytearray(size)  # a MemoryError drops the connection: the task fails, Spark retries it
-        self._upload = (attempt, memoryview(self._buffer))
+        if not 0 <= size <= MAX_RESULT_BYTES:
+            raise ValueError(
+                f"Expected rank {self._rank}'s result to be 0 to {MAX_RESULT_BYTES:,} bytes (the driver's physical "
+                f"memory, which holds a result whole). Received: an announced size of {size:,} bytes"
+            )
+        self._upload = (attempt, size)
         self._complete_if_done(channel, stopping)
 
     def _receive_chunk(self, channel: Channel, length: int, stopping: threading.Event) -> None:
         if self._upload is None:
             raise ValueError(f"rank {self._rank} sent result bytes without announcing a result")
-        attempt, rest = self._upload
-        if length > len(rest):
-            raise ValueError(f"rank {self._rank} sent more bytes than the {len(self._buffer)} it announced")
-        if not recv_into(channel, rest[:length], stopping):
-            raise ValueError(f"rank {self._rank}'s result was cut off")
-        self._upload = (attempt, rest[length:])
+        size = self._upload[1]
+        if length > size - len(self._buffer):
+            raise ValueError(f"rank {self._rank} sent more bytes than the {size} it announced")
+        if not self._frame:
+            self._frame = bytearray(MAX_FRAME_BYTES)
+        with memoryview(self._frame)[:length] as chunk:
+            if not recv_into(channel, chunk, stopping):
+                raise ValueError(f"rank {self._rank}'s result was cut off")
+            self._buffer += chunk  # grown as the bytes arrive (a MemoryError drops the connection)
         self._complete_if_done(channel, stopping)
 
     def _complete_if_done(self, channel: Channel, stopping: threading.Event) -> None:
         assert self._upload is not None, "called once the upload has started"
-        attempt, rest = self._upload
-        if len(rest):
+        attempt, size = self._upload
+        if len(self._buffer) < size:
             return
         self._exchange._keep(self._rank, attempt, self._buffer)
-        self._upload, self._buffer = None, bytearray()
+        self._upload, self._buffer, self._frame = None, bytearray(), bytearray()
         _send_frame(channel, _REPLY, json.dumps({"received": True}).encode(), stopping)
 
     def _serve(self, channel: Channel, name: str, stopping: threading.Event) -> None:

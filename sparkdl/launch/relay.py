@@ -29,7 +29,8 @@ from collections.abc import Callable
 from typing import TextIO
 
 from sparkdl.launch import frames
-from sparkdl.net.listener import HANDSHAKE_TIMEOUT, ServingListener
+from sparkdl.net.acceptor import HANDSHAKE_TIMEOUT
+from sparkdl.net.listener import ServingListener
 from sparkdl.net.secure import Channel
 
 _log = logging.getLogger(__name__)

@@ -5,6 +5,12 @@ client nonce + client MAC; server -> client: server MAC.  Each side proves the
 secret and the ranks it claims ("rank" of a server: the ring rank, the shard
 index or the relay's id), so a client that mixes up addresses fails too.
 Nothing in a handshake is deserialised beyond fixed-size binary fields.
+
+A client whose connection is cut says why: a listener that drops a connection
+before reading its hello (too many pending handshakes, or its deadline passed:
+see :mod:`sparkdl.net.acceptor`) resets it, while one that read the hello and
+refused it (a wrong secret or rank) closes it, so only then is the client told
+to check the secret. The listener sends nothing else to an unauthenticated peer.
 """
 
 from __future__ import annotations
@@ -23,6 +29,17 @@ NONCE_BYTES = 32
 MAC_BYTES = hashlib.sha256().digest_size
 SERVER_HELLO_BYTES = len(AUTH_MAGIC) + NONCE_BYTES
 CLIENT_HELLO = struct.Struct(f"!I{NONCE_BYTES}s{MAC_BYTES}s")
+
+_CLOSED_BEFORE_GREETING = "the listener closed the connection before greeting this client (is it stopping?)"
+_DROPPED_UNREAD = (
+    "the listener dropped the connection before reading this client's hello: it had more pending handshakes "
+    "than it holds, or this client's handshake deadline passed (a flood of connections, or a slow client; "
+    "not a secret mismatch)"
+)
+_REFUSED_AFTER_HELLO = (
+    "the listener closed the connection after reading this client's proof (different job secret, or a rank "
+    "it does not serve?)"
+)
 
 
 class HandshakeFailed(Exception):
@@ -103,21 +120,30 @@ def connect_with_proof(
 
 
 def _client_handshake(sock: socket.socket, rank: int, peer: int, secret: bytes) -> bytes:
-    hello = _recv_handshake(sock, SERVER_HELLO_BYTES)
+    hello = _recv_handshake(sock, SERVER_HELLO_BYTES, _CLOSED_BEFORE_GREETING)
     if not hello.startswith(AUTH_MAGIC):
         raise HandshakeFailed("the listener did not speak the sparkdl protocol")
     server_nonce = hello[len(AUTH_MAGIC) :]
     client_nonce = os.urandom(NONCE_BYTES)
     mac = _client_mac(secret, server_nonce, client_nonce, rank, peer)
-    sock.sendall(CLIENT_HELLO.pack(rank, client_nonce, mac))
-    proof = _recv_handshake(sock, MAC_BYTES)
+    try:
+        sock.sendall(CLIENT_HELLO.pack(rank, client_nonce, mac))
+    except ConnectionError:  # reset or closed while sending
+        raise HandshakeFailed(_DROPPED_UNREAD) from None
+    proof = _recv_handshake(sock, MAC_BYTES, _REFUSED_AFTER_HELLO)
     if not hmac.compare_digest(proof, server_proof(secret, client_nonce, server_nonce, peer)):
         raise HandshakeFailed(f"rank {peer} failed to prove it knows the job secret")
     return proof
 
 
-def _recv_handshake(sock: socket.socket, size: int) -> bytes:
+def _recv_handshake(sock: socket.socket, size: int, closed: str) -> bytes:
+    """``size`` bytes of the handshake; HandshakeFailed with ``closed`` if the listener closed the connection, or
+    saying it dropped the connection unread if it reset it."""
     buffer = bytearray(size)
-    if recv_exact(sock, memoryview(buffer)) < size:
-        raise HandshakeFailed("the peer closed the connection during authentication (different job secret?)")
+    try:
+        received = recv_exact(sock, memoryview(buffer))
+    except ConnectionResetError:
+        raise HandshakeFailed(_DROPPED_UNREAD) from None
+    if received < size:
+        raise HandshakeFailed(closed)
     return bytes(buffer)

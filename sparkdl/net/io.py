@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import socket
+import struct
 import threading
 from collections.abc import Callable, Sequence
 
@@ -94,6 +95,15 @@ def shutdown_and_close(sock: socket.socket) -> None:
     """Shut down first so a thread blocked on this socket wakes up, then close."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def close_with_reset(sock: socket.socket) -> None:
+    """Close abortively (SO_LINGER 0: a reset, no TIME_WAIT), so the peer can tell it was dropped unheard."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     except OSError:
         pass
     sock.close()

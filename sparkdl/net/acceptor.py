@@ -1,0 +1,267 @@
+"""Why no unauthenticated connection can lock a real peer out: handshakes on one selector, bounded and evicting.
+
+No thread waits on an unauthenticated connection: :class:`HandshakeAcceptor`
+advances every pending handshake from one selector and drops each after a
+short deadline.  When its pending slots are full, a new connection evicts the
+oldest pending one of the peer address that holds the most slots: idle
+connections that re-take freed slots cannot lock a real peer out, and a flood
+from one host evicts its own connections, never a slow peer's from another
+host (on one host all share an address: then the oldest goes).  A connection
+dropped before its hello was read is closed with a reset, so that the client
+can tell it from a refused secret (:mod:`sparkdl.net.auth`).  ``accept()``
+errors such as EMFILE are survived: a pending connection is evicted to free a
+descriptor and accepting pauses briefly.  Refusals are counted and logged at a
+bounded rate (:mod:`sparkdl.net.refusals`).  Every listener runs one: the
+ring's (:mod:`sparkdl.collective.transport`) and :mod:`sparkdl.net.listener`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import socket
+import time
+from collections import Counter
+from collections.abc import Container
+from dataclasses import dataclass, field
+
+from sparkdl.net import auth
+from sparkdl.net.io import close_with_reset, tune
+from sparkdl.net.refusals import RefusalLog
+
+_log = logging.getLogger(__name__)
+
+#: Seconds a new connection has to authenticate (a real peer needs milliseconds).
+HANDSHAKE_TIMEOUT = 5.0
+#: Connections still authenticating per listener; one more evicts the oldest of the address holding the most.
+MAX_PENDING = 64
+#: Longest pause of accepting after an ``accept()`` error such as EMFILE.
+MAX_ACCEPT_BACKOFF = 1.0
+
+
+#: (blocking tuned socket, client rank, the server proof still to send) of a client that proved the secret.
+Authenticated = tuple[socket.socket, int, bytes]
+
+
+@dataclass
+class _Pending:
+    """Server-side state of one not yet authenticated connection."""
+
+    nonce: bytes
+    deadline: float
+    peer: str  # the client's address (its host, without the port)
+    received: bytearray = field(default_factory=bytearray)
+
+
+class HandshakeAcceptor:
+    """Accepts and authenticates connections on ``sock`` (a listening socket) in the calling thread.
+
+    A client must authenticate as a rank in ``client_ranks`` towards
+    ``server_rank``; :meth:`poll` returns the connections that did.  Everything else is dropped and counted in
+    ``refused`` (``last_refusal`` says why), and logged at a bounded rate.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        name: str,
+        secret: bytes,
+        server_rank: int,
+        client_ranks: Container[int],
+        *,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        max_pending: int = MAX_PENDING,
+    ):
+        if max_pending < 1:
+            raise ValueError(f"Expected max_pending >= 1. Received: max_pending={max_pending}")
+        if not handshake_timeout > 0:
+            raise ValueError(f"Expected handshake_timeout > 0 seconds. Received: handshake_timeout={handshake_timeout}")
+        self._sock, self.name = sock, name
+        # Who may connect: clients proving the secret as one of client_ranks towards server_rank.
+        self._secret, self._server_rank, self._client_ranks = secret, server_rank, client_ranks
+        self.handshake_timeout = handshake_timeout
+        self.max_pending = max_pending
+        self._refusals = RefusalLog(name)
+        self._pending: dict[socket.socket, _Pending] = {}  # insertion order: oldest first
+        self._pending_per_peer: Counter[str] = Counter()
+        self._selector = selectors.DefaultSelector()
+        self._waker_r, self._waker_w = socket.socketpair()
+        self._waker_r.setblocking(False)
+        self._waker_w.setblocking(False)
+        self._selector.register(self._waker_r, selectors.EVENT_READ)
+        sock.setblocking(False)
+        self._selector.register(sock, selectors.EVENT_READ)
+        self._accepting = True
+        self._resume_at = 0.0
+        self._backoff = 0.0
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def refused(self) -> int:
+        """Connections dropped before or right after authenticating."""
+        return self._refusals.total
+
+    @property
+    def last_refusal(self) -> str:
+        return self._refusals.last
+
+    def wake(self) -> None:
+        """Make a :meth:`poll` blocked in another thread return now."""
+        try:
+            self._waker_w.send(b"\0")
+        except OSError:
+            pass
+
+    def poll(self, timeout: float) -> list[Authenticated]:
+        """Wait at most ``timeout`` seconds for events; return the clients that proved the secret since.
+
+        Each comes with the server's proof, which the caller sends (``sendall``)
+        once it has taken the connection in: the client's handshake completes
+        only then.
+        """
+        now = time.monotonic()
+        for conn, state in [(c, state) for c, state in self._pending.items() if now >= state.deadline]:
+            self._drop(conn, f"no authentication within {self.handshake_timeout}s", f"from {state.peer}", unread=True)
+        self._refusals.flush(now)
+        if not self._accepting and now >= self._resume_at:
+            self._selector.register(self._sock, selectors.EVENT_READ)
+            self._accepting = True
+        wake = min(now + max(0.0, timeout), self._refusals.due())
+        if self._pending:
+            wake = min(wake, next(iter(self._pending.values())).deadline)
+        if not self._accepting:
+            wake = min(wake, self._resume_at)
+        authenticated = []
+        accept = False
+        for key, _ in self._selector.select(max(0.0, wake - now)):
+            if key.fileobj is self._waker_r:
+                try:
+                    self._waker_r.recv(4096)
+                except OSError:
+                    pass
+            elif key.fileobj is self._sock:
+                accept = True
+            elif key.fileobj in self._pending:
+                result = self._advance(key.fileobj)
+                if result is not None:
+                    authenticated.append(result)
+        if accept:  # after the hellos that arrived: a burst of new connections must not evict those first
+            self._accept_all()
+        return authenticated
+
+    def close(self) -> None:
+        """Drop every pending connection and release the selector (the listening socket stays the caller's)."""
+        for conn in list(self._pending):
+            self._selector.unregister(conn)
+            close_with_reset(conn)
+        self._pending.clear()
+        self._pending_per_peer.clear()
+        self._refusals.flush(time.monotonic(), final=True)
+        self._selector.close()
+        self._waker_r.close()
+        self._waker_w.close()
+
+    def _accept_all(self) -> None:
+        """Accept what is queued, at most ``max_pending`` per round, so a flood cannot starve the handshakes."""
+        for _ in range(self.max_pending):
+            try:
+                conn, address = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ENOMEM: pause, never give up
+                self._backoff = min(MAX_ACCEPT_BACKOFF, max(0.01, 2 * self._backoff))
+                if self._pending:
+                    self._evict(f"evicted to free a file descriptor (accept() failed: {exc})")
+                else:
+                    _log.warning("%s: accept() failed (%s); pausing %.2fs", self.name, exc, self._backoff)
+                self._selector.unregister(self._sock)
+                self._accepting = False
+                self._resume_at = time.monotonic() + self._backoff
+                return
+            self._backoff = 0.0
+            self._start(conn, address[0])
+
+    def _start(self, conn: socket.socket, peer: str) -> None:
+        if len(self._pending) >= self.max_pending:
+            self._evict(f"evicted: more than {self.max_pending} pending connections")
+        conn.setblocking(False)
+        nonce, hello = auth.server_hello()
+        try:
+            if conn.send(hello) != len(hello):  # 36 bytes always fit a fresh connection's send buffer
+                raise OSError("short write of the server hello")
+        except OSError:
+            conn.close()
+            return
+        self._pending[conn] = _Pending(nonce, time.monotonic() + self.handshake_timeout, peer)
+        self._pending_per_peer[peer] += 1
+        self._selector.register(conn, selectors.EVENT_READ)
+
+    def _evict(self, reason: str) -> None:
+        """Drops the oldest pending connection of the peer address holding the most pending slots (ties: the oldest
+        overall): one flooding host then only evicts its own connections, never a slow peer's from elsewhere."""
+        most = max(self._pending_per_peer.values())
+        conn, state = next(
+            (c, state) for c, state in self._pending.items() if self._pending_per_peer[state.peer] == most
+        )
+        self._drop(conn, reason, f"the oldest of {most} pending from {state.peer}", unread=True)
+
+    def _advance(self, conn: socket.socket) -> Authenticated | None:
+        state = self._pending[conn]
+        try:
+            data = conn.recv(auth.CLIENT_HELLO.size - len(state.received))
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            self._drop(conn, "connection error during authentication", f"from {state.peer}: {exc}")
+            return None
+        if not data:
+            self._drop(conn, "closed during authentication", f"from {state.peer}")
+            return None
+        state.received += data
+        if len(state.received) < auth.CLIENT_HELLO.size:
+            return None
+        verified = auth.verify_client_hello(self._secret, state.nonce, bytes(state.received), self._server_rank)
+        if verified is None:
+            self._drop(conn, "bad authentication code (wrong secret or garbage)", f"from {state.peer}")
+            return None
+        client_rank, client_nonce = verified
+        if client_rank not in self._client_ranks:
+            self._drop(
+                conn, "authenticated as a rank this listener does not serve", f"rank {client_rank} from {state.peer}"
+            )
+            return None
+        self._forget(conn)
+        try:
+            conn.setblocking(True)
+            tune(conn)
+        except OSError as exc:
+            conn.close()
+            self.refuse("vanished while authenticating", f"rank {client_rank} from {state.peer}: {exc}")
+            return None
+        return conn, client_rank, auth.server_proof(self._secret, client_nonce, state.nonce, self._server_rank)
+
+    def _forget(self, conn: socket.socket) -> None:
+        """Takes ``conn`` out of the pending handshakes."""
+        self._selector.unregister(conn)
+        peer = self._pending.pop(conn).peer
+        self._pending_per_peer[peer] -= 1
+        if not self._pending_per_peer[peer]:
+            del self._pending_per_peer[peer]
+
+    def _drop(self, conn: socket.socket, reason: str, detail: str, *, unread: bool = False) -> None:
+        """Closes a pending connection; ``unread``: with a reset, as its hello was not read (see the module doc)."""
+        self._forget(conn)
+        if unread:
+            close_with_reset(conn)
+        else:
+            conn.close()
+        self.refuse(reason, detail)
+
+    def refuse(self, reason: str, detail: str = "") -> None:
+        """Counts (and logs, at a bounded rate) a refused connection; summaries count by ``reason``."""
+        self._refusals.refuse(reason, detail)
