@@ -212,8 +212,9 @@ class Listener:
 
         Handshakes run concurrently on a selector, so a silent, slow or hostile
         client cannot delay the real peer; each one is dropped when it fails
-        authentication, after ``min(timeout, handshake_timeout)``, or when
-        ``max_pending`` newer ones arrive.  The whole wait is bounded by
+        authentication, after ``min(timeout, handshake_timeout)``, or when evicted
+        to make room (``max_pending`` pending at most: the oldest of the address
+        holding the most goes).  The whole wait is bounded by
         ``timeout`` (then :class:`CollectiveTimeout`).  ``encrypt`` seals the link (see :mod:`sparkdl.net.secure`).
         """
         deadline = time.monotonic() + timeout

@@ -37,7 +37,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from sparkdl.net.listener import HANDSHAKE_TIMEOUT, MAX_PENDING
+from sparkdl.net.acceptor import HANDSHAKE_TIMEOUT, MAX_PENDING
 from sparkdl.ps.shard_server import ShardServer
 from sparkdl.ps.staleness import ClockTracker
 
