@@ -4,6 +4,7 @@ Training checks every row once, in the checks job, before the training stage; ``
 lazy transformation that starts no job of its own, so its tasks check each batch as they read it,
 by the same rule (``sparkdl.data.shapes``): nulls, non-finite floats, ragged or mismatched
 shapes and integers a float input would round fail the task with a message naming the column.
+Strings reach a string input as ``bytes`` objects holding exactly Spark's UTF-8.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class InputColumn:
         rows = len(column)
         shape, values = self._image(column) if self.image else self._nested(column)
         shape = shapes.fit_shape(self.what, shape, self.port, nested=len(shape) > 1) if rows else shape
+        if self.port.is_text:  # bytes objects, exactly Spark's UTF-8 (plan refused other columns for this input)
+            return values.reshape((rows, *shape))
         dtype = np.dtype("float32") if self.port.dtype == "bfloat16" else np.dtype(self.port.dtype)
         if values.dtype.kind in "iu" and rows:
             shapes.check_range(self.what, int(values.min()), int(values.max()), self.port)
@@ -81,6 +84,9 @@ class InputColumn:
                     "expected numbers only. Drop or impute them first (e.g. df.dropna(subset=[...]))."
                 )
             level += 1
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+            # as bytes (a cast that copies nothing): Spark's strings reach the model byte for byte, never decoded
+            column = column.cast(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
         values = column.to_numpy(zero_copy_only=False)
         return tuple(shape), values
 

@@ -33,7 +33,8 @@ class Checks:
         self._nonnegative: str | None = None
 
     def add_column(self, source: SourceColumn, element: str) -> None:
-        """Checks ``source`` as its values will be read: cast to ``element`` (``float``, ``double`` or ``bigint``)."""
+        """Checks ``source`` as its values will be read: cast to ``element`` (``float``, ``double``, ``bigint`` or
+        ``string``)."""
         if any(existing.name == source.name for existing, _ in self._columns):
             return
         i = len(self._columns)
@@ -45,7 +46,7 @@ class Checks:
         else:
             values = source.values(element)
             bad = F.exists(values, lambda x: x.isNull())
-            if element != "bigint":
+            if element not in ("bigint", "string"):
                 bad = F.exists(values, lambda x: x.isNull() | F.isnan(x) | (F.abs(x) == float("inf")))
             aggs += [
                 F.sum(F.when(bad, 1).otherwise(0)).alias(f"bad_{i}"),
@@ -129,9 +130,14 @@ def _column_stats(source: SourceColumn, element: str, i: int, stats: dict) -> Co
         if stats[f"inner_nulls_{i}_{level}"]:
             raise ValueError(
                 f"Column {name!r} has {stats[f'inner_nulls_{i}_{level}']} rows with a null array at nesting level "
-                f"{level + 2}: expected a full array of numbers at every level. Drop or repair those rows first."
+                f"{level + 2}: expected a full array of values at every level. Drop or repair those rows first."
             )
     if stats[f"bad_{i}"]:
+        if source.text:
+            raise ValueError(
+                f"Column {name!r} has {stats[f'bad_{i}']} rows containing null strings: expected a string in every "
+                "place. Drop those rows or fill the nulls first (e.g. with ''), whichever the model should see."
+            )
         what = (
             "null values"
             if element == "bigint"

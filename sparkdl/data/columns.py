@@ -1,9 +1,10 @@
-"""What a DataFrame column holds, read from its schema alone: a number, a Vector, (nested) arrays, or an image.
+"""What a DataFrame column holds, read from its schema alone: a number or string, a Vector, (nested) arrays, or an image.
 
 Each kind turns into one flat Arrow list per row of a chosen element type (``values``): the
 workers reshape it to the model's input shape. Integers stay integers (``bigint``) so that ids
-travel exactly; floats become ``float`` or ``double``. An image (Spark's ``image`` source struct)
-travels as its raw ``data`` bytes and is decoded on the workers.
+travel exactly; floats become ``float`` or ``double``; strings stay strings (their UTF-8 bytes, for
+string inputs). An image (Spark's ``image`` source struct) travels as its raw ``data`` bytes and is
+decoded on the workers.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ class SourceColumn:
     integer: bool  # holds whole numbers exactly (integral or boolean types)
     type_name: str  # the Spark type, for messages
     size: int | None = None  # a Vector's size, where its ML attributes give it (VectorAssembler writes them)
+    text: bool = False  # holds strings (a string column, or (nested) arrays of strings)
+
+    @property
+    def holds(self) -> str:
+        """What its values are, for messages: ``strings``, ``integers`` or ``floats``."""
+        return "strings" if self.text else "integers" if self.integer else "floats"
 
     def values(self, element: str) -> Column:
         """The row's values as one flat ``array<element>`` (row-major); for an image, its bytes."""
@@ -83,9 +90,11 @@ def inspect(df: DataFrame, name: str, setting: str) -> SourceColumn:
     if isinstance(element, (T.NumericType, T.BooleanType)):
         integer = isinstance(element, (T.IntegralType, T.BooleanType))
         return SourceColumn(name, ARRAY if depth else SCALAR, depth, integer, type_name)
+    if isinstance(element, (T.StringType, T.CharType, T.VarcharType)):
+        return SourceColumn(name, ARRAY if depth else SCALAR, depth, False, type_name, text=True)
     raise ValueError(
-        f"Expected column {name!r} (`{setting}`) to be numeric, an ML Vector, a (nested) array of numbers or an "
-        f"image (Spark's image source). Received type: {type_name}"
+        f"Expected column {name!r} (`{setting}`) to be numeric, a string, an ML Vector, a (nested) array of numbers "
+        f"or strings, or an image (Spark's image source). Received type: {type_name}"
     )
 
 
@@ -102,14 +111,14 @@ def features_array(df: DataFrame, features_col: str | Sequence[str]) -> tuple[Co
     Checks the schema only (no Spark job) and raises ``ValueError`` naming the column.
     """
     if isinstance(features_col, str):
-        return inspect(df, features_col, "features_col").values("float"), [features_col]
+        return _numeric(inspect(df, features_col, "features_col")).values("float"), [features_col]
     names = list(features_col) if isinstance(features_col, (list, tuple)) else None
     if not names or not all(isinstance(n, str) for n in names):
         raise ValueError(
             "Expected `features_col` to be a column name or a non-empty list of column names. "
             f"Received: {features_col!r}"
         )
-    sources = [inspect(df, name, "features_col") for name in names]
+    sources = [_numeric(inspect(df, name, "features_col")) for name in names]
     for source in sources:
         if source.kind != SCALAR:
             raise ValueError(
@@ -117,6 +126,16 @@ def features_array(df: DataFrame, features_col: str | Sequence[str]) -> tuple[Co
                 f"{source.type_name}. Pass a vector or array column on its own instead."
             )
     return F.concat(*(s.values("float") for s in sources)), names
+
+
+def _numeric(source: SourceColumn) -> SourceColumn:
+    if source.text:
+        raise ValueError(
+            f"Column {source.name!r} (`features_col`) holds strings ({source.type_name}), but the features here are "
+            "numbers (array<float>). Index or encode it first (pyspark.ml.feature.StringIndexer, OneHotEncoder), or "
+            "give it to a model with a string input (keras.Input(shape=(1,), dtype='string')) through sparkdl.fit."
+        )
+    return source
 
 
 def features_column(df: DataFrame, features_col: str | Sequence[str]) -> Column:

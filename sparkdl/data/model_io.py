@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+STRING = "string"  # Keras's (and TensorFlow's) name of the string dtype, which numpy lacks
+
 
 @dataclasses.dataclass(frozen=True)
 class Port:
@@ -16,11 +18,15 @@ class Port:
 
     name: str
     shape: tuple[int | None, ...]
-    dtype: str  # numpy's name: "float32", "int64", ...
+    dtype: str  # numpy's name: "float32", "int64", ...; "string" for a string input (keras.Input(dtype="string"))
 
     @property
     def is_integer(self) -> bool:
-        return _kind(self.dtype) in "iub"
+        return not self.is_text and _kind(self.dtype) in "iub"
+
+    @property
+    def is_text(self) -> bool:
+        return self.dtype == STRING
 
     def describe(self) -> str:
         return f"{self.name!r} (shape {(None, *self.shape)}, dtype {self.dtype})"
@@ -75,7 +81,7 @@ def _dtype(tensor) -> str:
 
     dtype = tensor.dtype
     name = getattr(dtype, "name", dtype)
-    return "bfloat16" if name == "bfloat16" else np.dtype(name).name
+    return name if name in ("bfloat16", STRING) else np.dtype(name).name
 
 
 def _kind(dtype: str) -> str:

@@ -49,7 +49,7 @@ class _Planned:
     key: str
     setting: str  # how the user named it: features_col['ids'], label_col, ...
     sources: tuple[SourceColumn, ...]
-    element: str  # "float", "double" or "bigint"
+    element: str  # "float", "double", "bigint" or "string"
     port: Port | None  # the model input (None for targets and the weight)
     dtype: str
 
@@ -222,19 +222,43 @@ def input_fields(df: DataFrame, ports: Sequence[Port], features_col: ColumnSpec)
     for port, spec, setting in chosen:
         sources = _sources(df, spec, setting)
         for source in sources:
-            if port.is_integer and not source.integer:
-                raise ValueError(
-                    f"Column {source.name!r} (`{setting}`) holds {source.type_name} values, but the model's input "
-                    f"{port.describe()} takes integers: floats are never rounded into integers. Cast the column to "
-                    "an integer type, or declare the input as float."
-                )
-        element = "bigint" if port.is_integer else ("double" if port.dtype == "float64" else "float")
+            _check_kind(source, port, setting)
+        element = (
+            "string"
+            if port.is_text
+            else "bigint"
+            if port.is_integer
+            else "double"
+            if port.dtype == "float64"
+            else "float"
+        )
         field = _Planned(INPUT, port.name, setting, sources, element, port, port.dtype)
         known = field.known_shape()
         if known is not None:  # the schema tells its shape: checked at once
             shapes.fit_shape(field.what, known, port, nested=False)
         planned.append(field)
     return planned
+
+
+def _check_kind(source: SourceColumn, port: Port, setting: str) -> None:
+    """Refuses a column whose values the input cannot take as they are: nothing is parsed, rounded or formatted."""
+    column = f"Column {source.name!r} (`{setting}`) holds {source.holds} ({source.type_name})"
+    if port.is_text and not source.text:
+        raise ValueError(
+            f"{column}, but the model's input {port.describe()} takes strings. Pass a string column (or an array of "
+            f"strings), or cast it to strings first (F.col({source.name!r}).cast('string'))."
+        )
+    if source.text and not port.is_text:
+        raise ValueError(
+            f"{column}, but the model's input {port.describe()} takes numbers: strings are never parsed into "
+            "numbers. Give the model a string input (keras.Input(shape=(1,), dtype='string')) followed by "
+            "TextVectorization, StringLookup or Hashing, or index the column first (pyspark.ml.feature.StringIndexer)."
+        )
+    if port.is_integer and not source.integer:
+        raise ValueError(
+            f"{column}, but the model's input {port.describe()} takes integers: floats are never rounded into "
+            "integers. Cast the column to an integer type, or declare the input as float."
+        )
 
 
 def _targets(df: DataFrame, model, label_col: ColumnSpec) -> list[_Planned]:
@@ -255,6 +279,12 @@ def _targets(df: DataFrame, model, label_col: ColumnSpec) -> list[_Planned]:
         sources = _sources(df, spec, setting)
         if any(s.kind == IMAGE for s in sources):
             raise ValueError(f"`{setting}` names an image column: expected numbers, Vectors or arrays as labels.")
+        for source in sources:
+            if source.text:
+                raise ValueError(
+                    f"Column {source.name!r} (`{setting}`) holds strings ({source.type_name}): expected numbers as "
+                    "labels (a model's outputs are numbers). Index it first (pyspark.ml.feature.StringIndexer)."
+                )
         integer = all(s.integer for s in sources)
         planned.append(
             _Planned(
@@ -266,7 +296,7 @@ def _targets(df: DataFrame, model, label_col: ColumnSpec) -> list[_Planned]:
 
 def _weight(df: DataFrame, name: str) -> _Planned:
     source = inspect(df, name, "sample_weight_col")
-    if source.kind != SCALAR:
+    if source.kind != SCALAR or source.text:
         raise ValueError(
             f"Expected column {name!r} (`sample_weight_col`) to hold one number per row. Received type: {source.type_name}"
         )
@@ -285,9 +315,15 @@ def _sources(df: DataFrame, spec, setting: str) -> tuple[SourceColumn, ...]:
     for source in sources:
         if source.kind != SCALAR:
             raise ValueError(
-                f"Expected every column in the `{setting}` list to be numeric; column {source.name!r} is "
-                f"{source.type_name}. Pass a vector or array column on its own instead."
+                f"Expected every column in the `{setting}` list to hold one number or string per row; column "
+                f"{source.name!r} is {source.type_name}. Pass a vector or array column on its own instead."
             )
+    if len({source.text for source in sources}) > 1:
+        kinds = {source.name: source.type_name for source in sources}
+        raise ValueError(
+            f"Expected the columns in the `{setting}` list to be all numbers or all strings: one model input takes "
+            f"one dtype. Received: {kinds}. Give the strings an input of their own (a mapping by input name)."
+        )
     return sources
 
 

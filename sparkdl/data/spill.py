@@ -1,7 +1,7 @@
 """A partition streamed to local disk as its Arrow batches arrive, read back a batch at a time: memory stays flat.
 
-The rows go, batch by batch, to one file of fixed-size records (every field of a row side by side)
-in the executor's local directory (Spark's ``spark.local.dir``, which executors pass to Python as
+The rows go, batch by batch, to one file of fixed-size records (every field of a row side by side;
+a string field's values are spans of a second file, ``sparkdl.data.texts``) in the executor's local directory (Spark's ``spark.local.dir``, which executors pass to Python as
 ``SPARK_LOCAL_DIRS``). Once the partition has arrived, the file is opened for reading and unlinked at
 once: the data stays readable through the open file, no other process can open it, and the kernel
 frees it when the worker lets go of it or its process dies, however it dies. It is created
@@ -38,6 +38,7 @@ import numpy as np
 
 from sparkdl.data.fields import Field
 from sparkdl.data.read_ahead import Chunk
+from sparkdl.data.texts import SPAN, TextFile, TextReader, TextValues
 from sparkdl.data.windows import read_in_windows, read_into
 
 # A partition's training (or held-out) rows are memory-mapped up to this size, read with system calls beyond it.
@@ -63,45 +64,85 @@ class SpilledRows:
     def __init__(self, fields: tuple[Field, ...], directory: str, mapped_bytes: int | None = None):
         # one record per row, fields side by side and unpadded: a row is one read
         by_column = {field.column: field for field in fields}  # a column two fields read is stored once
-        self._record = np.dtype([(column, field.numpy_dtype, field.shape) for column, field in by_column.items()])
+        self._record = np.dtype(
+            [
+                (column, np.int64, (*field.shape, SPAN)) if field.is_text else (column, field.numpy_dtype, field.shape)
+                for column, field in by_column.items()
+            ]
+        )
+        self._text_columns = tuple(column for column, field in by_column.items() if field.is_text)
         self._mapped_bytes = mapped_bytes_limit() if mapped_bytes is None else mapped_bytes
         self._scratch_directory = directory  # where a FileRows sorts an epoch's rows into windows
         self._directory = tempfile.mkdtemp(prefix="sparkdl-partition-", dir=directory)  # 0700
         self._path = os.path.join(self._directory, "rows")
         self._file = os.fdopen(os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
+        self._texts = TextFile(self._directory) if self._text_columns else None
         self._rows = 0
 
-    def append(self, arrays: dict[str, np.ndarray]) -> None:
-        """Writes one Arrow batch's rows, given as one ``(rows, *shape)`` array per field."""
+    def append(self, arrays: dict[str, np.ndarray | TextValues]) -> None:
+        """Writes one Arrow batch's rows, given as one ``(rows, *shape)`` array (or ``TextValues``) per field."""
         records = np.empty(len(next(iter(arrays.values()))), self._record)
-        for column, array in arrays.items():
-            records[column] = array
+        for column, values in arrays.items():
+            if isinstance(values, TextValues):
+                assert self._texts is not None, "a record with string fields has a text file"
+                records[column] = self._texts.append(values)
+            else:
+                records[column] = values
         self._file.write(records.tobytes())
         self._rows += len(records)
 
     def finish(self) -> MappedRows | FileRows:
-        """Opens the file for reading and removes it from the disk; returns its reader."""
+        """Opens the files for reading and removes them from the disk; returns their reader."""
         try:
             self._file.close()
+            texts = None
+            if self._texts is not None:
+                texts = _Texts(self._texts.finish(self._mapped_bytes), self._text_columns)
             if self._rows * self._record.itemsize <= self._mapped_bytes:
-                return MappedRows(self._path, self._record, self._rows)
-            return FileRows(os.open(self._path, os.O_RDONLY), self._record, self._rows, self._scratch_directory)
+                return MappedRows(self._path, self._record, self._rows, texts)
+            return FileRows(os.open(self._path, os.O_RDONLY), self._record, self._rows, self._scratch_directory, texts)
         finally:
             self.discard()
 
     def discard(self) -> None:
-        """Removes the file (once opened, it stays readable until the process lets go of it)."""
+        """Removes the files (once opened, they stay readable until the process lets go of them)."""
         self._file.close()
+        if self._texts is not None:
+            self._texts.discard()
         if os.path.exists(self._path):
             os.unlink(self._path)
         if os.path.isdir(self._directory):
             os.rmdir(self._directory)
 
 
+class _Texts:
+    """The string fields of a set of rows: their columns, whose records hold spans, and the file the spans point in."""
+
+    def __init__(self, reader: TextReader, columns: tuple[str, ...]):
+        self.reader, self.columns = reader, columns
+
+    def resolve(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``arrays`` with each string field's spans replaced by its values (``bytes`` objects)."""
+        return {name: self.reader.values(a) if name in self.columns else a for name, a in arrays.items()}
+
+
 class _Reader:
-    """What both readers share: the steps of part of an epoch, given the rows to read as spans of its order."""
+    """What both readers share: string values read by their spans, and the steps of part of an epoch, given the
+    rows to read as spans of its order."""
+
+    def __init__(self, texts: _Texts | None):
+        self._texts = texts
 
     def read(self, index: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows at ``index``, one ``(len(index), *shape)`` array per field."""
+        arrays = self._gather(_checked(index, len(self)))
+        return self._texts.resolve(arrays) if self._texts is not None else arrays
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def _gather(self, index: np.ndarray) -> dict[str, np.ndarray]:
+        """The records at ``index`` (checked row numbers), one array per field (a string field's spans)."""
         raise NotImplementedError
 
     def chunks(self, order: np.ndarray, spans: list[tuple[int, int]]) -> Iterator[Chunk]:
@@ -113,7 +154,8 @@ class _Reader:
 class MappedRows(_Reader):
     """Rows read from a memory mapping of their file: a batch is a gather."""
 
-    def __init__(self, path: str, record: np.dtype, rows: int):
+    def __init__(self, path: str, record: np.dtype, rows: int, texts: _Texts | None = None):
+        super().__init__(texts)
         self._records = np.empty(0, record)
         if rows:
             with open(path, "rb") as f:
@@ -125,9 +167,7 @@ class MappedRows(_Reader):
     def __len__(self) -> int:
         return len(self._records)
 
-    def read(self, index: np.ndarray) -> dict[str, np.ndarray]:
-        """The rows at ``index``, one ``(len(index), *shape)`` array per field."""
-        index = _checked(index, len(self))
+    def _gather(self, index: np.ndarray) -> dict[str, np.ndarray]:
         # field by field: twice as fast as gathering whole records and then splitting them
         return {name: self._records[name][index] for name in self._records.dtype.names or ()}
 
@@ -135,7 +175,8 @@ class MappedRows(_Reader):
 class FileRows(_Reader):
     """Rows read from their open file with system calls: only the rows being read come into memory."""
 
-    def __init__(self, fd: int, record: np.dtype, rows: int, scratch_directory: str):
+    def __init__(self, fd: int, record: np.dtype, rows: int, scratch_directory: str, texts: _Texts | None = None):
+        super().__init__(texts)
         self._fd, self._record, self._rows = fd, record, rows
         self._scratch_directory = scratch_directory
         self._scratch: IO[bytes] | None = None  # where epochs are sorted into windows (made when first needed)
@@ -145,9 +186,7 @@ class FileRows(_Reader):
     def __len__(self) -> int:
         return self._rows
 
-    def read(self, index: np.ndarray) -> dict[str, np.ndarray]:
-        """The rows at ``index``, one ``(len(index), *shape)`` array per field."""
-        index = _checked(index, self._rows)
+    def _gather(self, index: np.ndarray) -> dict[str, np.ndarray]:
         size = self._record.itemsize
         if len(index) and _consecutive(index):
             records = np.empty(len(index), self._record)
@@ -176,7 +215,13 @@ class FileRows(_Reader):
         try:
             if self._scratch is None:  # no name, owner-only, closed (and freed) with the reader
                 self._scratch = tempfile.TemporaryFile(dir=self._scratch_directory)
-            yield from read_in_windows(self._fd, self._record, self._rows, order, spans, self._scratch.fileno())
+            windows = read_in_windows(self._fd, self._record, self._rows, order, spans, self._scratch.fileno())
+            if self._texts is None:
+                yield from windows
+                return
+            for window in windows:  # strings a step at a time: a window's records may point at gigabytes of text
+                for arrays in window.step_arrays():
+                    yield Chunk(self._texts.resolve(arrays), [(0, len(next(iter(arrays.values()))))])
         finally:
             self._scratch_lock.release()
 
