@@ -69,3 +69,22 @@ def check_exists(flag: str, path: str, *, remote: bool, plain_path_is_local: boo
         return
     if not os.path.exists(local):
         raise ValueError(f"{flag} {path}: no such file or directory (looked in {os.path.abspath(local)})")
+
+
+def check_custom_objects(flag: str, model_path: str, objects: dict | None) -> None:
+    """Every custom class or function the ``.keras`` file at ``model_path`` uses can be found here: given with
+    ``--custom-objects``, or registered with Keras by a module the job imported. A missing one stops the job before
+    Spark starts, naming it (the model's weights are not read)."""
+    from sparkdl.keras.shipped_objects import MissingObject, for_archive
+
+    with open(model_path, "rb") as f:
+        data = f.read()
+    try:
+        for_archive(data, objects)
+    except MissingObject as e:
+        r = e.reference
+        raise ValueError(
+            f"{flag} {model_path} uses the custom {r.what} {r.name!r} (module {r.module!r}), which the job cannot "
+            f"find: give its import path with --custom-objects (e.g. --custom-objects my_module.{r.name}), from a "
+            "module the job can import (on PYTHONPATH, or given to spark-submit with --py-files)."
+        ) from None

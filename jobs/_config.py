@@ -10,6 +10,7 @@ unknown key or a wrong type stops the job before any Spark session starts, namin
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 from collections.abc import Sequence
 
@@ -37,14 +38,38 @@ def _columns(value):
     raise ValueError(f"expected a column name, a list of them, or a table of either. Received: {value!r}")
 
 
+def import_paths(text: str) -> dict:
+    """``--custom-objects``: comma-separated import paths (``my_layers.Scale``) of the custom classes and functions a
+    model uses, imported here: ``{"Scale": <the class>}``."""
+    objects = {}
+    for path in filter(None, (part.strip() for part in text.split(","))):
+        module, _, name = path.rpartition(".")
+        try:
+            objects[name] = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(
+                f"{path!r} is not an importable module.Name ({type(e).__name__}: {e}); the module must be importable "
+                "by the job (on PYTHONPATH, or given to spark-submit with --py-files)"
+            ) from None
+    return objects
+
+
 # What a TOML value may be for an option of each argparse type (None: argparse's default, str).
 # bool is excluded on purpose: TOML's `true` is not an integer, although Python's bool is an int.
-_ACCEPTED_TYPES = {int: (int,), float: (int, float), str: (str,), None: (str,), column_spec: (str, list, dict)}
+_ACCEPTED_TYPES = {
+    int: (int,),
+    float: (int, float),
+    str: (str,),
+    None: (str,),
+    column_spec: (str, list, dict),
+    import_paths: (str,),
+}
 _TYPE_NAMES = {
     int: "an integer",
     float: "a number",
     str: "a string",
     None: "a string",
+    import_paths: "a string of comma-separated import paths",
     column_spec: "a column name, a list of column names, or a table from the model's input (output) names to those",
 }
 

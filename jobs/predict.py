@@ -27,6 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _config.job_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="output/model.keras", help="the .keras file to score with")
     parser.add_argument(
+        "--custom-objects",
+        type=_config.import_paths,
+        help="comma-separated import paths (my_layers.Scale) of the custom classes and functions the model uses that "
+        "Keras cannot find by itself; they are sent to the executors with the job",
+    )
+    parser.add_argument(
         "--data",
         help="Parquet dataset to score (required, here or in --config). A local path "
         "is checked before Spark starts; hdfs://, s3a://, ... are checked by Spark",
@@ -83,6 +89,7 @@ def check_paths(args: argparse.Namespace, conf) -> None:
     """The model and the input exist and, unless --mode overwrite, the output does not (where this machine can tell)."""
     if not os.path.isfile(args.model):
         raise ValueError(f"--model {args.model}: no such file (the .keras file to score with, on the driver)")
+    _checks.check_custom_objects("--model", args.model, args.custom_objects)
     remote = conf is None
     plain_path_is_local = not remote and _spark.is_local(conf.get("spark.master"))
     _checks.check_exists("--data", args.data, remote=remote, plain_path_is_local=plain_path_is_local)
@@ -104,8 +111,13 @@ def main(argv=None) -> int:
         _checks.fail(parser, str(e))
     from sparkdl.ml import KerasModel
 
+    custom = {"customObjects": args.custom_objects} if args.custom_objects else {}
     scorer = KerasModel.from_keras(
-        args.model, predictionCol=args.prediction_col, probabilityCol=args.probability_col, rawPredictionCol=""
+        args.model,
+        predictionCol=args.prediction_col,
+        probabilityCol=args.probability_col,
+        rawPredictionCol="",
+        **custom,
     )
     spark = _spark.spark_session("sparkdl-predict", args, conf)
     try:

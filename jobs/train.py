@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
         "inputs and outputs (give --features-col/--label-col as mappings)",
     )
     parser.add_argument(
+        "--custom-objects",
+        type=_config.import_paths,
+        help="with --model: comma-separated import paths (my_layers.Scale) of the custom classes and functions the "
+        "model uses that Keras cannot find by itself; they are sent to the executors with the job",
+    )
+    parser.add_argument(
         "--features-col",
         type=_config.column_spec,
         default="features",
@@ -105,6 +111,10 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argp
                 )
         if args.model and not os.path.isfile(args.model):
             raise ValueError(f"Expected --model to be a .keras file. Received: {args.model!r}, which is not a file.")
+        if args.model:
+            _checks.check_custom_objects("--model", args.model, args.custom_objects)
+        elif args.custom_objects:
+            raise ValueError("--custom-objects names the custom objects of your model, --model: give that too.")
         _spark.check_arguments(args)
     except ValueError as e:
         _checks.fail(parser, str(e))
@@ -170,10 +180,18 @@ def test_accuracy(test_df, model, args: argparse.Namespace) -> float | None:
     the accuracy of a classifier of one label column, else None."""
     from pyspark.sql import functions as F
 
-    from sparkdl.keras.serialization import model_to_bytes
-    from sparkdl.ml.inference import predict
+    from sparkdl.ml import KerasModel
 
-    scored = predict(test_df, model_to_bytes(model), features_col=args.features_col, prediction_col="_prediction")
+    custom = {"customObjects": args.custom_objects} if args.custom_objects else {}
+    scorer = KerasModel.from_keras(
+        model,
+        featuresCol=args.features_col,
+        predictionCol="_prediction",
+        probabilityCol="",
+        rawPredictionCol="",
+        **custom,
+    )
+    scored = scorer.transform(test_df)
     if not isinstance(args.label_col, str) or dict(scored.dtypes)["_prediction"] != "double":
         return None
     row = scored.agg(F.avg((F.col("_prediction") == F.col(args.label_col)).cast("double"))).first()
@@ -214,7 +232,7 @@ def train(spark, args: argparse.Namespace, digits_split) -> None:
     if args.model:
         import keras
 
-        model = keras.models.load_model(args.model)
+        model = keras.models.load_model(args.model, custom_objects=args.custom_objects)
     else:
         if args.data:
             with phase("width_and_classes"):
@@ -233,6 +251,7 @@ def train(spark, args: argparse.Namespace, digits_split) -> None:
             epochs=args.epochs,
             batch_size=args.batch_size,
             seed=args.seed,
+            custom_objects=args.custom_objects,
             **optional,
         )
     print(

@@ -13,7 +13,7 @@ from pyspark.sql import DataFrame
 from sparkdl import data, launch, tracking
 from sparkdl.checkpoint import Checkpoint, CheckpointStore
 from sparkdl.data import ColumnSpec
-from sparkdl.keras import serialization
+from sparkdl.keras import serialization, shipped_objects
 from sparkdl.launch import probe
 from sparkdl.modes.base import Job, Settings
 from sparkdl.modes.registry import MODES as _REGISTRY
@@ -132,7 +132,10 @@ def fit(
             combined weighted by held-out rows; average, the averaged model after the round that
             completes the epoch). Steps per epoch count the training rows only.
         timeout: seconds any single network wait may take before the job fails.
-        custom_objects: passed to ``keras.models.load_model`` on the workers.
+        custom_objects: Keras custom objects (name -> class or function) for ``keras.models.load_model`` on the
+            workers. Rarely needed: classes and functions the model uses that the workers cannot import (defined in
+            the driver's script or notebook, or registered at run time) are found on the driver and sent with the
+            job (``sparkdl.keras.shipped_objects``); one that cannot be found is refused before any Spark job.
         backend: sync: whose collectives average the gradients: ``"ring"`` (sparkdl's own) or
             ``"horovod"`` (Horovod's Gloo/NCCL; needs the Horovod stack, ``conf/horovod/install.sh``).
         checkpoint_dir: a directory (local path, ``file://``, ``hdfs://``, ``s3://``, ...) where the
@@ -173,13 +176,16 @@ def fit(
     if not isinstance(progress, bool):
         raise ValueError(f"Expected `progress` to be True or False. Received: progress={progress!r}")
     tracking.check_available(tensorboard_dir, log_to_mlflow)
+    custom_objects = shipped_objects.for_model(model, custom_objects)  # what the workers cannot find themselves
     checkpoints = CheckpointStore.open(checkpoint_dir) if checkpoint_dir is not None else None
     resumed = _newest_checkpoint(checkpoints, model, custom_objects)
     phases.end("settings")
 
     # Prepare: the slots, the data, the executors' Python, the job.
     # The slots are held from here to the end of the fit: other fits running now cannot take them.
-    with launch.claim_slots(df.sparkSession, num_workers, why=lambda slots: runner.why_all_at_once(mode, slots)):
+    with launch.claim_slots(
+        df.sparkSession, num_workers, why=lambda slots: runner.why_all_at_once(mode, slots), timeout=timeout
+    ):
         seed = secrets.randbelow(2**31) if seed is None else seed
         planned = data.plan(
             df,

@@ -11,10 +11,12 @@ import json
 import os
 import tempfile
 import threading
+from collections.abc import Mapping
 
 import numpy as np
 
 from sparkdl import _compat
+from sparkdl.keras import shipped_objects
 
 # Concurrent fits (CrossValidator's `parallelism`) save the same model from several threads: building its
 # optimizer's slots on first save is not safe to run twice at once, so saves take turns.
@@ -32,14 +34,18 @@ def model_to_bytes(model) -> bytes:
             return f.read()
 
 
-def model_from_bytes(data: bytes, custom_objects: dict | None = None):
+def model_from_bytes(data: bytes, custom_objects: Mapping | None = None, *, setting: str = "custom_objects"):
+    """The model in ``.keras`` archive ``data``, compiled. The custom objects it needs are taken from
+    ``custom_objects``, Keras's registry or their modules (``shipped_objects``); one found nowhere is a ``ValueError``
+    naming it and ``setting``."""
     import keras
 
+    objects = shipped_objects.for_archive(data, custom_objects, setting=setting)
     with tempfile.TemporaryDirectory(prefix="sparkdl-") as tmp:
         path = os.path.join(tmp, "model.keras")
         with open(path, "wb") as f:
             f.write(data)
-        return keras.models.load_model(path, custom_objects=custom_objects, compile=True)
+        return keras.models.load_model(path, custom_objects=objects, compile=True)
 
 
 def result_to_bytes(model_bytes: bytes, history: dict[str, list[float]], initial_epoch: int) -> bytes:

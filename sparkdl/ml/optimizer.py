@@ -14,7 +14,7 @@ import json
 
 from pyspark.ml.param import Param, Params, TypeConverters
 
-from sparkdl.keras import serialization
+from sparkdl.keras import serialization, shipped_objects
 
 
 def _to_options(value) -> dict:
@@ -79,10 +79,12 @@ class HasOptimizerSettings(Params):
         import keras
 
         optimizer = rebuilt_optimizer(model.optimizer, learning_rate, options or {})
-        copy = serialization.model_from_bytes(serialization.model_to_bytes(model), custom_objects)
+        objects = shipped_objects.for_model(model, custom_objects, setting="customObjects")
+        copy = serialization.model_from_bytes(serialization.model_to_bytes(model), objects, setting="customObjects")
         config = copy.get_compile_config()
         config["optimizer"] = keras.optimizers.serialize(optimizer)
-        copy.compile_from_config(config)
+        with keras.saving.custom_object_scope(objects):  # the loss and metrics may be custom too
+            copy.compile_from_config(config)
         return copy
 
 
