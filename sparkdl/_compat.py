@@ -8,6 +8,7 @@ is written once for both.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pyarrow as pa
 
@@ -28,7 +29,7 @@ def keras_major() -> int:
     return int(keras.__version__.split(".")[0])
 
 
-def hooked_optimizer_class(original: type, intercept) -> type:
+def hooked_optimizer_class(original: type[Any], intercept) -> type:
     """A subclass of the optimizer class ``original`` whose gradient application calls ``intercept``.
 
     ``intercept(apply, grads, variables)`` gets the original application as

@@ -303,12 +303,9 @@ _SCRIPT_TIMEOUT = 540
 
 
 def _assert_no_start_up_lines_but_the_scripts_own_import(text, tmp_path):
-    """TensorFlow's start-up lines in ``text`` are at most those a bare ``import sparkdl, keras`` prints here.
-
-    TensorFlow 2.21 writes its oneDNN notice (and absl's preamble) at import whatever TF_CPP_MIN_LOG_LEVEL
-    says, so the script's own ``import keras`` prints them on the driver; with 2.20 and earlier that import
-    prints nothing. Anything beyond it (a worker's import, a line the level hides) is sparkdl's noise.
-    """
+    """TensorFlow's start-up lines in ``text`` are at most those a bare ``import sparkdl, keras`` prints here: none,
+    as tests/test_start_up_output.py checks; anything beyond it (a worker's import, a line the level hides) is
+    sparkdl's noise."""
     bare = subprocess.run(
         [sys.executable, "-c", "import sparkdl, keras"],
         capture_output=True,

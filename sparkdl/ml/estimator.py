@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pyspark import keyword_only
 from pyspark.ml import Estimator
 
@@ -31,6 +33,8 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
         ...                      numWorkers=2, mode="sync", epochs=20, batchSize=16)
         >>> pipeline_model = Pipeline(stages=[assembler, scaler, est]).fit(train_df)
     """
+
+    _input_kwargs: dict[str, Any]  # the keyword arguments of the call, set by pyspark's @keyword_only
 
     @keyword_only
     def __init__(

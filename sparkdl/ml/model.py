@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pyspark import keyword_only
 from pyspark.ml import Model
@@ -26,6 +26,8 @@ class KerasModel(HasOutputCols, Model, KerasStagePersistence):
     as Spark ML metadata plus a ``model.keras`` file. A model with custom layers needs ``customObjects``
     (saved as import paths, ``sparkdl.ml.custom_objects``).
     """
+
+    _input_kwargs: dict[str, Any]  # the keyword arguments of the call, set by pyspark's @keyword_only
 
     @keyword_only
     def __init__(

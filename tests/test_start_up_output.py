@@ -1,0 +1,65 @@
+"""Importing sparkdl first keeps TensorFlow's start-up lines off the console, and nothing else that the import writes.
+
+TensorFlow 2.21 writes absl's preamble and its oneDNN notice (twice each) at import whatever ``TF_CPP_MIN_LOG_LEVEL``
+says; a bare ``import keras`` on this machine shows them, ``import sparkdl, keras`` must not.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sparkdl._tf_log import START_UP_LINES
+
+
+def _stderr(code: str, cwd, **env) -> bytes:
+    environment = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "PYTHONPATH")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env={**environment, **env}, capture_output=True, timeout=300, check=True
+    )
+    return done.stderr
+
+
+def _start_up_lines(stderr: bytes) -> list[bytes]:
+    return [line for line in stderr.splitlines() if any(notice in line for notice in START_UP_LINES)]
+
+
+def test_import_sparkdl_then_keras_prints_none_of_what_a_bare_import_prints(tmp_path):
+    bare = _start_up_lines(_stderr("import keras", tmp_path))
+    assert bare, "a bare `import keras` printed no start-up lines here: this check would prove nothing"
+    assert _start_up_lines(_stderr("import sparkdl, keras", tmp_path)) == [], bare
+
+
+FAKE_TENSORFLOW = b"""
+import os
+import warnings
+
+os.write(2, b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\\n")
+os.write(2, b"E0000 something TensorFlow really wants you to see\\n")
+os.write(2, b"I0000 port.cc:153] oneDNN custom operations are on. You may see slightly different results\\n")
+warnings.warn("a Python warning raised while importing")
+"""
+
+
+@pytest.fixture
+def fake_tensorflow(tmp_path):
+    """A ``tensorflow`` package that writes start-up lines and other lines to file descriptor 2 when imported."""
+    (tmp_path / "tensorflow").mkdir()
+    (tmp_path / "tensorflow" / "__init__.py").write_bytes(FAKE_TENSORFLOW)
+    return tmp_path
+
+
+def test_everything_else_written_during_the_import_still_shows_in_order(fake_tensorflow):
+    stderr = _stderr("import sparkdl, tensorflow", fake_tensorflow, PYTHONPATH=str(fake_tensorflow))
+    assert _start_up_lines(stderr) == []
+    kept = [line for line in stderr.splitlines() if line.strip()]
+    assert kept[0] == b"E0000 something TensorFlow really wants you to see", stderr
+    assert b"UserWarning: a Python warning raised while importing" in stderr.split(kept[0], 1)[1], stderr
+
+
+def test_tensorflows_own_verbose_level_shows_them(fake_tensorflow):
+    stderr = _stderr(
+        "import sparkdl, tensorflow", fake_tensorflow, PYTHONPATH=str(fake_tensorflow), TF_CPP_MIN_LOG_LEVEL="0"
+    )
+    assert len(_start_up_lines(stderr)) == 2, stderr
