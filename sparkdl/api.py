@@ -111,7 +111,8 @@ def fit(
             Integer columns arrive as int64, others as float32.
         sample_weight_col: a number column (>= 0) weighting each row's loss, as Keras's
             ``sample_weight`` does (weighted metrics follow Keras: ``compile(weighted_metrics=...)``).
-        num_workers: Spark tasks that train together; at most the cluster's task slots.
+        num_workers: Spark tasks that train together; at most the cluster's task slots (the fit waits for free
+            ones, up to ``timeout``).
         epochs: passes over the whole DataFrame.
         batch_size: rows per worker per step.
         shuffle: reshuffle every worker's rows each epoch.
@@ -131,7 +132,8 @@ def fit(
             replicas' common weights; async/hogwild/ssp, each worker's weights at its epoch end,
             combined weighted by held-out rows; average, the averaged model after the round that
             completes the epoch). Steps per epoch count the training rows only.
-        timeout: seconds any single network wait may take before the job fails.
+        timeout: seconds any single network wait may take before the job fails, and the longest the fit waits for
+            task slots that other sparkdl fits or other jobs hold (``sparkdl.launch.slots``).
         custom_objects: Keras custom objects (name -> class or function) for ``keras.models.load_model`` on the
             workers. Rarely needed: classes and functions the model uses that the workers cannot import (defined in
             the driver's script or notebook, or registered at run time) are found on the driver and sent with the

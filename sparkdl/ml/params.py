@@ -114,7 +114,10 @@ class KerasTrainingParams(
         typeConverter=TypeConverters.toFloat,
     )
     timeout = Param(
-        Params._dummy(), "timeout", "seconds any single network wait may take", typeConverter=TypeConverters.toFloat
+        Params._dummy(),
+        "timeout",
+        "seconds any single network wait may take, and the longest a fit waits for task slots",
+        typeConverter=TypeConverters.toFloat,
     )
     checkpointDir = Param(
         Params._dummy(),
@@ -312,11 +315,11 @@ class KerasTrainingParams(
         return self._set(validationSplit=value)
 
     def getTimeout(self) -> float:
-        """Gets the seconds any single network wait may take (the value of timeout)."""
+        """Gets the seconds any single network wait (or the wait for task slots) may take (the value of timeout)."""
         return self.getOrDefault(self.timeout)
 
     def setTimeout(self, value: float):
-        """Sets the seconds any single network wait may take (the value of timeout)."""
+        """Sets the seconds any single network wait (or the wait for task slots) may take (the value of timeout)."""
         return self._set(timeout=value)
 
     def getCheckpointDir(self) -> str:
