@@ -25,14 +25,18 @@ def small_model(width=2):
     [
         ({"features_col": "nope"}, r"Column 'nope' given as `features_col` is not in the DataFrame"),
         ({"label_col": "missing"}, r"Column 'missing' given as `label_col` is not in the DataFrame"),
-        ({"features_col": "text"}, r"Expected column 'text' \(`features_col`\) to be numeric.*Received type: string"),
-        ({"features_col": ["x", "text"]}, r"Expected column 'text' \(`features_col`\) to be numeric"),
+        (
+            {"features_col": "text"},
+            r"Column 'text' \(`features_col`\) holds strings \(string\), but the model's input .* takes numbers",
+        ),
+        ({"features_col": ["x", "text"]}, r"`features_col` list to be all numbers or all strings"),
         (
             {"features_col": ["x", "features"]},
-            r"every column in the `features_col` list to be numeric; column 'features' is array<double>",
+            r"every column in the `features_col` list to hold one number or string per row; column 'features' is "
+            r"array<double>",
         ),
         ({"features_col": []}, r"Expected `features_col` to be a column name or a non-empty list"),
-        ({"label_col": "text"}, r"Expected column 'text' \(`label_col`\) to be numeric"),
+        ({"label_col": "text"}, r"Column 'text' \(`label_col`\) holds strings \(string\): expected numbers as labels"),
         ({"num_workers": 3}, r"num_workers=3, but the cluster runs 2 tasks at once"),
         ({"num_workers": 0}, r"Expected `num_workers` to be a positive integer. Received: num_workers=0"),
         ({"batch_size": 0}, r"Expected `batch_size` to be a positive integer"),
