@@ -243,7 +243,7 @@ def test_schema_errors_are_raised_on_the_driver(spark, frames):
     )
     text = df.withColumn("text", F.lit("a"))
     _assert_fails_before_any_job(
-        spark, r"Expected column 'text' \(`features_col`\) to be numeric", text, features_col="text"
+        spark, r"Column 'text' \(`features_col`\) holds strings .* takes numbers", text, features_col="text"
     )
     _assert_fails_before_any_job(spark, r"column 'features' is array<float>", df, features_col=["id", "features"])
     cols, _ = frames["columns"]

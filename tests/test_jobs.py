@@ -233,6 +233,34 @@ def test_spark_submit_on_too_few_slots_is_refused_before_training(tmp_path):
     assert spark_master(log) == "local[1]" and task_executors(log, barrier=True) == []
 
 
+def test_spark_submits_conf_wins_over_the_jobs_defaults(tmp_path):
+    """The job sets its defaults only where spark-submit left a setting unset: a user's --conf for each one that
+    train.py fills in (the progress bar, the log level, the Python workers' daemon) is the running application's
+    setting (its environment in the event log), and two show in its output: Spark's progress bar is drawn, and its
+    INFO lines after start-up are printed."""
+    events = tmp_path / "events"
+    users = {
+        "spark.ui.showConsoleProgress": "true",
+        "spark.log.level": "INFO",
+        "spark.python.daemon.module": "pyspark.daemon",
+    }
+    out = run_job(
+        spark_submit(
+            "local[2]",
+            TRAIN_JOB,
+            "--epochs",
+            "2",
+            conf=(*event_log_conf(events), *(f"{name}={value}" for name, value in users.items())),
+        ),
+        tmp_path,
+    )
+    log = read_event_log(events)
+    assert {name: spark_property(log, name) for name in users} == users
+    assert re.search(r"\[Stage \d+:", out), out[-6000:]  # the console progress bar (the job's default: none)
+    assert re.search(r" INFO DAGScheduler: Job \d+ finished", out), out[-6000:]  # (the job's default: WARN)
+    assert re.search(r"trained on 2 workers", out), out[-6000:]
+
+
 def test_a_missing_data_path_is_refused_before_spark_starts(tmp_path):
     """Under spark-submit (whose JVM exists already) and with plain python: one error line, exit status 2, and no
     SparkContext ever started (its first INFO line would show with --verbose)."""
@@ -443,17 +471,36 @@ def digits_model(tmp_path_factory, digits):
     return model, path
 
 
+PIXELS = [f"pixel{i}" for i in range(64)]
+
+
+def write_digit_rows(path, x):
+    """``x`` as a Parquet dataset at ``path``: an ``id`` and a double column per pixel, in two files (two tasks)."""
+    table = pa.table({"id": np.arange(len(x)), **{name: x[:, i].astype(np.float64) for i, name in enumerate(PIXELS)}})
+    path.mkdir()
+    half = len(x) // 2
+    pq.write_table(table.slice(0, half), path / "part-0.parquet")
+    pq.write_table(table.slice(half), path / "part-1.parquet")
+    return table
+
+
+def check_scored(path, table, model, x):
+    """The predict job's output at ``path``: every row of ``table`` once, its columns kept, and the class and the
+    probabilities of in-process ``model.predict(x)``."""
+    scored = pq.read_table(path).sort_by("id")
+    assert scored.column_names == ["id", *PIXELS, "prediction", "probability"]
+    np.testing.assert_array_equal(scored["id"].to_numpy(), np.arange(len(x)))  # every row, once
+    np.testing.assert_array_equal(scored["pixel5"].to_numpy(), table["pixel5"].to_numpy())
+    expected = model.predict(x, verbose=0)
+    np.testing.assert_array_equal(scored["prediction"].to_numpy(), expected.argmax(axis=1))
+    probability = np.array(scored["probability"].to_pylist())
+    np.testing.assert_allclose(probability, expected, atol=1e-5)
+
+
 def test_predict_job_scores_every_row_of_a_parquet_dataset(tmp_path, digits, digits_model):
     model, model_path = digits_model
     _, x_test, _, _ = digits
-    pixels = [f"pixel{i}" for i in range(64)]
-    table = pa.table(
-        {"id": np.arange(len(x_test)), **{name: x_test[:, i].astype(np.float64) for i, name in enumerate(pixels)}}
-    )
-    (tmp_path / "rows.parquet").mkdir()
-    half = len(x_test) // 2  # two files: two tasks score them
-    pq.write_table(table.slice(0, half), tmp_path / "rows.parquet" / "part-0.parquet")
-    pq.write_table(table.slice(half), tmp_path / "rows.parquet" / "part-1.parquet")
+    table = write_digit_rows(tmp_path / "rows.parquet", x_test)
 
     out = run_job(
         spark_submit(
@@ -468,20 +515,12 @@ def test_predict_job_scores_every_row_of_a_parquet_dataset(tmp_path, digits, dig
             "--output",
             "scored.parquet",
             "--features-col",
-            ",".join(pixels),
+            ",".join(PIXELS),
         ),
         tmp_path,
     )
     assert f"scored {len(x_test)} rows" in out, out
-
-    scored = pq.read_table(tmp_path / "scored.parquet").sort_by("id")
-    assert scored.column_names == ["id", *pixels, "prediction", "probability"]
-    np.testing.assert_array_equal(scored["id"].to_numpy(), np.arange(len(x_test)))  # every row, once
-    np.testing.assert_array_equal(scored["pixel5"].to_numpy(), table["pixel5"].to_numpy())
-    expected = model.predict(x_test, verbose=0)
-    np.testing.assert_array_equal(scored["prediction"].to_numpy(), expected.argmax(axis=1))
-    probability = np.array(scored["probability"].to_pylist())
-    np.testing.assert_allclose(probability, expected, atol=1e-5)
+    check_scored(tmp_path / "scored.parquet", table, model, x_test)
 
 
 def test_the_jobs_assemble_a_column_list_as_fit_does_and_name_a_bad_column(spark):
@@ -493,7 +532,7 @@ def test_the_jobs_assemble_a_column_list_as_fit_does_and_name_a_bad_column(spark
     assert row.f == [3.0, 4.0]
     with pytest.raises(ValueError, match=r"Column 'nope' given as `features_col` is not in the DataFrame"):
         sparkdl.features_column(df, ["x", "nope"])
-    with pytest.raises(ValueError, match=r"Expected column 's' \(`features_col`\) to be numeric"):
+    with pytest.raises(ValueError, match=r"Column 's' \(`features_col`\) holds strings"):
         sparkdl.features_column(df, ["x", "s"])
 
 
@@ -562,6 +601,57 @@ def test_train_job_over_spark_connect(tmp_path, connect_server):
     )
     assert re.search(r"trained on 2 workers", out) and (tmp_path / "model.keras").exists(), out
     assert "Running Spark version" not in out and "log4j" not in out, out  # no Spark driver in the job's process
+
+
+def test_predict_job_over_spark_connect(tmp_path, digits, digits_model):
+    """--remote makes predict.py a Spark Connect client: the server's application scores the rows (its event log
+    has the Arrow UDF's stage, whose tasks ran on its executor) and writes them; the job never starts a JVM."""
+    model, model_path = digits_model
+    _, x_test, _, _ = digits
+    table = write_digit_rows(tmp_path / "rows.parquet", x_test)
+    events = tmp_path / "events"
+    with spark_connect_server(tmp_path, conf=event_log_conf(events)) as server:
+        out = run_job(
+            [
+                sys.executable,
+                PREDICT_JOB,
+                "--remote",
+                server["url"],
+                "--model",
+                str(model_path),
+                "--data",
+                str(tmp_path / "rows.parquet"),
+                "--output",
+                str(tmp_path / "scored.parquet"),
+                "--features-col",
+                ",".join(PIXELS),
+                "--verbose",
+            ],
+            tmp_path,
+        )
+        log = read_event_log(events)  # the server's, flushed at each job's end
+    assert f"scored {len(x_test)} rows" in out, out
+    assert "Running Spark version" not in out and "log4j" not in out, out  # no Spark driver in the job's process
+    check_scored(tmp_path / "scored.parquet", table, model, x_test)
+    # The one SQL execution that ran the UDF and wrote the output: its tasks, one per input file, on the server.
+    (write,) = [
+        e["executionId"]
+        for e in log
+        if e["Event"].endswith("SparkListenerSQLExecutionStart")
+        and "ArrowEvalPython" in e["physicalPlanDescription"]
+        and f"file:{tmp_path / 'scored.parquet'}" in e["physicalPlanDescription"]
+    ]
+    stages = {
+        stage
+        for e in log
+        if e["Event"] == "SparkListenerJobStart" and e["Properties"].get("spark.sql.execution.id") == str(write)
+        for stage in e["Stage IDs"]
+    }
+    tasks = [e for e in log if e["Event"] == "SparkListenerTaskEnd" and e["Stage ID"] in stages]
+    assert [(e["Task End Reason"]["Reason"], e["Task Info"]["Executor ID"]) for e in tasks] == [
+        ("Success", "driver")
+    ] * 2
+    assert spark_master(log) == "local[2]"  # the server's application: the job gave no master
 
 
 # --- config files --------------------------------------------------------------------------------------------------

@@ -345,8 +345,9 @@ def test_custom_objects_train_score_save_and_load(custom_fit, tmp_path):
 
 def test_custom_objects_errors_name_the_missing_class(spark, tmp_path):
     df = spark.createDataFrame([([0.0] * 4,)], "f array<double>")
-    with pytest.raises(ValueError, match="Scale"):  # not supplied: refused on the driver, naming the class
-        KerasModel.from_keras(make_scaled_classifier(), featuresCol="f").transform(df)
+    # not supplied, but this process defines it (tests/custom_layer.py): found and sent along, no customObjects needed
+    (row,) = KerasModel.from_keras(make_scaled_classifier(), featuresCol="f").transform(df).collect()
+    assert len(row.probability) == 3
 
     with pytest.raises(ValueError, match=r"customObjects\['Scale'\] = 'no_such_module.Scale'"):
         KerasModel(customObjects={"Scale": "no_such_module.Scale"})
@@ -356,3 +357,78 @@ def test_custom_objects_errors_name_the_missing_class(spark, tmp_path):
 
     with pytest.raises(ValueError, match=r"Cannot save customObjects\['Local'\]"):
         KerasModel.from_keras(make_scaled_classifier(), customObjects={"Local": Local}).save(str(tmp_path / "m"))
+
+
+# Columns as a list, outputs as a struct ---------------------------------------------------------------------------
+
+# Number columns on very different scales, listed in neither the DataFrame's nor alphabetical order (b, which
+# decides the label, moves in both): a stage that stacked them in another order would feed the model other values.
+SCALES = {"a": 100.0, "b": 1.0, "c": 0.01}
+LISTED = ["b", "c", "a"]
+
+
+@pytest.fixture(scope="module")
+def three_columns(spark):
+    """256 rows of a, b, c (each N(0, 1) times its scale) whose label is b > 0, and the features in LISTED order."""
+    rng = np.random.default_rng(0)
+    values = {name: rng.normal(size=256) * scale for name, scale in SCALES.items()}
+    label = (values["b"] > 0).astype(int)
+    rows = [(i, *(float(values[name][i]) for name in SCALES), int(label[i])) for i in range(256)]
+    df = spark.createDataFrame(rows, "id long, a double, b double, c double, label int").repartition(2).cache()
+    return df, np.stack([values[name] for name in LISTED], axis=1).astype(np.float32), label
+
+
+def _probabilities(stage, df):
+    return np.array([r.probability.toArray() for r in stage.transform(df).orderBy("id").collect()])
+
+
+def test_a_list_of_number_columns_trains_and_scores_in_the_lists_order(three_columns, tmp_path):
+    """KerasEstimator(featuresCol=[...]) trains on the columns stacked in the list's order: the model it returns
+    separates the label from b's place in that order, and its KerasModel, one made with KerasModel.from_keras,
+    and both saved and loaded, score as in-process predict on the columns stacked in that order."""
+    df, x, label = three_columns
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, activation="sigmoid")])
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="binary_crossentropy", metrics=["accuracy"])
+    estimator = KerasEstimator(
+        model=model, featuresCol=LISTED, labelCol="label", numWorkers=2, epochs=12, batchSize=16, seed=0
+    )
+    fitted = estimator.fit(df)
+    assert fitted.getFeaturesCol() == LISTED
+    expected = fitted.keras_model.predict(x, verbose=0)[:, 0]
+    # Trained on b at its place in the list: any other order would have taught it the label from another column.
+    assert np.mean((expected > 0.5) == label) > 0.9, np.mean((expected > 0.5) == label)
+    assert np.mean((fitted.keras_model.predict(x[:, ::-1], verbose=0)[:, 0] > 0.5) == label) < 0.75
+
+    scorer = KerasModel.from_keras(fitted.keras_model, featuresCol=LISTED)
+    fitted.save(str(tmp_path / "fitted"))
+    scorer.save(str(tmp_path / "scorer"))
+    stages = [fitted, scorer, KerasModel.load(str(tmp_path / "fitted")), KerasModel.load(str(tmp_path / "scorer"))]
+    for stage in stages:
+        assert stage.getFeaturesCol() == LISTED
+        np.testing.assert_allclose(_probabilities(stage, df), np.stack([1 - expected, expected], axis=1), atol=1e-6)
+
+
+def test_a_model_with_two_named_outputs_scores_a_struct_with_a_field_per_output(three_columns):
+    """KerasModel.transform of a model with an output of one value and one of several: one struct column with a
+    field per output, by name (a double, an array<double>), each equal to in-process predict's output; no
+    probability columns, as the model is no classifier."""
+    df, x, _ = three_columns
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,), name="columns")
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    outputs = {
+        "total": keras.layers.Dense(1, name="total")(hidden),
+        "parts": keras.layers.Dense(4, activation="softmax", name="parts")(hidden),
+    }
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss={"total": "mse", "parts": "categorical_crossentropy"})
+    expected = model.predict(x, verbose=0)
+
+    scored = KerasModel.from_keras(model, featuresCol=LISTED, predictionCol="out").transform(df)
+    assert scored.columns == df.columns + ["out"]
+    assert model.output_names == ["parts", "total"]  # Keras orders a dict's outputs by name
+    assert dict(scored.dtypes)["out"] == "struct<parts:array<double>,total:double>"
+    rows = scored.select("id", "out.total", "out.parts").orderBy("id").collect()
+    np.testing.assert_allclose([r.total for r in rows], expected["total"][:, 0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose([r.parts for r in rows], expected["parts"], rtol=1e-5, atol=1e-6)
