@@ -1,15 +1,18 @@
-"""Large payloads between the driver and the tasks travel over sparkdl's relay, never through a JVM's heap.
+"""Large payloads between the driver and the tasks travel over sparkdl's relay or Spark's file server, never
+through a JVM's heap; where Spark's own path must carry them (average mode), a model too large is refused first.
 
-The model test runs its own Spark (this file, run as a script) with a driver JVM
+The model tests run their own Spark (this file, run as a script) with a driver JVM
 heap smaller than the model: in local mode that JVM also runs the executor, so
 neither the model going to the task nor the trained model coming back may pass
-through it.
+through it. The models' weights are random, so that no compression (a broadcast's
+lz4) could shrink them below the heap either.
 """
 
 import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -33,14 +36,9 @@ def _pattern(size: int, period: int) -> np.ndarray:
     return ((np.arange(size) % period + 1) / period).astype(np.float32)
 
 
-def _train_large_model(heap: str, inputs: int, units: int) -> dict:
-    """The child process: one SGD step on a zero-initialised Dense layer, in sync mode on one worker.
-
-    With x and y of one row, MSE and learning rate units/2, the step sets the kernel to outer(x, y)
-    and the bias to y exactly (up to float32 rounding): the whole model is checked, not a sample.
-    """
+def _child_spark(heap: str):
+    """The child process's own Spark: one task slot, a driver JVM heap of ``heap``."""
     os.environ["KERAS_BACKEND"] = "tensorflow"
-    import keras
     from pyspark.sql import SparkSession
 
     spark = (
@@ -53,32 +51,142 @@ def _train_large_model(heap: str, inputs: int, units: int) -> dict:
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def _dense(inputs: int, units: int, learning_rate: float = 0.01):
+    """A Dense layer with a random kernel (seeded: 4 incompressible bytes a weight) and a zero bias, under SGD."""
+    import keras
+
+    model = keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(units, bias_initializer="zeros")])
+    model.layers[0].kernel.assign(np.random.default_rng(0).standard_normal((inputs, units), np.float32) * 0.01)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=learning_rate), loss="mse")
+    return model
+
+
+def _heap_bytes(spark) -> int:
+    return spark.sparkContext._jvm.java.lang.Runtime.getRuntime().maxMemory()
+
+
+def _train_large_model(heap: str, mode: str, inputs: int, units: int) -> dict:
+    """The child process: one SGD step on a Dense layer, in ``mode`` on one worker.
+
+    With x and y of one row, MSE and learning rate units/2, the step takes the kernel from W0 to
+    W0 - outer(x, x W0 - y) and the bias to y - x W0 exactly (up to float32 rounding): the whole
+    model is checked, not a sample.
+    """
+    spark = _child_spark(heap)
     x, y = _pattern(inputs, 97), _pattern(units, 89)
     df = spark.createDataFrame([(x.tolist(), y.tolist())], "features array<float>, label array<float>")
-    model = keras.Sequential(
-        [keras.Input((inputs,)), keras.layers.Dense(units, kernel_initializer="zeros", bias_initializer="zeros")]
-    )
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=units / 2), loss="mse")
-    result = sparkdl.fit(df, model, num_workers=1, epochs=1, batch_size=1, shuffle=False, progress=False)
+    model = _dense(inputs, units, learning_rate=units / 2)
+    start = model.layers[0].kernel.numpy()
+    blocks = range(0, inputs, 500)
+    error = sum(x[b : b + 500].astype(np.float64) @ start[b : b + 500].astype(np.float64) for b in blocks) - y
+    result = sparkdl.fit(df, model, num_workers=1, epochs=1, batch_size=1, shuffle=False, progress=False, mode=mode)
     kernel, bias = (variable.numpy() for variable in result.model.layers[0].weights)
     worst = max(
-        float(np.max(np.abs(kernel[start : start + 500] - np.outer(x[start : start + 500], y))))
-        for start in range(0, inputs, 500)
+        float(np.max(np.abs(kernel[b : b + 500] - (start[b : b + 500] - np.outer(x[b : b + 500], error)))))
+        for b in blocks
     )
     return {
-        "heap_bytes": spark.sparkContext._jvm.java.lang.Runtime.getRuntime().maxMemory(),
+        "heap_bytes": _heap_bytes(spark),
         "weight_bytes": int(kernel.nbytes + bias.nbytes),
         "kernel_error": worst,
-        "bias_error": float(np.max(np.abs(bias - y))),
+        "bias_error": float(np.max(np.abs(bias + error))),
         "initial_epoch": result.initial_epoch,
         "jvm_alive_count": spark.range(1000).count(),
     }
 
 
-def test_a_model_larger_than_the_driver_jvm_heap_goes_to_the_task_and_back_intact(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_model_larger_than_the_driver_jvm_heap_goes_to_the_task_and_back_intact(tmp_path, mode):
+    """sync: the model goes to rank 0 and back over the relay. async: every task fetches it from the relay,
+    and the trained model is the parameter server's, on the driver."""
+    report = _child(tmp_path, "train", _HEAP, mode, str(_INPUTS), str(_UNITS))
+    assert report["weight_bytes"] > 1.3 * report["heap_bytes"], report  # the model cannot fit in the JVM's heap
+    assert report["kernel_error"] < 1e-5 and report["bias_error"] < 1e-5, report
+    assert report["initial_epoch"] == 0 and report["jvm_alive_count"] == 1000, report
+
+
+def _score_with_large_model(heap: str, inputs: int, units: int) -> dict:
+    """The child process: ``KerasModel.transform`` with a model larger than the heap, against in-process predict."""
+    from sparkdl.ml import KerasModel
+
+    spark = _child_spark(heap)
+    x = np.random.default_rng(1).random((3, inputs), np.float32)
+    df = spark.createDataFrame([(i, row.tolist()) for i, row in enumerate(x)], "id int, features array<float>")
+    model = _dense(inputs, units)
+    scored = KerasModel.from_keras(model, featuresCol="features").transform(df).orderBy("id").collect()
+    predicted = np.array([row.prediction for row in scored])
+    expected = np.asarray(model.predict_on_batch(x), np.float64)
+    return {
+        "heap_bytes": _heap_bytes(spark),
+        "weight_bytes": 4 * model.count_params(),
+        "shape": list(predicted.shape),
+        "worst_error": float(np.max(np.abs(predicted - expected))),
+        "scale": float(np.max(np.abs(expected))),
+        "jvm_alive_count": spark.range(1000).count(),
+    }
+
+
+def test_keras_model_transform_scores_with_a_model_larger_than_the_driver_jvm_heap(tmp_path):
+    """The model reaches the executor as a file Spark's file server streams (no broadcast in the heap)."""
+    report = _child(tmp_path, "score", _HEAP, str(_INPUTS), str(_UNITS))
+    assert report["weight_bytes"] > 1.3 * report["heap_bytes"], report
+    assert report["shape"] == [3, _UNITS], report
+    assert report["worst_error"] < 1e-5 * report["scale"], report
+    assert report["jvm_alive_count"] == 1000, report
+
+
+def _average_in_a_small_heap(heap: str, inputs: int, units: int) -> dict:
+    """The child process: average mode trains a model its heap can carry, and refuses a larger one before its jobs."""
+    spark = _child_spark(heap)
+    rng = np.random.default_rng(2)
+    rows = [(rng.random(inputs).tolist(), rng.random(units).tolist()) for _ in range(4)]
+    df = spark.createDataFrame(rows, "features array<float>, label array<float>")
+    settings = dict(num_workers=1, epochs=1, batch_size=2, mode="average", progress=False)
+    small = sparkdl.fit(
+        df.selectExpr("slice(features, 1, 64) AS features", "slice(label, 1, 8) AS label"), _dense(64, 8), **settings
+    )
+    tracker = spark.sparkContext.statusTracker()
+    jobs_before = set(tracker.getJobIdsForGroup())
+    try:
+        sparkdl.fit(df, _dense(inputs, units), **settings)
+        refusal = None
+    except ValueError as exc:
+        refusal = str(exc)
+    jobs = sorted(set(tracker.getJobIdsForGroup()) - jobs_before)
+    return {
+        "heap_bytes": _heap_bytes(spark),
+        "weight_bytes": 4 * inputs * units,
+        "small_loss": small.history["loss"],
+        "small_rounds": small.stats["rounds"],
+        "refusal": refusal,
+        "stages_of_the_refused_fit": [
+            tracker.getStageInfo(stage).name for job in jobs for stage in tracker.getJobInfo(job).stageIds
+        ],
+        "jvm_alive_count": spark.range(1000).count(),
+    }
+
+
+def test_average_mode_refuses_a_model_its_driver_heap_cannot_carry_before_its_jobs_and_trains_one_it_can(tmp_path):
+    """Average mode's state goes out by broadcast and its deltas come back in task results, through the driver
+    JVM's heap: a model too large for it is refused, naming the setting and the size; a small one trains."""
+    report = _child(tmp_path, "average", _HEAP, str(_INPUTS), str(_UNITS))
+    assert report["weight_bytes"] > 1.3 * report["heap_bytes"], report
+    assert report["small_rounds"] >= 1 and np.isfinite(report["small_loss"]).all(), report
+    needed = re.search(r"spark\.driver\.memory of at least (\d+) MB", report["refusal"] or "")
+    assert needed and int(needed.group(1)) << 20 > report["weight_bytes"], report  # the setting and the size it needs
+    stages = report["stages_of_the_refused_fit"]  # named by their call sites: fit's data checks, none of the mode's
+    assert stages and all("sparkdl/data/checks.py" in stage for stage in stages), report
+    assert report["jvm_alive_count"] == 1000, report
+
+
+def _child(tmp_path, scenario: str, *args: str) -> dict:
+    """Runs this file as a script in a fresh process (its own Spark) and returns its JSON report."""
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1", "TF_CPP_MIN_LOG_LEVEL": "2"}
     child = subprocess.run(
-        [sys.executable, __file__, _HEAP, str(_INPUTS), str(_UNITS)],
+        [sys.executable, __file__, scenario, *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -86,10 +194,7 @@ def test_a_model_larger_than_the_driver_jvm_heap_goes_to_the_task_and_back_intac
         timeout=540,
     )
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-6000:]
-    report = json.loads(child.stdout.strip().splitlines()[-1])
-    assert report["weight_bytes"] > 1.3 * report["heap_bytes"], report  # the model cannot fit in the JVM's heap
-    assert report["kernel_error"] < 1e-5 and report["bias_error"] < 1e-5, report
-    assert report["initial_epoch"] == 0 and report["jvm_alive_count"] == 1000, report
+    return json.loads(child.stdout.strip().splitlines()[-1])
 
 
 class _OnRecord(logging.Handler):
@@ -191,4 +296,11 @@ def test_the_relay_keeps_only_results_of_exactly_the_announced_size():
 
 
 if __name__ == "__main__":
-    print(json.dumps(_train_large_model(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
+    scenario, heap, *rest = sys.argv[1:]
+    if scenario == "train":
+        report = _train_large_model(heap, rest[0], int(rest[1]), int(rest[2]))
+    elif scenario == "score":
+        report = _score_with_large_model(heap, int(rest[0]), int(rest[1]))
+    else:
+        report = _average_in_a_small_heap(heap, int(rest[0]), int(rest[1]))
+    print(json.dumps(report))

@@ -6,7 +6,8 @@ accumulators, the cluster's live task slots). A Spark Connect session
 has none of those. Everything sparkdl needs that differs between the two is
 here: the master and the task slots, job tags, the address the driver-side
 listeners (output relay, parameter server) bind and advertise, and how a value
-is shipped to the tasks.
+is shipped to the tasks (a broadcast, a file Spark's file server streams, or in
+the closure).
 
 Under Connect the "driver" of sparkdl's own listeners is this Python client:
 the tasks connect back to it, so its address must be one the executors reach.
@@ -25,6 +26,7 @@ import os
 import re
 import secrets
 import socket
+import threading
 from typing import Any
 
 from pyspark.sql import SparkSession
@@ -142,6 +144,15 @@ def driver_host(spark: SparkSession) -> str:
     return address
 
 
+def driver_heap(spark: SparkSession) -> int | None:
+    """The driver JVM's heap in bytes; None under Connect (the server's JVM, which this client cannot ask)."""
+    if is_connect(spark):
+        return None
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None, "a classic session has a JVM gateway"
+    return int(jvm.java.lang.Runtime.getRuntime().maxMemory())
+
+
 class JobTag:
     """A tag on the Spark jobs this thread starts while ``with tag:`` runs; ``cancel()`` stops them from any thread.
 
@@ -222,5 +233,47 @@ def check_message_size(spark: SparkSession, size: int, what: str) -> None:
             f"Spark Connect sends {what} to the server inside the job's plan, one gRPC message of at most {limit} "
             f"bytes; it is {size} bytes. Raise the server's {MAX_MESSAGE_SETTING} (now {server_limit}) and the "
             f"client channel's grpc.max_send_message_length (now {client_limit}) above {size + _MESSAGE_HEADROOM}, "
-            "or use a classic SparkSession (which broadcasts it)."
+            "or use a classic SparkSession (which does not send it inside the plan)."
         )
+
+
+class SparkFile:
+    """Bytes the driver added with ``SparkContext.addFile``; reads like a Broadcast (``value``) inside a task."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    @property
+    def value(self) -> bytes:
+        """Inside a task: the bytes, read from this executor's copy of the file."""
+        from pyspark import SparkFiles
+
+        with open(SparkFiles.get(self.name), "rb") as f:
+            return f.read()
+
+
+_ADDING_FILES = threading.Lock()  # one writer of a file and one addFile per name, among the driver's threads
+
+
+def ship_file(spark: SparkSession, data: bytes, digest: str, *, suffix: str, what: str) -> SparkFile | InClosure:
+    """``data`` for every task of this session: a ``SparkFile`` (classic), or ``InClosure`` under Connect.
+
+    Classic: the bytes are written once to a file named by ``digest`` (their SHA-256) in the session's
+    scratch directory (under ``spark.local.dir``) and added with ``SparkContext.addFile``. Each executor
+    fetches it once, from the driver's file server, which streams it from disk: no JVM heap holds it
+    (a broadcast would serialize all of it in the driver's heap). The file stays for the session's life
+    (Spark cannot forget an added file), so a lazy DataFrame can be evaluated at any later time; on
+    the driver's disk it takes twice its size (this file and Spark's copy), once on each executor.
+    Under Connect the bytes go in the closure, checked against the message limit (``ship``).
+    """
+    if is_connect(spark):
+        return ship(spark, data, size=len(data), what=what)
+    context = spark.sparkContext
+    name = f"sparkdl-{digest}{suffix}"
+    with _ADDING_FILES:
+        if not any(added.rsplit("/", 1)[-1] == name for added in context.listFiles):
+            path = os.path.join(context._temp_dir, name)  # PySpark's own scratch directory, as its broadcasts use
+            with open(path, "wb") as f:
+                f.write(data)
+            context.addFile(path)
+    return SparkFile(name)

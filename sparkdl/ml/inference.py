@@ -8,8 +8,10 @@ and the results go back as Arrow arrays built from the numpy buffers. Only the f
 travels to Python; every other column stays on the JVM. This module is the driver's side; what the
 tasks run is ``sparkdl.ml.scoring``.
 
-The model bytes travel once per executor as a Spark broadcast (under Spark Connect, which has
-no broadcasts, in the UDF's closure, within Connect's gRPC message limit). Each Python worker process
+The model bytes travel once per executor as a file Spark's file server streams from the driver's
+disk (``SparkContext.addFile``, named by the SHA-256 of the bytes: no JVM heap holds the model, so
+its size is not bounded by ``spark.driver.memory``); under Spark Connect, in the UDF's closure, within
+Connect's gRPC message limit (``launch.session.ship_file``). Each Python worker process
 deserializes a model once, keyed by the SHA-256 of its bytes, and keeps it for later tasks and
 later ``predict`` calls with the same bytes (Python workers are reused,
 ``spark.python.worker.reuse=true``, Spark's default).
@@ -34,6 +36,7 @@ from sparkdl.data import model_io
 from sparkdl.data.batch_shapes import InputColumn
 from sparkdl.data.columns import IMAGE
 from sparkdl.data.plan import ColumnSpec, input_fields
+from sparkdl.keras import shipped_objects
 from sparkdl.launch import probe, session
 from sparkdl.ml.scoring import (
     ARRAY,
@@ -41,6 +44,7 @@ from sparkdl.ml.scoring import (
     MULTICLASS,
     OUTPUTS,
     REGRESSION,
+    STRING_OUTPUTS,
     ModelInfo,
     TaskSpec,
     one_value,
@@ -104,6 +108,7 @@ def predict(
             f"(what model.save('model.keras') writes, read back as bytes). Received: {type(model_bytes).__name__}"
         )
     digest = hashlib.sha256(model_bytes).hexdigest()
+    custom_objects = shipped_objects.for_archive(model_bytes, custom_objects)  # what the tasks cannot find themselves
     info = _driver_model_info(digest, model_bytes, custom_objects)
     planned = input_fields(df, info.inputs, features_col)  # the columns, matched to the inputs as fit does
     classifier = info.kind in (MULTICLASS, BINARY)
@@ -167,6 +172,9 @@ def model_info(model) -> ModelInfo:
     if not inputs or not outputs:
         raise ValueError(f"predict needs a built model with known inputs and outputs. Received: {type(model).__name__}")
     ports, heads = tuple(model_io.inputs(model)), tuple(model_io.outputs(model))
+    texts = [head.describe() for head in heads if head.is_text]
+    if texts:
+        raise ValueError(STRING_OUTPUTS.format(outputs=texts))
     if len(outputs) != 1:
         return ModelInfo(OUTPUTS, ports, heads)
     output_shape = tuple(outputs[0].shape[1:])
@@ -179,7 +187,6 @@ def model_info(model) -> ModelInfo:
 
 
 _DRIVER_INFO: OrderedDict[str, ModelInfo] = OrderedDict()
-_BROADCASTS: OrderedDict[str, tuple] = OrderedDict()  # digest -> (SparkContext, Broadcast)
 _DRIVER_CACHE_SIZE = 4
 
 
@@ -201,26 +208,9 @@ def _driver_model_info(digest: str, model_bytes: bytes, custom_objects: dict | N
 
 
 def _shipped_model(spark, digest: str, model_bytes: bytes):
-    """One broadcast per model and SparkContext, shared by every ``predict`` call with the same bytes.
-
-    Under Spark Connect the bytes go in the UDF's closure (checked against the message limit here).
-    """
-    if session.is_connect(spark):
-        return session.ship(spark, model_bytes, size=len(model_bytes), what="the model")
-    sc = spark.sparkContext
-    cached = _BROADCASTS.get(digest)
-    if cached is not None and cached[0] is sc and sc._jsc is not None:
-        _BROADCASTS.move_to_end(digest)
-        return cached[1]
-    broadcast = session.ship(spark, model_bytes)
-    _BROADCASTS[digest] = (sc, broadcast)
-    _BROADCASTS.move_to_end(digest)
-    while len(_BROADCASTS) > _DRIVER_CACHE_SIZE:
-        old_sc, old = _BROADCASTS.popitem(last=False)[1]
-        if old_sc._jsc is not None:
-            # Only the executors' copies go: a DataFrame still holding it re-fetches it from the driver.
-            old.unpersist(blocking=False)
-    return broadcast
+    """The model for the UDF's tasks: one file per model and session, which every ``predict`` with the same
+    bytes shares, kept for as long as the session runs (a DataFrame is evaluated lazily, at any later time)."""
+    return session.ship_file(spark, model_bytes, digest, suffix=".keras", what="the model")
 
 
 def _check_output_columns(df: DataFrame, outputs: dict) -> dict:

@@ -24,6 +24,11 @@ BINARY = "binary"  # one sigmoid unit p: prediction = 1.0 if p > 0.5, probabilit
 REGRESSION = "regression"  # one output value: prediction = that value
 ARRAY = "array"  # one output of several values: prediction = the row's values, flattened, as array<double>
 OUTPUTS = "outputs"  # several outputs: prediction = a struct with a field per output name (double, or array<double>)
+STRING_OUTPUTS = (
+    "predict writes numbers (double and array<double> columns), but the model's output(s) {outputs} give strings. "
+    "Score a model whose outputs are numbers (without a final StringLookup(invert=True), say) and map indices back to "
+    "strings in Spark (pyspark.ml.feature.IndexToString)."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,10 +42,10 @@ class ModelInfo:
 
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
-    """What every task needs; small apart from the model (a broadcast handle on a classic session)."""
+    """What every task needs; small apart from the model (the name of a file Spark ships, on a classic session)."""
 
     digest: str
-    model: Any  # the .keras bytes as a pyspark Broadcast (classic) or in the closure (Connect): ``.value``
+    model: Any  # the .keras bytes as ``.value``: a launch.session.SparkFile (classic) or in the closure (Connect)
     custom_objects: dict | None
     info: ModelInfo
     inputs: tuple[InputColumn, ...]  # what feeds each model input, in the order of the UDF's struct fields
@@ -102,7 +107,12 @@ def _outputs(out, rows: int, names: list[str]) -> list[np.ndarray]:
         out = [out[name] for name in names]
     if not isinstance(out, (list, tuple)):
         out = [out]
-    return [np.asarray(o, np.float64).reshape(rows, -1) for o in out]
+    arrays = [np.asarray(o) for o in out]
+    if any(
+        a.dtype.kind in "OSU" for a in arrays
+    ):  # Keras may declare a string output as numbers (StringLookup(invert))
+        raise ValueError(STRING_OUTPUTS.format(outputs=names or "its output"))
+    return [a.astype(np.float64, copy=False).reshape(rows, -1) for a in arrays]
 
 
 def _to_arrow(ys: list[np.ndarray], info: ModelInfo, rows: int, probabilities: bool = True) -> pa.Array:

@@ -21,6 +21,9 @@ Training runs in ROUNDS, each one ordinary (non-barrier) Spark job:
 3. The driver averages the deltas (sum / number of contributions), applies
    them, drops the old broadcast and broadcasts the new state.
 
+All of it passes through the driver's JVM: before its first job the mode refuses a
+model whose state and deltas the driver cannot carry (``capacity.py``).
+
 Accumulators and task retries (checked against PySpark 4 in local mode, see
 ``tests/test_average_mode.py::test_failed_attempts_are_not_double_counted``):
 a Python task that raises exits its worker before sending any accumulator
@@ -80,6 +83,7 @@ from sparkdl.keras import serialization
 from sparkdl.launch import session
 from sparkdl.launch.task_context import partition_id
 from sparkdl.metrics import merge_histories, weighted_mean
+from sparkdl.modes.average import capacity
 from sparkdl.modes.average import rounds as schedule
 from sparkdl.modes.average.deltas import RoundDeltas
 from sparkdl.modes.average.task import METRICS_SCHEMA, evaluate_task, read, round_task, state_variables
@@ -135,6 +139,10 @@ class AverageMode(Mode):
         """
         started = time.perf_counter()
         spark = job.training.frame.sparkSession
+        model = serialization.model_from_bytes(job.start.model_bytes, job.settings.custom_objects)
+        variables = state_variables(model)
+        state = [read(v) for v in variables]
+        capacity.check(spark, sum(array.nbytes for array in state), job.settings.num_workers)  # before any job
         frame = job.training.frame.repartition(job.settings.num_workers).persist(StorageLevel.MEMORY_AND_DISK)
         try:
             partition_rows, validation_rows = _rows_per_partition(frame, job.settings.num_workers)
@@ -151,9 +159,6 @@ class AverageMode(Mode):
             schedule.resume_step(settings, job.start.step),
             tuple(partition_rows),
         )
-        model = serialization.model_from_bytes(job.start.model_bytes, settings.custom_objects)
-        variables = state_variables(model)
-        state = [read(v) for v in variables]
         metrics = _Metrics()
         checkpointer = Checkpointer(job.checkpoints, job.start, "average") if job.checkpoints else None
         publisher = _EpochPublisher(rounds, job.monitor, checkpointer, model, variables, metrics)

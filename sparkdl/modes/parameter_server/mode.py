@@ -1,13 +1,15 @@
 """The parameter-server mode's driver side: serve the shards while the worker tasks train.
 
-The job (model, server addresses, secret) reaches the tasks as a broadcast on a
-classic session, in the task closure under Spark Connect (``launch.session.ship``).
-What the tasks did (samples, pushes, pulls, bytes) comes back in each task's
-returned payload, on both kinds of session: a payload is kept for the one
-successful attempt of each partition, exactly what accumulators would merge, and
-it needs no JVM (Spark Connect has no accumulators). The server binds to the
-driver's address only (``launch.session.driver_host``) and is stopped, its ports
-released, when training returns or raises.
+The job (server addresses, secret, settings) reaches the tasks in the task closure. The
+model to start from is offered on the driver's relay and every task fetches it there
+(``launch.payloads``), as sync mode's rank 0 does, so it never passes through a JVM's
+heap or a Spark Connect message, whatever its size. What the tasks did (samples,
+pushes, pulls, bytes) comes back in each task's returned payload, on both kinds of
+session: a payload is kept for the one successful attempt of each partition, exactly
+what accumulators would merge, and it needs no JVM (Spark Connect has no
+accumulators). The server binds to the driver's address only
+(``launch.session.driver_host``) and is stopped, its ports released, when training
+returns or raises.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from sparkdl.keras import serialization
 from sparkdl.launch import session
 from sparkdl.metrics import combine_logs, merge_histories
 from sparkdl.modes.base import Job, Mode, ModeResult, Option
-from sparkdl.modes.parameter_server.task import COUNTERS, ParameterServerTask, run_parameter_server_task
+from sparkdl.modes.parameter_server.task import COUNTERS, MODEL, ParameterServerTask, run_parameter_server_task
 from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.server_model import ServerModel
 
@@ -102,19 +104,13 @@ class ParameterServerMode(Mode):
             timeout=settings.timeout,
             encrypt=encrypt,
         ) as server:
-            shipped = session.ship(
-                spark,
-                ParameterServerTask(
-                    settings=settings,
-                    model_bytes=job.start.model_bytes,
-                    secret=secret,
-                    addresses=server.addresses,
-                    shards=server_model.layout.shards,
-                    push_every=options.push_every,
-                    encrypt=encrypt,
-                ),
-                size=len(job.start.model_bytes),
-                what="the model",
+            task = ParameterServerTask(
+                settings=settings,
+                secret=secret,
+                addresses=server.addresses,
+                shards=server_model.layout.shards,
+                push_every=options.push_every,
+                encrypt=encrypt,
             )
             with (
                 Checkpointer(job.checkpoints, job.start, job.mode)
@@ -123,17 +119,15 @@ class ParameterServerMode(Mode):
             ):
                 if checkpointer is not None:
                     job.monitor.add_listener(_ServerCheckpoints(checkpointer, server, server_model))
-                try:
-                    results = launch.run_tasks(
-                        job.training.frame,
-                        settings.num_workers,
-                        lambda batches, reporter: run_parameter_server_task(batches, reporter, shipped.value),
-                        barrier=False,
-                        timeout=settings.timeout,
-                        on_progress=job.monitor.on_event,
-                    )
-                finally:
-                    shipped.destroy()
+                results = launch.run_tasks(
+                    job.training.frame,
+                    settings.num_workers,
+                    lambda batches, reporter: run_parameter_server_task(batches, reporter, task),
+                    barrier=False,
+                    timeout=settings.timeout,
+                    on_progress=job.monitor.on_event,
+                    offered={MODEL: job.start.model_bytes},
+                )
             server_stats = server.stats()
         outcomes = [json.loads(payload) for payload in results.values()]
         stats = {

@@ -28,19 +28,25 @@ from sparkdl.keras import callbacks, serialization
 from sparkdl.keras.held_out import in_batches
 from sparkdl.keras.optimizer_hooks import fused_numpy_call, intercept_apply
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
+from sparkdl.launch import payloads
 from sparkdl.launch.forward import TaskReporter
 from sparkdl.launch.task_context import partition_id
 from sparkdl.modes.base import Settings
 from sparkdl.ps.client import ParameterClient
 from sparkdl.ps.sharding import ShardLayout
 
+MODEL = "model"  # the name the driver offers the model to start from
+
 
 @dataclasses.dataclass(frozen=True)
 class ParameterServerTask:
-    """Everything a task needs, shipped from the driver (broadcast, or in the closure under Connect)."""
+    """Everything a task needs but the model, shipped from the driver in the task closure.
+
+    The model, which may be far larger than a closure should be (a Spark Connect message, the driver
+    JVM's heap), is fetched from the driver's relay (``payloads.fetch``) by every task.
+    """
 
     settings: Settings
-    model_bytes: bytes
     secret: bytes
     addresses: list[str]
     shards: list[list[int]]
@@ -102,7 +108,7 @@ def run_parameter_server_task(
     schedule.require_rows({rank: len(rows)})
     settings = settings.for_rows([len(rows)])  # no lockstep: a worker's epoch is its own rows, in its own steps
     limit_threads_to_task_cpus()
-    model = serialization.model_from_bytes(task.model_bytes, settings.custom_objects)
+    model = serialization.model_from_bytes(payloads.fetch(reporter, MODEL), settings.custom_objects)
     model.jit_compile = False  # the exchange runs through tf.numpy_function, which XLA cannot compile
     variables = model.trainable_variables
     layout = ShardLayout([tuple(v.shape) for v in variables], task.shards)
