@@ -407,6 +407,106 @@ def test_python_job_trains_a_users_two_input_model_from_a_toml_mapping(tmp_path,
     assert (tmp_path / "out" / "m.keras").exists()
 
 
+USER_LAYERS = """
+import keras
+
+
+class Halve(keras.layers.Layer):  # not registered with Keras: found through --custom-objects
+    def call(self, x):
+        return keras.ops.cast(x, "float32") * 0.5
+"""
+
+
+def test_the_jobs_train_and_score_string_columns_with_a_custom_layer_by_import_path(tmp_path, spark, monkeypatch):
+    """A review (TextVectorization) and a city (StringLookup) by input name, and a layer of the user's own module,
+    given to both jobs as --custom-objects; the test rows' strings are scored by predict.py."""
+    import keras
+    import pyarrow.parquet as pq
+
+    (tmp_path / "user_layers.py").write_text(USER_LAYERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the jobs import it as a user's job would
+    from user_layers import Halve
+
+    rng = np.random.default_rng(0)
+    words, cities = (
+        ["très", "bien", "schön", "好", "gut", "mal", "plohо", "nul"],
+        ["Zürich", "東京", "Kraków", "Москва"],
+    )
+    rows = []
+    for _ in range(600):
+        review, city = " ".join(rng.choice(words, 4)), str(rng.choice(cities))
+        rows.append((review, city, int(("好" in review) != (city in cities[:2]))))
+    spark.createDataFrame(rows, "review string, city string, liked int").write.parquet(str(tmp_path / "r.parquet"))
+    review, city = keras.Input((1,), name="review", dtype="string"), keras.Input((1,), name="city", dtype="string")
+    vectorize = keras.layers.TextVectorization(vocabulary=words, output_mode="multi_hot")
+    counted = Halve()(keras.layers.Reshape((len(words) + 1,))(vectorize(review)))
+    place = keras.layers.Flatten()(
+        keras.layers.Embedding(len(cities) + 1, 4)(keras.layers.StringLookup(vocabulary=cities)(city))
+    )
+    hidden = keras.layers.Dense(16, activation="relu")(keras.layers.Concatenate()([counted, place]))
+    model = keras.Model({"review": review, "city": city}, keras.layers.Dense(2, activation="softmax")(hidden))
+    model.compile(keras.optimizers.Adam(0.03), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.save(tmp_path / "reviews.keras")
+    features = '{"review": "review", "city": "city"}'
+
+    out = run_job(
+        [
+            sys.executable,
+            TRAIN_JOB,
+            "--master",
+            "local[2]",
+            "--model",
+            "reviews.keras",
+            "--data",
+            "r.parquet",
+            "--features-col",
+            features,
+            "--label-col",
+            "liked",
+            "--epochs",
+            "10",
+            "--custom-objects",
+            "user_layers.Halve",
+            "--output",
+            "out/m.keras",
+            "--test-output",
+            "test.parquet",
+        ],
+        tmp_path,
+    )
+    assert float(re.search(r"test accuracy: ([\d.]+)", out).group(1)) > 0.9, out  # both strings arrive intact
+    out = run_job(
+        [
+            sys.executable,
+            PREDICT_JOB,
+            "--master",
+            "local[2]",
+            "--model",
+            "out/m.keras",
+            "--data",
+            "test.parquet",
+            "--output",
+            "scored.parquet",
+            "--features-col",
+            features,
+            "--custom-objects",
+            "user_layers.Halve",
+        ],
+        tmp_path,
+    )
+    scored = pq.read_table(tmp_path / "scored.parquet").to_pandas()
+    trained = keras.models.load_model(tmp_path / "out" / "m.keras", custom_objects={"Halve": Halve})
+    expected = trained.predict({"review": tf_strings(scored["review"]), "city": tf_strings(scored["city"])}, verbose=0)
+    assert np.array_equal(scored["prediction"].to_numpy(), expected.argmax(axis=1).astype(float)), out
+
+
+def tf_strings(values):
+    import tensorflow as tf
+
+    return tf.constant([[value] for value in values])
+
+
 def test_a_column_mapping_needs_the_users_model(capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--features-col", '{"numeric": "x"}'])
