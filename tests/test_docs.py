@@ -10,12 +10,11 @@ to docs/ is covered without touching this file.
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from process_groups import run_in_own_group
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_PER_FILE = 600  # seconds; a file's snippets together, Spark and TensorFlow start-up included
@@ -205,30 +204,17 @@ def test_python_snippets_run(page, tmp_path):
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     )
     log = tmp_path / "output.txt"
-    with open(log, "w") as out:
-        # Its own process group, so that the Spark JVM and workers it started end with it, also on a timeout.
-        process = subprocess.Popen(
-            [sys.executable, "-c", RUNNER, name, str(tmp_path / "blocks.json")],
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            process.wait(timeout=TIMEOUT_PER_FILE)
-            why = "failed"
-        except subprocess.TimeoutExpired:
-            why = f"did not finish within {TIMEOUT_PER_FILE} s"
-        finally:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait()
+    returncode = run_in_own_group(
+        [sys.executable, "-c", RUNNER, name, str(tmp_path / "blocks.json")],
+        cwd=REPO,
+        env=env,
+        log=log,
+        timeout=TIMEOUT_PER_FILE,
+    )
+    why = "failed" if returncode is not None else f"did not finish within {TIMEOUT_PER_FILE} s"
     output = log.read_text()
     started = re.findall(r"^@@ sparkdl-docs: block (\d+) starts$", output, re.MULTILINE)
-    if process.returncode == 0 and len(started) == len(blocks):
+    if returncode == 0 and len(started) == len(blocks):
         return
     line, code = blocks[int(started[-1]) if started else 0]
     pytest.fail(

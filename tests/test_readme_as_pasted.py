@@ -12,12 +12,11 @@ variables or any other the test suite sets: Spark then starts its Python workers
 import ast
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from process_groups import run_in_own_group
 from test_docs import REPO, python_blocks
 
 pytestmark = pytest.mark.slow  # its own Python process and Spark
@@ -51,23 +50,9 @@ def test_the_readmes_first_snippet_runs_as_a_user_pastes_it(tmp_path):
     (tmp_path / "train.py").write_text(code)
     env = users_environment()
     log = tmp_path / "output.txt"
-    with open(log, "w") as out:
-        # Its own process group, so that the Spark JVM and workers it started end with it, also on a timeout.
-        process = subprocess.Popen(
-            ["python", "train.py"], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            process.wait(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait()
+    returncode = run_in_own_group(["python", "train.py"], cwd=tmp_path, env=env, log=log, timeout=TIMEOUT)
     output = log.read_text()
-    assert process.returncode == 0, f"README.md:{line}'s snippet failed or ran past {TIMEOUT}s:\n{output[-4000:]}"
+    assert returncode == 0, f"README.md:{line}'s snippet failed or ran past {TIMEOUT}s:\n{output[-4000:]}"
     # print(result.history): three epochs of each metric, averaged over the workers; the model trained.
     (history,) = [ast.literal_eval(text) for text in re.findall(r"\{'accuracy': \[.*\]\}", output)]
     assert sorted(history) == ["accuracy", "loss"] and all(len(values) == 3 for values in history.values()), history
