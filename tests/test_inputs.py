@@ -355,7 +355,7 @@ def test_schema_errors_name_inputs_and_columns(spark):
         spark,
         floats,
         model,
-        r"Column 'id' \(`features_col\['id'\]`\) holds double values, but the model's input 'id'.*takes integers",
+        r"Column 'id' \(`features_col\['id'\]`\) holds floats \(double\), but the model's input 'id'.*takes integers",
         features_col={"numeric": "numeric", "id": "id"},
     )
     two = keras.Model(model.inputs, [model.outputs[0], model.outputs[0]])
