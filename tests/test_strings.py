@@ -72,7 +72,7 @@ def test_a_textvectorization_classifier_reaches_the_single_process_accuracy(text
     assert np.abs(np.stack(scored["probability"].map(lambda v: v.toArray())) - expected).max() < 1e-6
 
 
-@keras.saving.register_keras_serializable(package="sparkdl_tests")
+@keras.utils.register_keras_serializable(package="sparkdl_tests")
 class RecordStrings(keras.layers.Layer):
     """Identity on a string tensor that appends every value it receives in training (hex) to ``<log_dir>/<pid>``."""
 

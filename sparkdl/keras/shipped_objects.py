@@ -42,19 +42,23 @@ class ShippedObjects(dict):
         return _unpickled, (_pickled(dict(self)),)
 
 
-def for_model(model, given: Mapping | None = None, *, setting: str = "custom_objects") -> ShippedObjects:
-    """The custom objects a live model needs (its config's, found as the module docstring says), with ``given``."""
-    if _compat.keras_major() < 3:  # tf.keras 2 (the Horovod stack) finds its objects as it always did
-        return ShippedObjects(given or {})
+def for_model(model, given: Mapping | None = None, *, setting: str = "custom_objects") -> dict:
+    """The custom objects a live model needs (its config's, found as the module docstring says), with ``given``.
+
+    On tf.keras 2 (the Horovod stack) ``given`` as it is: that Keras finds registered objects by importing their
+    modules, which travel by reference, as they always did.
+    """
+    if _compat.keras_major() < 3:
+        return dict(given or {})
     import keras
 
     return needed(keras.saving.serialize_keras_object(model), given, _layer_classes(model), setting=setting)
 
 
-def for_archive(data: bytes, given: Mapping | None = None, *, setting: str = "custom_objects") -> ShippedObjects:
-    """The custom objects the model in ``.keras`` archive ``data`` needs, with ``given``."""
+def for_archive(data: bytes, given: Mapping | None = None, *, setting: str = "custom_objects") -> dict:
+    """The custom objects the model in ``.keras`` archive ``data`` needs, with ``given`` (tf.keras 2: ``given``)."""
     if _compat.keras_major() < 3:
-        return ShippedObjects(given or {})
+        return dict(given or {})
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         config = json.loads(archive.read("config.json"))
     return needed(config, given, setting=setting)
