@@ -1,4 +1,5 @@
-"""Real attackers for the network tests: connections that hog a listener, and its rate-limited log read back."""
+"""Real attackers for the network tests: connections that hog a listener, its rate-limited log read back, and
+parameter-server frames made by hand."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import threading
 
 from sparkdl.net import refusals
 from sparkdl.net.auth import CLIENT_HELLO
+from sparkdl.net.frames import HEADER, Header, Kind
 from sparkdl.net.io import parse_address
+from sparkdl.ps import protocol
 
 HOST = "127.0.0.1"
 #: Another host to a listener on HOST: Linux routes all of 127/8 to lo.
@@ -113,3 +116,14 @@ def recv_exactly(sock: socket.socket, size: int) -> bytes:
         assert chunk, f"closed after {len(data)} of {size} bytes"
         data += chunk
     return data
+
+
+def ps_request(msg: int, seq: int, nbytes: int, **fields) -> bytes:
+    """A parameter-server request header as a real client packs it; ``fields`` override any of its fields."""
+    values = dict(kind=Kind.REQUEST, op=msg, dtype=protocol.request_dtype(msg), seq=seq, nbytes=nbytes)
+    return Header(**{**values, **fields}).pack()
+
+
+def ps_response(sock: socket.socket) -> Header:
+    """The next parameter-server response header on ``sock`` (its payload is left unread)."""
+    return Header.unpack(recv_exactly(sock, HEADER.size), source="the parameter server")

@@ -74,6 +74,23 @@ def test_fit_with_the_horovod_backend_runs_horovod_on_every_rank_and_matches_the
         np.testing.assert_allclose(horovod, ring, rtol=1e-5, atol=1e-6)  # ...to the same weights
 
 
+def test_the_horovod_communicator_offers_the_protocol_without_point_to_point():
+    """Checked on the driver, without ``hvd.init()``: every protocol method is there, send/recv are not offered."""
+    from sparkdl.collective.api import OPERATION_NAMES, Communicator
+    from sparkdl.collective.base import BaseCommunicator
+    from sparkdl.collective.horovod import HorovodCommunicator
+
+    capabilities = HorovodCommunicator.capabilities
+    assert issubclass(HorovodCommunicator, BaseCommunicator)
+    assert capabilities.backend == "horovod" and capabilities.algorithms == {"horovod"}
+    assert capabilities.operations == set(OPERATION_NAMES) - {"send", "recv"}
+    assert capabilities.in_graph_allreduce and callable(HorovodCommunicator.allreduce_tensors)
+    protocol = [
+        name for name in dir(Communicator) if not name.startswith("_") and callable(getattr(Communicator, name))
+    ]
+    assert [name for name in protocol if not callable(getattr(HorovodCommunicator, name, None))] == []
+
+
 def fail_after_init_on_rank_1():
     import horovod.tensorflow as hvd
 

@@ -24,18 +24,21 @@ from concurrent.futures import ThreadPoolExecutor
 import keras
 import numpy as np
 import pytest
-from attackers import HOST, OTHER_HOST, Hog, logged_refusals, recv_exactly
+from attackers import HOST, OTHER_HOST, Hog, logged_refusals, ps_request, ps_response, recv_exactly
 from frames import digits_frame
 from models import make_mlp
 from shards import LR, SGDShard
 
 import sparkdl
-from sparkdl.collective.transport import Listener, Op, connect_peer
+from sparkdl.collective import Listener
+from sparkdl.collective.api import OP_CODES
+from sparkdl.collective.links import Links
 from sparkdl.launch import payloads
 from sparkdl.launch.forward import TaskReporter, _Forwarder
 from sparkdl.launch.frames import ERROR, HEADER, RELAY_ID, STDOUT, ErrorReport
 from sparkdl.launch.relay import OutputRelay
 from sparkdl.net.auth import ConnectGaveUp, connect_authenticated
+from sparkdl.net.frames import Header, Kind, dtype_code
 from sparkdl.net.io import parse_address
 from sparkdl.ps import protocol
 from sparkdl.ps.client import NonFiniteGradientError, ParameterClient
@@ -65,21 +68,30 @@ def test_hogged_parameter_server_shard_still_serves_a_real_worker(caplog):
     assert _evictions(caplog) >= 8  # the idle connections beyond the cap were evicted, the newest kept
 
 
+def ring_frame(array: np.ndarray, seq: int) -> tuple[Header, memoryview]:
+    """A collective's frame of ``array``, as an allreduce of the job's group sends it."""
+    header = Header(Kind.COLLECTIVE, OP_CODES["allreduce"], array.nbytes, dtype_code(array.dtype), seq=seq)
+    return header, array.view(np.uint8).data
+
+
 def test_hogged_ring_accept_still_takes_the_real_peer(caplog):
-    with Listener(HOST, handshake_timeout=FOREVER, max_pending=16) as listener:
+    listeners = [Listener(HOST), Listener(HOST, handshake_timeout=FOREVER, max_pending=16)]
+    addresses = [listener.address for listener in listeners]
+    server = Links(1, addresses, listeners[1], SECRET, 30.0, encrypt=False)  # accepting already
+    client = Links(0, addresses, listeners[0], SECRET, 30.0, encrypt=False)
+    try:
         with ThreadPoolExecutor(1) as pool:
-            accepted = pool.submit(listener.accept_peer, 0, 1, SECRET, 30.0)
-            hog = Hog(listener.address, 20)  # accepting already: more than its backlog of 16 may queue
+            accepted = pool.submit(server.link, 0)
+            hog = Hog(addresses[1], 20)  # more than its backlog of 16 may queue
             try:
-                sender = connect_peer(listener.address, 1, 0, SECRET, 30.0)
-                link = accepted.result(60)
-                sender.send(Op.ALLREDUCE, 7, np.arange(5, dtype=np.float32))
+                client.link(1).send(*ring_frame(np.arange(5, dtype=np.float32), 7)).result(30)
                 out = np.empty(5, np.float32)
-                link.recv_into(Op.ALLREDUCE, 7, out)
-                link.close()
-                sender.close()
+                accepted.result(60).receive((Kind.COLLECTIVE, 0, 7), OP_CODES["allreduce"], out, None)
             finally:
                 hog.close()
+    finally:
+        client.close()
+        server.close()
     np.testing.assert_array_equal(out, np.arange(5, dtype=np.float32))
     assert _evictions(caplog) >= 4
 
@@ -189,7 +201,10 @@ _SERVE_WITH_FEW_FILES = r"""
 import json, logging, os, resource, sys
 import numpy as np
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-from sparkdl.collective.transport import Listener, Op
+from sparkdl.collective import Listener
+from sparkdl.collective.api import OP_CODES
+from sparkdl.collective.links import Links
+from sparkdl.net.frames import Header, Kind, dtype_code
 from sparkdl.ps.server import ParameterServer
 from shards import LR, SGDShard
 kind, secret = sys.argv[1], bytes.fromhex(sys.argv[2])
@@ -206,14 +221,17 @@ class Shard:
 server = (ParameterServer([Shard()], host="127.0.0.1", secret=secret, mode="async", num_workers=1)
           if kind == "ps" else Listener("127.0.0.1"))
 address = server.start()[0] if kind == "ps" else server.address
+if kind == "ring":  # rank 1 of two, accepting rank 0 (the test) from now on
+    server = Links(1, ["127.0.0.1:1", address], server, secret, 120.0, encrypt=False)
 _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
 print(json.dumps(address), flush=True)
 if kind == "ring":
-    link = server.accept_peer(0, 1, secret, 120.0)
+    link = server.link(0)
     out = np.empty(4, np.float32)
-    link.recv_into(Op.ALLREDUCE, 0, out)
-    link.send(Op.ALLREDUCE, 0, 2 * out)
+    link.receive((Kind.COLLECTIVE, 0, 0), OP_CODES["allreduce"], out, None)
+    doubled = 2 * out
+    link.send(Header(Kind.COLLECTIVE, OP_CODES["allreduce"], 16, dtype_code(np.float32)), doubled.data).result(60)
 sys.stdin.read()  # until the test is done
 server.stop() if kind == "ps" else server.close()
 """
@@ -253,11 +271,15 @@ def test_listener_survives_running_out_of_file_descriptors(kind):
                 (weights,) = worker.pull()
             np.testing.assert_array_equal(weights, -np.ones(4, np.float32))
         else:
-            link = connect_peer(address, 1, 0, secret, 60.0)
-            link.send(Op.ALLREDUCE, 0, np.arange(4, dtype=np.float32))
-            out = np.empty(4, np.float32)
-            link.recv_into(Op.ALLREDUCE, 0, out)
-            link.close()
+            own = Listener("127.0.0.1")
+            links = Links(0, [own.address, address], own, secret, 60.0, encrypt=False)
+            try:
+                link = links.link(1)
+                link.send(*ring_frame(np.arange(4, dtype=np.float32), 0)).result(60)
+                out = np.empty(4, np.float32)
+                link.receive((Kind.COLLECTIVE, 0, 0), OP_CODES["allreduce"], out, None)
+            finally:
+                links.close()
             np.testing.assert_array_equal(out, 2 * np.arange(4, dtype=np.float32))
     finally:
         for sock in flood:
@@ -283,14 +305,25 @@ def test_non_finite_push_is_refused_before_anything_is_applied(bad):
         np.testing.assert_array_equal(shards[1].w, np.arange(4, dtype=np.float32) - LR)
         # The raw answer is BAD_REQUEST, and the connection stays usable.
         sock = connect_authenticated(ps.addresses[1], 0, 1, SECRET, timeout=10)
-        sock.sendall(protocol.pack_request(protocol.Msg.PUSH, 1, 16) + gradient.tobytes())
-        response = recv_exactly(sock, protocol.RESPONSE.size)
-        _, msg, status, _, seq, _, length = protocol.RESPONSE.unpack(response)
-        assert (msg, status, seq) == (protocol.Msg.PUSH, protocol.Status.BAD_REQUEST, 1)
-        assert recv_exactly(sock, length).decode().startswith(protocol.NON_FINITE)
-        sock.sendall(protocol.pack_request(protocol.Msg.PULL, 2, 0))
-        _, msg, status, _, seq, version, length = protocol.RESPONSE.unpack(recv_exactly(sock, protocol.RESPONSE.size))
-        assert (status, seq, version, length) == (protocol.Status.OK, 2, 1, 16)
+        sock.sendall(ps_request(protocol.Msg.PUSH, 1, 16) + gradient.tobytes())
+        response = ps_response(sock)
+        assert (response.kind, response.op, response.status, response.seq, response.dtype) == (
+            Kind.RESPONSE,
+            protocol.Msg.PUSH,
+            protocol.Status.BAD_REQUEST,
+            1,
+            0,
+        )
+        assert recv_exactly(sock, response.nbytes).decode().startswith(protocol.NON_FINITE)
+        sock.sendall(ps_request(protocol.Msg.PULL, 2, 0))
+        response = ps_response(sock)
+        assert (response.status, response.seq, response.value, response.nbytes, response.dtype) == (
+            protocol.Status.OK,
+            2,
+            1,
+            16,
+            dtype_code(np.float32),
+        )
         np.testing.assert_array_equal(
             np.frombuffer(recv_exactly(sock, 16), np.float32), np.arange(4, dtype=np.float32) - LR
         )
@@ -305,9 +338,8 @@ def test_parameter_server_answers_a_2_to_the_64_length_and_keeps_serving():
     with ParameterServer([shard], host=HOST, secret=SECRET, mode="async", num_workers=1) as ps:
         for length in (2**64 - 1, 7, 0):
             sock = connect_authenticated(ps.addresses[0], 0, 0, SECRET, timeout=10)
-            sock.sendall(protocol.REQUEST.pack(protocol.REQUEST_MAGIC, protocol.Msg.PUSH, 0, 0, 1, length))
-            _, _, status, _, _, _, _ = protocol.RESPONSE.unpack(recv_exactly(sock, protocol.RESPONSE.size))
-            assert status == protocol.Status.BAD_REQUEST
+            sock.sendall(ps_request(protocol.Msg.PUSH, 1, length))
+            assert ps_response(sock).status == protocol.Status.BAD_REQUEST
             sock.close()
         with ParameterClient(ps.addresses, worker=0, secret=SECRET, shard_sizes=[2], timeout=10) as worker:
             worker.push([np.ones(2, np.float32)])

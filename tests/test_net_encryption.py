@@ -7,6 +7,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -16,16 +17,16 @@ from models import make_mlp
 from shards import LR, SGDShard
 
 import sparkdl
-from sparkdl.collective import CollectiveError, Listener, RingCommunicator
+from sparkdl.collective import CollectiveError, Listener, SparkdlCommunicator
 from sparkdl.launch import payloads
 from sparkdl.launch.forward import TaskReporter, _Forwarder
 from sparkdl.launch.frames import HEADER, MAX_FRAME_BYTES
 from sparkdl.launch.relay import OutputRelay
 from sparkdl.launch.session import encrypts_traffic
-from sparkdl.net import listener
+from sparkdl.net import errors, listener
 from sparkdl.net.auth import CLIENT_HELLO
+from sparkdl.net.frames import MAGIC
 from sparkdl.net.secure import RECORD_BYTES, TAG_BYTES, IntegrityError, SealedChannel
-from sparkdl.ps import protocol
 from sparkdl.ps.client import ParameterClient
 from sparkdl.ps.server import ParameterServer
 
@@ -91,8 +92,8 @@ def run_proxied_ring(size, body, *, encrypt=True, flip_at=None, timeout=10.0):
     secret = secrets.token_bytes(32)
 
     def rank_main(rank):
-        with RingCommunicator.connect(
-            rank, addresses, listeners[rank], secret, timeout=timeout, encrypt=encrypt
+        with SparkdlCommunicator.connect(
+            rank, addresses, listeners[rank], secret, timeout=timeout, encrypt=encrypt, shared_memory=False
         ) as comm:
             return body(comm)
 
@@ -115,7 +116,8 @@ def run_proxied_ring(size, body, *, encrypt=True, flip_at=None, timeout=10.0):
 @pytest.mark.parametrize("encrypt", [True, False])
 @pytest.mark.parametrize("size", [2, 3])
 def test_sealed_ring_allreduce_is_right_and_the_wire_holds_no_plaintext(size, encrypt):
-    outcomes, recorded = run_proxied_ring(size, lambda comm: comm.allreduce(PATTERN), encrypt=encrypt)
+    # a ring sends rank 0's own chunk to rank 1 first: the pattern as it is, on a plain link
+    outcomes, recorded = run_proxied_ring(size, lambda comm: comm.allreduce(PATTERN, algorithm="ring"), encrypt=encrypt)
     for result in outcomes:
         np.testing.assert_allclose(result, PATTERN * size, rtol=1e-6)
     assert len(recorded) > PATTERN.nbytes // size
@@ -125,7 +127,9 @@ def test_sealed_ring_allreduce_is_right_and_the_wire_holds_no_plaintext(size, en
 
 def test_flipped_byte_fails_with_integrity_error_instead_of_a_wrong_result():
     flip_at = CLIENT_HELLO.size + 4 + 100  # inside the first sealed record after the handshake
-    outcomes, _ = run_proxied_ring(2, lambda comm: comm.allreduce(PATTERN), flip_at=flip_at, timeout=5.0)
+    outcomes, _ = run_proxied_ring(
+        2, lambda comm: comm.allreduce(PATTERN, algorithm="ring"), flip_at=flip_at, timeout=5.0
+    )
     receiver = outcomes[1]
     assert isinstance(receiver, CollectiveError), receiver
     assert isinstance(receiver.__cause__, IntegrityError)
@@ -227,7 +231,7 @@ def test_flipped_byte_in_a_sealed_push_is_refused_and_nothing_is_applied():
     flip_at = CLIENT_HELLO.size + 4 + 100  # inside the push's first sealed record
     server, shard, proxy, client = proxied_parameter_server(encrypt=True, flip_at=flip_at)
     try:
-        with pytest.raises(CollectiveError, match="worker 0: shard 0"):
+        with pytest.raises(errors.CollectiveError, match="worker 0: shard 0"):
             client.push([PATTERN])
         np.testing.assert_array_equal(shard.w, np.zeros(PATTERN.size, dtype=np.float32))
         assert server.stats()["protocol_errors"] == 1 and server.stats()["pushes"] == 0
@@ -242,7 +246,7 @@ def test_a_plain_worker_is_refused_by_a_sealed_server():
     shard = SGDShard(np.zeros(8, dtype=np.float32))
     with ParameterServer([shard], host="127.0.0.1", secret=secret, mode="async", num_workers=1, encrypt=True) as ps:
         with ParameterClient(ps.addresses, worker=0, secret=secret, shard_sizes=[8], timeout=10.0) as client:
-            with pytest.raises(CollectiveError, match="worker 0: shard 0"):
+            with pytest.raises(errors.CollectiveError, match="worker 0: shard 0"):
                 client.push([np.ones(8, dtype=np.float32)])
         np.testing.assert_array_equal(shard.w, np.zeros(8, dtype=np.float32))
         assert ps.stats()["protocol_errors"] == 1
@@ -291,21 +295,27 @@ def test_links_stay_plain_when_sparks_crypto_is_off(spark, monkeypatch):
     result = sparkdl.fit(data, make_mlp(hidden=(16,)), num_workers=2, epochs=1, batch_size=8, mode="async")
     assert np.isfinite(result.history["loss"]).all()
     assert {name for name, _ in opened} == {"PlainChannel"}, opened
-    requests = [head for _, head in opened if head.startswith(protocol.REQUEST_MAGIC)]  # a worker's first request
-    relayed = [HEADER.unpack(head) for _, head in opened if not head.startswith(protocol.REQUEST_MAGIC)]
+    requests = [head for _, head in opened if head.startswith(MAGIC)]  # a worker's first request
+    relayed = [HEADER.unpack(head) for _, head in opened if not head.startswith(MAGIC)]
     assert len(requests) >= 2 and len(relayed) >= 2, opened  # each worker's shard and relay connections
     # a task's first frame as it is (a sealed record would start with its length: a 0 byte)
     assert all(1 <= kind <= 8 and length <= MAX_FRAME_BYTES for kind, length in relayed), relayed
 
     def ring_link_bytes():
-        from sparkdl.collective import context, transport
+        from sparkdl.collective import context
+        from sparkdl.net.frames import HEADER as FRAME_HEADER
 
-        communicator = context._communicator()
-        communicator._to_next.send(transport.Op.ALLREDUCE, 0, PATTERN)
-        incoming = communicator._from_prev._channel
-        raw = incoming.sock.recv(transport._FRAME.size + PATTERN.nbytes, socket.MSG_PEEK | socket.MSG_WAITALL)
-        received = np.empty_like(PATTERN)
-        communicator._from_prev.recv_into(transport.Op.ALLREDUCE, 0, received)
+        communicator = context.communicator()
+        other = 1 - communicator.rank
+        communicator.send(PATTERN, other, tag=7)  # a frame of its shape, then one of its bytes
+        incoming = communicator._job.links.link(other).channel
+        wanted, raw = 2 * FRAME_HEADER.size + 16 + PATTERN.nbytes, b""
+        for _ in range(1000):  # a peek returns what has arrived so far, even with MSG_WAITALL
+            raw = incoming.sock.recv(wanted, socket.MSG_PEEK | socket.MSG_WAITALL)
+            if len(raw) == wanted:
+                break
+            time.sleep(0.01)
+        received = communicator.recv(other, tag=7)
         return type(incoming).__name__, PATTERN.tobytes() in raw, np.array_equal(received, PATTERN)
 
     assert sparkdl.run(ring_link_bytes, num_workers=2, spark=spark) == ("PlainChannel", True, True)
@@ -360,7 +370,8 @@ assert len(opened) >= relay_connections + 4 and set(opened) == {"SealedChannel"}
 def channel():
     from sparkdl.collective import context
 
-    return type(context._communicator()._to_next._channel).__name__
+    communicator = context.communicator()
+    return type(communicator._job.links.link(1 - communicator.rank).channel).__name__
 
 
 assert sparkdl.run(channel, num_workers=2, spark=spark) == "SealedChannel"

@@ -11,11 +11,12 @@ import time
 
 import numpy as np
 import pytest
-from attackers import HOST, OTHER_HOST, Hog, logged_refusals, recv_exactly
+from attackers import HOST, OTHER_HOST, Hog, logged_refusals, ps_request, ps_response, recv_exactly
 from shards import SGDShard
 
 from sparkdl.net import auth, refusals
 from sparkdl.net.auth import SERVER_HELLO_BYTES, ConnectGaveUp, connect_authenticated
+from sparkdl.net.frames import Kind
 from sparkdl.net.io import parse_address
 from sparkdl.net.listener import ServingListener
 from sparkdl.net.secure import connect_channel
@@ -56,15 +57,15 @@ def test_a_late_hello_keeps_its_slot_while_another_host_hogs_the_listener(monkey
             refused_before = ps.stats()["refused_connections"]
             sock = connect_authenticated(ps.addresses[0], 0, 0, SECRET, timeout=30)
             refused_meanwhile = ps.stats()["refused_connections"] - refused_before
-            sock.sendall(protocol.pack_request(protocol.Msg.PULL, 1, 0))
-            _, _, status, _, _, _, length = protocol.RESPONSE.unpack(recv_exactly(sock, protocol.RESPONSE.size))
-            weights = np.frombuffer(recv_exactly(sock, length), np.float32)
+            sock.sendall(ps_request(protocol.Msg.PULL, 1, 0))
+            response = ps_response(sock)
+            weights = np.frombuffer(recv_exactly(sock, response.nbytes), np.float32)
             sock.close()
         finally:
             hog.close()
     assert len(attempts) == 1  # never evicted: no second attempt
     assert refused_meanwhile > 8  # while the hello was late, the hog's connections were evicted
-    assert status == protocol.Status.OK
+    assert (response.kind, response.status, response.seq) == (Kind.RESPONSE, protocol.Status.OK, 1)
     np.testing.assert_array_equal(weights, np.arange(6, dtype=np.float32))
 
 

@@ -21,9 +21,9 @@ from models import RecordEpochs, make_mlp
 from spark_jobs import no_spark_job
 
 import sparkdl
-from sparkdl.collective.transport import connect_authenticated
 from sparkdl.launch.frames import HEADER, PROGRESS, RELAY_ID
 from sparkdl.launch.relay import OutputRelay
+from sparkdl.net.auth import connect_authenticated
 from sparkdl.progress import ProgressMonitor
 
 _EPOCH_LINE = re.compile(r"^epoch (\d+)/(\d+)  (.*)  \((\d+) samples/s\)$")

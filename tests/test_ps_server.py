@@ -9,12 +9,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from attackers import ps_request, ps_response, recv_exactly
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from shards import LR, SGDShard
 
-from sparkdl.collective import CollectiveError, CollectiveTimeout
-from sparkdl.collective.transport import connect_authenticated, parse_address
+from sparkdl.net.auth import connect_authenticated
+from sparkdl.net.errors import CollectiveError, CollectiveTimeout
+from sparkdl.net.frames import HEADER, MAGIC, VERSION, Header, Kind, dtype_code
+from sparkdl.net.io import parse_address
+from sparkdl.net.listener import ServingListener
 from sparkdl.ps import client as client_module
 from sparkdl.ps import protocol
 from sparkdl.ps.client import ParameterClient
@@ -235,7 +239,7 @@ def test_retried_worker_continues_after_vanishing_mid_frame():
         # the task dies while sending its third push: half a frame, then the sockets vanish
         for shard, n in enumerate(sizes):
             sock = raw_connect(ps, shard, worker=0)
-            sock.sendall(protocol.pack_request(protocol.Msg.PUSH, 1, 4 * n) + b"\x00" * (2 * n))
+            sock.sendall(ps_request(protocol.Msg.PUSH, 1, 4 * n) + b"\x00" * (2 * n))
             sock.close()
         first.close()
         wait_for(lambda: ps.stats()["protocol_errors"] >= 2)
@@ -276,7 +280,7 @@ def test_silent_and_unauthenticated_clients_do_not_block_others():
         host, port = parse_address(ps.addresses[0])
         silent = [socket.create_connection((host, port), timeout=5) for _ in range(5)]
         stuck = raw_connect(ps, 0)  # authenticated, then stops mid-frame
-        stuck.sendall(protocol.pack_request(protocol.Msg.PUSH, 1, 64)[:10])
+        stuck.sendall(ps_request(protocol.Msg.PUSH, 1, 64)[:10])
         try:
             with client(ps, 0, sizes, timeout=10.0) as c:
                 np.testing.assert_array_equal(c.pull()[0], shards[0].w)
@@ -332,6 +336,124 @@ def test_stop_releases_ports_and_a_second_server_works():
         ParameterServer(make_shards([1]), host="0.0.0.0", secret=SECRET, mode="async", num_workers=1)
 
 
+# -- refused headers -----------------------------------------------------------------------
+
+
+def with_raw(header: bytes, **raw) -> bytes:
+    """``header`` with fields a :class:`Header` always packs right (magic, version, flags, pad) set to ``raw``."""
+    fields = dict(zip(("magic", "version", "kind", "op", "dtype", "status", "flags", "pad"), HEADER.unpack(header)))
+    fields.update(raw)
+    return HEADER.pack(*fields.values(), *HEADER.unpack(header)[8:])
+
+
+_FLOAT32 = dtype_code(np.float32)
+_PUSH, _PULL = protocol.Msg.PUSH, protocol.Msg.PULL
+#: (request header, whether the server answers BAD_REQUEST before closing, what its log says): each for shard 0 of 4
+_REFUSED = {
+    "wrong kind (response)": (ps_request(_PUSH, 7, 16, kind=Kind.RESPONSE), True, "a RESPONSE frame"),
+    "wrong kind (collective)": (ps_request(_PULL, 7, 0, kind=Kind.COLLECTIVE), True, "a COLLECTIVE frame"),
+    "wrong dtype on push (float64)": (ps_request(_PUSH, 7, 16, dtype=dtype_code(np.float64)), True, "dtype code"),
+    "wrong dtype on push (bytes)": (ps_request(_PUSH, 7, 16, dtype=0), True, "dtype code"),
+    "dtype on pull": (ps_request(_PULL, 7, 0, dtype=_FLOAT32), True, "dtype code"),
+    "unknown type": (ps_request(9, 7, 0), True, "unknown message type 9"),
+    "non-zero status": (ps_request(_PULL, 7, 0, status=1), True, "reserved"),
+    "non-zero group": (ps_request(_PULL, 7, 0, group=1), True, "reserved"),
+    "non-zero tag": (ps_request(_PULL, 7, 0, tag=1), True, "reserved"),
+    "non-zero value": (ps_request(_PUSH, 7, 16, value=1), True, "reserved"),
+    "wrong length": (ps_request(_PUSH, 7, 12), True, "exactly 16"),
+    "wrong version": (with_raw(ps_request(_PUSH, 7, 16), version=VERSION + 1), False, f"wire version {VERSION + 1}"),
+    "bad magic": (with_raw(ps_request(_PUSH, 7, 16), magic=b"SDLP"), False, "bad magic"),
+    "non-zero flags": (with_raw(ps_request(_PUSH, 7, 16), flags=1), False, "flags 1"),
+    "non-zero pad": (with_raw(ps_request(_PUSH, 7, 16), pad=1), False, "pad 1"),
+    "unknown kind": (ps_request(_PUSH, 7, 16, kind=0), False, "kind 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(_REFUSED))
+def test_a_refused_header_closes_the_connection_and_a_real_client_is_still_served(case, caplog):
+    header, answered, reason = _REFUSED[case]
+    shard = SGDShard(np.zeros(4))
+    with server([shard], num_workers=2) as ps:
+        sock = raw_connect(ps, 0)
+        # a whole push's worth of finite gradient follows: nothing of it may be applied
+        sock.sendall(header + np.ones(4, np.float32).tobytes())
+        if answered:
+            response = ps_response(sock)
+            assert (response.kind, response.status, response.seq) == (Kind.RESPONSE, protocol.Status.BAD_REQUEST, 7)
+            assert response.op == HEADER.unpack(header)[3] and response.dtype == 0
+            assert reason in recv_exactly(sock, response.nbytes).decode()
+        try:
+            assert sock.recv(1) == b"", "the server kept the connection open"
+        except ConnectionResetError:
+            pass  # closed with the payload unread
+        sock.close()
+        wait_for(lambda: ps.stats()["protocol_errors"] == 1)
+        assert any(reason in record.getMessage() for record in caplog.records), caplog.text
+        np.testing.assert_array_equal(shard.w, np.zeros(4))
+        with client(ps, 1, [4]) as c:
+            c.push([np.ones(4, np.float32)])
+            np.testing.assert_allclose(c.pull()[0], -LR * np.ones(4))
+            assert c.versions == [1]
+
+
+def fake_shard(reply):
+    """A listener for worker 0 that answers each request with the header bytes ``reply(request)`` and a payload of
+    the length that header announces."""
+
+    def serve(channel, worker):
+        header = bytearray(HEADER.size)
+        while channel.recv_into(memoryview(header)) == HEADER.size:
+            request = Header.unpack(header, source="the test's client")
+            if request.nbytes:
+                channel.recv_into(memoryview(bytearray(request.nbytes)))
+            response = reply(request)
+            channel.send([response, bytes(HEADER.unpack(response)[-1])])
+
+    return ServingListener(HOST, SECRET, 0, range(1), serve, name="fake shard", max_connections=4)
+
+
+def ok_response(request, **fields) -> bytes:
+    """The header of the OK response a real shard of 4 parameters at version 1 gives, ``fields`` overridden."""
+    values = dict(
+        kind=Kind.RESPONSE,
+        op=request.op,
+        dtype=_FLOAT32 if request.op == _PULL else 0,
+        seq=request.seq,
+        value=1,
+        nbytes=16 if request.op == _PULL else 0,
+    )
+    return Header(**{**values, **fields}).pack()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [dict(), dict(seq=99), dict(kind=Kind.REQUEST), dict(kind=Kind.MESSAGE), dict(op=3), dict(dtype=0), dict(tag=1)],
+    ids=["well-formed", "wrong seq", "request kind", "message kind", "wrong type", "wrong dtype", "non-zero tag"],
+)
+def test_the_client_refuses_a_response_that_does_not_answer_its_request(fields):
+    listener = fake_shard(lambda request: ok_response(request, **fields))
+    try:
+        with ParameterClient([listener.address], worker=0, secret=SECRET, shard_sizes=[4], timeout=5.0) as c:
+            if not fields:
+                np.testing.assert_array_equal(c.pull()[0], np.zeros(4, np.float32))
+                assert c.versions == [1]
+                return
+            with pytest.raises(CollectiveError, match="malformed or out-of-order response.*sparkdl parameter server"):
+                c.pull()
+    finally:
+        listener.close(5.0)
+
+
+def test_the_client_refuses_a_response_of_another_wire_version():
+    listener = fake_shard(lambda request: with_raw(ok_response(request), version=VERSION + 1))
+    try:
+        with ParameterClient([listener.address], worker=0, secret=SECRET, shard_sizes=[4], timeout=5.0) as c:
+            with pytest.raises(CollectiveError, match=f"malformed response .*wire version {VERSION + 1}"):
+                c.pull()
+    finally:
+        listener.close(5.0)
+
+
 # -- fuzzing -------------------------------------------------------------------------------
 
 _SIZES = [5, 16]
@@ -342,40 +464,53 @@ _LENGTHS = st.one_of(
     ),
     st.integers(0, 2**64 - 1),
 )
+
+
+def _mostly(right, anything):
+    """A header field: often the value a well-formed request has, else anything of its width."""
+    return st.one_of(st.just(right), anything)
+
+
 _FRAME = st.one_of(
-    st.tuples(  # anything goes
-        st.one_of(st.just(protocol.REQUEST_MAGIC), st.binary(min_size=4, max_size=4)),
-        _TYPES,
-        st.integers(0, 255),
-        st.integers(0, 3),
-        st.integers(0, 2**32 - 1),
-        _LENGTHS,
-        st.binary(max_size=120),
+    st.fixed_dictionaries(  # anything goes
+        dict(
+            magic=_mostly(MAGIC, st.binary(min_size=4, max_size=4)),
+            version=_mostly(VERSION, st.integers(0, 255)),
+            kind=_mostly(int(Kind.REQUEST), st.integers(0, 255)),
+            op=_TYPES,
+            dtype=st.one_of(st.sampled_from([0, _FLOAT32]), st.integers(0, 255)),
+            status=_mostly(0, st.integers(0, 255)),
+            flags=_mostly(0, st.integers(0, 255)),
+            pad=_mostly(0, st.integers(0, 2**16 - 1)),
+            group=_mostly(0, st.integers(0, 2**32 - 1)),
+            tag=_mostly(0, st.integers(0, 2**32 - 1)),
+            seq=st.integers(0, 2**32 - 1),
+            value=_mostly(0, st.integers(0, 2**64 - 1)),
+            nbytes=_LENGTHS,
+            payload=st.binary(max_size=120),
+        )
     ),
-    st.tuples(  # a well-formed push header that lies about its length, with enough bytes after it
-        st.just(protocol.REQUEST_MAGIC),
-        st.just(int(protocol.Msg.PUSH)),
-        st.just(0),
-        st.just(0),
-        st.integers(0, 2**32 - 1),
-        _LENGTHS,
-        st.binary(min_size=4 * max(_SIZES) + 8, max_size=120),
+    st.fixed_dictionaries(  # a well-formed push header that lies about its length, with enough bytes after it
+        dict(
+            op=st.just(int(_PUSH)),
+            dtype=st.just(_FLOAT32),
+            seq=st.integers(0, 2**32 - 1),
+            nbytes=_LENGTHS,
+            payload=st.binary(min_size=4 * max(_SIZES) + 8, max_size=120),
+        )
     ),
 )
 
 
 def _encode(frame, shard_size):
-    magic, msg, reserved1, reserved2, seq, length, payload = frame
-    header = protocol.REQUEST.pack(magic, msg, reserved1, reserved2, seq, length)
-    complete_push = (
-        magic == protocol.REQUEST_MAGIC
-        and msg == protocol.Msg.PUSH
-        and not reserved1
-        and not reserved2
-        and length == 4 * shard_size
-    )
-    if complete_push:  # garbage must never be a valid push: cut it short
-        payload = payload[: length - 1]
+    fields = dict(frame)
+    payload = fields.pop("payload")
+    raw = {name: fields.pop(name) for name in ("magic", "version", "flags", "pad") if name in fields}
+    fields.setdefault("kind", Kind.REQUEST)
+    header = with_raw(Header(**fields).pack(), **raw)
+    right = (MAGIC, VERSION, Kind.REQUEST, _PUSH, _FLOAT32, 0, 0, 0, 0, 0, HEADER.unpack(header)[10], 0, 4 * shard_size)
+    if HEADER.unpack(header) == right:  # garbage must never be a valid push: cut it short
+        payload = payload[: 4 * shard_size - 1]
     return header + payload
 
 
@@ -387,7 +522,7 @@ def _fuzz_once(ps, initial, data):
         authenticated, shard, blobs = (
             True,
             1,
-            [protocol.REQUEST.pack(protocol.REQUEST_MAGIC, protocol.Msg.PUSH, 0, 0, 1, 2**63)],
+            [ps_request(protocol.Msg.PUSH, 1, 2**63)],
         )
     else:
         authenticated = data.draw(st.booleans(), "authenticated")

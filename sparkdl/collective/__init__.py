@@ -1,24 +1,84 @@
-"""Collective communication (allreduce, allgather, broadcast, barrier) among training ranks.
+"""Collective communication among training ranks: one protocol, sparkdl's own backend, Horovod's.
 
-Ranks connect in an authenticated TCP ring; see :class:`RingCommunicator`.
-Inside a function run by ``sparkdl.run(..., backend="ring")`` the task's ring
-is reachable through :func:`rank`, :func:`size`, :func:`allreduce`,
-:func:`allgather`, :func:`broadcast` and :func:`barrier`.
+:class:`Communicator` (in :mod:`.api`) is what every backend implements and
+every mode uses: allreduce, reduce, broadcast, gather, scatter, allgather
+(and ``allgather_v`` of unequal shapes), reduce_scatter, alltoall, barrier,
+point-to-point ``send``/``recv`` with tags, each with an ``*_async`` twin.
+sparkdl's backend (:class:`SparkdlCommunicator`) runs them over
+authenticated TCP links and, between ranks of one host, shared memory.
+Inside a function run by ``sparkdl.run(..., backend="ring")`` the task's
+communicator is reachable through this module's functions (:mod:`.context`).
 """
 
-from sparkdl.collective.context import allgather, allreduce, barrier, broadcast, rank, size
-from sparkdl.collective.ring import RingCommunicator
-from sparkdl.collective.transport import CollectiveError, CollectiveTimeout, Listener
+from sparkdl.collective.api import OPERATIONS, Capabilities, Communicator, ReduceOp, Work
+from sparkdl.collective.communicator import SparkdlCommunicator
+from sparkdl.collective.context import (
+    allgather,
+    allgather_async,
+    allgather_v,
+    allgather_v_async,
+    allreduce,
+    allreduce_async,
+    alltoall,
+    alltoall_async,
+    barrier,
+    barrier_async,
+    broadcast,
+    broadcast_async,
+    communicator,
+    gather,
+    gather_async,
+    rank,
+    recv,
+    recv_async,
+    reduce,
+    reduce_async,
+    reduce_scatter,
+    reduce_scatter_async,
+    scatter,
+    scatter_async,
+    send,
+    send_async,
+    size,
+)
+from sparkdl.collective.links import Listener
+from sparkdl.net.errors import CollectiveError, CollectiveTimeout
 
 __all__ = [
+    "OPERATIONS",
+    "Capabilities",
     "CollectiveError",
     "CollectiveTimeout",
+    "Communicator",
     "Listener",
-    "RingCommunicator",
+    "ReduceOp",
+    "SparkdlCommunicator",
+    "Work",
     "allgather",
+    "allgather_async",
+    "allgather_v",
+    "allgather_v_async",
     "allreduce",
+    "allreduce_async",
+    "alltoall",
+    "alltoall_async",
     "barrier",
+    "barrier_async",
     "broadcast",
+    "broadcast_async",
+    "communicator",
+    "gather",
+    "gather_async",
     "rank",
+    "recv",
+    "recv_async",
+    "reduce",
+    "reduce_async",
+    "reduce_scatter",
+    "reduce_scatter_async",
+    "scatter",
+    "scatter_async",
+    "send",
+    "send_async",
     "size",
 ]

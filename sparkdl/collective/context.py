@@ -1,17 +1,21 @@
-"""The collective of the task a ``sparkdl.run(..., backend="ring")`` function runs in.
+"""The communicator of the task a ``sparkdl.run(..., backend="ring")`` function runs in, as module functions.
 
 Inside such a function::
 
     from sparkdl import collective
+    from sparkdl.collective import ReduceOp
     collective.rank(), collective.size()
-    total = collective.allreduce(np.ones(3))          # sum over ranks (average=True: mean)
-    rows = collective.allgather(np.array([rank]))     # shape (size, 1), by rank
-    weights = collective.broadcast(weights, root=0)   # rank 0's array everywhere
+    total = collective.allreduce(np.ones(3))                     # sum over ranks
+    mean = collective.allreduce(np.ones(3), ReduceOp.MEAN)
+    rows = collective.allgather(np.array([rank]))                 # shape (size, 1), by rank
+    weights = collective.broadcast(weights, root=0)               # rank 0's array everywhere
+    work = collective.allreduce_async(gradients)                  # ... compute ...; work.wait()
+    collective.send(activations, dest=1, tag=7); collective.recv(source=0, tag=7)
     collective.barrier()
 
-Every call is a collective: all ranks must make the same calls in the same
-order with arrays of the same shape and dtype, and every wait is bounded by
-the ``timeout`` given to ``sparkdl.run``.
+Each function is the :class:`~sparkdl.collective.api.Communicator` method of
+the same name (see :data:`~sparkdl.collective.api.OPERATIONS`); every wait is
+bounded by the ``timeout`` given to ``sparkdl.run``.
 """
 
 from __future__ import annotations
@@ -19,15 +23,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import numpy as np
+from sparkdl.collective.api import Communicator
 
-from sparkdl.collective.ring import RingCommunicator
-
-_active: RingCommunicator | None = None
+_active: Communicator | None = None
 
 
 @contextlib.contextmanager
-def bound(communicator: RingCommunicator) -> Iterator[RingCommunicator]:
+def bound(communicator: Communicator) -> Iterator[Communicator]:
     """Makes ``communicator`` the one this module's functions use while the block runs."""
     global _active
     previous, _active = _active, communicator
@@ -37,7 +39,8 @@ def bound(communicator: RingCommunicator) -> Iterator[RingCommunicator]:
         _active = previous
 
 
-def _communicator() -> RingCommunicator:
+def communicator() -> Communicator:
+    """The task's communicator (for subgroups: ``communicator().split(...)``, ``.local()``, ``.cross()``)."""
     if _active is None:
         raise RuntimeError(
             "No sparkdl collective here: these functions work inside a function run by "
@@ -48,29 +51,44 @@ def _communicator() -> RingCommunicator:
 
 def rank() -> int:
     """This task's rank: 0..size()-1, its partition index."""
-    return _communicator().rank
+    return communicator().rank
 
 
 def size() -> int:
     """The number of ranks (``num_workers``)."""
-    return _communicator().size
+    return communicator().size
 
 
-def allreduce(array: np.ndarray, average: bool = False) -> np.ndarray:
-    """Elementwise sum (or mean) over ranks."""
-    return _communicator().allreduce(np.asarray(array), average=average)
+def _forward(name: str):
+    def operation(*args, **kwargs):
+        return getattr(communicator(), name)(*args, **kwargs)
+
+    operation.__name__ = operation.__qualname__ = name
+    operation.__doc__ = getattr(Communicator, name).__doc__ or f"The task communicator's ``{name}``."
+    return operation
 
 
-def allgather(array: np.ndarray) -> np.ndarray:
-    """Every rank's ``array`` stacked by rank: shape ``(size, *array.shape)``."""
-    return _communicator().allgather(np.asarray(array))
-
-
-def broadcast(array: np.ndarray, root: int = 0) -> np.ndarray:
-    """Rank ``root``'s ``array`` on every rank."""
-    return _communicator().broadcast(np.asarray(array), root=root)
-
-
-def barrier() -> None:
-    """Returns once every rank has called it."""
-    _communicator().barrier()
+allreduce = _forward("allreduce")
+allreduce_async = _forward("allreduce_async")
+allgather = _forward("allgather")
+allgather_async = _forward("allgather_async")
+broadcast = _forward("broadcast")
+broadcast_async = _forward("broadcast_async")
+barrier = _forward("barrier")
+barrier_async = _forward("barrier_async")
+reduce = _forward("reduce")
+reduce_async = _forward("reduce_async")
+gather = _forward("gather")
+gather_async = _forward("gather_async")
+scatter = _forward("scatter")
+scatter_async = _forward("scatter_async")
+allgather_v = _forward("allgather_v")
+allgather_v_async = _forward("allgather_v_async")
+reduce_scatter = _forward("reduce_scatter")
+reduce_scatter_async = _forward("reduce_scatter_async")
+alltoall = _forward("alltoall")
+alltoall_async = _forward("alltoall_async")
+send = _forward("send")
+send_async = _forward("send_async")
+recv = _forward("recv")
+recv_async = _forward("recv_async")

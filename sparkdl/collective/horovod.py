@@ -1,4 +1,4 @@
-"""Horovod inside Spark barrier tasks: its Gloo rendezvous, and a communicator over its collectives.
+"""Horovod inside Spark barrier tasks: its Gloo rendezvous and the environment ``hvd.init()`` reads.
 
 Rank 0's task serves Horovod's rendezvous (its HTTP key-value store, given the
 stage's slot plan) on its own address; the address reaches every task through
@@ -9,6 +9,9 @@ Horovod's own transports (the rendezvous over HTTP, Gloo over TCP) carry no
 authentication; sparkdl binds the rendezvous to the task's address only and
 serves it for the length of the job. Where that is not acceptable, use the
 built-in ``backend="ring"``, which authenticates every connection.
+
+The communicator over Horovod's collectives is
+:class:`sparkdl.collective.horovod_backend.HorovodCommunicator` (also importable from here).
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import socket
 import threading
 from collections.abc import Iterator, Sequence
 
-import numpy as np
+from sparkdl.collective.horovod_backend import HorovodCommunicator
+
+__all__ = ["HorovodCommunicator", "Slot", "horovod_environment", "interface_of", "slot_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,62 +156,3 @@ def _shutdown_initialised_horovod() -> None:
         module = sys.modules.get(name)
         if module is not None and module.is_initialized():
             module.shutdown()
-
-
-class HorovodCommunicator:
-    """The collective interface sparkdl's trainer uses (see ``RingCommunicator``), over Horovod's collectives.
-
-    Gradients go through Horovod's own TensorFlow ops (``average_gradients``),
-    so they take Gloo on CPU and NCCL on GPU where Horovod was built with it;
-    the occasional NumPy-level calls (metrics, weight checks) go through
-    Horovod's eager ops.
-    """
-
-    def __init__(self):
-        import horovod.tensorflow as hvd
-
-        hvd.init()
-        self._hvd = hvd
-        self.rank = hvd.rank()
-        self.size = hvd.size()
-        self._calls = 0
-
-    def average_gradients(self, grads: list) -> list:
-        """Inside the compiled train step: Horovod's averaged gradients (``None`` passes through)."""
-        import tensorflow as tf
-
-        present = [i for i, g in enumerate(grads) if g is not None]
-        reduced = self._hvd.grouped_allreduce([tf.convert_to_tensor(grads[i]) for i in present], op=self._hvd.Average)
-        out = list(grads)
-        for i, value in zip(present, reduced):
-            out[i] = value
-        return out
-
-    def allreduce(self, array: np.ndarray, average: bool = False) -> np.ndarray:
-        op = self._hvd.Average if average else self._hvd.Sum
-        return self._hvd.allreduce(array, op=op, name=self._name("allreduce")).numpy()
-
-    def allgather(self, array: np.ndarray) -> np.ndarray:
-        """Rows stacked by rank: shape ``(size, *array.shape)``, as the ring's allgather."""
-        stacked = self._hvd.allgather(np.expand_dims(array, 0), name=self._name("allgather")).numpy()
-        return stacked.reshape((self.size, *array.shape))
-
-    def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
-        return self._hvd.broadcast(array, root_rank=root, name=self._name("broadcast")).numpy()
-
-    def barrier(self) -> None:
-        self.allreduce(np.zeros(1, np.int32))
-
-    def close(self) -> None:
-        self._hvd.shutdown()
-
-    def __enter__(self) -> HorovodCommunicator:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-    def _name(self, op: str) -> str:
-        """Eager Horovod ops are matched across ranks by name; every rank makes the same calls in order."""
-        self._calls += 1
-        return f"sparkdl.{op}.{self._calls}"

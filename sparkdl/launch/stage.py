@@ -23,7 +23,7 @@ from pyspark.sql import DataFrame
 
 from sparkdl import _compat
 from sparkdl._tf_log import quiet_tensorflow
-from sparkdl.collective import Listener, RingCommunicator
+from sparkdl.collective import Listener, SparkdlCommunicator, topology
 from sparkdl.launch import gpu, payloads, session
 from sparkdl.launch.errors import worker_error
 from sparkdl.launch.forward import TaskReporter, forward_output
@@ -169,11 +169,15 @@ def _results(table: pa.Table, exchange: payloads.PayloadExchange | None) -> dict
     return results
 
 
-def connect_collective(secret: bytes, timeout: float, *, encrypt: bool = False) -> RingCommunicator:
-    """Inside a barrier task: builds the ring of all tasks of the stage, rank = partition index (sealed if ``encrypt``)."""
+def connect_collective(secret: bytes, timeout: float, *, encrypt: bool = False) -> SparkdlCommunicator:
+    """Inside a barrier task: the communicator of all tasks of the stage, rank = partition index (sealed if ``encrypt``).
+
+    Each task publishes its listener's address and its host's identity; ranks of one host then also share memory.
+    """
     context = BarrierTaskContext.get()
     rank = context.partitionId()
     host = context.getTaskInfos()[rank].address.rsplit(":", 1)[0]
     listener = Listener(host=host)
-    addresses = context.allGather(listener.address)
-    return RingCommunicator.connect(rank, addresses, listener, secret, timeout=timeout, encrypt=encrypt)
+    records = context.allGather(topology.record(listener.address, topology.host_identity(host)))
+    addresses, hosts = topology.parse_records(records)
+    return SparkdlCommunicator.connect(rank, addresses, listener, secret, timeout=timeout, encrypt=encrypt, hosts=hosts)

@@ -47,11 +47,12 @@ class HandshakeFailed(Exception):
 
 
 class ConnectGaveUp(Exception):
-    """:func:`connect_authenticated` found no authenticated connection within its timeout."""
+    """:func:`connect_authenticated` found no authenticated connection within its timeout (or, ``refused``, none can come)."""
 
-    def __init__(self, last_error: str):
+    def __init__(self, last_error: str, *, refused: bool = False):
         super().__init__(last_error)
         self.last_error = last_error
+        self.refused = refused
 
 
 def _client_mac(secret: bytes, server_nonce: bytes, client_nonce: bytes, client_rank: int, server_rank: int) -> bytes:
@@ -86,7 +87,7 @@ def connect_authenticated(address: str, rank: int, peer: int, secret: bytes, tim
 
 
 def connect_with_proof(
-    address: str, rank: int, peer: int, secret: bytes, timeout: float
+    address: str, rank: int, peer: int, secret: bytes, timeout: float, *, refused_is_final: bool = False
 ) -> tuple[socket.socket, bytes]:
     """(socket, the server's proof, which salts session keys): a tuned socket connected to ``address`` after mutual authentication as ``rank`` -> ``peer``.
 
@@ -94,6 +95,8 @@ def connect_with_proof(
     server may be busy dropping an impostor or not accepting yet); raises
     :class:`ConnectGaveUp` (with the last error) once ``timeout`` has passed.
     The returned socket still has the remaining connect time as its timeout.
+    ``refused_is_final``: a refused connection ends the attempts at once, for
+    listeners known to be listening already (a refusal then means the peer is gone).
     """
     host, port = parse_address(address)
     deadline = time.monotonic() + timeout
@@ -115,6 +118,8 @@ def connect_with_proof(
             if sock is not None:
                 sock.close()
             last_error = str(exc) or type(exc).__name__
+            if refused_is_final and isinstance(exc, ConnectionRefusedError):
+                raise ConnectGaveUp(last_error, refused=True) from None
         time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
         delay = min(2 * delay, 0.5)
 

@@ -151,13 +151,22 @@ def open_channel(
 
 
 def connect_channel(
-    address: str, rank: int, peer: int, secret: bytes, timeout: float, *, encrypt: bool, peer_name: str = ""
+    address: str,
+    rank: int,
+    peer: int,
+    secret: bytes,
+    timeout: float,
+    *,
+    encrypt: bool,
+    peer_name: str = "",
+    refused_is_final: bool = False,
 ) -> Channel:
     """The client's side of :func:`open_channel`: connect and authenticate as ``rank`` -> ``peer``, then open.
 
     Raises :class:`~sparkdl.net.auth.ConnectGaveUp` once ``timeout`` has passed (see
     :func:`~sparkdl.net.auth.connect_with_proof`); the socket keeps the remaining
-    connect time as its timeout. ``peer_name`` names the listener in errors (default "rank <peer>").
+    connect time as its timeout. ``peer_name`` names the listener in errors (default "rank <peer>");
+    ``refused_is_final``: see :func:`~sparkdl.net.auth.connect_with_proof`.
     """
-    sock, proof = connect_with_proof(address, rank, peer, secret, timeout)
+    sock, proof = connect_with_proof(address, rank, peer, secret, timeout, refused_is_final=refused_is_final)
     return open_channel(sock, secret, proof, encrypt=encrypt, is_client=True, peer=peer_name or f"rank {peer}")

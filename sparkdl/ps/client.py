@@ -2,8 +2,8 @@
 
 ``pull`` and ``push`` talk to all shards at once (one thread per shard).  Every
 wait is bounded by ``timeout``; every failure raises
-:class:`~sparkdl.collective.CollectiveError` (or
-:class:`~sparkdl.collective.CollectiveTimeout`) naming the worker, the shard
+:class:`~sparkdl.net.errors.CollectiveError` (or
+:class:`~sparkdl.net.errors.CollectiveTimeout`) naming the worker, the shard
 and its address, the operation and the setting to check.  After a failure the
 client is unusable (the byte stream of the failed connection is in an unknown
 state); a retried Spark task simply creates a new client with the same worker id.
@@ -25,12 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from sparkdl.collective.transport import CollectiveError, CollectiveTimeout
 from sparkdl.net.auth import ConnectGaveUp
+from sparkdl.net.errors import CollectiveError, CollectiveTimeout
+from sparkdl.net.frames import HEADER, FrameError, Header, Kind
 from sparkdl.net.io import shutdown_and_close
 from sparkdl.net.secure import Channel, connect_channel
 from sparkdl.ps import protocol
-from sparkdl.ps.protocol import FLOAT, RESPONSE, Msg, Status
+from sparkdl.ps.protocol import FLOAT, Msg, Status
 
 #: Shards of more bytes than this are sent and received by one thread each (smaller ones are
 #: pipelined from the calling thread, which measured as fast or faster on 2 cores).
@@ -53,7 +54,7 @@ class _Conn:
         self.seq = 0
         self.last_used = 0.0
         self.version = 0
-        self._header = bytearray(RESPONSE.size)
+        self._header = bytearray(HEADER.size)
         self._send_error: OSError | None = None
 
     def where(self) -> str:
@@ -102,7 +103,9 @@ class _Conn:
             self.connect()
         self.seq = (self.seq + 1) & 0xFFFFFFFF
         body = payload.view(np.uint8).data if payload is not None else b""
-        header = protocol.pack_request(msg, self.seq, len(body))
+        header = Header(
+            kind=Kind.REQUEST, op=msg, dtype=protocol.request_dtype(msg), seq=self.seq, nbytes=len(body)
+        ).pack()
         self._send_error = None
         with self._errors(msg):
             try:
@@ -122,18 +125,13 @@ class _Conn:
                 if self._send_error is not None:
                     raise self._send_error from None
                 raise
-            magic, got_msg, status, reserved, got_seq, version, length = RESPONSE.unpack(self._header)
-            if magic != protocol.RESPONSE_MAGIC or reserved or got_msg != msg or got_seq != self.seq:
-                raise CollectiveError(
-                    f"{self.where()}: {op} got a malformed or out-of-order response "
-                    f"(magic {bytes(magic)!r}, type {got_msg}, seq {got_seq}, expected seq "
-                    f"{self.seq}); check that the address is a sparkdl parameter server"
-                )
+            response = self._check_header(op, msg)
+            status, length = response.status, response.nbytes
             if status != Status.OK:
                 self._raise_status(op, status, length)
             if self._send_error is not None:
                 raise self._send_error
-            expected = FLOAT.itemsize * self.size if msg == Msg.PULL else 0
+            expected = protocol.expected_response_payload(msg, self.size)
             if length != expected:
                 raise CollectiveError(
                     f"{self.where()}: {op} response has {length} payload bytes, expected "
@@ -144,9 +142,34 @@ class _Conn:
             if msg == Msg.PULL:
                 result = np.empty(self.size, dtype=FLOAT)
                 self._recv_exact(result.view(np.uint8).data, op)
-            self.version = version
+            self.version = response.value
             self.last_used = time.monotonic()
             return result
+
+    def _check_header(self, op: str, msg: Msg) -> Header:
+        """The response header just received, if it answers this request; else CollectiveError."""
+        try:
+            response = Header.unpack(self._header, source=f"parameter server shard {self.index} at {self.address}")
+        except FrameError as exc:
+            raise CollectiveError(
+                f"{self.where()}: {op} got a malformed response ({exc}); check that the address is a sparkdl "
+                f"parameter server of the same sparkdl version"
+            ) from None
+        if (
+            response.kind != Kind.RESPONSE
+            or response.op != msg
+            or response.seq != self.seq
+            or response.dtype != protocol.response_dtype(msg, response.status)
+            or response.group
+            or response.tag
+        ):
+            raise CollectiveError(
+                f"{self.where()}: {op} got a malformed or out-of-order response "
+                f"(kind {response.kind}, type {response.op}, dtype {response.dtype}, seq {response.seq}, "
+                f"expected a {Kind.RESPONSE.name} to type {int(msg)} with seq {self.seq}); check that the "
+                f"address is a sparkdl parameter server"
+            )
+        return response
 
     @contextlib.contextmanager
     def _errors(self, msg: Msg):

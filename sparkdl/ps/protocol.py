@@ -1,48 +1,53 @@
-"""Wire format of the parameter server.
+"""What the parameter server says over the one sparkdl frame (:mod:`sparkdl.net.frames`).
 
 A connection starts with the network layer's mutual HMAC-SHA256
 challenge/response (:mod:`sparkdl.net.auth`): the client proves
 the job secret as "rank" = its worker id towards "rank" = the shard index, so a
 client that mixes up shard addresses fails authentication too.  After that the
-client sends requests and the server answers each one, in order:
+client sends requests and the server answers each one, in order, every one a
+:class:`~sparkdl.net.frames.Header` (packed and unpacked by it alone) and its payload:
 
-request  = ``_REQUEST``  header (magic, type, 0, 0, seq, payload bytes) + payload
-response = ``_RESPONSE`` header (magic, type, status, 0, seq, shard version, payload bytes) + payload
+request  = ``Header(kind=REQUEST, op=Msg, dtype=request_dtype(op), seq, nbytes)`` + payload
+response = ``Header(kind=RESPONSE, op=Msg, status=Status, dtype, seq, value=shard version, nbytes)`` + payload
 
-All integers are big-endian.  Payloads are raw float32 bytes in native
-(little-endian on every supported platform) order, never pickled objects:
+``seq`` counts a connection's requests (from 1, wrapping at 2**32); a response
+repeats its request's ``op`` and ``seq``.  Every other header field
+(``status`` of a request, ``group``, ``tag``, ``value`` of a request) is 0.
+Payloads are raw float32 bytes in native (little-endian on every supported
+platform) order, never pickled objects:
 
-========  =====================================  ==========================================
-type      request payload                        OK response payload
-========  =====================================  ==========================================
-PULL      none                                   the shard's weights, exactly 4*size bytes
-PUSH      one gradient, exactly 4*size bytes     none
-DONE      none                                   none
-========  =====================================  ==========================================
+========  ============================================  =================================================
+op        request payload (``dtype``)                   OK response payload (``dtype``)
+========  ============================================  =================================================
+PULL      none (0)                                      the shard's weights, exactly 4*size bytes
+                                                        (``dtype_code(float32)``)
+PUSH      one gradient, exactly 4*size bytes            none (0)
+          (``dtype_code(float32)``)
+DONE      none (0)                                      none (0)
+========  ============================================  =================================================
 
-The server knows the exact payload size of every request type in advance and
-closes the connection on any other header (bad magic, unknown type, non-zero
-reserved fields, any other length) without allocating from the announced
-length.  A push holding NaN or infinity is answered with ``BAD_REQUEST`` and
-a message starting with ``NON_FINITE``; nothing of it is applied and the
-connection stays usable.  A response with a non-OK status carries a short UTF-8 message
-(at most ``MAX_MESSAGE_BYTES``) that the client puts into its exception.
+The server knows the exact header and payload size of every request type in
+advance and closes the connection on any other header without allocating from
+the announced length: not a frame of this version (bad magic, another wire
+version, non-zero flags: :class:`~sparkdl.net.frames.FrameError`), another
+kind of frame, an unknown op, a wrong dtype code, non-zero fields a request
+leaves 0, any other length.  Where the header was a frame of this version it
+first answers ``BAD_REQUEST`` saying why.  A push holding NaN or infinity is
+answered with ``BAD_REQUEST`` and a message starting with ``NON_FINITE``;
+nothing of it is applied and the connection stays usable.  A response with a
+non-OK status carries a short UTF-8 message (``dtype`` 0, at most
+``MAX_MESSAGE_BYTES``) that the client puts into its exception; the client
+refuses a response of another kind, op or seq, or with a dtype, length or
+non-zero field other than the table's.
 """
 
 from __future__ import annotations
 
 import enum
-import struct
 
 import numpy as np
 
-REQUEST_MAGIC = b"SDLP"
-RESPONSE_MAGIC = b"SDLR"
-
-#: magic, type, reserved (0), reserved (0), sequence number, payload bytes
-REQUEST = struct.Struct("!4sBBHIQ")
-#: magic, type, status, reserved (0), sequence number, shard version, payload bytes
-RESPONSE = struct.Struct("!4sBBHIQQ")
+from sparkdl.net.frames import dtype_code
 
 #: Start of the BAD_REQUEST message refusing a push that holds NaN or infinity.
 NON_FINITE = "non-finite gradient"
@@ -51,6 +56,8 @@ NON_FINITE = "non-finite gradient"
 MAX_MESSAGE_BYTES = 1024
 
 FLOAT = np.dtype("<f4")
+#: The frame dtype code of a float32 payload (pushed gradients, pulled weights).
+FLOAT_CODE = dtype_code(np.float32)
 
 
 class Msg(enum.IntEnum):
@@ -87,9 +94,16 @@ def expected_request_payload(msg: int, shard_size: int) -> int | None:
     return None
 
 
-def pack_request(msg: Msg, seq: int, payload_bytes: int) -> bytes:
-    return REQUEST.pack(REQUEST_MAGIC, msg, 0, 0, seq & 0xFFFFFFFF, payload_bytes)
+def request_dtype(msg: int) -> int:
+    """The dtype code a request of type ``msg`` carries: float32's for a push's gradient, else 0."""
+    return FLOAT_CODE if msg == Msg.PUSH else 0
 
 
-def pack_response(msg: int, status: Status, seq: int, version: int, payload_bytes: int) -> bytes:
-    return RESPONSE.pack(RESPONSE_MAGIC, msg, status, 0, seq, version, payload_bytes)
+def response_dtype(msg: int, status: int) -> int:
+    """The dtype code of a response: float32's for a pull's weights, 0 for no payload or an error message."""
+    return FLOAT_CODE if msg == Msg.PULL and status == Status.OK else 0
+
+
+def expected_response_payload(msg: int, shard_size: int) -> int:
+    """Exact payload bytes of an OK response to ``msg``."""
+    return FLOAT.itemsize * shard_size if msg == Msg.PULL else 0

@@ -18,11 +18,12 @@ import typing
 
 import numpy as np
 
+from sparkdl.net.frames import HEADER, FrameError, Header, Kind, dtype_name
 from sparkdl.net.io import ReadTimeout
 from sparkdl.net.listener import ServingListener
 from sparkdl.net.secure import Channel, IntegrityError
 from sparkdl.ps import protocol
-from sparkdl.ps.protocol import FLOAT, REQUEST, Msg, Status
+from sparkdl.ps.protocol import FLOAT, Msg, Status
 from sparkdl.ps.staleness import ServerStopping, StalenessTimeout
 
 if typing.TYPE_CHECKING:
@@ -102,27 +103,44 @@ class ShardServer:
 
     def _request_loop(self, channel: Channel, worker: int) -> None:
         server = self.server
-        header = bytearray(REQUEST.size)
+        header = bytearray(HEADER.size)
         header_view = memoryview(header)
         while True:
             if not _recv_exact(channel, header_view, at_boundary=True):
                 raise _Closed()
-            magic, msg, reserved1, reserved2, seq, length = REQUEST.unpack(header)
-            if magic != protocol.REQUEST_MAGIC:
-                raise _ProtocolViolation(f"bad magic {bytes(magic)!r} (garbage or another protocol)")
+            try:
+                request = Header.unpack(header, source=f"worker {worker}")
+            except FrameError as exc:  # not a frame of this version: nothing in it can be trusted, not even seq
+                raise _ProtocolViolation(str(exc)) from None
+            msg, seq, length = request.op, request.seq, request.nbytes
+            reply = (msg, seq)
+            if request.kind != Kind.REQUEST:
+                raise _ProtocolViolation(
+                    f"a {Kind(request.kind).name} frame where a parameter-server request belongs", reply=reply
+                )
             expected = protocol.expected_request_payload(msg, self.size)
             if expected is None:
-                raise _ProtocolViolation(f"unknown message type {msg}", reply=(msg, seq))
-            if reserved1 or reserved2:
-                raise _ProtocolViolation("non-zero reserved header fields", reply=(msg, seq))
+                raise _ProtocolViolation(f"unknown message type {msg}", reply=reply)
+            if request.dtype != protocol.request_dtype(msg):
+                want = protocol.request_dtype(msg)
+                raise _ProtocolViolation(
+                    f"{protocol.msg_name(msg)} announced payload dtype code {request.dtype} "
+                    f"({dtype_name(request.dtype)}); a {protocol.msg_name(msg)} request carries code {want} "
+                    f"({'float32' if want else 'no payload'})",
+                    reply=reply,
+                )
+            if request.status or request.group or request.tag or request.value:
+                raise _ProtocolViolation(
+                    "non-zero reserved header fields (a request's status, group, tag and value are 0)", reply=reply
+                )
             if length != expected:
                 raise _ProtocolViolation(
                     f"{protocol.msg_name(msg)} announced {length} payload bytes; shard {self.index} "
                     f"has {self.size} float32 parameters, so it must be exactly {expected} "
                     f"(check shard_sizes)",
-                    reply=(msg, seq),
+                    reply=reply,
                 )
-            server._count(bytes_in=REQUEST.size + length)
+            server._count(bytes_in=HEADER.size + length)
             if msg == Msg.PUSH:
                 self._push(channel, worker, seq)
             elif msg == Msg.PULL:
@@ -223,7 +241,15 @@ class ShardServer:
             body = payload.view(np.uint8).data
         else:
             body = payload
-        header = protocol.pack_response(msg, status, seq, version, len(body))
+        header = Header(
+            kind=Kind.RESPONSE,
+            op=msg,
+            dtype=protocol.response_dtype(msg, status),
+            status=status,
+            seq=seq,
+            value=version,
+            nbytes=len(body),
+        ).pack()
         channel.send([header, body])
         self.server._count(bytes_out=len(header) + len(body))
 

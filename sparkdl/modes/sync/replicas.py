@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from sparkdl import schedule
+from sparkdl.collective.api import ReduceOp
 from sparkdl.data import Rows
 from sparkdl.keras.held_out import in_batches
 from sparkdl.keras.optimizer_hooks import fused_numpy_call, intercept_apply
@@ -46,16 +47,16 @@ def distributed_optimizer(optimizer, comm, scales: np.ndarray | None = None, fir
 
     def mean_over_ranks(fused: np.ndarray) -> np.ndarray:
         scale = next_scale()
-        return comm.allreduce(fused if scale == 1 else fused * scale, average=True)
+        return comm.allreduce(fused if scale == 1 else fused * scale, ReduceOp.MEAN)
 
     def allreduce_then_apply(apply, grads, variables):
-        if hasattr(comm, "average_gradients"):
+        if comm.capabilities.in_graph_allreduce:
             if scales is not None:
                 import tensorflow as tf
 
                 scale = tf.ensure_shape(tf.numpy_function(next_scale, [], tf.float32, stateful=True), [])
                 grads = [None if g is None else g * tf.cast(scale, g.dtype) for g in grads]
-            return apply(comm.average_gradients(grads), variables)
+            return apply(comm.allreduce_tensors(grads, op=ReduceOp.MEAN), variables)
         return apply(fused_numpy_call(grads, mean_over_ranks, "sparkdl_allreduce"), variables)
 
     with intercept_apply(optimizer, allreduce_then_apply):
@@ -120,7 +121,7 @@ def _average_across_workers_callback(
             statistics = [v for v in self.model.non_trainable_variables if _is_float(v.dtype)]
             if statistics:
                 averaged = comm.allreduce(
-                    _concat([np.asarray(v.numpy(), np.float64) for v in statistics]), average=True
+                    _concat([np.asarray(v.numpy(), np.float64) for v in statistics]), ReduceOp.MEAN
                 )
                 for variable, value in zip(statistics, _split(averaged, statistics)):
                     variable.assign(value.astype(_numpy_dtype(variable.dtype)))

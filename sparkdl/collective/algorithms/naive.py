@@ -1,0 +1,77 @@
+"""The naive algorithms: everything through one root (a star), or every rank to every other directly.
+
+The lectures' baseline: a naive allreduce gathers all arrays at rank 0,
+reduces there and sends the result back, so the root moves 2(N-1)K bytes
+while each other rank moves 2K; compare :mod:`.ring`, where every rank
+moves 2(N-1)K/N. Gather, scatter, the unequal allgather and alltoall are
+naturally direct: each array goes straight from its sender to its receiver.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sparkdl.collective.exchange import Exchange
+
+
+def reduce(ex: Exchange, flat: np.ndarray, out: np.ndarray, root: int, combine, scratch: np.ndarray) -> None:
+    """``out`` on ``root`` gets every rank's ``flat`` combined, received one whole array at a time."""
+    if ex.rank != root:
+        ex.send(root, flat)
+        return
+    out[...] = flat
+    received = scratch[: flat.nbytes].view(flat.dtype)
+    for peer in range(ex.size):
+        if peer != root:
+            combine(out, ex.recv(peer, received), out=out)
+
+
+def broadcast(ex: Exchange, out: np.ndarray, root: int) -> None:
+    if ex.rank == root:
+        for peer in range(ex.size):
+            if peer != root:
+                ex.send(peer, out)
+    else:
+        ex.recv(root, out)
+
+
+def allreduce(ex: Exchange, flat: np.ndarray, out: np.ndarray, combine, scratch: np.ndarray) -> None:
+    reduce(ex, flat, out, 0, combine, scratch)
+    ex.flush()
+    broadcast(ex, out, 0)
+
+
+def allgather(ex: Exchange, rows: np.ndarray) -> None:
+    """Every rank sends its row to every other rank."""
+    for offset in range(1, ex.size):
+        ex.send((ex.rank + offset) % ex.size, rows[ex.rank])
+    for offset in range(1, ex.size):
+        peer = (ex.rank - offset) % ex.size
+        ex.recv(peer, rows[peer])
+
+
+def gather(ex: Exchange, array: np.ndarray, root: int) -> list[np.ndarray] | None:
+    if ex.rank != root:
+        ex.send_array(root, array)
+        return None
+    return [np.array(array, copy=True) if peer == root else ex.recv_array(peer) for peer in range(ex.size)]
+
+
+def scatter(ex: Exchange, arrays, root: int) -> np.ndarray:
+    if ex.rank != root:
+        return ex.recv_array(root)
+    for peer in range(ex.size):
+        if peer != root:
+            ex.send_array(peer, arrays[peer])
+    return np.array(arrays[root], copy=True)
+
+
+def alltoall(ex: Exchange, arrays) -> list[np.ndarray]:
+    """``arrays[j]`` to rank j, pairwise: at step i send to rank+i while receiving from rank-i."""
+    received: list[np.ndarray] = [np.empty(0)] * ex.size
+    received[ex.rank] = np.array(arrays[ex.rank], copy=True)
+    for offset in range(1, ex.size):
+        ex.send_array((ex.rank + offset) % ex.size, arrays[(ex.rank + offset) % ex.size])
+        source = (ex.rank - offset) % ex.size
+        received[source] = ex.recv_array(source)
+    return received

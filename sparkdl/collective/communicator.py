@@ -1,0 +1,372 @@
+"""sparkdl's own backend: every operation of the protocol over authenticated TCP links and, within a host, shared memory.
+
+Topology and algorithm are apart: the links (:mod:`.links`) connect any two
+ranks, the ring's at connect and the others on first use; the host map
+(:mod:`.topology`) orders rings host by host and groups the ranks of a host
+around one shared-memory segment (:mod:`.shm`); each operation then runs the
+algorithm asked for (per call, or per communicator) or chosen by size and
+topology (:mod:`.algorithms`). Subgroups (:meth:`split`, :meth:`local`,
+:meth:`cross`) reuse the job's links; their frames carry their own group id.
+
+Any failure poisons the whole communicator, subgroups included: the other
+ranks are now out of step. Each peer is told why (an ABORT frame), so every
+rank's error names the operation and the rank where it started.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from sparkdl.collective import algorithms, shm
+from sparkdl.collective.algorithms import hierarchical, naive, ring, tree
+from sparkdl.collective.api import OP_CODES, OPERATION_NAMES, Capabilities, ReduceOp
+from sparkdl.collective.base import BaseCommunicator, check_reduce_op
+from sparkdl.collective.exchange import Exchange
+from sparkdl.collective.links import Links, Listener
+from sparkdl.collective.topology import Topology
+from sparkdl.net.errors import CollectiveError
+from sparkdl.net.frames import Kind, dtype_code
+
+_COMBINE = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
+_SHARED_OP = {ReduceOp.SUM: "sum", ReduceOp.MEAN: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
+
+
+class _Job:
+    """What all communicators of one rank share: the links, the host map, the segment, the first failure."""
+
+    def __init__(self, links: Links, topology: Topology, secret: bytes):
+        self.links, self.topology, self.secret = links, topology, secret
+        self.shared: shm.SharedMemoryGroup | None = None  # this host's ranks' segment, once opened
+        self.failure: BaseException | None = None
+
+
+class SparkdlCommunicator(BaseCommunicator):
+    """Every operation among ``members`` (global ranks); this process is ``rank`` of them. See :meth:`connect`."""
+
+    capabilities = Capabilities(
+        backend="sparkdl", operations=frozenset(OPERATION_NAMES), algorithms=algorithms.ALGORITHM_NAMES
+    )
+
+    def __init__(self, job: _Job, members: Sequence[int], group: int, algorithm: str | None):
+        super().__init__()
+        self._job, self.members, self.group, self.algorithm = job, tuple(members), group, algorithm
+        self.size = len(self.members)
+        self.rank = self.members.index(job.links.rank)
+        self._ring = job.topology.ring(self.members)
+        self._seq = 0
+        self._splits = 0
+        self._subgroups: dict[str, SparkdlCommunicator] = {}
+        # Received segments land here; one per communicator, as a subgroup's operations run beside the parent's.
+        self._scratch = np.empty(0, np.uint8)
+
+    @classmethod
+    def connect(
+        cls,
+        rank: int,
+        addresses: Sequence[str],
+        listener: Listener,
+        secret: bytes,
+        timeout: float = 300.0,
+        *,
+        encrypt: bool = False,
+        hosts: Sequence[str] | None = None,
+        shared_memory: bool = True,
+        algorithm: str | None = None,
+    ) -> SparkdlCommunicator:
+        """Joins the job of ``len(addresses)`` ranks as ``rank``; ``addresses[i]`` is rank i's listener.
+
+        ``hosts[i]`` names rank i's host (by default the host of its address); ranks of one host exchange through
+        shared memory unless ``shared_memory=False``. ``timeout`` bounds every single wait; ``encrypt`` seals
+        every link; ``algorithm`` is the default for the operations that have it.
+        """
+        if algorithm is not None and algorithm not in algorithms.ALGORITHM_NAMES:
+            raise ValueError(
+                f"Expected `algorithm` to be one of {sorted(algorithms.ALGORITHM_NAMES)}. Received: algorithm={algorithm!r}"
+            )
+        hosts = list(hosts) if hosts is not None else [address.rsplit(":", 1)[0] for address in addresses]
+        if len(hosts) != len(addresses):
+            raise ValueError(f"Expected one host per address ({len(addresses)}). Received: {len(hosts)} hosts")
+        links = Links(rank, addresses, listener, secret, timeout, encrypt=encrypt)
+        job = _Job(links, Topology(tuple(hosts)), secret)
+        try:
+            comm = cls(job, range(len(addresses)), 0, algorithm)
+            if comm.size > 1:
+                links.open(sorted({comm._ring_neighbour(+1), comm._ring_neighbour(-1)}))
+            local = job.topology.local(comm.members, rank)
+            if shared_memory and len(local) > 1 and job.topology.balanced(comm.members) and shm.available():
+                job.shared = _open_shared(local, rank, secret, hosts[rank], timeout)
+        except BaseException:
+            links.close()
+            raise
+        return comm
+
+    def traffic(self) -> dict[int, tuple[int, int]]:
+        """Payload bytes (sent, received) so far between this rank and each linked peer (global ranks), over TCP."""
+        return self._job.links.traffic()
+
+    def _ring_neighbour(self, step: int) -> int:
+        position = self._ring.index(self.rank)
+        return self.members[self._ring[(position + step) % self.size]]
+
+    # -- groups -------------------------------------------------------------------------------------
+
+    def split(self, ranks: Sequence[int]) -> SparkdlCommunicator | None:
+        """A communicator of ``ranks`` (of this one, in that order); all ranks call it, others get None."""
+        ranks = [int(r) for r in ranks]
+        if len(set(ranks)) != len(ranks) or not all(0 <= r < self.size for r in ranks) or not ranks:
+            raise ValueError(f"Expected distinct ranks in 0..{self.size - 1}. Received: ranks={ranks}")
+        self._splits += 1
+        group = _group_id(self.group, f"split {self._splits} {ranks}")
+        if self.rank not in ranks:
+            return None
+        return SparkdlCommunicator(self._job, [self.members[r] for r in ranks], group, self.algorithm)
+
+    def local(self) -> SparkdlCommunicator:
+        return self._derived("local", self._job.topology.local(self.members, self._job.links.rank))
+
+    def cross(self) -> SparkdlCommunicator:
+        return self._derived("cross", self._job.topology.cross(self.members, self._job.links.rank))
+
+    def _derived(self, name: str, members: list[int]) -> SparkdlCommunicator:
+        if name not in self._subgroups:
+            group = _group_id(self.group, f"{name} {members}")
+            self._subgroups[name] = SparkdlCommunicator(self._job, members, group, self.algorithm)
+        return self._subgroups[name]
+
+    # -- running an operation -----------------------------------------------------------------------
+
+    def _run(self, name: str, **arguments: Any) -> Any:
+        job = self._job
+        if job.failure is not None:
+            raise CollectiveError(
+                f"rank {self.rank}: {name} on a communicator that already failed: {job.failure}"
+            ) from job.failure
+        try:
+            return getattr(self, "_" + name)(**arguments)
+        except (ValueError, TypeError):
+            raise  # refused before anything was sent: the ranks are still in step
+        except BaseException as exc:
+            job.failure = exc
+            job.links.close(reason=f"rank {job.links.rank} failed in {name}: {exc}")
+            if job.shared is not None:
+                job.shared.close()
+            raise
+
+    def _exchange(self, name: str, *, kind: Kind = Kind.COLLECTIVE, tag: int = 0) -> Exchange:
+        seq = 0
+        if kind == Kind.COLLECTIVE:
+            seq, self._seq = self._seq, (self._seq + 1) & 0xFFFFFFFF
+        return Exchange(self._job.links, self.members, self._ring, self.group, OP_CODES[name], seq, kind=kind, tag=tag)
+
+    def _complete(self, ex: Exchange, result: Any = None) -> Any:
+        ex.flush()
+        return result
+
+    def _scratch_of(self, nbytes: int) -> np.ndarray:
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8)
+        return self._scratch
+
+    def _shared_memory(self) -> bool:
+        return self._job.shared is not None and self.group == 0
+
+    def _choose(self, name: str, requested: str | None, nbytes: int) -> str:
+        # A communicator of one rank moves nothing, so any algorithm "runs" on it.
+        return algorithms.choose(name, requested, self.algorithm, nbytes, self._shared_memory() or self.size == 1)
+
+    def _root(self, root: int) -> int:
+        if not 0 <= root < self.size:
+            raise ValueError(f"Expected `root` in 0..{self.size - 1}. Received: root={root}")
+        return root
+
+    # -- the operations -------------------------------------------------------------------------------
+
+    def _allreduce(self, array, op, out, algorithm) -> np.ndarray:
+        source, flat = _flat(array)
+        check_reduce_op(op, source.dtype)
+        result = _output(out, source)
+        out_flat = result.reshape(-1)
+        chosen = self._choose("allreduce", algorithm, source.nbytes)
+        if self.size == 1:
+            out_flat[...] = flat
+        elif chosen == "hierarchical":
+            cross = self.cross()
+            hierarchical.allreduce(self._job.shared, cross, flat, out_flat, _SHARED_OP[op], _sum_if_mean(op))
+        else:
+            ex = self._exchange("allreduce")
+            module = {"ring": ring, "tree": tree, "naive": naive}[chosen]
+            scratch = self._scratch_of(ring.SEGMENT_BYTES if chosen == "ring" else source.nbytes)
+            module.allreduce(ex, flat, out_flat, _COMBINE[op], scratch)
+            ex.flush()
+        if op is ReduceOp.MEAN:
+            np.true_divide(out_flat, self.size, out=out_flat)
+        return result
+
+    def _reduce(self, array, root, op, algorithm) -> np.ndarray | None:
+        source, flat = _flat(array)
+        check_reduce_op(op, source.dtype)
+        root = self._root(root)
+        out = np.empty_like(flat)
+        if self.size == 1:
+            out[...] = flat
+        else:
+            ex = self._exchange("reduce")
+            module = tree if self._choose("reduce", algorithm, source.nbytes) == "tree" else naive
+            module.reduce(ex, flat, out, root, _COMBINE[op], self._scratch_of(source.nbytes))
+            ex.flush()
+        if self.rank != root:
+            return None
+        if op is ReduceOp.MEAN:
+            np.true_divide(out, self.size, out=out)
+        return out.reshape(source.shape)
+
+    def _broadcast(self, array, root, algorithm) -> np.ndarray:
+        source = np.asarray(array)
+        dtype_code(source.dtype)
+        root = self._root(root)
+        out = np.array(source, copy=True, order="C").reshape(-1)
+        if self.size > 1:
+            ex = self._exchange("broadcast")
+            module = {"ring": ring, "tree": tree, "naive": naive}[self._choose("broadcast", algorithm, source.nbytes)]
+            module.broadcast(ex, out, root)
+            ex.flush()
+        return out.reshape(source.shape)
+
+    def _allgather(self, array, algorithm) -> np.ndarray:
+        source = np.asarray(array)
+        dtype_code(source.dtype)
+        out = np.empty((self.size, *source.shape), source.dtype)
+        rows = out.reshape(self.size, source.size)
+        rows[self.rank] = source.reshape(-1)
+        if self.size > 1:
+            ex = self._exchange("allgather")
+            module = ring if self._choose("allgather", algorithm, source.nbytes) == "ring" else naive
+            module.allgather(ex, rows)
+            ex.flush()
+        return out
+
+    def _reduce_scatter(self, array, op, algorithm) -> np.ndarray:
+        source, flat = _flat(array)
+        check_reduce_op(op, source.dtype)
+        if source.ndim == 0:
+            raise ValueError("Expected an array of at least one dimension to scatter by rows. Received: a scalar")
+        self._choose("reduce_scatter", algorithm, source.nbytes)
+        out = np.array(flat, copy=True)
+        rows = source.shape[0]
+        if self.size > 1:
+            ex = self._exchange("reduce_scatter")
+            ring.reduce_scatter(ex, flat, out, rows, _COMBINE[op], self._scratch_of(ring.SEGMENT_BYTES))
+            ex.flush()
+        bounds = ring.chunk_bounds(rows, self.size)
+        mine = out.reshape(source.shape)[bounds[self.rank] : bounds[self.rank + 1]]
+        if op is ReduceOp.MEAN:
+            np.true_divide(mine, self.size, out=mine)
+        return np.array(mine, copy=True)
+
+    def _gather(self, array, root) -> list[np.ndarray] | None:
+        source = np.asarray(array)
+        dtype_code(source.dtype)
+        ex = self._exchange("gather")
+        return self._complete(ex, naive.gather(ex, source, self._root(root)))
+
+    def _scatter(self, arrays, root) -> np.ndarray:
+        root = self._root(root)
+        if self.rank == root:
+            arrays = [np.asarray(a) for a in arrays] if arrays is not None else []
+            if len(arrays) != self.size:
+                raise ValueError(f"Expected {self.size} arrays to scatter from rank {root}. Received: {len(arrays)}")
+            for a in arrays:
+                dtype_code(a.dtype)
+        ex = self._exchange("scatter")
+        return self._complete(ex, naive.scatter(ex, arrays, root))
+
+    def _allgather_v(self, array) -> list[np.ndarray]:
+        source = np.asarray(array)
+        dtype_code(source.dtype)
+        ex = self._exchange("allgather_v")
+        return self._complete(ex, naive.alltoall(ex, [source] * self.size))
+
+    def _alltoall(self, arrays) -> list[np.ndarray]:
+        arrays = [np.asarray(a) for a in arrays]
+        if len(arrays) != self.size:
+            raise ValueError(f"Expected {self.size} arrays, one per rank. Received: {len(arrays)}")
+        for a in arrays:
+            dtype_code(a.dtype)
+        ex = self._exchange("alltoall")
+        return self._complete(ex, naive.alltoall(ex, arrays))
+
+    def _barrier(self) -> None:
+        # A tree allreduce of one byte, in frames of its own code: a barrier facing another rank's allreduce is a
+        # desync named as such, not a silently matched allreduce.
+        if self.size > 1:
+            flag = np.zeros(1, np.uint8)
+            ex = self._exchange("barrier")
+            tree.allreduce(ex, flag, np.empty_like(flag), np.maximum, self._scratch_of(flag.nbytes))
+            ex.flush()
+
+    def _send(self, array, dest, tag) -> None:
+        source = np.asarray(array)
+        dtype_code(source.dtype)
+        dest = self._peer(dest, "dest")
+        ex = self._exchange("send", kind=Kind.MESSAGE, tag=_tag(tag))
+        ex.send_array(dest, source)
+        ex.flush()
+
+    def _recv(self, source, tag, out) -> np.ndarray:
+        source = self._peer(source, "source")
+        ex = self._exchange("send", kind=Kind.MESSAGE, tag=_tag(tag))
+        return ex.recv_array(source, out=out)
+
+    def _peer(self, peer: int, name: str) -> int:
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise ValueError(f"Expected `{name}` to be another rank in 0..{self.size - 1}. Received: {name}={peer}")
+        return peer
+
+    def _close(self) -> None:
+        if self.group != 0:
+            return  # a subgroup's links are the job's
+        self._job.links.close()
+        if self._job.shared is not None:
+            self._job.shared.close()
+
+
+def _flat(array) -> tuple[np.ndarray, np.ndarray]:
+    source = np.asarray(array)
+    dtype_code(source.dtype)
+    return source, np.ascontiguousarray(source).reshape(-1)
+
+
+def _output(out: np.ndarray | None, source: np.ndarray) -> np.ndarray:
+    if out is None:
+        return np.empty(source.shape, source.dtype)
+    if out.shape != source.shape or out.dtype != source.dtype or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(
+            f"Expected `out` to be a writeable C-contiguous {source.dtype} array of shape {source.shape}. "
+            f"Received: {out.dtype} of shape {out.shape}"
+        )
+    return out
+
+
+def _sum_if_mean(op: ReduceOp) -> ReduceOp:
+    return ReduceOp.SUM if op is ReduceOp.MEAN else op
+
+
+def _tag(tag: int) -> int:
+    if not 0 <= tag <= 0xFFFFFFFF:
+        raise ValueError(f"Expected `tag` in 0..2**32-1. Received: tag={tag}")
+    return tag
+
+
+def _group_id(parent: int, name: str) -> int:
+    """A subgroup's id on the wire: the same on every member, distinct from its parent's and siblings'."""
+    return zlib.crc32(f"{parent} {name}".encode()) or 1
+
+
+def _open_shared(local: list[int], rank: int, secret: bytes, host: str, timeout: float) -> shm.SharedMemoryGroup:
+    name = hashlib.sha256(secret + b" shared memory " + host.encode()).hexdigest()[:32]
+    return shm.SharedMemoryGroup.open(local.index(rank), local, name=name, secret=secret, timeout=timeout)

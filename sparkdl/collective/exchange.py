@@ -1,0 +1,107 @@
+"""One operation's traffic among a group's ranks: frames stamped with its group, code and sequence number.
+
+Algorithms see only an :class:`Exchange`: group ranks (0..size-1), their
+ring order (host by host), and sends and receives of arrays. Sends are
+queued on the links' sender threads; :meth:`Exchange.flush` waits for them,
+and every algorithm flushes before it returns, so that results (and inputs)
+are never handed back while still being sent.
+"""
+
+from __future__ import annotations
+
+import collections
+from concurrent.futures import Future
+
+import numpy as np
+
+from sparkdl.collective.links import Links
+from sparkdl.net.errors import CollectiveError
+from sparkdl.net.frames import Header, Kind, dtype_code, dtype_of
+
+#: Most dimensions an array sent with its shape may have.
+MAX_DIMS = 32
+
+
+class Exchange:
+    """Sends and receives of one operation ``op`` (a wire code) of group ``group``, call number ``seq``."""
+
+    def __init__(
+        self,
+        links: Links,
+        members: tuple[int, ...],
+        ring: tuple[int, ...],
+        group: int,
+        op: int,
+        seq: int,
+        *,
+        kind: Kind = Kind.COLLECTIVE,
+        tag: int = 0,
+    ):
+        self.links, self.members, self.ring = links, members, ring
+        self.size = len(members)
+        self.rank = members.index(links.rank)
+        self.position = ring.index(self.rank)
+        self.next = ring[(self.position + 1) % self.size]
+        self.prev = ring[(self.position - 1) % self.size]
+        self.group, self.op, self.seq, self.kind, self.tag = group, op, seq, kind, tag
+        self._sends: collections.deque[Future] = collections.deque()
+
+    def _header(self, nbytes: int, dtype: np.dtype) -> Header:
+        return Header(self.kind, self.op, nbytes, dtype_code(dtype), group=self.group, tag=self.tag, seq=self.seq)
+
+    @property
+    def _key(self) -> tuple:
+        return (self.kind, self.group, self.tag if self.kind == Kind.MESSAGE else self.seq)
+
+    def send(self, peer: int, array: np.ndarray, *, dtype: np.dtype | None = None) -> None:
+        """Queues ``array``'s bytes (1-D contiguous) to group rank ``peer``; it must not change until flushed."""
+        link = self.links.link(self.members[peer])
+        header = self._header(array.nbytes, array.dtype if dtype is None else dtype)
+        self._sends.append(link.send(header, array.reshape(-1).view(np.uint8).data))
+
+    def recv(self, peer: int, out: np.ndarray) -> np.ndarray:
+        """Receives exactly ``out``'s dtype and size from group rank ``peer`` into ``out`` (1-D contiguous)."""
+        self._surface_failed_sends()
+        self.links.link(self.members[peer]).receive(self._key, self.op, out, None)
+        return out
+
+    def send_array(self, peer: int, array: np.ndarray) -> None:
+        """Queues ``array`` with its dtype and shape: a frame of its shape, then its bytes."""
+        array = np.ascontiguousarray(array)
+        if array.ndim > MAX_DIMS:
+            raise ValueError(f"Expected an array of at most {MAX_DIMS} dimensions. Received: shape {array.shape}")
+        self.send(peer, np.array([array.ndim, *array.shape], np.int64), dtype=array.dtype)
+        self.send(peer, array.reshape(-1))
+
+    def recv_array(self, peer: int, *, out: np.ndarray | None = None) -> np.ndarray:
+        """The array group rank ``peer`` sent with :meth:`send_array`; into ``out`` when given (it must match)."""
+        self._surface_failed_sends()
+        link = self.links.link(self.members[peer])
+        header, meta = link.receive(self._key, self.op, None, None)
+        dims = meta.view(np.int64) if meta.nbytes % 8 == 0 else np.empty(0, np.int64)
+        if not 1 <= dims.size <= MAX_DIMS + 1 or dims[0] != dims.size - 1 or (dims[1:] < 0).any():
+            raise CollectiveError(f"rank {self.links.rank}: malformed array shape from rank {self.members[peer]}")
+        dtype, shape = dtype_of(header.dtype), tuple(int(d) for d in dims[1:])
+        if out is None:
+            out = np.empty(shape, dtype)
+        elif out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
+            raise CollectiveError(
+                f"rank {self.links.rank}: rank {self.members[peer]} sent a {dtype} array of shape {shape}; "
+                f"expected one like `out` ({out.dtype}, {out.shape}, C-contiguous)"
+            )
+        link.receive(self._key, self.op, out.reshape(-1), None)
+        return out
+
+    def _surface_failed_sends(self) -> None:
+        while self._sends and self._sends[0].done():
+            self._sends.popleft().result()
+
+    def flush(self) -> None:
+        """Waits until everything queued has been sent."""
+        while self._sends:
+            self._sends.popleft().result()
+
+    def cancel(self) -> None:
+        for future in self._sends:
+            future.cancel()
+        self._sends.clear()

@@ -1,0 +1,281 @@
+"""Why ranks on one host skip TCP: allreduce, broadcast and barrier through one shared memory segment.
+
+:class:`SharedMemoryGroup` joins the local ranks of a host (setup, segments and
+doorbells: :mod:`sparkdl.collective.shm_segment`).  Each phase of an operation
+ends by publishing the rank's next counter value (plain stores: on x86-64 the
+data written before it is visible first); all ranks run the same calls, so
+waiting is "peer q reached value v".
+
+allreduce splits each piece of the array (a few MB, to pipeline through the
+caches) into one chunk per rank. A: each rank copies the chunks others reduce
+into its slot. B: rank r reduces chunk r from its own input and the others'
+slots straight into ``out`` and copies it to the result area. C: each rank
+copies the other chunks of the result into ``out``. Pieces alternate between
+two sets of slots and results, and piece k+1's A runs between k's B and C, so
+every wait has a phase of work as slack.  An area is rewritten only once every
+reader of its old contents has published past it, which the counters already
+say: no extra round trip.  broadcast: the root copies into one of two halves
+of the data segment, the others copy out.  barrier: counters only.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from types import TracebackType
+
+import numpy as np
+
+from sparkdl.collective import shm_segment as seg
+from sparkdl.net.errors import CollectiveError, CollectiveTimeout
+
+OPS = {"sum": np.add, "min": np.minimum, "max": np.maximum}
+#: Data segment bytes at setup; a call needing more has rank 0 pass every rank a bigger one.
+INITIAL_DATA_BYTES = 1 << 20
+#: allreduce and broadcast move arrays in pieces of at most this many bytes.
+PIECE_BYTES = 4 << 20
+_NAME = re.compile(r"[0-9a-fA-F]{1,64}")
+_TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def available() -> bool:
+    """Whether this machine can run the group (its counters rely on x86-64 memory ordering)."""
+    return _TSO
+
+
+class SharedMemoryGroup:
+    """The local ranks of one host; every call is collective (all local ranks, same order, same sizes).
+
+    Not thread-safe: one thread calls at a time. A process forked while the group is open holds its doorbells
+    too, so this rank's death goes unnoticed (until the timeout) while that child lives.
+    """
+
+    def __init__(self, local_rank: int, ranks: Sequence[int], name: str, timeout: float, links: seg.Links | None):
+        self.local_rank, self.local_size, self.ranks = local_rank, len(ranks), list(ranks)
+        self.name, self.timeout, self._links = name, timeout, links
+        self._failure: CollectiveError | None = None
+        self._closed = False
+        self._peers = [q for q in range(self.local_size) if q != local_rank]
+        # The counter value every peer must reach before a set of slots, of results, or a broadcast half is rewritten.
+        self._free_slots, self._free_results, self._free_halves = [0, 0], [0, 0], [0, 0]
+        self._set = self._half = 0  # the set of slots and results, and the broadcast half, used next
+        if links is not None:
+            self._progress = seg.Progress(links, local_rank, self.ranks, timeout)
+            self._bytes: np.ndarray | None = np.frombuffer(links.data.map, np.uint8)
+
+    @classmethod
+    def open(
+        cls, local_rank: int, ranks: Sequence[int], *, name: str, secret: bytes, timeout: float
+    ) -> SharedMemoryGroup:
+        """Join the group of ``ranks`` (global ranks in local-rank order); local rank 0 creates it."""
+        if not 0 <= local_rank < len(ranks):
+            raise ValueError(f"Expected 0 <= local_rank < {len(ranks)}. Received: local_rank={local_rank}")
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"Expected a name of 1 to 64 hex digits. Received: name={name!r}")
+        if not secret or not timeout > 0:
+            raise ValueError(f"Expected a secret and a timeout > 0. Received: timeout={timeout}")
+        me = f"rank {ranks[local_rank]}: shared memory setup failed"
+        if len(ranks) == 1:
+            return cls(local_rank, ranks, name, timeout, None)
+        if not _TSO:
+            raise CollectiveError(f"{me}: its counters rely on x86-64 memory ordering, not {platform.machine()}'s")
+        try:
+            links = seg.setup(local_rank, list(ranks), name, secret, timeout, INITIAL_DATA_BYTES)
+        except CollectiveError as exc:
+            raise type(exc)(f"{me}: {exc}") from None
+        except OSError as exc:
+            raise CollectiveError(f"{me}: {exc}") from None
+        return cls(local_rank, ranks, name, timeout, links)
+
+    def __enter__(self) -> SharedMemoryGroup:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def allreduce(self, flat: np.ndarray, op: str, out: np.ndarray) -> None:
+        """``out`` = ``op`` ("sum", "min", "max") over every local rank's ``flat``; ``out`` may be ``flat``."""
+        if op not in OPS:
+            raise ValueError(f"Expected op in {sorted(OPS)}. Received: op={op!r}")
+        ufunc, same = OPS[op], _check(flat, out)
+        ufunc(flat[:0], out[:0], out=out[:0])  # TypeError now, not mid-call, for a dtype the op does not take
+        with self._operation("allreduce") as progress:
+            if progress is None or flat.size == 0:
+                if not same:
+                    np.copyto(out, flat)
+                return
+            size, rank, item, n = self.local_size, self.local_rank, flat.dtype.itemsize, flat.size
+            piece = min(n, max(1, PIECE_BYTES // item))
+            data = self._reserve(2 * (size + 1) * seg.align(piece * item, 64), "allreduce")
+            stride = len(data) // (2 * (size + 1)) // 64 * 64  # fixed per segment: no slot overlaps a result area
+            src, dst, wait, peers = flat.view(np.uint8), out.view(np.uint8), progress.wait, self._peers
+
+            def phase_a(k: int) -> None:  # the chunks the others reduce, into this rank's slot
+                start, a, b, end, set_ = pieces[k][:5]
+                slot = data[(set_ * (size + 1) + rank) * stride :]
+                wait(max(self._free_slots[set_], *self._free_halves), peers, "allreduce")
+                slot[:a] = src[start : start + a]
+                slot[b:end] = src[start + b : start + end]
+                progress.publish(progress.value + 1)
+                written[k] = progress.value
+
+            pieces: list[tuple[int, ...]] = []
+            written: list[int] = []
+            for first in range(0, n, piece):
+                m = min(piece, n - first)
+                lo = first + rank * (m // size) + min(rank, m % size)
+                hi = lo + m // size + (rank < m % size)
+                pieces.append((first * item, (lo - first) * item, (hi - first) * item, m * item, self._set, lo, hi))
+                self._set ^= 1
+                written.append(0)
+            phase_a(0)
+            for k, (start, a, b, end, set_, lo, hi) in enumerate(pieces):
+                # B: this rank's chunk, reduced from its input and the slots into out, then shared.
+                slots = data[set_ * (size + 1) * stride :]
+                wait(max(written[k], self._free_results[set_], *self._free_halves), peers, "allreduce")
+                if b > a:
+                    mine = out[lo:hi]
+                    for i, q in enumerate(peers):
+                        ufunc(
+                            flat[lo:hi] if i == 0 else mine,
+                            slots[q * stride + a : q * stride + b].view(out.dtype),
+                            out=mine,
+                        )
+                    slots[size * stride + a : size * stride + b] = dst[start + a : start + b]
+                progress.publish(progress.value + 1)
+                reduced = self._free_slots[set_] = progress.value
+                if k + 1 < len(pieces):
+                    phase_a(k + 1)
+                # C: the other chunks of the result.
+                result = slots[size * stride : (size + 1) * stride]
+                wait(reduced, peers, "allreduce")
+                dst[start : start + a] = result[:a]
+                dst[start + b : start + end] = result[b:end]
+                progress.publish(progress.value + 1)
+                self._free_results[set_] = progress.value
+
+    def broadcast(self, flat: np.ndarray, root: int, out: np.ndarray) -> None:
+        """Local rank ``root``'s ``flat`` into every rank's ``out`` (the root's too); ``out`` may be ``flat``."""
+        if not 0 <= root < self.local_size:
+            raise ValueError(f"Expected 0 <= root < {self.local_size}. Received: root={root}")
+        same = _check(flat, out)
+        with self._operation("broadcast") as progress:
+            if progress is None or flat.size == 0:
+                if not same:
+                    np.copyto(out, flat)
+                return
+            item, n = flat.dtype.itemsize, flat.size
+            piece = min(n, max(1, PIECE_BYTES // item))
+            data = self._reserve(2 * seg.align(piece * item, 64), "broadcast")
+            stride = len(data) // 2 // 64 * 64
+            src, dst = flat.view(np.uint8), out.view(np.uint8)
+            for first in range(0, n * item, piece * item):
+                end, half = min(n * item, first + piece * item), self._half
+                area, value = data[half * stride : half * stride + end - first], progress.value
+                self._half ^= 1
+                if self.local_rank == root:
+                    ready = max(self._free_halves[half], *self._free_slots, *self._free_results)
+                    progress.wait(ready, self._peers, "broadcast")
+                    area[:] = src[first:end]
+                    progress.publish(value + 2)
+                    if not same:
+                        dst[first:end] = src[first:end]
+                else:
+                    progress.wait(value + 1, [root], "broadcast")
+                    dst[first:end] = area
+                    progress.publish(value + 2)
+                self._free_halves[half] = value + 2
+
+    def barrier(self) -> None:
+        """Return once every local rank has called barrier."""
+        with self._operation("barrier") as progress:
+            if progress is not None:
+                progress.publish(progress.value + 1)
+                progress.wait(progress.value, self._peers, "barrier")
+
+    def close(self) -> None:
+        """Release the segments and sockets (idempotent); peers still waiting on this rank are told it left."""
+        if not self._closed:
+            self._closed = True
+            if self._links is not None:
+                self._progress.mark(seg.CLOSED)
+            self._release()
+
+    @contextmanager
+    def _operation(self, op: str) -> Iterator[seg.Progress | None]:
+        """The progress of a group that can run ``op``; any failure in it poisons the group."""
+        me = f"rank {self.ranks[self.local_rank]}: {op} failed"
+        if self._failure is not None:
+            raise type(self._failure)(f"{me}: the shared memory group failed before: {self._failure}")
+        if self._closed:
+            raise CollectiveError(f"{me}: the shared memory group is closed")
+        try:
+            yield self._progress if self._links is not None else None
+        except BaseException as exc:  # the counters no longer match the peers': none of this group's calls can run
+            self._failure = (
+                exc if isinstance(exc, CollectiveError) else CollectiveError(f"{me}: interrupted by {exc!r}")
+            )
+            if self._links is not None:
+                self._progress.mark(seg.FAILED)  # unless the wait that failed left why
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        if self._links is not None:
+            self._bytes = None
+            self._progress.words.release()
+            self._links.close()
+            self._links = None
+
+    def _reserve(self, need: int, op: str) -> np.ndarray:
+        """The data segment's bytes, after replacing it with a bigger one if it holds fewer than ``need``."""
+        links = self._links
+        assert links is not None and self._bytes is not None
+        if need <= links.data.size:
+            return self._bytes
+        size, me = max(seg.align(need), 2 * links.data.size), f"rank {self.ranks[self.local_rank]}: {op}"
+        if self.local_rank == 0:
+            try:
+                segment = seg.Segment.create(self.name, size)
+            except CollectiveError as exc:
+                raise CollectiveError(f"{me} failed: {exc}") from None
+            for q, conn in links.conns.items():
+                try:
+                    seg.send_segment(conn, segment, self.timeout)
+                except OSError:
+                    segment.close()
+                    self._progress.gone.add(q)
+                    raise self._progress.lost(op, [q]) from None
+        else:
+            try:
+                segment = seg.recv_segment(links.conns[0], size, time.monotonic() + self.timeout)
+            except TimeoutError:
+                self._progress.mark(seg.FAILED, 0, seg.TIMED_OUT)
+                raise CollectiveTimeout(
+                    f"{me} timed out after {self.timeout}s waiting for {seg.describe(self.ranks, 0)}'s bigger segment"
+                ) from None
+            except OSError:
+                raise self._progress.lost(op, [0]) from None
+        self._bytes = None
+        links.data.close()
+        links.data = segment
+        self._bytes = np.frombuffer(segment.map, np.uint8)
+        return self._bytes
+
+
+def _check(flat: np.ndarray, out: np.ndarray) -> bool:
+    """Whether ``out`` is ``flat`` (the same memory); ValueError unless both are fit for a collective."""
+    for label, array in (("flat", flat), ("out", out)):
+        if not isinstance(array, np.ndarray) or array.ndim != 1 or not array.flags.c_contiguous:
+            raise ValueError(f"Expected {label} to be a 1-D C-contiguous numpy array. Received: {type(array)}")
+    if flat.dtype != out.dtype or flat.size != out.size:
+        raise ValueError(f"Expected flat and out of one dtype and size. Received: {flat.dtype}, {out.dtype}")
+    if flat.dtype.hasobject or not out.flags.writeable:
+        raise ValueError(f"Expected numeric arrays and a writeable out. Received: {flat.dtype}")
+    same = flat.size == 0 or flat.ctypes.data == out.ctypes.data
+    if not same and np.may_share_memory(flat, out):
+        raise ValueError("Expected out to be flat itself or not to overlap it")
+    return same

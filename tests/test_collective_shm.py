@@ -1,0 +1,320 @@
+"""Tests for sparkdl.collective.shm: ranks of one host exchanging through shared memory, in real processes.
+
+Every rank is a spawned process; each checks its own results against numpy
+(all ranks' inputs are reproducible from their seeds) and reports failures, so
+no rank stops early and leaves the others waiting.
+"""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from functools import reduce
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from sparkdl.collective import shm_segment
+from sparkdl.collective.shm import INITIAL_DATA_BYTES, PIECE_BYTES, SharedMemoryGroup
+from sparkdl.net import auth
+from sparkdl.net.errors import CollectiveError, CollectiveTimeout
+
+CTX = mp.get_context("spawn")
+UFUNCS = {"sum": np.add, "min": np.minimum, "max": np.maximum}
+DTYPES = [np.float32, np.float64, np.int32, np.int64, np.uint8, np.float16, ml_dtypes.bfloat16]
+SIZES = [0, 1, 7, 10, 1001]  # 7 divides by no group size, 10 by 2 only
+BIG = PIECE_BYTES // 4 + 1003  # float32: two pieces, and more than the initial segment holds
+
+
+def global_ranks(size):
+    """Global ranks unlike the local ones, so that messages are seen to name the global rank."""
+    return [10 + 3 * local for local in range(size)]
+
+
+def rank_data(local_rank, n, dtype, case):
+    """Small integers: sums are exact in every dtype, float16 and bfloat16 included."""
+    return np.random.default_rng([case, local_rank]).integers(0, 40, size=n).astype(dtype)
+
+
+def _compare(failures, label, got, expected):
+    if got.dtype in (np.float16, ml_dtypes.bfloat16):
+        ok = np.allclose(got.astype(np.float32), expected.astype(np.float32), rtol=1e-2)
+    else:
+        ok = np.array_equal(got, expected)
+    if not ok:
+        failures.append(f"{label}: got {got[:8]}, expected {expected[:8]}")
+
+
+def collectives(group, queue, name):
+    failures, size, rank = [], group.local_size, group.local_rank
+    case = 0
+    for dtype in DTYPES:
+        for n in SIZES + ([BIG] if dtype is np.float32 else []):
+            for op, ufunc in UFUNCS.items():
+                case += 1
+                label = f"allreduce {op} {np.dtype(dtype).name}[{n}]"
+                x = rank_data(rank, n, dtype, case)
+                expected = reduce(ufunc, [rank_data(q, n, dtype, case) for q in range(size)])
+                out = np.empty_like(x)
+                group.allreduce(x, op, out)
+                _compare(failures, label, out, expected)
+                _compare(failures, label + " (input kept)", x, rank_data(rank, n, dtype, case))
+                group.allreduce(x, op, x)
+                _compare(failures, label + " in place", x, expected)
+    for n in (1, 1001, BIG):
+        for root in range(size):
+            case += 1
+            x = rank_data(rank, n, np.float32, case)
+            out = np.empty_like(x)
+            group.broadcast(x, root, out)
+            _compare(failures, f"broadcast[{n}] from {root}", out, rank_data(root, n, np.float32, case))
+            _compare(failures, f"broadcast[{n}] from {root} (input kept)", x, rank_data(rank, n, np.float32, case))
+            group.broadcast(x, root, x)
+            _compare(failures, f"broadcast[{n}] from {root} in place", x, rank_data(root, n, np.float32, case))
+    time.sleep(0.05 * rank)
+    arrived = time.monotonic()
+    group.barrier()
+    left = time.monotonic()
+    links = group._links
+    return {
+        "failures": failures,
+        "arrived": arrived,
+        "left": left,
+        "data_bytes": links.data.size if links else None,
+        "modes": [os.fstat(s.fd).st_mode & 0o777 for s in (links.control, links.data)] if links else [],
+        "names": [os.readlink(f"/proc/self/fd/{s.fd}") for s in (links.control, links.data)] if links else [],
+        "listener_gone": _listener_gone(name),
+    }
+
+
+def _listener_gone(name):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.connect("\0sparkdl-" + name)
+        except ConnectionRefusedError:
+            return True
+    return False
+
+
+def stalled(group, queue, name):
+    """One local rank (the last unless told) joins and then never calls allreduce (it sleeps, or is killed)."""
+    queue.put((group.local_rank, "ready", None))
+    if group.local_rank == int(os.environ.get("SHM_TEST_STALLER", group.local_size - 1)):
+        time.sleep(float(os.environ.get("SHM_TEST_STALL", "60")))
+        return None
+    start = time.monotonic()
+    x = np.ones(1000, np.float32)
+    try:
+        group.allreduce(x, "sum", x)
+    except CollectiveError as exc:
+        first = (type(exc).__name__, str(exc), time.monotonic() - start)
+    else:
+        return "allreduce returned"
+    start = time.monotonic()
+    try:
+        group.barrier()
+    except CollectiveError as exc:
+        return {"first": first, "later": (type(exc).__name__, str(exc), time.monotonic() - start)}
+    return "barrier returned"
+
+
+def simple(group, queue, name):
+    x = np.full(10, group.local_rank + 1, np.int64)
+    group.allreduce(x, "sum", x)
+    return x.tolist()
+
+
+SCENARIOS = {"collectives": collectives, "stalled": stalled, "simple": simple}
+
+
+def _rank_main(local_rank, size, name, secret, timeout, scenario, queue, env):
+    os.environ.update(env)
+    try:
+        with SharedMemoryGroup.open(local_rank, global_ranks(size), name=name, secret=secret, timeout=timeout) as group:
+            result = SCENARIOS[scenario](group, queue, name)
+        queue.put((local_rank, "done", result))
+    except BaseException as exc:
+        queue.put((local_rank, "error", f"{type(exc).__name__}: {exc}"))
+
+
+class Ranks:
+    """Processes running ``scenario`` as the local ranks of one group."""
+
+    def __init__(self, size, scenario, *, timeout=30.0, env=None):
+        self.size, self.scenario, self.timeout, self.env = size, scenario, timeout, env or {}
+        self.name, self.secret = secrets.token_hex(16), secrets.token_bytes(32)
+        self.queue = CTX.Queue()
+        self.processes = {}
+
+    def start(self, *local_ranks):
+        for local in local_ranks or range(self.size):
+            args = (local, self.size, self.name, self.secret, self.timeout, self.scenario, self.queue, self.env)
+            self.processes[local] = CTX.Process(target=_rank_main, args=args, daemon=True)
+            self.processes[local].start()
+
+    def messages(self, kind, count, wait=90.0):
+        found, deadline = {}, time.monotonic() + wait
+        while len(found) < count:
+            local, got, value = self.queue.get(timeout=max(0.1, deadline - time.monotonic()))
+            if got == kind or got == "error":
+                found[local] = value if got == kind else AssertionError(value)
+        return found
+
+    def results(self):
+        found = self.messages("done", self.size)
+        self.join()
+        return found
+
+    def join(self):
+        for process in self.processes.values():
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_collectives_match_numpy(size):
+    ranks = Ranks(size, "collectives")
+    ranks.start()
+    results = ranks.results()
+    for local, result in results.items():
+        assert not isinstance(result, Exception), result
+        assert result["failures"] == [], (local, result["failures"][:5])
+    assert min(r["left"] for r in results.values()) >= max(r["arrived"] for r in results.values())  # barrier
+    if size > 1:
+        for result in results.values():
+            assert result["data_bytes"] > INITIAL_DATA_BYTES  # the big calls regrew the segment
+            assert result["modes"] == [0o600, 0o600]
+            assert all(link.startswith(f"/memfd:sparkdl-{ranks.name}") for link in result["names"])
+            assert result["listener_gone"]
+
+
+def _handshake(name, secret, rank):
+    """Connect to the group's listener and authenticate as ``rank``; HandshakeFailed when refused."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            sock.connect("\0sparkdl-" + name)
+            break
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline, "local rank 0 never listened"
+            time.sleep(0.02)
+    sock.settimeout(10)
+    return sock, lambda: auth._client_handshake(sock, rank, 0, shm_segment.group_key(secret, name))
+
+
+def test_listener_refuses_strangers_and_lets_peers_in():
+    ranks = Ranks(3, "simple")
+    ranks.start(0)
+    idle, _ = _handshake(ranks.name, ranks.secret, 1)  # connects and never says a word
+    forger, attempt = _handshake(ranks.name, secrets.token_bytes(32), 1)  # claims rank 1 with the wrong secret
+    with forger, pytest.raises(auth.HandshakeFailed):
+        attempt()
+    stranger = None
+    if os.geteuid() == 0 and os.path.exists("/usr/bin/python3"):  # another uid is closed before any greeting
+        code = f"import socket; s = socket.socket(socket.AF_UNIX); s.connect({chr(0) + 'sparkdl-' + ranks.name!r}); print(len(s.recv(100)))"
+        stranger = subprocess.run(
+            ["/usr/bin/python3", "-c", code], user=65534, capture_output=True, text=True, timeout=30
+        )
+    ranks.start(1, 2)
+    with idle:
+        results = ranks.results()
+    assert results == {local: [6] * 10 for local in range(3)}
+    if stranger is not None:
+        assert stranger.stdout.strip() == "0", stranger
+
+
+def _holders(name):
+    """Processes whose descriptors or mappings still hold the group's memfds."""
+    found = []
+    for entry in glob.glob("/proc/[0-9]*"):
+        try:
+            links = [os.readlink(fd) for fd in glob.glob(entry + "/fd/*")]
+            with open(entry + "/maps") as maps:
+                links += maps.read().splitlines()
+        except OSError:
+            continue
+        found += [(entry, link) for link in links if f"memfd:sparkdl-{name}" in link]
+    return found
+
+
+@pytest.mark.parametrize("victim", [2, 0])  # 0: the rank that created the segments and holds the connections
+def test_killed_rank_is_named_and_nothing_leaks(victim):
+    ranks = Ranks(3, "stalled", timeout=60.0, env={"SHM_TEST_STALLER": str(victim)})
+    ranks.start()
+    ranks.messages("ready", 3)
+    time.sleep(0.3)  # the others now wait in allreduce
+    os.kill(ranks.processes[victim].pid, signal.SIGKILL)
+    results = ranks.messages("done", 2)
+    ranks.join()
+    killed = global_ranks(3)[victim]
+    assert sorted(results) == sorted({0, 1, 2} - {victim})
+    for local, result in results.items():
+        kind, message, elapsed = result["first"]
+        assert kind == "CollectiveError", result
+        assert f"rank {global_ranks(3)[local]}: allreduce failed: rank {killed} (same host" in message
+        assert "died" in message
+        assert elapsed < 10
+        later_kind, later, later_elapsed = result["later"]
+        assert later_kind == "CollectiveError" and "barrier failed" in later and message in later
+        assert later_elapsed < 1
+    assert _holders(ranks.name) == []
+    assert [path for path in glob.glob("/dev/shm/*") if ranks.name in path] == []
+
+
+def test_rank_that_never_arrives_times_out_by_name():
+    ranks = Ranks(3, "stalled", timeout=1.5, env={"SHM_TEST_STALL": "4"})
+    ranks.start()
+    results = ranks.results()
+    late = global_ranks(3)[2]
+    assert results[2] is None
+    for local in (0, 1):
+        kind, message, elapsed = results[local]["first"]
+        assert kind == "CollectiveTimeout"
+        assert (
+            f"rank {global_ranks(3)[local]}: allreduce timed out after 1.5s waiting for rank {late} (same host"
+            in message
+        )
+        assert 1.4 < elapsed < 4
+        later_kind, later, _ = results[local]["later"]
+        assert later_kind == "CollectiveTimeout" and message in later
+
+
+def test_setup_times_out_naming_missing_ranks():
+    name, secret = secrets.token_hex(8), secrets.token_bytes(16)
+    with pytest.raises(CollectiveTimeout, match=r"rank 10: shared memory setup failed: .*rank 13 \(same host"):
+        SharedMemoryGroup.open(0, [10, 13], name=name, secret=secret, timeout=0.3)
+    with pytest.raises(CollectiveTimeout, match=r"rank 13: shared memory setup failed: .*rank 10 \(same host"):
+        SharedMemoryGroup.open(1, [10, 13], name=name, secret=secret, timeout=0.3)
+
+
+def test_arguments_are_checked_before_anything_is_shared():
+    with pytest.raises(ValueError, match="name"):
+        SharedMemoryGroup.open(0, [0, 1], name="../x", secret=b"s", timeout=1)
+    with SharedMemoryGroup.open(0, [4], name="ab", secret=b"s", timeout=1) as group:
+        assert (group.local_rank, group.local_size, group.ranks) == (0, 1, [4])
+        x = np.arange(5.0)
+        with pytest.raises(ValueError, match="sum"):
+            group.allreduce(x, "mean", x)
+        with pytest.raises(ValueError, match="overlap"):
+            group.allreduce(x[1:], "sum", x[:-1])
+        with pytest.raises(ValueError, match="C-contiguous"):
+            group.allreduce(x[::2], "sum", x[::2])
+        with pytest.raises(ValueError, match="one dtype"):
+            group.allreduce(x, "sum", x.astype(np.float32))
+        out = np.empty_like(x)
+        group.allreduce(x, "max", out)
+        group.broadcast(x, 0, out)
+        group.barrier()
+        assert np.array_equal(out, x)
+    group.close()  # idempotent
+    with pytest.raises(CollectiveError, match="rank 4: barrier failed: .*closed"):
+        group.barrier()
