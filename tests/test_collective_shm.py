@@ -208,7 +208,7 @@ def _handshake(name, secret, rank):
             assert time.monotonic() < deadline, "local rank 0 never listened"
             time.sleep(0.02)
     sock.settimeout(10)
-    return sock, lambda: auth._client_handshake(sock, rank, 0, shm_segment.group_key(secret, name))
+    return sock, lambda: auth.client_handshake(sock, rank, 0, shm_segment.group_key(secret, name))
 
 
 def test_listener_refuses_strangers_and_lets_peers_in():

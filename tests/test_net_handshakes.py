@@ -31,7 +31,7 @@ FOREVER = 3600.0
 def late_hellos(monkeypatch, delay: float) -> list[float]:
     """Every client hello of this test is sent ``delay`` seconds late (a real network, a busy executor); the list
     gets the time of each attempt."""
-    handshake = auth._client_handshake
+    handshake = auth.client_handshake
     attempts: list[float] = []
 
     def late_handshake(sock, *args):
@@ -39,7 +39,7 @@ def late_hellos(monkeypatch, delay: float) -> list[float]:
         time.sleep(delay)
         return handshake(sock, *args)
 
-    monkeypatch.setattr(auth, "_client_handshake", late_handshake)
+    monkeypatch.setattr(auth, "client_handshake", late_handshake)
     return attempts
 
 

@@ -8,8 +8,8 @@ exists on disk or in /dev/shm; the kernel frees a memfd with its last holder,
 even one killed.  Rank 0 listens on an abstract Unix socket named after the
 group; a connection must come from our uid (``SO_PEERCRED``) and prove the job
 secret (:mod:`sparkdl.net.auth`'s HMAC challenge/response, keyed for this
-group).  Handshakes advance on one selector with a deadline each, so idle or
-forged connections keep no peer out.  Rank 0 then passes every rank the memfds
+group).  Handshakes run on the acceptor every sparkdl listener runs
+(:mod:`sparkdl.net.acceptor`), so idle or forged connections keep no peer out.  Rank 0 then passes every rank the memfds
 and one end of a ``socketpair`` per other rank: its doorbells, whose EOF says
 that peer is gone (:class:`Progress`).
 """
@@ -23,13 +23,13 @@ import math
 import mmap
 import os
 import select
-import selectors
 import socket
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sparkdl.net import auth
+from sparkdl.net.acceptor import HANDSHAKE_TIMEOUT, MAX_PENDING, HandshakeAcceptor
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout
 
 WORDS = 8  # int64s per control line (64 bytes: one cache line, written by its rank only)
@@ -38,9 +38,6 @@ RUNNING, CLOSED, FAILED = range(3)
 DIED, TIMED_OUT, OTHER = range(1, 4)
 #: Counter reads before a waiter blocks in poll (tens of microseconds: ranks may outnumber cores).
 SPIN = 100
-#: Seconds a connection to the listener has to authenticate (a real peer needs milliseconds).
-HANDSHAKE_TIMEOUT = 5.0
-MAX_PENDING = 64
 _SETUP, _GROW = struct.Struct("!4sIQQ"), struct.Struct("!4sQ")  # magic, local size, control, data bytes | data bytes
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _RING = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
@@ -123,49 +120,49 @@ def setup(local_rank: int, ranks: list[int], name: str, secret: bytes, timeout: 
     return _join(local_rank, ranks, name, group_key(secret, name), deadline, timeout)
 
 
-def _same_uid(sock: socket.socket) -> bool:
-    return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1] == os.geteuid()
-
-
-@dataclass
-class _Pending:
-    nonce: bytes
-    deadline: float
-    received: bytearray = field(default_factory=bytearray)
+def _another_user(sock: socket.socket) -> str | None:
+    """Why a Unix socket's peer is refused before any greeting: it runs as another user (None: it does not)."""
+    uid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1]
+    return None if uid == os.geteuid() else f"a process of another user (uid {uid})"
 
 
 def _serve(ranks: list[int], name: str, key: bytes, deadline: float, timeout: float, data_bytes: int) -> Links:
-    size, joined, pending = len(ranks), dict[int, socket.socket](), dict[socket.socket, _Pending]()
-    listener, selector = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), selectors.DefaultSelector()
+    size, joined = len(ranks), dict[int, socket.socket]()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     segments, pairs = list[Segment](), dict[tuple[int, int], tuple[socket.socket, socket.socket]]()
+    acceptor = None
     try:
         try:
             listener.bind("\0sparkdl-" + name)
         except OSError as exc:
             raise CollectiveError(f"cannot listen on @sparkdl-{name} ({exc}): is a group of this name open?") from None
         listener.listen(MAX_PENDING)
-        listener.setblocking(False)
-        selector.register(listener, selectors.EVENT_READ)
+        acceptor = HandshakeAcceptor(
+            listener,
+            f"{describe(ranks, 0)}'s shared memory listener",
+            key,
+            0,
+            range(1, size),
+            handshake_timeout=min(timeout, HANDSHAKE_TIMEOUT),
+            admit=_another_user,
+        )
         segments += [Segment.create(name, align(size * WORDS * 8)), Segment.create(name, data_bytes)]
         while len(joined) < size - 1:
-            now = time.monotonic()
-            for conn in [conn for conn, state in pending.items() if now >= state.deadline]:
-                _drop(selector, pending, conn)
-            if now >= deadline:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 missing = ", ".join(describe(ranks, k) for k in range(1, size) if k not in joined)
                 raise CollectiveTimeout(f"timed out after {timeout}s: {missing} did not join")
-            for event, _ in selector.select(min([deadline, *(s.deadline for s in pending.values())]) - now):
-                if event.data is None:
-                    _accept(listener, selector, pending)
+            for conn, rank, proof in acceptor.poll(remaining):
+                try:
+                    if rank in joined:
+                        raise OSError("a rank that already joined")
+                    conn.sendall(proof)
+                except OSError as exc:
+                    conn.close()
+                    acceptor.refuse("refused after authenticating", f"{describe(ranks, rank)}: {exc}")
                     continue
-                conn = event.data
-                rank = _advance(conn, pending[conn], key, size, joined)
-                if rank is not None and rank > 0:
-                    selector.unregister(conn)
-                    del pending[conn]
-                    joined[rank] = conn
-                elif rank is not None:  # refused: EOF, a wrong proof, or a rank that already joined
-                    _drop(selector, pending, conn)
+                joined[rank] = conn
+        acceptor.close()
         listener.close()
         pairs = {(i, j): socket.socketpair() for i in range(size) for j in range(i + 1, size)}
         control, data = segments
@@ -188,68 +185,16 @@ def _serve(ranks: list[int], name: str, key: bytes, deadline: float, timeout: fl
     except BaseException:
         for segment in segments:
             segment.close()
-        for conn in [*joined.values(), *pending]:
+        for conn in joined.values():
             conn.close()
         raise
     finally:
-        selector.close()
+        if acceptor is not None:
+            acceptor.close()
         listener.close()
         for pair in pairs.values():
             pair[0].close()
             pair[1].close()
-
-
-def _accept(listener: socket.socket, selector: selectors.BaseSelector, pending: dict[socket.socket, _Pending]) -> None:
-    while True:
-        try:
-            conn, _ = listener.accept()
-        except OSError:  # EAGAIN: all taken; EMFILE and the like: pending ones expire and free descriptors
-            return
-        if not _same_uid(conn):
-            conn.close()
-            continue
-        if len(pending) >= MAX_PENDING:
-            _drop(selector, pending, next(iter(pending)))
-        conn.setblocking(False)
-        nonce, hello = auth.server_hello()
-        try:
-            conn.send(hello)  # 36 bytes always fit a fresh connection's buffer
-        except OSError:
-            conn.close()
-            continue
-        pending[conn] = _Pending(nonce, time.monotonic() + HANDSHAKE_TIMEOUT)
-        selector.register(conn, selectors.EVENT_READ, conn)
-
-
-def _advance(
-    conn: socket.socket, state: _Pending, key: bytes, size: int, joined: dict[int, socket.socket]
-) -> int | None:
-    """The local rank ``conn`` proved to be (our proof sent), None while incomplete, or -1: refused."""
-    try:
-        data = conn.recv(auth.CLIENT_HELLO.size - len(state.received))
-    except BlockingIOError:
-        return None
-    except OSError:
-        return -1
-    if not data:
-        return -1
-    state.received += data
-    if len(state.received) < auth.CLIENT_HELLO.size:
-        return None
-    verified = auth.verify_client_hello(key, state.nonce, bytes(state.received), 0)
-    if verified is None or not 0 < verified[0] < size or verified[0] in joined:
-        return -1
-    try:
-        conn.send(auth.server_proof(key, verified[1], state.nonce, 0))
-    except OSError:
-        return -1
-    return verified[0]
-
-
-def _drop(selector: selectors.BaseSelector, pending: dict[socket.socket, _Pending], conn: socket.socket) -> None:
-    selector.unregister(conn)
-    del pending[conn]
-    conn.close()
 
 
 def _join(local_rank: int, ranks: list[int], name: str, key: bytes, deadline: float, timeout: float) -> Links:
@@ -261,9 +206,9 @@ def _join(local_rank: int, ranks: list[int], name: str, key: bytes, deadline: fl
         try:
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             sock.connect("\0sparkdl-" + name)
-            if not _same_uid(sock):
+            if _another_user(sock) is not None:
                 raise auth.HandshakeFailed("the listener runs as another user")
-            auth._client_handshake(sock, local_rank, 0, key)
+            auth.client_handshake(sock, local_rank, 0, key)
             break
         except (OSError, auth.HandshakeFailed) as exc:  # not listening yet, or busy: retry
             sock.close()

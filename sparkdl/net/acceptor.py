@@ -22,7 +22,7 @@ import selectors
 import socket
 import time
 from collections import Counter
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from sparkdl.net import auth
@@ -58,7 +58,9 @@ class HandshakeAcceptor:
 
     A client must authenticate as a rank in ``client_ranks`` towards
     ``server_rank``; :meth:`poll` returns the connections that did.  Everything else is dropped and counted in
-    ``refused`` (``last_refusal`` says why), and logged at a bounded rate.
+    ``refused`` (``last_refusal`` says why), and logged at a bounded rate.  ``admit(conn)``, if given, sees each
+    new connection before it is greeted and returns why it refuses it (say, a Unix socket's peer running as
+    another user), or None; a refused connection is closed unheard.  ``sock`` may be a TCP or a Unix listening socket.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class HandshakeAcceptor:
         *,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         max_pending: int = MAX_PENDING,
+        admit: Callable[[socket.socket], str | None] = lambda conn: None,
     ):
         if max_pending < 1:
             raise ValueError(f"Expected max_pending >= 1. Received: max_pending={max_pending}")
@@ -81,6 +84,7 @@ class HandshakeAcceptor:
         self._secret, self._server_rank, self._client_ranks = secret, server_rank, client_ranks
         self.handshake_timeout = handshake_timeout
         self.max_pending = max_pending
+        self._admit = admit
         self._refusals = RefusalLog(name)
         self._pending: dict[socket.socket, _Pending] = {}  # insertion order: oldest first
         self._pending_per_peer: Counter[str] = Counter()
@@ -184,7 +188,13 @@ class HandshakeAcceptor:
                 self._resume_at = time.monotonic() + self._backoff
                 return
             self._backoff = 0.0
-            self._start(conn, address[0])
+            peer = address[0] if isinstance(address, tuple) else "this host"  # a Unix socket's peer has no address
+            refusal = self._admit(conn)
+            if refusal is not None:
+                conn.close()
+                self.refuse(refusal, f"from {peer}")
+                continue
+            self._start(conn, peer)
 
     def _start(self, conn: socket.socket, peer: str) -> None:
         if len(self._pending) >= self.max_pending:

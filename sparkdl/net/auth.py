@@ -113,7 +113,7 @@ def connect_with_proof(
             tune(sock)
             sock.settimeout(remaining)
             sock.connect(sockaddr)
-            return sock, _client_handshake(sock, rank, peer, secret)
+            return sock, client_handshake(sock, rank, peer, secret)
         except (OSError, HandshakeFailed) as exc:
             if sock is not None:
                 sock.close()
@@ -124,7 +124,8 @@ def connect_with_proof(
         delay = min(2 * delay, 0.5)
 
 
-def _client_handshake(sock: socket.socket, rank: int, peer: int, secret: bytes) -> bytes:
+def client_handshake(sock: socket.socket, rank: int, peer: int, secret: bytes) -> bytes:
+    """The client's side of the handshake on a connected ``sock``, as ``rank`` towards ``peer``: the server's proof."""
     hello = _recv_handshake(sock, SERVER_HELLO_BYTES, _CLOSED_BEFORE_GREETING)
     if not hello.startswith(AUTH_MAGIC):
         raise HandshakeFailed("the listener did not speak the sparkdl protocol")

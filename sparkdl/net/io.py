@@ -85,10 +85,11 @@ def _patiently(send: Callable[[], int], stopping: threading.Event | None) -> int
 
 
 def tune(sock: socket.socket) -> None:
-    """Disable Nagle (small frames must not wait) and enlarge the kernel buffers."""
+    """Disable Nagle (small frames must not wait; TCP sockets only) and enlarge the kernel buffers."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def shutdown_and_close(sock: socket.socket) -> None:
