@@ -40,11 +40,10 @@ class ReduceOp(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Operation:
-    """One row of :data:`OPERATIONS`: its name, its wire code, and whether it is collective."""
+    """One row of :data:`OPERATIONS`: its name and its wire code."""
 
     name: str
     code: int
-    collective: bool = True
 
 
 #: Every operation a communicator offers, with its wire op code. Each has an ``<name>_async`` twin.
@@ -59,8 +58,8 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("allgather_v", 8),
     Operation("reduce_scatter", 9),
     Operation("alltoall", 10),
-    Operation("send", 11, collective=False),
-    Operation("recv", 12, collective=False),
+    Operation("send", 11),
+    Operation("recv", 12),
 )
 OPERATION_NAMES = tuple(operation.name for operation in OPERATIONS)
 OP_CODES = {operation.name: operation.code for operation in OPERATIONS}

@@ -41,19 +41,6 @@ class FutureWork:
         return self._future.done()
 
 
-class DoneWork:
-    """The handle of an operation that finished when it was started."""
-
-    def __init__(self, result: Any):
-        self._result = result
-
-    def wait(self, timeout: float | None = None) -> Any:
-        return self._result
-
-    def done(self) -> bool:
-        return True
-
-
 def check_reduce_op(op: ReduceOp, dtype: np.dtype) -> ReduceOp:
     if not isinstance(op, ReduceOp):
         raise TypeError(f"Expected `op` to be a sparkdl.collective.ReduceOp. Received: op={op!r}")

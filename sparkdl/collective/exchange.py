@@ -100,8 +100,3 @@ class Exchange:
         """Waits until everything queued has been sent."""
         while self._sends:
             self._sends.popleft().result()
-
-    def cancel(self) -> None:
-        for future in self._sends:
-            future.cancel()
-        self._sends.clear()

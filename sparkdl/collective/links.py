@@ -1,44 +1,30 @@
-"""Authenticated TCP links from one rank to any other: framed arrays, matched by operation or by tag.
+"""Which ranks are linked, and how links open: one authenticated TCP connection per pair of ranks, on first use.
 
-Each pair of ranks shares one connection, used in both directions; the
-lower rank connects, the higher one accepts (on a thread that keeps
-accepting for the communicator's life, so links can open on first use: the
-ring's at connect, a star's or a mesh's when an algorithm needs them). Sends
-run on one thread per link, so a rank sends and receives at once and cannot
-deadlock on full socket buffers. Receives run in the caller's thread, straight
-into the caller's array when the frame is the one expected; a frame for
-another operation of another group, or a message with another tag, is kept
-until asked for. Within one group a frame for another collective means the
-ranks are out of step, and is reported as such. Nothing received is ever
-deserialised: a frame is :mod:`sparkdl.net.frames`' header and raw bytes.
+Each pair of ranks shares one connection (a :class:`~sparkdl.collective.link.Link`),
+used in both directions; the lower rank connects, the higher one accepts (on a
+thread that keeps accepting for the communicator's life, so links can open on
+first use: the ring's at connect, a star's or a mesh's when an algorithm needs
+them).
 """
 
 from __future__ import annotations
 
-import collections
 import select
 import socket
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
-from sparkdl.collective.api import operation_name
+from sparkdl.collective.link import Link
 from sparkdl.net.acceptor import HANDSHAKE_TIMEOUT, MAX_PENDING, HandshakeAcceptor
 from sparkdl.net.auth import ConnectGaveUp
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout
-from sparkdl.net.frames import HEADER, FrameError, Header, Kind, dtype_code, dtype_name
 from sparkdl.net.io import bind_listener, shutdown_and_close
-from sparkdl.net.secure import Channel, connect_channel, open_channel
+from sparkdl.net.secure import connect_channel, open_channel
 
-#: Longest reason an ABORT frame may carry.
-MAX_ABORT_BYTES = 2048
 #: How often a rank waiting for a peer to connect checks whether its other links were closed (the job failed).
 _GONE_CHECK_SECONDS = 0.2
-#: Most bytes of frames received ahead of being asked for, per link, before the peer is refused.
-MAX_KEPT_BYTES = 4 << 30
 
 
 class Listener:
@@ -64,186 +50,6 @@ class Listener:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-
-def _bytes_of(array: np.ndarray) -> memoryview:
-    return array.reshape(-1).view(np.uint8).data
-
-
-class Link:
-    """One authenticated connection to ``peer``, and the frames received from it ahead of their time."""
-
-    def __init__(self, channel: Channel, rank: int, peer: int, timeout: float):
-        channel.sock.settimeout(timeout)
-        self.channel, self.rank, self.peer, self.timeout = channel, rank, peer, timeout
-        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sparkdl-rank{rank}-to{peer}")
-        self._send_lock = threading.Lock()  # whole frames only: the sender thread and an abort alike
-        self._header = bytearray(HEADER.size)
-        self.kept: dict[tuple, collections.deque[tuple[Header, bytearray]]] = collections.defaultdict(collections.deque)
-        self._kept_bytes = 0
-        self._state = threading.Condition()  # guards ``kept`` and ``_reading``
-        self._reading = False  # a thread is reading the socket
-        self.bytes_sent = self.bytes_received = 0  # payload bytes, for benchmarks and tests of the algorithms
-
-    def send(self, header: Header, payload: memoryview | bytes) -> Future:
-        """Queues one frame; the future fails with a CollectiveError."""
-        return self._sender.submit(self._send_now, header, payload)
-
-    def _send_now(self, header: Header, payload: memoryview | bytes) -> None:
-        try:
-            with self._send_lock:
-                self.channel.send([header.pack(), payload])
-                self.bytes_sent += header.nbytes
-        except OSError as exc:
-            raise self._error(header.op, "send to", exc) from exc
-
-    def abort(self, reason: str) -> None:
-        """Tells the peer, if the link is free within a moment, why this rank gives up; then closes."""
-        if self._send_lock.acquire(timeout=0.5):
-            try:
-                self.channel.sock.settimeout(1.0)
-                message = reason.encode()[:MAX_ABORT_BYTES]
-                self.channel.send([Header(Kind.ABORT, 0, len(message)).pack(), message])
-            except OSError:
-                pass
-            finally:
-                self._send_lock.release()
-        self.close()
-
-    def close(self) -> None:
-        shutdown_and_close(self.channel.sock)
-        self._sender.shutdown(wait=False, cancel_futures=True)
-
-    def receive(self, key: tuple, op: int, out: np.ndarray | None, dtype: np.dtype | None) -> tuple[Header, np.ndarray]:
-        """The next frame of ``key`` ((kind, group, seq or tag)), its payload in ``out`` if given, else a new array.
-
-        Several threads may receive at once (the streams of a communicator and of its subgroups share the link):
-        one of them reads the socket, a frame at a time, keeping the frames of the others and waking them; the
-        others wait for theirs to be kept, or for their turn to read.
-        """
-        data = None
-        with self._state:
-            while True:
-                kept = self.kept.get(key)
-                if kept:
-                    header, data = kept.popleft()
-                    self._kept_bytes -= len(data)
-                    self.bytes_received += len(data)
-                    break
-                if not self._reading:
-                    self._reading = True
-                    break
-                self._state.wait()
-        if data is None:
-            try:
-                return self._read_until(key, op, out, dtype)
-            finally:
-                with self._state:
-                    self._reading = False
-                    self._state.notify_all()
-        self._check(header, op, out, dtype)
-        received = np.frombuffer(data, dtype=_payload_dtype(header, out, dtype))
-        if out is None:
-            return header, received
-        _bytes_of(out)[:] = data
-        return header, out
-
-    def _read_until(
-        self, key: tuple, op: int, out: np.ndarray | None, dtype: np.dtype | None
-    ) -> tuple[Header, np.ndarray]:
-        """Reads frames (this thread alone) until the one of ``key``, keeping the others for their receivers."""
-        while True:
-            header = self._read_header(op)
-            frame_key = (header.kind, header.group, header.tag if header.kind == Kind.MESSAGE else header.seq)
-            if frame_key == key:
-                self._check(header, op, out, dtype)
-                if out is None:
-                    out = np.empty(
-                        header.nbytes // _payload_dtype(header, out, dtype).itemsize, _payload_dtype(header, out, dtype)
-                    )
-                self._read_exact(_bytes_of(out), op)
-                self.bytes_received += header.nbytes
-                return header, out
-            if header.kind == Kind.COLLECTIVE and key[0] == Kind.COLLECTIVE and header.group == key[1]:
-                raise CollectiveError(
-                    f"rank {self.rank}: out of step with rank {self.peer}: expected {operation_name(op)} "
-                    f"#{key[2]}, received {operation_name(header.op)} #{header.seq}; all ranks must call the "
-                    "same collectives in the same order with the same shapes and dtypes"
-                )
-            self._keep(frame_key, header, op)
-
-    def _keep(self, key: tuple, header: Header, op: int) -> None:
-        if self._kept_bytes + header.nbytes > MAX_KEPT_BYTES:
-            raise CollectiveError(
-                f"rank {self.rank}: rank {self.peer} sent more than {MAX_KEPT_BYTES} bytes ahead of their "
-                f"receives while this rank waits in {operation_name(op)}; check the order of sends and receives"
-            )
-        data = bytearray(header.nbytes)
-        self._read_exact(memoryview(data), op)
-        with self._state:
-            self._kept_bytes += len(data)
-            self.kept[key].append((header, data))
-            self._state.notify_all()
-
-    def _check(self, header: Header, op: int, out: np.ndarray | None, dtype: np.dtype | None) -> None:
-        expected = out.dtype if out is not None else dtype
-        wrong = header.op != op
-        if expected is not None and header.dtype != dtype_code(expected):
-            wrong = True
-        if out is not None and header.nbytes != out.nbytes:
-            wrong = True
-        if out is None and expected is not None and header.nbytes % expected.itemsize:
-            wrong = True
-        if wrong:
-            want = f"{operation_name(op)} of {expected}" + (f" ({out.nbytes} bytes)" if out is not None else "")
-            raise CollectiveError(
-                f"rank {self.rank}: out of step with rank {self.peer}: expected {want}, received "
-                f"{operation_name(header.op)} of {dtype_name(header.dtype)} ({header.nbytes} bytes); all ranks "
-                "must call the same operations in the same order with the same shapes and dtypes"
-            )
-
-    def _read_header(self, op: int) -> Header:
-        self._read_exact(memoryview(self._header), op)
-        try:
-            header = Header.unpack(self._header, source=f"rank {self.peer}")
-        except FrameError as exc:
-            raise CollectiveError(f"rank {self.rank}: {operation_name(op)}: {exc}") from None
-        if header.kind == Kind.ABORT:
-            reason = bytearray(min(header.nbytes, MAX_ABORT_BYTES))
-            self._read_exact(memoryview(reason), op)
-            raise CollectiveError(
-                f"rank {self.rank}: {operation_name(op)} failed: rank {self.peer} gave up: "
-                f"{reason.decode(errors='replace')}"
-            )
-        return header
-
-    def _read_exact(self, view: memoryview, op: int) -> None:
-        try:
-            received = self.channel.recv_into(view)
-        except OSError as exc:
-            raise self._error(op, "receive from", exc) from exc
-        if received < len(view):
-            raise CollectiveError(
-                f"rank {self.rank}: rank {self.peer} closed the connection during {operation_name(op)}; "
-                "check whether that rank's process failed or closed its communicator"
-            )
-
-    def _error(self, op: int, action: str, exc: OSError) -> CollectiveError:
-        if isinstance(exc, TimeoutError):
-            return CollectiveTimeout(
-                f"rank {self.rank}: {operation_name(op)} timed out after {self.timeout}s waiting to {action} "
-                f"rank {self.peer}; check that rank {self.peer} is alive and makes the same calls, or raise the timeout"
-            )
-        return CollectiveError(
-            f"rank {self.rank}: {operation_name(op)} failed to {action} rank {self.peer}: {exc}; "
-            "check whether that rank's process failed"
-        )
-
-
-def _payload_dtype(header: Header, out: np.ndarray | None, dtype: np.dtype | None) -> np.dtype:
-    if out is not None:
-        return out.dtype
-    return dtype if dtype is not None else np.dtype(np.uint8)
 
 
 class Links:

@@ -9,7 +9,6 @@ from the same records.
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 from collections.abc import Sequence
 
@@ -26,7 +25,7 @@ def host_identity(address_host: str) -> str:
 
 def record(address: str, host: str) -> str:
     """What a rank publishes at the rendezvous: its listener address and host key (no separator in either)."""
-    return f"{address} {host} {os.getpid()}"
+    return f"{address} {host}"
 
 
 def parse_records(records: Sequence[str]) -> tuple[list[str], list[str]]:
