@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
-import threading
 import time
 
 from pyspark.sql import DataFrame
@@ -15,6 +14,7 @@ from sparkdl.checkpoint import Checkpoint, CheckpointStore
 from sparkdl.data import ColumnSpec
 from sparkdl.keras import serialization, shipped_objects
 from sparkdl.launch import probe
+from sparkdl.launch.phases import Phases
 from sparkdl.modes.base import Job, Settings
 from sparkdl.modes.registry import MODES as _REGISTRY
 from sparkdl.modes.registry import check_mode_options
@@ -43,7 +43,11 @@ class FitResult:
     for validation (0 without ``validation_col``/``validation_split``);
     ``initial_epoch`` the epoch training (re)started from: above 0 when it
     resumed from a checkpoint in ``checkpoint_dir``, left by an earlier fit or
-    by a failed attempt of this one.
+    by a failed attempt of this one; ``phases`` where the fit's wall-clock
+    seconds went, phase by phase in order, the driver's and rank 0's
+    (``settings``, ``slots``, ``checks``, ``probe``, ``serialize``, ``launch``,
+    then rank 0's own, e.g. ``import``, ``read``, ``connect``, ``model in``,
+    ``train``, ``model out`` in sync mode, then ``result``; see docs/performance.md).
     """
 
     model: object
@@ -54,6 +58,7 @@ class FitResult:
     stats: dict = dataclasses.field(default_factory=dict)
     validation_rows: int = 0
     initial_epoch: int = 0
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def fit(
@@ -78,6 +83,9 @@ def fit(
     timeout: float = 600.0,
     custom_objects: dict | None = None,
     backend: str = "ring",
+    compression: str | None = None,
+    overlap: bool | None = None,
+    profile: bool | None = None,
     checkpoint_dir: str | None = None,
     callbacks: list | None = None,
     progress: bool = True,
@@ -140,6 +148,17 @@ def fit(
             job (``sparkdl.keras.shipped_objects``); one that cannot be found is refused before any Spark job.
         backend: sync: whose collectives average the gradients: ``"ring"`` (sparkdl's own) or
             ``"horovod"`` (Horovod's Gloo/NCCL; needs the Horovod stack, ``conf/horovod/install.sh``).
+        compression: ``"bf16"`` or ``"fp16"``: gradients travel at half the bytes (sync mode's allreduce,
+            the parameter server's pushes and pulls), narrowed once by the sender and added and applied in
+            float32 by the receiver (``sparkdl.collective.compression``); ``None`` (default) sends float32.
+            float16 refuses a gradient beyond its range (65504) with an error; bfloat16 has float32's range.
+            Not with ``mode="average"`` (it sends weights, not gradients) or ``backend="horovod"``.
+        overlap: sync: average the gradients in buckets of about 4 MB that start moving while backprop is
+            still computing the earlier layers' gradients, as PyTorch DDP and Horovod do (default ``True``);
+            ``False`` sends them all at once after backprop (``sparkdl.modes.sync.reducer``).
+        profile: sync: time every step's phases (input, forward/backward, waiting for peers, the
+            collective, optimizer, Keras, callbacks) on every rank; ``stats["step_profile"]`` holds
+            each rank's mean milliseconds per phase. Costs a barrier and a few clock readings a step.
         checkpoint_dir: a directory (local path, ``file://``, ``hdfs://``, ``s3://``, ...) where the
             model, its optimizer state and the history are saved after every epoch (by rank 0 in
             sync mode, by the driver otherwise; see ``sparkdl.checkpoint``). A fit pointed at a
@@ -161,7 +180,7 @@ def fit(
         ...                      num_workers=2, epochs=20, batch_size=16, seed=0)
         >>> result.history["loss"][-1]
     """
-    phases = _Phases()
+    phases = Phases()
     check_settings(df, model, num_workers=num_workers, epochs=epochs, batch_size=batch_size, timeout=timeout, seed=seed)
     values = check_mode_options(
         mode,
@@ -170,6 +189,9 @@ def fit(
         num_servers=num_servers,
         sync_every=sync_every,
         backend=None if backend == "ring" else backend,
+        compression=compression,
+        overlap=overlap,
+        profile=profile,
     )
     runner = _REGISTRY[mode]
     options = runner.configure(mode, model, values)
@@ -205,7 +227,7 @@ def fit(
         training = planned.check(num_workers)
         phases.end("checks")
         waited = workers.wait()
-        phases.end("workers")
+        phases.end("probe")
         settings = Settings.for_data(
             training,
             num_workers=num_workers,
@@ -235,6 +257,7 @@ def fit(
                 {},
                 training.validation_rows,
                 resumed.checkpoint.epoch,
+                phases.seconds(),
             )
         start = (
             resumed.checkpoint if resumed is not None else Checkpoint(0, serialization.model_to_bytes(model), {}, mode)
@@ -292,6 +315,7 @@ def fit(
             result.stats,
             training.validation_rows,
             result.initial_epoch,
+            phases.seconds(),
         )
 
 
@@ -319,37 +343,6 @@ def _listeners(
             )
         )
     return listeners
-
-
-class _Phases:
-    """Wall-clock seconds of ``fit``'s phases, for one log line (``sparkdl: phases settings 0.02s, checks ...``).
-
-    ``watch`` sees the workers' progress events: the first ``start`` event (sync mode's rank 0 has its
-    data, its ring and its model: Python worker start, TensorFlow import, model load) ends ``startup``,
-    the first epoch event ``epoch 1`` (which includes tracing the train step), the last one ``epochs``.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._last = time.perf_counter()
-        self._seconds: dict[str, float] = {}
-
-    def end(self, name: str) -> None:
-        """Ends the running phase, naming it ``name`` (a name ended again grows by the time since)."""
-        with self._lock:
-            now = time.perf_counter()
-            self._seconds[name] = self._seconds.get(name, 0.0) + now - self._last
-            self._last = now
-
-    def watch(self, rank: int, event: dict) -> None:
-        kind = event.get("event")
-        if kind == "start" and "startup" not in self._seconds:
-            self.end("startup")
-        elif kind == "epoch":
-            self.end("epochs" if "epoch 1" in self._seconds else "epoch 1")
-
-    def __str__(self) -> str:
-        return ", ".join(f"{name} {seconds:.2f}s" for name, seconds in self._seconds.items())
 
 
 @dataclasses.dataclass(frozen=True)

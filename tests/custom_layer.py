@@ -1,6 +1,10 @@
 """A custom Keras layer that is NOT registered with Keras: loading a model that uses it needs custom_objects."""
 
+import itertools
+
 import keras
+
+_TRACES = itertools.count()
 
 
 class Scale(keras.layers.Layer):
@@ -30,8 +34,9 @@ def make_scaled_classifier(width=4, classes=3, seed=0, log_dir=None):
 
 class LoadLog(keras.layers.Layer):
     """Identity layer that appends this process's pid to ``<log_dir>/loads`` when it is built from its config
-    (once per model load), and its pid and Spark partition (-1 outside a task) to ``<log_dir>/calls`` each time it
-    runs: which processes loaded and ran a model, and in how many tasks."""
+    (once per model load), and its pid, Spark partition (-1 outside a task), trace and row count to
+    ``<log_dir>/calls`` each time it runs: which processes loaded and ran a model, in how many tasks, and how
+    many times its call was traced into a graph (each trace numbers itself, counting per process)."""
 
     def __init__(self, log_dir, **kwargs):
         super().__init__(**kwargs)
@@ -44,17 +49,18 @@ class LoadLog(keras.layers.Layer):
         with open(os.path.join(self.log_dir, name), "a") as f:
             f.write(" ".join(map(str, (os.getpid(), *fields))) + "\n")
 
-    def _record_call(self, x):
+    def _record_call(self, x, trace):
         from pyspark import TaskContext
 
         context = TaskContext.get()
-        self._append("calls", -1 if context is None else context.partitionId())
+        self._append("calls", -1 if context is None else context.partitionId(), int(trace), len(x))
         return x
 
     def call(self, x):
         import tensorflow as tf
 
-        y = tf.numpy_function(self._record_call, [x], x.dtype, stateful=True)
+        trace = next(_TRACES)  # Python runs here once per trace; the graph then carries the number
+        y = tf.numpy_function(self._record_call, [x, tf.constant(trace)], x.dtype, stateful=True)
         y.set_shape(x.shape)
         return y
 
@@ -63,7 +69,8 @@ class LoadLog(keras.layers.Layer):
 
 
 def logged(path, field=0) -> list:
-    """One field of every line of a LoadLog file (0: the pid, 1: the partition); empty when there is no file yet."""
+    """One field of every line of a LoadLog file (0: the pid; in ``calls``, 1: the partition, 2: the trace, 3: the
+    rows); empty when there is no file yet."""
     import os
 
     if not os.path.exists(path):

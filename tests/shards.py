@@ -15,5 +15,5 @@ class SGDShard:
     def read(self):
         return self.w.copy()
 
-    def apply(self, gradient):
-        self.w -= LR * gradient
+    def apply(self, gradient):  # float32, or bfloat16/float16 under compression: widened here
+        self.w -= LR * np.asarray(gradient, np.float32)

@@ -225,6 +225,28 @@ def test_model_is_loaded_once_per_python_worker(spark, frames, tmp_path):
     assert first & second, (first, second)  # a worker that loaded it for the first job ran the second job with it
 
 
+def test_predict_step_is_traced_once_per_python_worker_for_batches_of_every_size(spark, tmp_path):
+    """LoadLog tags every call with the trace it runs in: one trace per worker runs batches of several row counts,
+    in both jobs (Keras's predict_on_batch traces again when a second row count shows up)."""
+    import os
+
+    model = _compiled(keras.Sequential([keras.Input((WIDTH,)), LoadLog(str(tmp_path)), keras.layers.Dense(2)]))
+    model_bytes = model_to_bytes(model)
+    # Two tasks of 115 rows, each one Arrow batch, which batch_size=50 runs as pieces of 39, 39 and 37 rows.
+    df = spark.range(0, 230, 1, 2).select(F.array_repeat(F.col("id").cast("float") / 230, WIDTH).alias("f"))
+    settings = dict(features_col="f", custom_objects={"LoadLog": LoadLog}, batch_size=50)
+    for column in ("y", "y2"):
+        predict(df, model_bytes, prediction_col=column, **settings).write.format("noop").mode("overwrite").save()
+
+    pids, traces, rows = (logged(tmp_path / "calls", field) for field in (0, 2, 3))
+    calls = [(pid, trace, n) for pid, trace, n in zip(pids, traces, rows) if pid != os.getpid()]
+    traced: dict[int, set[int]] = {}
+    for pid, trace, _ in calls:
+        traced.setdefault(pid, set()).add(trace)
+    assert sorted(n for _, _, n in calls) == sorted([39, 39, 37] * 4), calls  # every row, in pieces of two sizes
+    assert all(len(numbers) == 1 for numbers in traced.values()), traced  # one trace per worker for both sizes
+
+
 # Bad input ---------------------------------------------------------------------------------------
 
 

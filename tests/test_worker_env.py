@@ -163,18 +163,32 @@ def test_a_missing_interpreter_fails_before_any_spark_job(tmp_path):
     assert events["job_tags"] == []
 
 
-def test_local_mode_workers_run_the_driver_python_with_tensorflow_loaded(tmp_path):
-    """No PYSPARK_PYTHON: the tasks run this Python, in the workers the probe started and loaded TensorFlow into."""
+def test_local_mode_workers_run_the_driver_python_forked_with_tensorflow_loaded(tmp_path):
+    """No PYSPARK_PYTHON, no daemon module named: the tasks run this Python, forked from sparkdl's worker daemon,
+    which the training check (the first to need TensorFlow) set for the local session, with TensorFlow loaded."""
     outcome, events, _ = _run_script(tmp_path, "run-after-probe")
 
     ranks = outcome.get("result")
     assert ranks is not None, outcome
-    executable, pid, tensorflow_loaded, _ = ranks  # rank 0's
+    executable, pid, tensorflow_loaded, forked_by = ranks  # rank 0's
     assert executable == sys.executable
-    assert tensorflow_loaded, "the barrier task did not run in a Python worker the probe had warmed"
+    assert f"-m {probe.WORKER_DAEMON}" in forked_by, forked_by
+    assert tensorflow_loaded, "the barrier task's Python worker did not start with TensorFlow loaded"
     assert len(events["barrier_stages"]) == 1
-    # The training check runs one task per worker (each Python worker imports TensorFlow itself); run's own check
-    # (numpy, pyarrow and sparkdl only) follows.
+    # Every worker comes from the one daemon: the training check and run's own check run one task each.
+    assert events["probe_tasks"] == [1, 1]
+
+
+def test_a_session_that_names_pysparks_daemon_keeps_it_and_the_probe_warms_every_worker(tmp_path):
+    """spark.python.daemon.module given (here PySpark's own): sparkdl leaves it; the training check then runs one
+    task per worker, each importing TensorFlow into a Python worker the barrier task reuses."""
+    outcome, events, _ = _run_script(tmp_path, "run-after-probe", daemon="pyspark.daemon")
+
+    ranks = outcome.get("result")
+    assert ranks is not None, outcome
+    _, _, tensorflow_loaded, forked_by = ranks
+    assert "-m pyspark.daemon" in forked_by, forked_by
+    assert tensorflow_loaded, "the barrier task did not run in a Python worker the probe had warmed"
     assert events["probe_tasks"] == [2, 2]
 
 

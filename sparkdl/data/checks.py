@@ -1,7 +1,8 @@
 """The one Spark job that checks the rows before training: nulls, non-finite values, shapes, integer ranges.
 
 Every column the fit reads adds its aggregates to one ``df.agg``: one pass over the data,
-however many columns. A failed check is a ``ValueError`` naming the column and what was expected.
+however many columns (none for a persisted DataFrame whose answer is kept, ``sparkdl.data.checked``).
+A failed check is a ``ValueError`` naming the column and what was expected.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import dataclasses
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
+from sparkdl.data import checked
 from sparkdl.data.columns import IMAGE, IMAGE_MODES, SourceColumn
 
 
@@ -24,67 +26,35 @@ class ColumnStats:
 
 
 class Checks:
-    """Collects per-column aggregates so that all checks run as one Spark job."""
+    """Collects what to check of each column so that all checks run as one Spark job (its aggregates are built
+    only when the job runs: a kept answer needs none)."""
 
     def __init__(self) -> None:
-        self._aggs: list[Column] = [F.count(F.lit(1)).alias("rows")]
         self._columns: list[tuple[SourceColumn, str]] = []
-        self._validation_col: str | None = None
         self._nonnegative: str | None = None
+        self._mask: Column | None = None
+        self._validation_col: str | None = None
 
     def add_column(self, source: SourceColumn, element: str) -> None:
         """Checks ``source`` as its values will be read: cast to ``element`` (``float``, ``double``, ``bigint`` or
         ``string``)."""
-        if any(existing.name == source.name for existing, _ in self._columns):
-            return
-        i = len(self._columns)
-        self._columns.append((source, element))
-        name = F.col(source.name)
-        aggs = [F.sum(F.when(name.isNull(), 1).otherwise(0)).alias(f"nulls_{i}")]
-        if source.kind == IMAGE:
-            aggs += self._image(source, i)
-        else:
-            values = source.values(element)
-            bad = F.exists(values, lambda x: x.isNull())
-            if element not in ("bigint", "string"):
-                bad = F.exists(values, lambda x: x.isNull() | F.isnan(x) | (F.abs(x) == float("inf")))
-            aggs += [
-                F.sum(F.when(bad, 1).otherwise(0)).alias(f"bad_{i}"),
-                F.min(F.size(values)).alias(f"min_width_{i}"),
-                F.max(F.size(values)).alias(f"max_width_{i}"),
-            ]
-            for level, arrays in enumerate(source.levels()):
-                sizes = F.transform(arrays, lambda a: F.coalesce(F.size(a), F.lit(-1)))
-                aggs += [
-                    F.sum(F.when(F.exists(arrays, lambda a: a.isNull()), 1).otherwise(0)).alias(
-                        f"inner_nulls_{i}_{level}"
-                    ),
-                    F.min(F.size(arrays)).alias(f"outer_min_{i}_{level}"),
-                    F.max(F.size(arrays)).alias(f"outer_max_{i}_{level}"),
-                    F.min(F.array_min(sizes)).alias(f"inner_min_{i}_{level}"),
-                    F.max(F.array_max(sizes)).alias(f"inner_max_{i}_{level}"),
-                ]
-            if source.integer:
-                aggs += [F.min(F.array_min(values)).alias(f"low_{i}"), F.max(F.array_max(values)).alias(f"high_{i}")]
-        self._aggs += aggs
+        if not any(existing.name == source.name for existing, _ in self._columns):
+            self._columns.append((source, element))
 
     def add_nonnegative(self, name: str) -> None:
         """Counts the rows where number column ``name`` is negative (sample weights)."""
         self._nonnegative = name
-        self._aggs.append(F.sum(F.when(F.col(name) < 0, 1).otherwise(0)).alias("negative"))
 
     def add_validation(self, mask: Column, column: str | None) -> None:
         """Counts the held-out rows (and, for a ``validation_col``, its nulls) in the same job."""
-        self._validation_col = column
-        self._aggs.append(F.sum(F.when(mask, 1).otherwise(0)).alias("validation_rows"))
-        if column is not None:
-            self._aggs.append(F.sum(F.when(F.col(column).isNull(), 1).otherwise(0)).alias("validation_nulls"))
+        self._mask, self._validation_col = mask, column
 
     def run(self, df: DataFrame) -> tuple[int, int, dict[str, ColumnStats]]:
         """Runs the job: ``(rows, held-out rows, stats by column name)``; raises on the first failed check."""
-        row = df.agg(*self._aggs).first()
-        assert row is not None, "an aggregate without grouping returns one row"
-        stats = row.asDict()
+        # What the aggregates ask, exactly: they are built from these alone (a mask's lambdas get new names each
+        # time, so a question with a lambda in its mask is never asked again: it is only answered anew).
+        question = (tuple(self._columns), self._nonnegative, None if self._mask is None else str(self._mask))
+        stats = checked.aggregate(df, (*question, self._validation_col), self._aggregates)
         if stats.get("validation_nulls"):
             raise ValueError(
                 f"Column {self._validation_col!r} (`validation_col`) has {stats['validation_nulls']} null rows: "
@@ -100,6 +70,46 @@ class Checks:
             if stats["rows"]:
                 found[source.name] = _column_stats(source, element, i, stats)
         return stats["rows"], stats.get("validation_rows") or 0, found
+
+    def _aggregates(self) -> list[Column]:
+        aggs = [F.count(F.lit(1)).alias("rows")]
+        for i, (source, element) in enumerate(self._columns):
+            aggs += self._column(source, element, i)
+        if self._nonnegative is not None:
+            aggs.append(F.sum(F.when(F.col(self._nonnegative) < 0, 1).otherwise(0)).alias("negative"))
+        if self._mask is not None:
+            aggs.append(F.sum(F.when(self._mask, 1).otherwise(0)).alias("validation_rows"))
+        if self._validation_col is not None:
+            aggs.append(F.sum(F.when(F.col(self._validation_col).isNull(), 1).otherwise(0)).alias("validation_nulls"))
+        return aggs
+
+    @classmethod
+    def _column(cls, source: SourceColumn, element: str, i: int) -> list[Column]:
+        name = F.col(source.name)
+        aggs = [F.sum(F.when(name.isNull(), 1).otherwise(0)).alias(f"nulls_{i}")]
+        if source.kind == IMAGE:
+            return aggs + cls._image(source, i)
+        values = source.values(element)
+        bad = F.exists(values, lambda x: x.isNull())
+        if element not in ("bigint", "string"):
+            bad = F.exists(values, lambda x: x.isNull() | F.isnan(x) | (F.abs(x) == float("inf")))
+        aggs += [
+            F.sum(F.when(bad, 1).otherwise(0)).alias(f"bad_{i}"),
+            F.min(F.size(values)).alias(f"min_width_{i}"),
+            F.max(F.size(values)).alias(f"max_width_{i}"),
+        ]
+        for level, arrays in enumerate(source.levels()):
+            sizes = F.transform(arrays, lambda a: F.coalesce(F.size(a), F.lit(-1)))
+            aggs += [
+                F.sum(F.when(F.exists(arrays, lambda a: a.isNull()), 1).otherwise(0)).alias(f"inner_nulls_{i}_{level}"),
+                F.min(F.size(arrays)).alias(f"outer_min_{i}_{level}"),
+                F.max(F.size(arrays)).alias(f"outer_max_{i}_{level}"),
+                F.min(F.array_min(sizes)).alias(f"inner_min_{i}_{level}"),
+                F.max(F.array_max(sizes)).alias(f"inner_max_{i}_{level}"),
+            ]
+        if source.integer:
+            aggs += [F.min(F.array_min(values)).alias(f"low_{i}"), F.max(F.array_max(values)).alias(f"high_{i}")]
+        return aggs
 
     @staticmethod
     def _image(source: SourceColumn, i: int) -> list[Column]:

@@ -90,8 +90,9 @@ class Layout:
         """One record batch as arrays by frame column (string fields: their ``TextValues``)."""
         return {field.column: field.values(batch.column(field.column)) for field in self.fields}
 
-    def keras_batch(self, arrays: dict[str, np.ndarray]) -> tuple:
-        """``(x, y)``, or ``(x, y, sample_weight)`` with a weight column, as ``model.fit`` takes them.
+    def keras_batch(self, arrays: dict) -> tuple:
+        """``(x, y)``, or ``(x, y, sample_weight)`` with a weight column, as ``model.fit`` takes them, from
+        arrays (or tensors, in a ``tf.data`` pipeline) by field.
 
         A string field's array (``bytes`` objects) goes as a ``tf.string`` tensor: Keras's data adapters take no
         numpy object arrays.
@@ -110,8 +111,8 @@ def _structure(fields: tuple[Field, ...], arrays: dict[str, np.ndarray], named: 
     return values[0]
 
 
-def _for_keras(field: Field, array: np.ndarray):
-    if not field.is_text:
+def _for_keras(field: Field, array):
+    if not field.is_text or not isinstance(array, np.ndarray):  # numbers, or a tensor already
         return array
     import tensorflow as tf
 

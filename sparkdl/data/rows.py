@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkdl.data.fields import Layout
-from sparkdl.data.read_ahead import read_ahead
+from sparkdl.data.read_ahead import Chunk, read_ahead
 from sparkdl.data.spill import FileRows, MappedRows, SpilledRows, spill_directory
 from sparkdl.schedule import EpochSteps
 
@@ -32,15 +32,23 @@ class Rows:
     def __len__(self) -> int:
         return self._count
 
+    def read(self, index: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows at ``index``, one array per field (a string field's as ``bytes`` objects)."""
+        return self._rows.read(index)
+
     def take(self, index: np.ndarray) -> tuple:
         """The rows at ``index`` as ``(x, y)`` or ``(x, y, sample_weight)`` (copies, in memory)."""
         return self.layout.keras_batch(self._rows.read(index))
 
+    def chunks(self, parts: Iterable[EpochSteps]) -> Iterator[Chunk]:
+        """The schedule's ``parts`` (:func:`sparkdl.schedule.epoch_steps`) as chunks of consecutive steps' rows,
+        read by a thread ahead of training (:func:`sparkdl.data.read_ahead.read_ahead`)."""
+        return read_ahead(chunk for part in parts for chunk in self._rows.chunks(part.order, part.spans))
+
     def batches(self, parts: Iterable[EpochSteps]) -> Iterator[tuple]:
         """Each step's rows of the schedule's ``parts`` (:func:`sparkdl.schedule.epoch_steps`), as :meth:`take`
         gives them, read by a thread ahead of training (:func:`sparkdl.data.read_ahead.read_ahead`)."""
-        chunks = (chunk for part in parts for chunk in self._rows.chunks(part.order, part.spans))
-        for chunk in read_ahead(chunks):
+        for chunk in self.chunks(parts):
             for arrays in chunk.step_arrays():
                 yield self.layout.keras_batch(arrays)
 

@@ -126,6 +126,11 @@ class _Texts:
         return {name: self.reader.values(a) if name in self.columns else a for name, a in arrays.items()}
 
 
+#: Rows read and handed to training at once when they fit in memory: few enough to keep a chunk at a few
+#: MB for common rows, many enough that a small model's step does not pay a Python hand-off of its own.
+CHUNK_ROWS = 8192
+
+
 class _Reader:
     """What both readers share: string values read by their spans, and the steps of part of an epoch, given the
     rows to read as spans of its order."""
@@ -146,9 +151,16 @@ class _Reader:
         raise NotImplementedError
 
     def chunks(self, order: np.ndarray, spans: list[tuple[int, int]]) -> Iterator[Chunk]:
-        """The rows at ``order[start:stop]`` for each span, a chunk a span."""
-        for start, stop in spans:
-            yield Chunk(self.read(order[start:stop]), [(0, stop - start)])
+        """The rows at ``order[start:stop]`` for each span: consecutive spans of up to ``CHUNK_ROWS`` rows a chunk
+        (read in one gather, handed to training in one piece); a filler span, which repeats a row, a chunk alone."""
+        group: list[tuple[int, int]] = []
+        for span in spans + [None]:
+            if group and (span is None or span[0] != group[-1][1] or span[1] - group[0][0] > CHUNK_ROWS):
+                first = group[0][0]
+                yield Chunk(self.read(order[first : group[-1][1]]), [(a - first, b - first) for a, b in group])
+                group = []
+            if span is not None:
+                group.append(span)
 
 
 class MappedRows(_Reader):

@@ -58,7 +58,7 @@ def progress_callback(
             now = time.monotonic()
             if now - self._reported_at < interval:
                 return
-            step = batch + 1
+            step = min(batch + 1, steps_per_epoch)  # Keras numbers a call of several steps by its last
             report(
                 {
                     "event": "step",

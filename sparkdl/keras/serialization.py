@@ -48,23 +48,27 @@ def model_from_bytes(data: bytes, custom_objects: Mapping | None = None, *, sett
         return keras.models.load_model(path, custom_objects=objects, compile=True)
 
 
-def result_to_bytes(model_bytes: bytes, history: dict[str, list[float]], initial_epoch: int) -> bytes:
-    """Rank 0's answer: the trained ``.keras`` archive (with optimizer state), the history, and the
-    epoch training (re)started from."""
+def result_to_bytes(
+    model_bytes: bytes, history: dict[str, list[float]], initial_epoch: int, stats: dict | None = None
+) -> bytes:
+    """Rank 0's answer: the trained ``.keras`` archive (with optimizer state), the history, the
+    epoch training (re)started from, and the mode's counters (JSON-able)."""
     buffer = io.BytesIO()
     np.savez(
         buffer,
         model=np.frombuffer(model_bytes, np.uint8),
         history=np.frombuffer(json.dumps(history).encode(), np.uint8),
         initial_epoch=np.array(initial_epoch, np.int64),
+        stats=np.frombuffer(json.dumps(stats or {}).encode(), np.uint8),
     )
     return buffer.getvalue()
 
 
-def result_from_bytes(data: bytes) -> tuple[bytes, dict[str, list[float]], int]:
+def result_from_bytes(data: bytes) -> tuple[bytes, dict[str, list[float]], int, dict]:
     with np.load(io.BytesIO(data), allow_pickle=False) as archive:
         return (
             archive["model"].tobytes(),
             json.loads(archive["history"].tobytes().decode()),
             int(archive["initial_epoch"]),
+            json.loads(archive["stats"].tobytes().decode()),
         )

@@ -7,6 +7,7 @@ import importlib.util
 from collections.abc import Iterator
 
 from sparkdl.collective import context
+from sparkdl.launch.forward import TaskReporter
 from sparkdl.launch.stage import connect_collective
 
 BACKENDS = ("ring", "horovod")
@@ -24,10 +25,12 @@ def check_backend(backend: str) -> None:
 
 
 @contextlib.contextmanager
-def trainer_communicator(backend: str, secret: bytes, timeout: float, *, encrypt: bool = False) -> Iterator:
+def trainer_communicator(
+    backend: str, reporter: TaskReporter, secret: bytes, timeout: float, *, encrypt: bool = False
+) -> Iterator:
     """For sparkdl's own trainer: a communicator (rank, size, allreduce, ...) over the chosen backend."""
     if backend == "ring":
-        with connect_collective(secret, timeout, encrypt=encrypt) as comm:
+        with connect_collective(reporter, secret, timeout, encrypt=encrypt) as comm:
             yield comm
         return
     from sparkdl.collective.horovod import HorovodCommunicator, horovod_environment
@@ -37,10 +40,12 @@ def trainer_communicator(backend: str, secret: bytes, timeout: float, *, encrypt
 
 
 @contextlib.contextmanager
-def user_backend(backend: str, secret: bytes, timeout: float, *, encrypt: bool = False) -> Iterator[None]:
+def user_backend(
+    backend: str, reporter: TaskReporter, secret: bytes, timeout: float, *, encrypt: bool = False
+) -> Iterator[None]:
     """For a user's function: ``sparkdl.collective`` works (ring), or ``hvd.init()`` joins the job (horovod)."""
     if backend == "ring":
-        with connect_collective(secret, timeout, encrypt=encrypt) as comm, context.bound(comm):
+        with connect_collective(reporter, secret, timeout, encrypt=encrypt) as comm, context.bound(comm):
             yield
         return
     from sparkdl.collective.horovod import horovod_environment

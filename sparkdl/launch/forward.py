@@ -29,6 +29,7 @@ from sparkdl.launch.frames import (
     recv_into,
     send_frame,
 )
+from sparkdl.launch.phases import Phases
 from sparkdl.net.io import shutdown_and_close
 from sparkdl.net.secure import connect_channel
 
@@ -99,15 +100,21 @@ class _Forwarder:
 
 
 class TaskReporter:
-    """What a task's code may tell the driver besides its output: its error, and its progress.
+    """What a task's code may tell the driver besides its output: its error, its progress, and its phases.
 
     ``connection`` is the task's connection to the driver, over which
-    ``sparkdl.launch.payloads`` moves large bytes either way.
+    ``sparkdl.launch.payloads`` moves large bytes either way. ``phases`` times the task from its
+    start (``sparkdl.launch.phases``): the task names each phase as it ends with :meth:`phase`.
     """
 
-    def __init__(self, forwarder: _Forwarder, rank: int):
+    def __init__(self, forwarder: _Forwarder, rank: int, phases: Phases | None = None):
         self.connection = forwarder
+        self.phases = phases if phases is not None else Phases()
         self._rank = rank
+
+    def phase(self, name: str) -> None:
+        """Names the task's time since its previous phase (or its start) ``name``."""
+        self.phases.end(name)
 
     def error(self, exc: BaseException) -> None:
         self.connection.send(ERROR, ErrorReport.from_exception(self._rank, exc).to_json())
@@ -119,7 +126,14 @@ class TaskReporter:
 
 @contextlib.contextmanager
 def forward_output(
-    address: str, secret: bytes, rank: int, timeout: float, *, keep_local_copy: bool = True, encrypt: bool = False
+    address: str,
+    secret: bytes,
+    rank: int,
+    timeout: float,
+    *,
+    keep_local_copy: bool = True,
+    encrypt: bool = False,
+    phases: Phases | None = None,
 ) -> Iterator[TaskReporter]:
     """Inside a task: relays fd 1 and 2 to the driver while the block runs; yields its ``TaskReporter``.
 
@@ -127,6 +141,7 @@ def forward_output(
     executor's log; in local mode that is the driver's console, so not there).
     The descriptors are restored afterwards: PySpark reuses its Python workers.
     ``encrypt`` seals the connection, as the driver's relay does when its session encrypts RPC.
+    ``phases``: the task's timer, started when the task did (else now).
     """
     forwarder = _Forwarder(address, secret, rank, timeout, encrypt=encrypt)
     pipes: list[tuple[int, int, threading.Thread]] = []
@@ -147,7 +162,7 @@ def forward_output(
             thread.start()
             pipes.append((fd, saved, thread))
         with _line_buffered(sys.stdout), _line_buffered(sys.stderr):
-            yield TaskReporter(forwarder, rank)
+            yield TaskReporter(forwarder, rank, phases)
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):

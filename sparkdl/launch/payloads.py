@@ -129,6 +129,9 @@ class _Session:
         else:
             self._serve(channel, message.decode("utf-8", "replace"), stopping)
 
+    def close(self) -> None:
+        """The connection ended: an unfinished upload is dropped with this session (its attempt failed)."""
+
     def _begin(self, channel: Channel, attempt: int, size: int, stopping: threading.Event) -> None:
         if self._upload is not None:
             raise ValueError(f"rank {self._rank} announced a result of {size} bytes in the middle of another one")

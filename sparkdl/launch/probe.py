@@ -19,7 +19,9 @@ In local modes the executors are threads of the driver's JVM, on this machine: w
 ``PYSPARK_PYTHON`` nor ``spark.pyspark.python`` set, PySpark would start ``python3`` from the
 ``PATH``; :func:`use_driver_python` makes it the driver's own interpreter instead (classic
 sessions: ``SparkContext.pythonExec``, which PySpark reads whenever it builds a Python UDF or
-``mapInArrow`` function). A passing probe is remembered per session and interpreter.
+``mapInArrow`` function). In ``local[...]`` mode the workers also fork from sparkdl's worker daemon
+unless the session names a daemon of its own (:func:`use_worker_daemon`). A passing probe is
+remembered per session and interpreter.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ _DEFAULT_PYTHON = "python3"  # what PySpark starts on the executors when nothing
 # spark.python.daemon.module that forks the workers with TensorFlow loaded (a name: importing it here would
 # make ``python -m`` run a module that is already imported).
 WORKER_DAEMON = "sparkdl.launch.worker_daemon"
+_DAEMON_SETTING = "spark.python.daemon.module"
 _checks: dict = {}  # (session, interpreter, modules) -> its PendingCheck, running or passed
 _checks_lock = threading.Lock()
 
@@ -71,6 +74,25 @@ def use_driver_python(spark) -> None:
             "spark.pyspark.python" if configured else "the driver's Python; local mode",
         )
         sc.pythonExec = wanted
+
+
+def use_worker_daemon(spark) -> None:
+    """``local[...]`` classic sessions: Python workers fork from :data:`WORKER_DAEMON` (TensorFlow imported once,
+    before the forks) unless the session names a daemon module (``spark.python.daemon.module``) of its own.
+
+    Spark reads that setting whenever it starts Python code for a task (``BasePythonRunner``), from the
+    configuration the local executors share with the driver: set here, it applies from the next Python
+    worker on (workers already started stay as they are). Executors of other masters (``local-cluster``
+    too) read their own copy when they start: there it must be given where the session is built.
+    """
+    sc = _classic_context(spark)
+    if sc is None or not session.is_local_mode(sc.master):
+        return
+    live = sc._conf  # the SparkContext's own configuration (``getConf()`` returns a copy)
+    forks = (live.get("spark.python.use.daemon", "true") or "true").strip().lower() != "false"
+    if forks and live.get(_DAEMON_SETTING, None) is None:
+        _log.info("sparkdl: local Python workers fork from %s, which imports TensorFlow once", WORKER_DAEMON)
+        live.set(_DAEMON_SETTING, WORKER_DAEMON)
 
 
 def check_executors(spark, num_workers: int, *, timeout: float = 600.0, wait: bool = True) -> PendingCheck:
@@ -106,6 +128,8 @@ def start_check(spark, num_workers: int, timeout: float, modules: tuple = TRAINI
     new one, so a job can start it as soon as its session exists and ``fit`` waits for that one.
     """
     use_driver_python(spark)
+    if "tensorflow" in modules:  # the tasks import it: once in the daemon, not in every worker
+        use_worker_daemon(spark)
     key = (*_session_key(spark), modules)
     with _checks_lock:
         existing = _checks.get(key)
@@ -210,9 +234,7 @@ def _one_preloading_python(spark) -> bool:
     """
     sc = _classic_context(spark)
     return (
-        sc is not None
-        and session.is_local_mode(sc.master)
-        and sc.getConf().get("spark.python.daemon.module", "") == WORKER_DAEMON
+        sc is not None and session.is_local_mode(sc.master) and sc.getConf().get(_DAEMON_SETTING, "") == WORKER_DAEMON
     )
 
 

@@ -10,7 +10,7 @@ message, formatted traceback), so the driver can re-raise it as a
 step metrics, see ``sparkdl.progress``) travels the same way as small JSON
 frames, and so do large payloads in both directions (``sparkdl.launch.payloads``:
 a task's result, a model the task fetches), which the relay hands to its
-``exchange``.
+``exchange``, and a barrier stage's rendezvous (``sparkdl.launch.rendezvous``).
 
 The connection authenticates with a per-job secret like every sparkdl socket,
 and is sealed when the session encrypts its RPC; its frames
@@ -44,7 +44,8 @@ class OutputRelay:
     can cancel the Spark job at once instead of waiting for timeouts.
     ``on_progress(rank, event)`` gets each progress event a task reports.
     ``exchange`` (a ``sparkdl.launch.payloads.PayloadExchange``) gets the
-    frames of the kinds it names: the large payloads going up or down.
+    frames of the kinds it names: the large payloads going up or down;
+    ``rendezvous`` (a ``sparkdl.launch.rendezvous.Rendezvous``) those of a barrier stage's rendezvous.
     """
 
     def __init__(
@@ -56,13 +57,14 @@ class OutputRelay:
         on_error: Callable[[frames.ErrorReport], None] = lambda report: None,
         on_progress: Callable[[int, dict], None] = lambda rank, event: None,
         exchange=None,
+        rendezvous=None,
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         encrypt: bool = False,
     ):
         self._secret = secret
-        self._exchange = exchange
+        self._handlers = [handler for handler in (exchange, rendezvous) if handler is not None]
         self._num_workers = num_workers
         self._on_error = on_error
         self._on_progress = on_progress
@@ -119,12 +121,15 @@ class OutputRelay:
 
     def _read_frames(self, channel: Channel, rank: int) -> None:
         partial = {frames.STDOUT: b"", frames.STDERR: b""}
-        session = self._exchange.open(rank) if self._exchange is not None else None
+        sessions = {}  # frame kind -> the handler session of this connection that reads it
+        for handler in self._handlers:
+            session = handler.open(rank)
+            sessions.update(dict.fromkeys(session.KINDS, session))
         try:
             while (header := frames.recv_bytes(channel, frames.HEADER.size, self._stopping)) is not None:
                 kind, length = frames.HEADER.unpack(header)
-                if session is not None and kind in session.KINDS:
-                    session.handle(channel, kind, length, self._stopping)
+                if kind in sessions:
+                    sessions[kind].handle(channel, kind, length, self._stopping)
                     continue
                 if (
                     kind not in (frames.STDOUT, frames.STDERR, frames.ERROR, frames.PROGRESS)
@@ -145,6 +150,8 @@ class OutputRelay:
                     lines, partial[kind] = lines + [partial[kind]], b""
                 self._print(kind, rank, lines)
         finally:
+            for session in set(sessions.values()):
+                session.close()
             for kind, rest in partial.items():
                 self._print(kind, rank, [rest] if rest else [])
 

@@ -72,7 +72,7 @@ def run(
             pass
         from pyspark import BarrierTaskContext
 
-        with user_backend(backend, secret, timeout, encrypt=encrypt):
+        with user_backend(backend, reporter, secret, timeout, encrypt=encrypt):
             result = train_fn(*call_args, **call_kwargs)
         return cloudpickle.dumps(result) if BarrierTaskContext.get().partitionId() == 0 else None
 

@@ -24,9 +24,10 @@ from pyspark.sql import DataFrame
 from sparkdl import _compat
 from sparkdl._tf_log import quiet_tensorflow
 from sparkdl.collective import Listener, SparkdlCommunicator, topology
-from sparkdl.launch import gpu, payloads, session
+from sparkdl.launch import gpu, payloads, rendezvous, session
 from sparkdl.launch.errors import worker_error
 from sparkdl.launch.forward import TaskReporter, forward_output
+from sparkdl.launch.phases import Phases
 from sparkdl.launch.relay import OutputRelay
 from sparkdl.launch.task_context import current_task
 
@@ -75,7 +76,8 @@ def run_tasks(
     closure. ``barrier=True`` starts all tasks together, as the ring needs;
     otherwise they are ordinary tasks that Spark may retry alone. ``timeout``
     bounds how long a task waits to reach the driver's relay and each of its
-    answers. ``on_progress(rank, event)`` receives the tasks' progress reports as they come.
+    answers. ``on_progress(rank, event)`` receives the tasks' progress reports as they come, and
+    each task's phases (``sparkdl.launch.phases``) just before its result.
     """
     spark = frame.sparkSession
     local_mode = session.is_local_mode(session.master(spark))
@@ -90,20 +92,29 @@ def run_tasks(
         on_error=lambda report: tag.cancel(),
         on_progress=on_progress,
         exchange=exchange,
+        rendezvous=rendezvous.Rendezvous(num_workers) if barrier else None,
         encrypt=encrypt,
     )
     relay_address = relay.address  # the closure below must not capture the relay itself
 
     def run_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        phases = Phases()  # the task's own phases, from now on (sparkdl.launch.phases)
         quiet_tensorflow()  # before the task imports TensorFlow: its start-up lines, times N workers, are noise
         context = current_task()
         partition, attempt = context.partitionId(), context.taskAttemptId()
         gpu.pin_task_gpus(context.resources(), partition, local_mode)
         with forward_output(
-            relay_address, relay_secret, partition, timeout, keep_local_copy=not local_mode, encrypt=encrypt
+            relay_address,
+            relay_secret,
+            partition,
+            timeout,
+            keep_local_copy=not local_mode,
+            encrypt=encrypt,
+            phases=phases,
         ) as reporter:
             try:
                 payload = task(batches, reporter)
+                reporter.progress(phases.event())  # before the upload, which the driver waits for
                 if payload is not None and not spark_results:
                     payloads.upload(reporter, payload, attempt)  # before this attempt can report success
             except BaseException as exc:
@@ -169,15 +180,23 @@ def _results(table: pa.Table, exchange: payloads.PayloadExchange | None) -> dict
     return results
 
 
-def connect_collective(secret: bytes, timeout: float, *, encrypt: bool = False) -> SparkdlCommunicator:
+def connect_collective(
+    reporter: TaskReporter, secret: bytes, timeout: float, *, encrypt: bool = False
+) -> SparkdlCommunicator:
     """Inside a barrier task: the communicator of all tasks of the stage, rank = partition index (sealed if ``encrypt``).
 
-    Each task publishes its listener's address and its host's identity; ranks of one host then also share memory.
+    Each task publishes its listener's address and its host's identity at the rendezvous, over its
+    connection to the driver (``sparkdl.launch.rendezvous``); ranks of one host then also share memory.
     """
     context = BarrierTaskContext.get()
     rank = context.partitionId()
     host = context.getTaskInfos()[rank].address.rsplit(":", 1)[0]
     listener = Listener(host=host)
-    records = context.allGather(topology.record(listener.address, topology.host_identity(host)))
+    try:
+        record = topology.record(listener.address, topology.host_identity(host))
+        records = rendezvous.join(reporter, rank, context.taskAttemptId(), record, timeout)
+    except BaseException:
+        listener.close()
+        raise
     addresses, hosts = topology.parse_records(records)
     return SparkdlCommunicator.connect(rank, addresses, listener, secret, timeout=timeout, encrypt=encrypt, hosts=hosts)

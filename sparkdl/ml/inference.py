@@ -3,10 +3,10 @@
 ``predict`` appends prediction columns to a DataFrame. The features are turned into one
 ``array<float>`` column on the JVM (``sparkdl.data.features_array``, as in training) and reach
 Python as Arrow record batches through a scalar-iterator Arrow UDF: each batch becomes one float32
-numpy array without any per-row Python objects, the model runs on ``batch_size`` rows at a time,
-and the results go back as Arrow arrays built from the numpy buffers. Only the features column
-travels to Python; every other column stays on the JVM. This module is the driver's side; what the
-tasks run is ``sparkdl.ml.scoring``.
+numpy array without any per-row Python objects, the model runs on the whole batch in one call (at
+most ``batch_size`` rows at a time), and the results go back as Arrow arrays built from the numpy
+buffers. Only the features column travels to Python; every other column stays on the JVM. This
+module is the driver's side; what the tasks run is ``sparkdl.ml.scoring``.
 
 The model bytes travel once per executor as a file Spark's file server streams from the driver's
 disk (``SparkContext.addFile``, named by the SHA-256 of the bytes: no JVM heap holds the model, so
@@ -64,7 +64,7 @@ def predict(
     probability_col: str | None = "probability",
     raw_prediction_col: str | None = "rawPrediction",
     custom_objects: dict | None = None,
-    batch_size: int = 4096,
+    batch_size: int = 10_000,
 ) -> DataFrame:
     """``df`` with prediction columns appended (all input columns kept), lazily (a normal transformation).
 
@@ -72,6 +72,8 @@ def predict(
     ``features_col`` is what ``sparkdl.fit`` takes: a number, Vector, (nested) array or image column,
     a list of number columns, or for a model with several inputs a mapping from input name to those.
     Each row is fitted to its input's shape and dtype by the rule training uses (``sparkdl.data.shapes``).
+    ``batch_size`` bounds the rows of one model call; the default, Spark's default Arrow batch
+    (``spark.sql.execution.arrow.maxRecordsPerBatch``, 10,000 rows), runs each batch in one call.
 
     What is appended depends on the model's output, decided once here on the driver:
 

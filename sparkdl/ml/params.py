@@ -149,6 +149,18 @@ class KerasTrainingParams(
         "sync: whose collectives average the gradients, 'ring' or 'horovod'",
         typeConverter=TypeConverters.toString,
     )
+    compression = Param(
+        Params._dummy(),
+        "compression",
+        "sync/async/hogwild/ssp: gradients on the wire as 'bf16' or 'fp16' (half the bytes)",
+        typeConverter=TypeConverters.toString,
+    )
+    overlap = Param(
+        Params._dummy(),
+        "overlap",
+        "sync: average gradient buckets while backprop still runs",
+        typeConverter=TypeConverters.toBoolean,
+    )
 
     # Param name -> sparkdl.fit argument, for the settings passed only when set.
     OPTIONAL_FIT_ARGUMENTS = {
@@ -164,6 +176,8 @@ class KerasTrainingParams(
         "progress": "progress",
         "customObjects": "custom_objects",
         "weightCol": "sample_weight_col",
+        "compression": "compression",
+        "overlap": "overlap",
     }
     # Names that saved stages may still use -> the Param that replaced them.
     RENAMED_PARAMS = {"validationCol": "validationIndicatorCol"}
@@ -361,3 +375,19 @@ class KerasTrainingParams(
     def setBackend(self, value: str):
         """Sets whose collectives average the gradients in sync mode (the value of backend)."""
         return self._set(backend=value)
+
+    def getCompression(self) -> str:
+        """Gets how gradients travel: 'bf16' or 'fp16' (the value of compression)."""
+        return self.getOrDefault(self.compression)
+
+    def setCompression(self, value: str):
+        """Sets how gradients travel: 'bf16' or 'fp16' (the value of compression)."""
+        return self._set(compression=value)
+
+    def getOverlap(self) -> bool:
+        """Gets whether sync mode averages gradient buckets while backprop runs (the value of overlap)."""
+        return self.getOrDefault(self.overlap)
+
+    def setOverlap(self, value: bool):
+        """Sets whether sync mode averages gradient buckets while backprop runs (the value of overlap)."""
+        return self._set(overlap=value)

@@ -2,7 +2,9 @@
 
 The driver side (``sparkdl.ml.inference``) decides the model's kind and input shape once and sends
 a :class:`TaskSpec`; here each Python worker process loads the model once per model (keyed by the
-SHA-256 of its bytes), checks every batch's values and runs the model on ``batch_size`` rows at a time.
+SHA-256 of its bytes) and traces its predict step once (``sparkdl.ml.batch_call``), checks every
+batch's values and runs the model on each Arrow batch in one call (in equal pieces when the batch has
+more than ``batch_size`` rows).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pyarrow as pa
 
 from sparkdl.data.batch_shapes import InputColumn
 from sparkdl.data.model_io import Port
+from sparkdl.ml.batch_call import BatchCall
 
 MULTICLASS = "multiclass"  # softmax over >1 units: prediction = argmax, probability = the softmax
 BINARY = "binary"  # one sigmoid unit p: prediction = 1.0 if p > 0.5, probability = [1 - p, p]
@@ -55,11 +58,11 @@ class TaskSpec:
 
 
 _LOCK = threading.Lock()
-_MODELS: OrderedDict[str, object] = OrderedDict()  # sha256 of the .keras bytes -> loaded keras.Model
+_MODELS: OrderedDict[str, BatchCall] = OrderedDict()  # sha256 of the .keras bytes -> the loaded keras.Model's call
 _MODEL_CACHE_SIZE = 3
 
 
-def _cached_model(spec: TaskSpec):
+def _cached_model(spec: TaskSpec) -> BatchCall:
     with _LOCK:
         model = _MODELS.get(spec.digest)
         if model is not None:
@@ -70,7 +73,7 @@ def _cached_model(spec: TaskSpec):
 
         use_tensorflow_backend()
         limit_threads_to_task_cpus()  # takes effect if this process has not started TensorFlow yet
-        model = serialization.model_from_bytes(spec.model.value, spec.custom_objects)
+        model = BatchCall(serialization.model_from_bytes(spec.model.value, spec.custom_objects))
         _MODELS[spec.digest] = model
         while len(_MODELS) > _MODEL_CACHE_SIZE:
             _MODELS.popitem(last=False)
@@ -87,7 +90,7 @@ def predict_batches(spec: TaskSpec, batches: Iterator[pa.Array]) -> Iterator[pa.
         yield _to_arrow(_run_model(model, x, rows, spec), spec.info, rows, spec.probabilities)
 
 
-def _run_model(model, x, n: int, spec: TaskSpec) -> list[np.ndarray]:
+def _run_model(model: BatchCall, x, n: int, spec: TaskSpec) -> list[np.ndarray]:
     """The model's outputs for ``x`` (``n`` rows: one array, or a dict by input name): one float64 array of
     shape (rows, values per row) per output, in the order of ``spec.info.outputs``."""
     if n == 0:
@@ -96,9 +99,8 @@ def _run_model(model, x, n: int, spec: TaskSpec) -> list[np.ndarray]:
     pieces = -(-n // spec.batch_size)
     step = -(-n // pieces)
     names = [port.name for port in spec.info.outputs]
-    chunks = [
-        _outputs(model.predict_on_batch(_rows(x, i, i + step)), min(step, n - i), names) for i in range(0, n, step)
-    ]
+    ports = tuple(feed.port for feed in spec.inputs)
+    chunks = [_outputs(model(_rows(x, i, i + step), ports), min(step, n - i), names) for i in range(0, n, step)]
     return [parts[0] if len(parts) == 1 else np.concatenate(parts) for parts in zip(*chunks)]
 
 

@@ -67,7 +67,14 @@ class Settings:
     ):
         """Rank ``rank``'s batches of global steps ``start..stop-1`` (default: the epochs left to train), as
         ``(x, y)`` or ``(x, y, sample_weight)`` tuples for Keras (see :func:`sparkdl.schedule.epoch_steps`)."""
-        parts = schedule.epoch_steps(
+        return rows.batches(self._parts(rows, rank, start, stop, fillers))
+
+    def chunks(self, rows: data.Rows, rank: int, start: int, stop: int):
+        """The same steps as :meth:`batches` (fillers included), as chunks of consecutive steps' rows."""
+        return rows.chunks(self._parts(rows, rank, start, stop, True))
+
+    def _parts(self, rows: data.Rows, rank: int, start: int | None, stop: int | None, fillers: bool):
+        return schedule.epoch_steps(
             len(rows),
             steps=self.steps_per_epoch,
             seed=self.seed,
@@ -77,7 +84,6 @@ class Settings:
             stop=self.epochs * self.steps_per_epoch if stop is None else stop,
             fillers=fillers,
         )
-        return rows.batches(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +123,7 @@ class Option:
 
     minimum: int = 1
     required: bool = False
-    check: Callable[[Any], None] | None = None
+    check: Callable[[Any], object] | None = None  # raises on a bad value; what it returns is ignored
     meaning: str = ""  # what it sets, for the error when a required one is missing
 
 

@@ -9,7 +9,11 @@ client is unusable (the byte stream of the failed connection is in an unknown
 state); a retried Spark task simply creates a new client with the same worker id.
 A push holding NaN or infinity is refused by the server before anything is
 applied; the client raises :class:`NonFiniteGradientError` naming the worker
-and its push.
+and its push. With ``compression`` ("bf16" or "fp16", the server's too) pushes
+travel at half the bytes: a gradient already of that dtype is sent as it is, a
+float32 one is narrowed here (``sparkdl.collective.compression``, which refuses a
+value beyond float16's range); pulls always return float32 weights, into the
+caller's buffers when it passes them.
 
 Idle connections: the server closes a connection that has sent no request for
 its ``timeout``; a connection idle for more than half of this client's
@@ -25,12 +29,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from sparkdl.collective import compression as compressions
 from sparkdl.net.auth import ConnectGaveUp
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout
 from sparkdl.net.frames import HEADER, FrameError, Header, Kind
 from sparkdl.net.io import shutdown_and_close
 from sparkdl.net.secure import Channel, connect_channel
-from sparkdl.ps import protocol
+from sparkdl.ps import protocol, wire
 from sparkdl.ps.protocol import FLOAT, Msg, Status
 
 #: Shards of more bytes than this are sent and received by one thread each (smaller ones are
@@ -89,10 +94,10 @@ class _Conn:
             shutdown_and_close(self.channel.sock)
             self.channel = None
 
-    def request(self, msg: Msg, payload: np.ndarray | None = None) -> np.ndarray | None:
-        """Send one request and read its response; a pull's weights are returned."""
+    def request(self, msg: Msg, payload: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray | None:
+        """Send one request and read its response; a pull's weights are returned (in ``out`` when given)."""
         self.send(msg, payload)
-        return self.receive(msg)
+        return self.receive(msg, out)
 
     def send(self, msg: Msg, payload: np.ndarray | None = None) -> None:
         """First half of a request: the frame goes out, the response is left for :meth:`receive`."""
@@ -104,7 +109,11 @@ class _Conn:
         self.seq = (self.seq + 1) & 0xFFFFFFFF
         body = payload.view(np.uint8).data if payload is not None else b""
         header = Header(
-            kind=Kind.REQUEST, op=msg, dtype=protocol.request_dtype(msg), seq=self.seq, nbytes=len(body)
+            kind=Kind.REQUEST,
+            op=msg,
+            dtype=protocol.request_dtype(msg, self.client.push_dtype),
+            seq=self.seq,
+            nbytes=len(body),
         ).pack()
         self._send_error = None
         with self._errors(msg):
@@ -115,8 +124,8 @@ class _Conn:
                 self._send_error = exc
                 self.channel.sock.settimeout(min(1.0, self.client.timeout))
 
-    def receive(self, msg: Msg) -> np.ndarray | None:
-        """Second half of a request: read and check its response."""
+    def receive(self, msg: Msg, out: np.ndarray | None = None) -> np.ndarray | None:
+        """Second half of a request: read and check its response; a pull's weights land in ``out`` when given."""
         op = protocol.msg_name(msg)
         with self._errors(msg):
             try:
@@ -140,7 +149,7 @@ class _Conn:
                 )
             result = None
             if msg == Msg.PULL:
-                result = np.empty(self.size, dtype=FLOAT)
+                result = np.empty(self.size, dtype=FLOAT) if out is None else out
                 self._recv_exact(result.view(np.uint8).data, op)
             self.version = response.value
             self.last_used = time.monotonic()
@@ -238,6 +247,7 @@ class ParameterClient:
         shard_sizes: list[int],
         timeout: float = 600.0,
         encrypt: bool = False,
+        compression: str | None = None,
     ):
         if len(addresses) != len(shard_sizes):
             raise ValueError(f"{len(addresses)} shard addresses but {len(shard_sizes)} shard_sizes")
@@ -249,6 +259,8 @@ class ParameterClient:
         self.timeout = float(timeout)
         self._secret = bytes(secret)
         self.encrypt = encrypt  # seal the connections: the server does (its session encrypts its RPC)
+        self.compression = compressions.check(compression)  # the server's: what its pushes must carry
+        self.push_dtype = wire.push_dtype(compression)
         self.shard_sizes = [int(s) for s in shard_sizes]
         self._conns = [_Conn(self, i, a, s) for i, (a, s) in enumerate(zip(addresses, self.shard_sizes))]
         self._pool = (
@@ -269,17 +281,36 @@ class ParameterClient:
         """Per-shard update counts as of this client's last response from each shard."""
         return [conn.version for conn in self._conns]
 
-    def pull(self) -> list[np.ndarray]:
-        """Current weights of every shard (fetched concurrently)."""
-        return self._exchange(Msg.PULL, None)
+    def pull(self, out: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """Current float32 weights of every shard (fetched concurrently), received into ``out``'s arrays when given
+        (one writable, C-contiguous float32 array of each shard's size)."""
+        if out is not None:
+            if len(out) != len(self._conns):
+                raise ValueError(f"worker {self.worker}: pull got {len(out)} buffers for {len(self._conns)} shards")
+            for i, (buffer, size) in enumerate(zip(out, self.shard_sizes)):
+                if buffer.dtype != FLOAT or buffer.shape != (size,) or not buffer.flags.c_contiguous:
+                    raise ValueError(
+                        f"worker {self.worker}: pull buffer {i} must be a C-contiguous float32 array of shape "
+                        f"({size},), shard_sizes[{i}]; got {buffer.dtype} of shape {buffer.shape}"
+                    )
+        return self._exchange(Msg.PULL, None, out)
 
     def push(self, gradients: list[np.ndarray]) -> None:
-        """Send one float32 gradient per shard (concurrently); advances this worker's clock by one."""
+        """Send one gradient per shard (concurrently); advances this worker's clock by one.
+
+        Each is sent as the server's push dtype: one already of that dtype as it is, any other
+        converted to float32 and, under ``compression``, narrowed.
+        """
         if len(gradients) != len(self._conns):
             raise ValueError(f"worker {self.worker}: push got {len(gradients)} gradients for {len(self._conns)} shards")
         flat = []
         for i, (gradient, size) in enumerate(zip(gradients, self.shard_sizes)):
-            array = np.ascontiguousarray(gradient, dtype=FLOAT).reshape(-1)
+            array = np.asarray(gradient).reshape(-1)
+            if array.dtype != self.push_dtype:
+                array = np.asarray(array, dtype=FLOAT)
+                if self.compression is not None:
+                    array = compressions.narrow(array, self.compression)
+            array = np.ascontiguousarray(array)
             if array.size != size:
                 raise ValueError(
                     f"worker {self.worker}: gradient for shard {i} has {array.size} values, shard_sizes[{i}] is {size}"
@@ -317,7 +348,7 @@ class ParameterClient:
             self._failed = exc
             raise
 
-    def _exchange(self, msg: Msg, payloads: list[np.ndarray] | None) -> list:
+    def _exchange(self, msg: Msg, payloads: list[np.ndarray] | None, out: list[np.ndarray] | None = None) -> list:
         """One request to every shard, all shards working at once.
 
         Small messages are pipelined from this thread: every request goes out
@@ -326,16 +357,23 @@ class ParameterClient:
         per shard.  Shards of more than ``THREADED_BYTES`` parameters bytes get
         one thread each, so that their copies run in parallel.
         """
+
+        def payload(conn: _Conn) -> np.ndarray | None:
+            return None if payloads is None else payloads[conn.index]
+
+        def buffer(conn: _Conn) -> np.ndarray | None:
+            return None if out is None else out[conn.index]
+
         if self._pool is not None and max(self.shard_sizes) * FLOAT.itemsize > THREADED_BYTES:
-            return self._each(lambda conn: conn.request(msg, None if payloads is None else payloads[conn.index]))
+            return self._each(lambda conn: conn.request(msg, payload(conn), buffer(conn)))
         if self._failed is not None:
             raise CollectiveError(
                 f"worker {self.worker}: this ParameterClient failed earlier ({self._failed}); create a new one"
             )
         try:
             for conn in self._conns:
-                conn.send(msg, None if payloads is None else payloads[conn.index])
-            return [conn.receive(msg) for conn in self._conns]
+                conn.send(msg, payload(conn))
+            return [conn.receive(msg, buffer(conn)) for conn in self._conns]
         except (CollectiveError, NonFiniteGradientError) as exc:
             self._failed = exc
             raise

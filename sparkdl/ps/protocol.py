@@ -13,16 +13,18 @@ response = ``Header(kind=RESPONSE, op=Msg, status=Status, dtype, seq, value=shar
 ``seq`` counts a connection's requests (from 1, wrapping at 2**32); a response
 repeats its request's ``op`` and ``seq``.  Every other header field
 (``status`` of a request, ``group``, ``tag``, ``value`` of a request) is 0.
-Payloads are raw float32 bytes in native (little-endian on every supported
-platform) order, never pickled objects:
+Payloads are raw array bytes in native (little-endian on every supported
+platform) order, never pickled objects. A push carries the server's push dtype:
+float32, or the half-width dtype of its ``compression`` (bfloat16 or float16,
+:mod:`sparkdl.ps.wire`); pulled weights are always float32:
 
 ========  ============================================  =================================================
 op        request payload (``dtype``)                   OK response payload (``dtype``)
 ========  ============================================  =================================================
 PULL      none (0)                                      the shard's weights, exactly 4*size bytes
                                                         (``dtype_code(float32)``)
-PUSH      one gradient, exactly 4*size bytes            none (0)
-          (``dtype_code(float32)``)
+PUSH      one gradient, exactly itemsize*size bytes     none (0)
+          (``dtype_code(push dtype)``)
 DONE      none (0)                                      none (0)
 ========  ============================================  =================================================
 
@@ -56,7 +58,7 @@ NON_FINITE = "non-finite gradient"
 MAX_MESSAGE_BYTES = 1024
 
 FLOAT = np.dtype("<f4")
-#: The frame dtype code of a float32 payload (pushed gradients, pulled weights).
+#: The frame dtype code of a float32 payload (pulled weights; pushed gradients without compression).
 FLOAT_CODE = dtype_code(np.float32)
 
 
@@ -85,18 +87,18 @@ def msg_name(code: int) -> str:
         return f"unknown message type {code}"
 
 
-def expected_request_payload(msg: int, shard_size: int) -> int | None:
+def expected_request_payload(msg: int, shard_size: int, push_dtype: np.dtype = FLOAT) -> int | None:
     """Exact payload bytes of a request, or None if ``msg`` is not a request type."""
     if msg == Msg.PUSH:
-        return FLOAT.itemsize * shard_size
+        return np.dtype(push_dtype).itemsize * shard_size
     if msg in (Msg.PULL, Msg.DONE):
         return 0
     return None
 
 
-def request_dtype(msg: int) -> int:
-    """The dtype code a request of type ``msg`` carries: float32's for a push's gradient, else 0."""
-    return FLOAT_CODE if msg == Msg.PUSH else 0
+def request_dtype(msg: int, push_dtype: np.dtype = FLOAT) -> int:
+    """The dtype code a request of type ``msg`` carries: the push dtype's for a push's gradient, else 0."""
+    return dtype_code(push_dtype) if msg == Msg.PUSH else 0
 
 
 def response_dtype(msg: int, status: int) -> int:

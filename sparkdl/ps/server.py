@@ -20,6 +20,10 @@ Modes:
   :class:`sparkdl.ps.staleness.ClockTracker`; the shard-0 server advances a
   worker's clock once per push).
 
+With ``compression`` ("bf16" or "fp16") pushes arrive at half the bytes, narrowed once by
+the worker, and each shard widens them to float32 as it applies them (:mod:`sparkdl.ps.wire`);
+pulls always send float32 weights.
+
 Every wait is bounded: a handshake by ``min(timeout, handshake_timeout)``, a
 connection with no request for ``timeout`` seconds is closed (clients
 reconnect by themselves before that), sends and the ssp gate by ``timeout``.
@@ -37,7 +41,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from sparkdl.collective import compression as compressions
 from sparkdl.net.acceptor import HANDSHAKE_TIMEOUT, MAX_PENDING
+from sparkdl.ps import wire
 from sparkdl.ps.shard_server import ShardServer
 from sparkdl.ps.staleness import ClockTracker
 
@@ -47,11 +53,13 @@ MODES = ("async", "hogwild", "ssp")
 class Shard(typing.Protocol):
     size: int  # number of float32 parameters in this shard
 
-    def read(self) -> np.ndarray:
-        """Current weights: a 1-D float32 snapshot of length ``size``."""
+    def read(self) -> np.ndarray | Sequence[np.ndarray]:
+        """Current weights: a 1-D float32 snapshot of length ``size``, or several whose concatenation is one
+        (sent one after the other, never joined); unchanged until the caller drops them."""
 
     def apply(self, gradient: np.ndarray) -> None:
-        """Apply one pushed gradient (1-D float32 of length ``size``, owned by the callee)."""
+        """Apply one pushed gradient: 1-D of length ``size``, float32 or, under ``compression``, its half-width
+        dtype, which the shard widens to float32. It is the connection's receive buffer: valid during the call."""
 
 
 class ParameterServer:
@@ -70,6 +78,7 @@ class ParameterServer:
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         max_pending: int = MAX_PENDING,
         encrypt: bool = False,
+        compression: str | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -101,11 +110,13 @@ class ParameterServer:
         self.handshake_timeout = float(handshake_timeout)
         self.max_pending = int(max_pending)
         self.encrypt = encrypt  # seal every connection (sparkdl.net.secure): the session encrypts its RPC
+        self.push_dtype = wire.push_dtype(compressions.check(compression))  # what every push must carry
         self.tracker = ClockTracker(num_workers, max_staleness if mode == "ssp" else None)
         self._shards = [ShardServer(self, i, shard) for i, shard in enumerate(shards)]
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._counters = dict(pushes=0, pulls=0, bytes_in=0, bytes_out=0, protocol_errors=0)
+        self._seconds = dict(check_seconds=0.0, apply_seconds=0.0, read_seconds=0.0)
         self._started = False
         self._stopped = False
         self.addresses: list[str] = []
@@ -160,13 +171,16 @@ class ParameterServer:
         response frames (headers + payloads) over all shards, handshakes excluded;
         ``max_staleness``: the largest ``clock[w] - min(active clocks)`` seen by a
         granted pull; ``versions``: updates applied per shard;
-        ``refused_connections``: failed or refused handshakes; extra keys:
+        ``refused_connections``: failed or refused handshakes; ``check_seconds``,
+        ``apply_seconds``, ``read_seconds``: time the shards spent checking pushes for
+        NaN and infinity, applying them (under the lock, where there is one) and
+        reading weights for pulls, summed over shards and connections; extra keys:
         ``protocol_errors`` (authenticated connections closed for breaking the
         protocol) and ``clocks`` (pushes completed per worker id).
         """
         clocks, max_seen = self.tracker.snapshot()
         with self._lock:
-            result: dict = dict(self._counters)
+            result: dict = {**self._counters, **self._seconds}
             result["refused_connections"] = sum(
                 shard.listener.refused for shard in self._shards if shard.listener is not None
             )
@@ -181,3 +195,7 @@ class ParameterServer:
         with self._lock:
             self._counters["bytes_in"] += bytes_in
             self._counters["bytes_out"] += bytes_out
+
+    def _time(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[name] += seconds

@@ -2,7 +2,8 @@
 
 Every authenticated connection (a plain or sealed :class:`~sparkdl.net.secure.Channel`)
 gets a thread that answers its requests in order (:mod:`sparkdl.ps.protocol`): a push's
-gradient is read into a fresh array of this shard's own size, refused with
+gradient is read into the connection's own buffer of this shard's size and push dtype
+(:mod:`sparkdl.ps.wire`: float32, or half-width under compression), refused with
 ``BAD_REQUEST`` if it holds NaN or infinity, else applied; a pull under ``ssp`` waits at
 the staleness gate first.  A connection that breaks the protocol is closed, after a
 ``BAD_REQUEST`` answer where one can still be read.
@@ -10,6 +11,7 @@ the staleness gate first.  A connection that breaks the protocol is closed, afte
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -22,7 +24,7 @@ from sparkdl.net.frames import HEADER, FrameError, Header, Kind, dtype_name
 from sparkdl.net.io import ReadTimeout
 from sparkdl.net.listener import ServingListener
 from sparkdl.net.secure import Channel, IntegrityError
-from sparkdl.ps import protocol
+from sparkdl.ps import protocol, wire
 from sparkdl.ps.protocol import FLOAT, Msg, Status
 from sparkdl.ps.staleness import ServerStopping, StalenessTimeout
 
@@ -52,7 +54,7 @@ class ShardServer:
         self.index = index
         self.shard = shard
         self.size = int(shard.size)
-        self.nbytes = FLOAT.itemsize * self.size
+        self.push_dtype = server.push_dtype
         self.lock = threading.Lock() if server.mode != "hogwild" else None
         self.version = 0
         self.listener: ServingListener | None = None
@@ -105,6 +107,7 @@ class ShardServer:
         server = self.server
         header = bytearray(HEADER.size)
         header_view = memoryview(header)
+        gradient: np.ndarray | None = None  # this connection's push buffer, allocated at its first push
         while True:
             if not _recv_exact(channel, header_view, at_boundary=True):
                 raise _Closed()
@@ -118,15 +121,16 @@ class ShardServer:
                 raise _ProtocolViolation(
                     f"a {Kind(request.kind).name} frame where a parameter-server request belongs", reply=reply
                 )
-            expected = protocol.expected_request_payload(msg, self.size)
+            expected = protocol.expected_request_payload(msg, self.size, self.push_dtype)
             if expected is None:
                 raise _ProtocolViolation(f"unknown message type {msg}", reply=reply)
-            if request.dtype != protocol.request_dtype(msg):
-                want = protocol.request_dtype(msg)
+            want = protocol.request_dtype(msg, self.push_dtype)
+            if request.dtype != want:
                 raise _ProtocolViolation(
                     f"{protocol.msg_name(msg)} announced payload dtype code {request.dtype} "
-                    f"({dtype_name(request.dtype)}); a {protocol.msg_name(msg)} request carries code {want} "
-                    f"({'float32' if want else 'no payload'})",
+                    f"({dtype_name(request.dtype)}); a {protocol.msg_name(msg)} request to this server carries code "
+                    f"{want} ({dtype_name(want) if want else 'no payload'}; the worker's compression must be the "
+                    f"server's)",
                     reply=reply,
                 )
             if request.status or request.group or request.tag or request.value:
@@ -136,27 +140,31 @@ class ShardServer:
             if length != expected:
                 raise _ProtocolViolation(
                     f"{protocol.msg_name(msg)} announced {length} payload bytes; shard {self.index} "
-                    f"has {self.size} float32 parameters, so it must be exactly {expected} "
+                    f"has {self.size} parameters, so it must be exactly {expected} "
                     f"(check shard_sizes)",
                     reply=reply,
                 )
             server._count(bytes_in=HEADER.size + length)
             if msg == Msg.PUSH:
-                self._push(channel, worker, seq)
+                if gradient is None:
+                    gradient = wire.aligned_empty(self.size, self.push_dtype)
+                self._push(channel, worker, seq, gradient)
             elif msg == Msg.PULL:
                 self._pull(channel, worker, seq)
             else:
                 server.tracker.finish(worker)
                 self._send(channel, msg, Status.OK, seq, self.version)
 
-    def _push(self, channel: Channel, worker: int, seq: int) -> None:
+    def _push(self, channel: Channel, worker: int, seq: int, gradient: np.ndarray) -> None:
         server = self.server
         # The size is this shard's own, never the peer's announcement.
-        gradient = np.empty(self.size, dtype=FLOAT)
         if not _recv_exact(channel, gradient.view(np.uint8).data, at_boundary=False):
             raise _Closed()
-        if not np.isfinite(gradient).all():
-            bad = int(np.size(gradient) - np.count_nonzero(np.isfinite(gradient)))
+        started = time.perf_counter()
+        finite = wire.all_finite(gradient)
+        server._time("check_seconds", time.perf_counter() - started)
+        if not finite:
+            bad = wire.count_non_finite(gradient)
             _log.warning(
                 "parameter server shard %d: refused a push of worker %d holding %d non-finite values",
                 self.index,
@@ -173,17 +181,17 @@ class ShardServer:
             )
             return
         try:
-            if self.lock is not None:
-                with self.lock:
-                    self.shard.apply(gradient)
-            else:
+            with self._locked():
+                started = time.perf_counter()
                 self.shard.apply(gradient)
+                applied = time.perf_counter() - started
         except Exception as exc:
             _log.exception("parameter server shard %d: apply failed", self.index)
             self._send_error(
                 channel, Msg.PUSH, seq, Status.SHARD_ERROR, f"shard {self.index} failed to apply the gradient: {exc!r}"
             )
             return
+        server._time("apply_seconds", applied)
         with server._lock:
             self.version += 1
             version = self.version
@@ -204,16 +212,16 @@ class ShardServer:
             self._send_error(channel, Msg.PULL, seq, Status.STOPPING, "the parameter server is stopping")
             return
         try:
-            if self.lock is not None:
-                with self.lock:
-                    weights = self.shard.read()
-                    version = self.version
-            else:
+            with self._locked():
+                started = time.perf_counter()
                 weights = self.shard.read()
                 version = self.version
-            weights = np.ascontiguousarray(weights, dtype=FLOAT).reshape(-1)
-            if weights.size != self.size:
-                raise ValueError(f"read() returned {weights.size} values, shard.size is {self.size}")
+                read = time.perf_counter() - started
+            server._time("read_seconds", read)
+            parts = [weights] if isinstance(weights, np.ndarray) else list(weights)
+            parts = [np.ascontiguousarray(part, dtype=FLOAT).reshape(-1) for part in parts]
+            if sum(part.size for part in parts) != self.size:
+                raise ValueError(f"read() returned {sum(p.size for p in parts)} values, shard.size is {self.size}")
         except Exception as exc:
             _log.exception("parameter server shard %d: read failed", self.index)
             self._send_error(
@@ -223,7 +231,11 @@ class ShardServer:
         if self.index == 0:
             with server._lock:
                 server._counters["pulls"] += 1
-        self._send(channel, Msg.PULL, Status.OK, seq, version, weights)
+        self._send(channel, Msg.PULL, Status.OK, seq, version, parts)
+
+    def _locked(self) -> contextlib.AbstractContextManager:
+        """The shard's lock (async, ssp); nothing under hogwild, whose pushes and pulls never wait for each other."""
+        return self.lock if self.lock is not None else contextlib.nullcontext()
 
     def _send(
         self,
@@ -232,15 +244,11 @@ class ShardServer:
         status: Status,
         seq: int,
         version: int,
-        payload: np.ndarray | bytes | None = None,
+        payload: list[np.ndarray] | bytes = b"",
     ) -> None:
-        body: bytes | memoryview
-        if payload is None:
-            body = b""
-        elif isinstance(payload, np.ndarray):
-            body = payload.view(np.uint8).data
-        else:
-            body = payload
+        """One response: ``payload`` is an error message's bytes, or arrays sent one after the other."""
+        body = [payload] if isinstance(payload, bytes) else [part.view(np.uint8).data for part in payload]
+        nbytes = sum(len(part) for part in body)
         header = Header(
             kind=Kind.RESPONSE,
             op=msg,
@@ -248,10 +256,10 @@ class ShardServer:
             status=status,
             seq=seq,
             value=version,
-            nbytes=len(body),
+            nbytes=nbytes,
         ).pack()
-        channel.send([header, body])
-        self.server._count(bytes_out=len(header) + len(body))
+        channel.send([header, *body])
+        self.server._count(bytes_out=len(header) + nbytes)
 
     def _send_error(self, channel: Channel, msg: int, seq: int, status: Status, text: str) -> None:
         body = text.encode("utf-8", "replace")[: protocol.MAX_MESSAGE_BYTES]

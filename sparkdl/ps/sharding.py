@@ -1,7 +1,7 @@
 """Splitting a model's trainable variables into parameter-server shards, balanced by size.
 
-Driver and workers compute the same assignment, so a worker can cut one fused
-gradient into the per-shard pieces that each server shard expects.
+Driver and workers compute the same assignment, so a worker can fuse its gradients into one
+vector whose spans are the per-shard pieces that each server shard expects.
 """
 
 from __future__ import annotations
@@ -21,31 +21,19 @@ def assign_shards(sizes: list[int], num_servers: int) -> list[list[int]]:
 
 
 class ShardLayout:
-    """Where each variable's values sit in a flat vector (model order) and in its shard's vector."""
+    """Where each variable's values sit in the flat vector a worker exchanges: the shards' vectors end to end.
+
+    A shard's vector is its variables' values in model order. A worker fuses its gradients variable by
+    variable in ``order`` (shard by shard), so each shard's part is one span of the flat vector
+    (``bounds``), sent and received in place, without cutting or joining copies.
+    """
 
     def __init__(self, shapes: list[tuple[int, ...]], shards: list[list[int]]):
         self.shapes = shapes
         self.shards = shards
         sizes = [int(np.prod(shape)) for shape in shapes]
-        self._offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.shard_sizes = [sum(sizes[i] for i in shard) for shard in shards]
-
-    def split(self, flat: np.ndarray) -> list[np.ndarray]:
-        """A model-ordered flat vector → one contiguous float32 vector per shard."""
-        return [
-            np.concatenate([flat[self._offsets[i] : self._offsets[i + 1]] for i in shard]).astype(
-                np.float32, copy=False
-            )
-            for shard in self.shards
-        ]
-
-    def join(self, parts: list[np.ndarray]) -> np.ndarray:
-        """Per-shard vectors → one model-ordered flat float32 vector."""
-        flat = np.empty(self._offsets[-1], np.float32)
-        for shard, part in zip(self.shards, parts):
-            position = 0
-            for i in shard:
-                size = self._offsets[i + 1] - self._offsets[i]
-                flat[self._offsets[i] : self._offsets[i + 1]] = part[position : position + size]
-                position += size
-        return flat
+        self.order = [i for shard in shards for i in shard]  # variable indices, shard by shard
+        ends = [int(end) for end in np.cumsum(self.shard_sizes)]
+        self.bounds = list(zip([0, *ends[:-1]], ends))  # each shard's span of the flat vector
+        self.size = sum(sizes)

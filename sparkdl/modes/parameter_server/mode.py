@@ -22,6 +22,7 @@ import secrets
 
 from sparkdl import launch
 from sparkdl.checkpoint import Checkpointer
+from sparkdl.collective import compression as compressions
 from sparkdl.keras import serialization
 from sparkdl.launch import session
 from sparkdl.metrics import combine_logs, merge_histories
@@ -38,6 +39,7 @@ class ParameterServerOptions:
     push_every: int = 1  # steps whose gradients are averaged into one push
     num_servers: int = 1  # server shards, balanced by size
     max_staleness: int = 0  # ssp: pushes a worker may run ahead of the slowest
+    compression: str | None = None  # pushes as "bf16"/"fp16" (``sparkdl.collective.compression``)
 
 
 class ParameterServerMode(Mode):
@@ -50,7 +52,7 @@ class ParameterServerMode(Mode):
     names = ("async", "hogwild", "ssp")
 
     def options(self, name: str) -> dict[str, Option]:
-        options = {"push_every": Option(), "num_servers": Option()}
+        options = {"push_every": Option(), "num_servers": Option(), "compression": Option(check=compressions.check)}
         if name == "ssp":
             options["max_staleness"] = Option(
                 minimum=0, required=True, meaning="how many pushes a worker may run ahead of the slowest"
@@ -65,7 +67,9 @@ class ParameterServerMode(Mode):
                 f"Expected `num_servers` <= the model's {variables} trainable variables (a shard holds "
                 f"whole variables). Received: num_servers={num_servers}"
             )
-        return ParameterServerOptions(values.get("push_every") or 1, num_servers, values.get("max_staleness") or 0)
+        return ParameterServerOptions(
+            values.get("push_every") or 1, num_servers, values.get("max_staleness") or 0, values.get("compression")
+        )
 
     def reporting_ranks(self, num_workers: int) -> int:
         return num_workers
@@ -84,7 +88,9 @@ class ParameterServerMode(Mode):
         settings, options = job.settings, job.options
         spark = job.training.frame.sparkSession
         server_model = ServerModel(
-            serialization.model_from_bytes(job.start.model_bytes, settings.custom_objects), options.num_servers
+            serialization.model_from_bytes(job.start.model_bytes, settings.custom_objects),
+            options.num_servers,
+            compiled=job.mode != "hogwild",  # XLA's launch locks the variables: hogwild's updates stay unfused
         )
         if job.start.epoch and not server_model.restore_optimizers(job.start.arrays):
             logger.info(
@@ -103,6 +109,7 @@ class ParameterServerMode(Mode):
             max_staleness=options.max_staleness,
             timeout=settings.timeout,
             encrypt=encrypt,
+            compression=options.compression,
         ) as server:
             task = ParameterServerTask(
                 settings=settings,
@@ -111,6 +118,7 @@ class ParameterServerMode(Mode):
                 shards=server_model.layout.shards,
                 push_every=options.push_every,
                 encrypt=encrypt,
+                compression=options.compression,
             )
             with (
                 Checkpointer(job.checkpoints, job.start, job.mode)
@@ -132,7 +140,19 @@ class ParameterServerMode(Mode):
         outcomes = [json.loads(payload) for payload in results.values()]
         stats = {
             **{name: sum(outcome["counters"][name] for outcome in outcomes) for name in COUNTERS},
-            **{name: server_stats[name] for name in ("max_staleness", "versions", "refused_connections")},
+            **{
+                name: server_stats[name]
+                for name in (
+                    "max_staleness",
+                    "versions",
+                    "refused_connections",
+                    "bytes_in",
+                    "bytes_out",
+                    "check_seconds",
+                    "apply_seconds",
+                    "read_seconds",
+                )
+            },
         }
         history = merge_histories(job.start.history, combine_histories(outcomes))
         return ModeResult(server_model.model, history, stats, job.start.epoch)

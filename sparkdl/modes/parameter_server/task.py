@@ -2,9 +2,11 @@
 
 Keras's ``fit`` runs unchanged; the optimizer hook replaces "apply the
 gradients locally" by "push them to the server shards and take the weights
-the server holds now". With ``push_every=k`` the gradients of k steps, taken
-at the same pulled weights, are averaged into one push (k times fewer round
-trips, a k times larger effective batch per update).
+the server holds now" (``exchange.py``). With ``push_every=k`` the gradients of
+k steps, taken at the same pulled weights, are averaged into one push (k times
+fewer round trips, a k times larger effective batch per update). With
+``compression`` the pushes travel at half the bytes; the pulled weights are
+float32.
 
 Validation (``validation_col``/``validation_split``): a worker evaluates its
 own held-out rows at every epoch end with the weights it holds then (the
@@ -19,19 +21,20 @@ import dataclasses
 import json
 from collections.abc import Iterable
 
-import numpy as np
 import pyarrow as pa
 
 from sparkdl import schedule
 from sparkdl.data import read_partition
 from sparkdl.keras import callbacks, serialization
 from sparkdl.keras.held_out import in_batches
-from sparkdl.keras.optimizer_hooks import fused_numpy_call, intercept_apply
+from sparkdl.keras.optimizer_hooks import intercept_apply
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
 from sparkdl.launch import payloads
 from sparkdl.launch.forward import TaskReporter
 from sparkdl.launch.task_context import partition_id
 from sparkdl.modes.base import Settings
+from sparkdl.modes.parameter_server.exchange import Exchange, StepHook
+from sparkdl.ps import wire
 from sparkdl.ps.client import ParameterClient
 from sparkdl.ps.sharding import ShardLayout
 
@@ -52,42 +55,13 @@ class ParameterServerTask:
     shards: list[list[int]]
     push_every: int
     encrypt: bool = False  # seal the connections: the session runs with spark.network.crypto.enabled
+    compression: str | None = None  # pushes as "bf16"/"fp16" (``sparkdl.collective.compression``)
 
 
-# What each task counts and returns in its payload; the driver sums them into the fit's stats.
-COUNTERS = ("samples", "pushes", "pulls", "bytes")
-
-
-class _Exchange:
-    """The numpy side of a step: accumulate gradients, push every k steps, return the weights to use next."""
-
-    def __init__(self, client: ParameterClient, layout: ShardLayout, push_every: int):
-        self._client = client
-        self._layout = layout
-        self._push_every = push_every
-        self._accumulated: np.ndarray | None = None
-        self._count = 0
-        self.pushes = self.pulls = 0
-        self.weights = self._pull()
-
-    def __call__(self, gradient: np.ndarray) -> np.ndarray:
-        self._accumulated = gradient.copy() if self._accumulated is None else self._accumulated + gradient
-        self._count += 1
-        if self._count == self._push_every:
-            self.flush()
-        return self.weights
-
-    def flush(self) -> None:
-        """Pushes what has been accumulated (also the remainder at the end of training)."""
-        if self._count and self._accumulated is not None:
-            self._client.push(self._layout.split(self._accumulated / self._count))
-            self.pushes += 1
-            self._accumulated, self._count = None, 0
-            self.weights = self._pull()
-
-    def _pull(self) -> np.ndarray:
-        self.pulls += 1
-        return self._layout.join(self._client.pull())
+# What each task counts and returns in its payload; the driver sums them into the fit's stats. The seconds
+# are the worker's waits for the server: a push (sending, the server's check and update, its answer) and a
+# pull (the ssp gate, the server's read, receiving).
+COUNTERS = ("samples", "pushes", "pulls", "bytes", "push_seconds", "pull_seconds")
 
 
 def run_parameter_server_task(
@@ -100,7 +74,6 @@ def run_parameter_server_task(
     """
     use_tensorflow_backend()  # before anything in this worker imports Keras
     import keras
-    import tensorflow as tf
 
     settings = task.settings
     rank = partition_id()
@@ -121,16 +94,11 @@ def run_parameter_server_task(
         shard_sizes=layout.shard_sizes,
         timeout=settings.timeout,
         encrypt=task.encrypt,
+        compression=task.compression,
     ) as client:
-        exchange = _Exchange(client, layout, task.push_every)
-
-        def push_then_take_server_weights(apply, grads, trainable_variables):
-            grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, trainable_variables)]
-            for variable, value in zip(trainable_variables, fused_numpy_call(grads, exchange, "sparkdl_exchange")):
-                variable.assign(value)
-            return model.optimizer.iterations.assign_add(1)
-
-        _assign_flat(variables, exchange.weights)
+        exchange = Exchange(client, layout, task.compression)
+        hook = StepHook(model, layout, exchange, task.push_every, task.compression)
+        hook.assign(variables, exchange.pull())
         stream = settings.batches(rows, rank)
         keras.utils.set_random_seed(settings.seed + rank)  # dropout and the like differ per worker, by design
         reporter.progress(
@@ -142,7 +110,7 @@ def run_parameter_server_task(
             rows_per_epoch=samples,
             validation_rows=len(held_out),
         )
-        with intercept_apply(model.optimizer, push_then_take_server_weights):
+        with intercept_apply(model.optimizer, hook):
             history = model.fit(
                 stream,
                 epochs=settings.epochs,
@@ -153,7 +121,7 @@ def run_parameter_server_task(
                 validation_data=in_batches(held_out, settings.batch_size) if len(held_out) else None,
                 callbacks=[progress, *settings.callbacks],
             )
-        exchange.flush()
+        hook.flush()
         client.done()
     counters = dict(
         zip(
@@ -162,7 +130,9 @@ def run_parameter_server_task(
                 (settings.epochs - settings.initial_epoch) * samples,
                 exchange.pushes,
                 exchange.pulls,
-                4 * sum(layout.shard_sizes) * (exchange.pushes + exchange.pulls),
+                layout.size * (wire.push_dtype(task.compression).itemsize * exchange.pushes + 4 * exchange.pulls),
+                exchange.push_seconds,
+                exchange.pull_seconds,
             ),
         )
     )
@@ -174,11 +144,3 @@ def run_parameter_server_task(
             "counters": counters,
         }
     ).encode()
-
-
-def _assign_flat(variables: list, flat: np.ndarray) -> None:
-    position = 0
-    for variable in variables:
-        size = int(np.prod(variable.shape))
-        variable.assign(flat[position : position + size].reshape(tuple(variable.shape)))
-        position += size

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
+from sparkdl.collective import compression as compressions
 from sparkdl.keras import serialization
+from sparkdl.keras.prebuilt import PrebuiltModel
 from sparkdl.launch import run_tasks
 from sparkdl.launch.backends import check_backend
 from sparkdl.launch.session import encrypts_traffic
@@ -16,6 +18,9 @@ from sparkdl.modes.sync.task import MODEL, SyncTask, run_sync_task
 @dataclasses.dataclass(frozen=True)
 class SyncOptions:
     backend: str = "ring"  # whose collectives average the gradients: sparkdl's ring or Horovod's
+    compression: str | None = None  # gradients on the wire as "bf16"/"fp16" (``sparkdl.collective.compression``)
+    overlap: bool = True  # gradient buckets start moving while backprop runs
+    profile: bool = False  # time each step's phases on every rank (FitResult.stats["step_profile"])
 
 
 class SyncMode(Mode):
@@ -29,10 +34,22 @@ class SyncMode(Mode):
     names = ("sync",)
 
     def options(self, name: str) -> dict[str, Option]:
-        return {"backend": Option(check=check_backend)}
+        return {
+            "backend": Option(check=check_backend),
+            "compression": Option(check=compressions.check),
+            "overlap": Option(check=_check_flag("overlap")),
+            "profile": Option(check=_check_flag("profile")),
+        }
 
     def configure(self, name: str, model, values: dict) -> SyncOptions:
-        return SyncOptions(values.get("backend") or "ring")
+        backend, compression = values.get("backend") or "ring", values.get("compression")
+        if compression is not None and backend != "ring":
+            raise ValueError(
+                f"Expected compression=None with backend={backend!r}: Horovod's collectives average in the "
+                f"gradients' own dtype. Received: compression={compression!r}. Use backend='ring' to compress."
+            )
+        overlap, profile = values.get("overlap"), values.get("profile")
+        return SyncOptions(backend, compression, True if overlap is None else overlap, bool(profile))
 
     def run(self, job: Job) -> ModeResult:
         task = SyncTask(
@@ -40,9 +57,14 @@ class SyncMode(Mode):
             secret=secrets.token_bytes(32),
             start_history=job.start.history,
             backend=job.options.backend,
+            compression=job.options.compression,
+            overlap=job.options.overlap,
+            profile=job.options.profile,
             checkpoints=job.checkpoints,
             encrypt=encrypts_traffic(job.training.frame.sparkSession),
         )
+        # The result's Keras model is built from the start point while the stage runs (``keras.prebuilt``).
+        prebuilt = PrebuiltModel(job.start.model_bytes, job.settings.custom_objects, timeout=job.settings.timeout)
         results = run_tasks(
             job.training.frame,
             job.settings.num_workers,
@@ -52,7 +74,13 @@ class SyncMode(Mode):
             on_progress=job.monitor.on_event,
             offered={MODEL: job.start.model_bytes},
         )
-        model_bytes, history, initial_epoch = serialization.result_from_bytes(results[0])
-        return ModeResult(
-            serialization.model_from_bytes(model_bytes, job.settings.custom_objects), history, {}, initial_epoch
-        )
+        model_bytes, history, initial_epoch, stats = serialization.result_from_bytes(results[0])
+        return ModeResult(prebuilt.trained(model_bytes), history, stats, initial_epoch)
+
+
+def _check_flag(name: str):
+    def check(value) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"Expected `{name}` to be True or False. Received: {name}={value!r}")
+
+    return check

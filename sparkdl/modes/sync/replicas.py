@@ -1,8 +1,8 @@
 """Keeps sync mode's replicas one model: Keras ``fit`` with gradients averaged every step, metrics combined.
 
 The model's own optimizer is hooked (see ``optimizer_hooks``) so that every
-step's gradients, fused into one float32 buffer, are averaged across ranks
-by one ring allreduce before the optimizer applies them.
+step's gradients are averaged across ranks (``reducer``: fused buckets,
+started while backprop runs) before the optimizer applies them.
 """
 
 from __future__ import annotations
@@ -16,50 +16,74 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from sparkdl import schedule
+from sparkdl import _compat, schedule
 from sparkdl.collective.api import ReduceOp
 from sparkdl.data import Rows
+from sparkdl.keras.epoch_dataset import epoch_dataset
 from sparkdl.keras.held_out import in_batches
-from sparkdl.keras.optimizer_hooks import fused_numpy_call, intercept_apply
+from sparkdl.keras.optimizer_hooks import intercept_apply
 from sparkdl.metrics import combine_logs
 from sparkdl.modes.base import Settings
+from sparkdl.modes.sync.reducer import GradientReducer
+from sparkdl.modes.sync.step_profile import StepProfile
 
 logger = logging.getLogger(__name__)
+
+#: Steps Keras runs per call of its train function, unless the model or a callback says otherwise.
+STEPS_PER_CALL = 16
 
 # Ranks whose final weights differ by more than this (after an exact hash
 # comparison failed) are reported as diverged rather than accepted.
 _REPLICA_TOLERANCE = 1e-5
 
 
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """How sync mode's gradients travel: compressed or not, in buckets overlapping backprop or not."""
+
+    compression: str | None = None  # "bf16"/"fp16": half the bytes on the wire (``collective.compression``)
+    overlap: bool = True  # buckets start moving while backprop runs (``reducer.GradientReducer``)
+    profile: StepProfile | None = None  # records where each step's time goes (``step_profile``)
+
+
 @contextlib.contextmanager
-def distributed_optimizer(optimizer, comm, scales: np.ndarray | None = None, first_step: int = 0) -> Iterator[None]:
+def distributed_optimizer(
+    optimizer, comm, scales: np.ndarray | None = None, first_step: int = 0, *, exchange=Exchange(), timeout=600.0
+) -> Iterator[None]:
     """Makes ``optimizer`` average its gradients over ``comm`` while the block runs.
 
-    A communicator with its own in-graph collective (Horovod's) averages them
-    there; otherwise they cross into Python once per step, fused, for ``comm.allreduce``.
+    A communicator with its own in-graph collective (Horovod's) averages them there; otherwise
+    :class:`~sparkdl.modes.sync.reducer.GradientReducer` sends them, as ``exchange`` says.
     ``scales`` (per step of an epoch, from global step ``first_step`` on: ``schedule.gradient_scales``)
     weigh this rank's gradient by its rows when the ranks' batches differ in size.
     """
-    steps = itertools.count(first_step)
+    if comm.capabilities.in_graph_allreduce:
+        steps = itertools.count(first_step)
 
-    def next_scale() -> np.float32:
-        return np.float32(1.0 if scales is None else scales[next(steps) % len(scales)])
+        def next_scale() -> np.float32:
+            assert scales is not None  # called only when there are scales
+            return np.float32(scales[next(steps) % len(scales)])
 
-    def mean_over_ranks(fused: np.ndarray) -> np.ndarray:
-        scale = next_scale()
-        return comm.allreduce(fused if scale == 1 else fused * scale, ReduceOp.MEAN)
-
-    def allreduce_then_apply(apply, grads, variables):
-        if comm.capabilities.in_graph_allreduce:
+        def allreduce_in_graph(apply, grads, variables):
             if scales is not None:
                 import tensorflow as tf
 
                 scale = tf.ensure_shape(tf.numpy_function(next_scale, [], tf.float32, stateful=True), [])
                 grads = [None if g is None else g * tf.cast(scale, g.dtype) for g in grads]
             return apply(comm.allreduce_tensors(grads, op=ReduceOp.MEAN), variables)
-        return apply(fused_numpy_call(grads, mean_over_ranks, "sparkdl_allreduce"), variables)
 
-    with intercept_apply(optimizer, allreduce_then_apply):
+        intercept = allreduce_in_graph
+    else:
+        intercept = GradientReducer(
+            comm,
+            timeout=timeout,
+            scales=scales,
+            first_step=first_step,
+            compression=exchange.compression,
+            overlap=exchange.overlap,
+            profile=exchange.profile,
+        )
+    with intercept_apply(optimizer, intercept):
         yield
 
 
@@ -180,6 +204,25 @@ def check_replicas_identical(model, comm) -> None:
     logger.warning("Replicas differ by at most %.3g after training (within tolerance).", differences.max())
 
 
+def _run_steps_per_call(model, callbacks: Sequence) -> None:
+    """Lets Keras run up to :data:`STEPS_PER_CALL` steps per call of its train function.
+
+    One call per step costs a Python round trip (Keras's loop, the logs, the callbacks) that a
+    small model's step does not hide. The model's own ``compile(steps_per_execution=...)`` wins
+    when the user set one; so does a user callback that acts on every batch, as it would
+    otherwise be called once per call only (Keras's rule for ``steps_per_execution``).
+    """
+    import keras
+
+    if _compat.keras_major() < 3 or model.steps_per_execution > 1:
+        return
+    batch_hooks = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
+    for callback in callbacks:
+        if any(getattr(type(callback), hook) is not getattr(keras.callbacks.Callback, hook) for hook in batch_hooks):
+            return
+    model.steps_per_execution = STEPS_PER_CALL
+
+
 def train(
     model,
     rows: Rows,
@@ -190,6 +233,7 @@ def train(
     initial_epoch: int,
     validation: Validation | None = None,
     callbacks: Sequence = (),
+    exchange: Exchange = Exchange(),
 ) -> dict[str, list[float]]:
     """Trains ``model`` in place on this rank's rows, in lockstep with the other ranks; returns the history.
 
@@ -199,7 +243,8 @@ def train(
     With ``validation``, every rank evaluates its held-out rows at each epoch end (Keras's own
     ``validation_data``) and the history gains the combined ``val_*`` metrics. Training runs
     epochs ``initial_epoch..epochs-1`` (the history holds those); ``callbacks`` run after the
-    combination of metrics over ranks, so they see the global values.
+    combination of metrics over ranks, so they see the global values. ``exchange`` says how the
+    gradients travel, and whether each step is profiled.
     """
     import keras
 
@@ -207,7 +252,14 @@ def train(
     model.jit_compile = False  # the allreduce runs through tf.numpy_function, which XLA cannot compile
     broadcast_weights(model, comm)
     steps = settings.steps_per_epoch
-    stream = settings.batches(rows, comm.rank, start=initial_epoch * steps)
+    stream = epoch_dataset(
+        lambda epoch: settings.chunks(rows, comm.rank, start=epoch * steps, stop=(epoch + 1) * steps),
+        example=rows.read(np.arange(1)),
+        to_keras=rows.layout.keras_batch,
+        first_epoch=initial_epoch,
+        steps=steps,
+    )
+    _run_steps_per_call(model, settings.callbacks)  # the user's: sparkdl's own take any number of steps per call
     validation_data = None
     if validation is not None:  # a rank without held-out rows validates on a stand-in, which weighs 0
         if len(validation.rows):
@@ -216,16 +268,25 @@ def train(
             validation_data = rows.take(np.arange(1))
     callback = _average_across_workers_callback(comm, samples=len(rows), steps_per_epoch=steps, validation=validation)
     scales = schedule.gradient_scales(rows_per_rank, comm.rank, steps)
-    with distributed_optimizer(model.optimizer, comm, scales, first_step=initial_epoch * steps):
-        history = model.fit(
-            stream,
-            epochs=settings.epochs,
-            initial_epoch=initial_epoch,
-            steps_per_epoch=steps,
-            shuffle=False,
-            verbose=0,
-            validation_data=validation_data,
-            callbacks=[callback, *callbacks],
-        )
+    first = []
+    if exchange.profile is not None:  # an attribute of this replica only, removed before the model is saved
+        model.train_step = exchange.profile.wrap_train_step(model.train_step)
+        first.append(exchange.profile.callback())
+    try:
+        with distributed_optimizer(
+            model.optimizer, comm, scales, first_step=initial_epoch * steps, exchange=exchange, timeout=settings.timeout
+        ):
+            history = model.fit(
+                stream,
+                epochs=settings.epochs,
+                initial_epoch=initial_epoch,
+                shuffle=False,
+                verbose=0,
+                validation_data=validation_data,
+                callbacks=[*first, callback, *callbacks],
+            )
+    finally:
+        if exchange.profile is not None:
+            del model.train_step
     check_replicas_identical(model, comm)
     return {name: [float(v) for v in values] for name, values in history.history.items()}

@@ -20,6 +20,7 @@ from sparkdl.launch.forward import TaskReporter
 from sparkdl.metrics import merge_histories
 from sparkdl.modes.base import Settings
 from sparkdl.modes.sync import replicas
+from sparkdl.modes.sync.step_profile import StepProfile
 
 MODEL = "model"  # the name the driver offers the model to start from
 
@@ -38,13 +39,20 @@ class SyncTask:
     backend: str = "ring"  # whose collectives average the gradients: sparkdl's ring or Horovod's
     checkpoints: CheckpointStore | None = None  # rank 0 saves after every epoch (and a retried stage resumes)
     encrypt: bool = False  # seal the ring's links: the session runs with spark.network.crypto.enabled
+    compression: str | None = None  # gradients on the wire as "bf16"/"fp16" (``sparkdl.collective.compression``)
+    overlap: bool = True  # gradient buckets start moving while backprop runs (``reducer``)
+    profile: bool = False  # every rank times each step's phases (``step_profile``); rank 0 returns them
 
 
 def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, task: SyncTask) -> bytes | None:
     use_tensorflow_backend()  # before anything in this worker imports Keras
+    import keras  # noqa: F401 -- loads TensorFlow unless this Python worker has it already
+
+    reporter.phase("import")
     settings = task.settings
     rows, held_out = read_partition(settings.layout, batches)
-    with trainer_communicator(task.backend, task.secret, settings.timeout, encrypt=task.encrypt) as comm:
+    reporter.phase("read")
+    with trainer_communicator(task.backend, reporter, task.secret, settings.timeout, encrypt=task.encrypt) as comm:
         # Every rank learns every rank's training and validation row counts, so that all of them take
         # the same decisions below (raise, validate, how to weigh validation metrics) with no further talk.
         counts = comm.allgather(np.array([len(rows), len(held_out)], np.int64))
@@ -55,9 +63,11 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
             schedule.warn_fillers(rows_per_rank.tolist(), settings.steps_per_epoch)
         if settings.validate and validation_rows.sum() == 0:
             raise ValueError("No worker partition got a validation row: the validation set is empty.")
+        reporter.phase("connect")
         limit_threads_to_task_cpus()
         start = _starting_point(comm, task, reporter)
         model = serialization.model_from_bytes(start.model_bytes, settings.custom_objects)
+        reporter.phase("model in")
         validation = replicas.Validation(held_out, validation_rows) if settings.validate else None
         extra = list(settings.callbacks)
         saving = task.checkpoints if comm.rank == 0 else None  # rank 0 saves, where checkpoints are asked for
@@ -77,6 +87,7 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
                 )
             if checkpointer is not None:
                 extra.insert(0, callbacks.checkpoint_callback(checkpointer))
+            profile = StepProfile() if task.profile else None
             history = replicas.train(
                 model,
                 rows,
@@ -86,12 +97,17 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
                 initial_epoch=start.epoch,
                 validation=validation,
                 callbacks=extra,
+                exchange=replicas.Exchange(task.compression, task.overlap, profile),
             )
+        stats = {"step_profile": profile.summary(comm)} if profile is not None else {}
+        reporter.phase("train")
         if comm.rank != 0:
             return None
-        return serialization.result_to_bytes(
-            serialization.model_to_bytes(model), merge_histories(start.history, history), start.epoch
+        result = serialization.result_to_bytes(
+            serialization.model_to_bytes(model), merge_histories(start.history, history), start.epoch, stats
         )
+        reporter.phase("model out")
+        return result
 
 
 def _starting_point(comm, task: SyncTask, reporter: TaskReporter) -> Checkpoint:

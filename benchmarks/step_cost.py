@@ -1,0 +1,169 @@
+"""What a sync step costs against one process, side by side in one run, and where its time goes.
+
+For each workload of ``workloads.py`` (dense: 1M rows from Parquet; mlp8m: 8.4M parameters, 32 MB
+of gradients a step; digits): one Keras process on all the machine's cores trains on the global
+batch, then ``sparkdl.fit`` (sync, ``--workers`` tasks of one core each, the workers already
+started by a first fit) in each variant, interleaved over ``--repeats``; the median wall time and
+its ratio to one process are printed, with the spread. A last fit with ``profile=True`` breaks the
+default variant's step into its phases on every rank (``sparkdl.modes.sync.step_profile``); the
+difference between the ``collective`` of ``overlap=False`` and of the default shows how much
+communication the buckets hide behind backprop.
+
+    python benchmarks/step_cost.py [--workloads dense mlp8m digits] [--repeats 2]
+    PYTHONPATH=../before python benchmarks/step_cost.py --variants sync --no-profile   # an older checkout
+
+``dense`` and ``mlp8m`` are read from Parquet by both sides: one process's time includes reading
+the rows into numpy, as sparkdl's includes its tasks reading them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+from workloads import WORKLOADS  # noqa: E402
+
+VARIANTS = {
+    "sync": {},
+    "sync overlap=False": {"overlap": False},
+    "sync compression=bf16": {"compression": "bf16"},
+}
+
+
+def one_process(workload, parquet: str | None) -> tuple[float, float]:
+    """(seconds reading the rows, seconds training) of one Keras process on the global batch."""
+    import pyarrow.parquet as pq
+
+    started = time.perf_counter()
+    if parquet is not None:
+        table = pq.read_table(parquet)
+        features = table.column("features").combine_chunks()
+        x = features.values.to_numpy().reshape(len(table), workload.width)
+        y = table.column("label").to_numpy()
+    else:
+        x, y = workload.arrays()
+    read = time.perf_counter() - started
+    model = workload.model()
+    started = time.perf_counter()
+    model.fit(x, y, batch_size=2 * workload.batch_size, epochs=workload.epochs, verbose=0, shuffle=True)
+    return read, time.perf_counter() - started
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--no-profile", action="store_true", help="skip the profiled fits (for a checkout without fit(profile=...))"
+    )
+    args = parser.parse_args(argv)
+
+    from pyspark.sql import SparkSession
+
+    spark = (
+        SparkSession.builder.master(f"local[{args.workers}]")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.memory", "6g")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    directory = tempfile.mkdtemp(prefix="sparkdl-step-cost-")
+    for name in args.workloads:
+        _measure(spark, WORKLOADS[name], args, directory)
+    spark.stop()
+
+
+def _measure(spark, workload, args, directory: str) -> None:
+    import sparkdl
+
+    parquet = workload.parquet(directory) if workload.name != "digits" else None
+    if parquet is not None:
+        df = spark.read.parquet(parquet)
+    else:
+        x, y = workload.arrays()
+        df = spark.createDataFrame(
+            [(row.tolist(), label.item()) for row, label in zip(x, y)],
+            f"features array<float>, label {'bigint' if workload.classes else 'float'}",
+        ).cache()
+        df.count()
+
+    def fit(**options):
+        return sparkdl.fit(
+            df,
+            workload.model(),
+            num_workers=args.workers,
+            epochs=workload.epochs,
+            batch_size=workload.batch_size,
+            seed=0,
+            progress=False,
+            **options,
+        )
+
+    sparkdl.fit(df.limit(4 * args.workers * workload.batch_size), workload.model(), num_workers=args.workers)
+    reads, trains, walls = [], [], {variant: [] for variant in args.variants}
+    for _ in range(args.repeats):  # interleaved, so that the machine's load hits every run alike
+        read, train = one_process(workload, parquet)
+        reads.append(read)
+        trains.append(train)
+        for variant in args.variants:
+            started = time.perf_counter()
+            fit(**VARIANTS[variant])
+            walls[variant].append(time.perf_counter() - started)
+    profiles = {}
+    if not args.no_profile:
+        profiles = {variant: fit(profile=True, **VARIANTS[variant]).stats["step_profile"] for variant in args.variants}
+    _report(workload, args, reads, trains, walls, profiles)
+
+
+def _report(workload, args, reads, trains, walls, profiles) -> None:
+    single = [r + t for r, t in zip(reads, trains)]
+    base = statistics.median(single)
+    print(
+        f"\n== {workload.name}: {workload.rows:,} rows x {workload.width}, {workload.epochs} epoch(s), "
+        f"{args.workers} workers x batch {workload.batch_size} vs one process x batch {args.workers * workload.batch_size}"
+        f" (median of {args.repeats}, spread in brackets) =="
+    )
+    print(f"{'run':<28}{'wall s':>10}{'x one process':>16}  spread")
+    print(
+        f"{'one process':<28}{base:>10.2f}{1.0:>16.2f}  [{min(single):.2f}-{max(single):.2f}]"
+        f"  (reading {statistics.median(reads):.2f} s, training {statistics.median(trains):.2f} s)"
+    )
+    for variant, times in walls.items():
+        ratios = [t / s for t, s in zip(times, single)]
+        print(
+            f"{'sparkdl ' + variant:<28}{statistics.median(times):>10.2f}{statistics.median(times) / base:>16.2f}"
+            f"  [{min(ratios):.2f}-{max(ratios):.2f}x]"
+        )
+    if not profiles:
+        return
+    phases = [name for name in next(iter(profiles.values())) if isinstance(next(iter(profiles.values()))[name], list)]
+    print(f"\nms per step, rank 0 / rank 1 ({next(iter(profiles.values()))['steps']} steps profiled):")
+    print(f"{'phase':<20}" + "".join(f"{variant:>26}" for variant in profiles))
+    for phase in phases:
+        cells = ["/".join(f"{v:.2f}" for v in profile[phase]) for profile in profiles.values()]
+        print(f"{phase:<20}" + "".join(f"{cell:>26}" for cell in cells))
+    totals = [
+        "/".join(f"{sum(p[ph][r] for ph in phases if ph != 'buckets_done_early'):.2f}" for r in range(args.workers))
+        for p in profiles.values()
+    ]
+    print(f"{'total':<20}" + "".join(f"{cell:>26}" for cell in totals))
+    print(
+        "buckets and gradient MB per step: "
+        + ", ".join(f"{v}: {p['buckets']}, {p['gradient_bytes'] / 1e6:.2f}" for v, p in profiles.items())
+    )
+
+
+if __name__ == "__main__":
+    main()

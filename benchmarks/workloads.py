@@ -1,0 +1,95 @@
+"""The workloads the step-cost figures are measured on, defined once for every benchmark that uses them.
+
+| name       | model                                   | rows                         | per worker batch | epochs |
+|------------|-----------------------------------------|------------------------------|------------------|--------|
+| ``dense``  | Dense 256-256-1 (relu), Adam, mse       | 1M x 100 float32, in Parquet | 256              | 1      |
+| ``mlp8m``  | Dense 2048-2048-1024-10 on 1024 inputs  | 8,192 x 1024 float32         | 32               | 2      |
+|            | (8.4M parameters, 32 MB of gradients)   |                              |                  |        |
+| ``digits`` | jobs/train.py's 64-128-64-10 MLP        | scikit-learn digits (1,437)  | 16               | 20     |
+
+One process trains the same model on the same rows with the global batch (workers x batch) on
+all the machine's cores; sparkdl trains with ``workers`` tasks of one core each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "jobs"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    rows: int
+    width: int
+    classes: int  # 0: a regression target
+    batch_size: int  # per worker
+    epochs: int
+
+    def arrays(self, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """The rows as ``(x, y)``: random features with a learnable target, or digits."""
+        if self.name == "digits":
+            from sklearn.datasets import load_digits
+            from sklearn.model_selection import train_test_split
+
+            x, y = load_digits(return_X_y=True)
+            x_train, _, y_train, _ = train_test_split(
+                (x / 16.0).astype(np.float32), y, test_size=0.2, random_state=0, stratify=y
+            )
+            return x_train, y_train.astype(np.int64)
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((self.rows, self.width), dtype=np.float32)
+        if self.classes:
+            return x, (np.abs(x[:, 0] * 3).astype(np.int64) % self.classes)
+        return x, (x[:, :4].sum(axis=1) * 0.5).astype(np.float32)
+
+    def model(self):
+        import keras
+
+        keras.utils.set_random_seed(0)
+        if self.name == "digits":
+            from train import build_mlp  # the main job's model, so the figures describe it
+
+            return build_mlp(self.width, self.classes, 1e-3)
+        hidden = (256, 256) if self.name == "dense" else (2048, 2048, 1024)
+        layers = [keras.Input((self.width,))] + [keras.layers.Dense(units, activation="relu") for units in hidden]
+        if self.classes:
+            layers.append(keras.layers.Dense(self.classes, activation="softmax"))
+            loss = "sparse_categorical_crossentropy"
+        else:
+            layers.append(keras.layers.Dense(1))
+            loss = "mse"
+        model = keras.Sequential(layers)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+        return model
+
+    def parquet(self, directory: str, files: int = 8) -> str:
+        """The rows written as Parquet (``features array<float>``, ``label``) under ``directory``; its path."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        x, y = self.arrays()
+        path = os.path.join(directory, self.name)
+        os.makedirs(path, exist_ok=True)
+        for i, part in enumerate(np.array_split(np.arange(len(x)), files)):
+            rows = x[part]
+            offsets = pa.array(np.arange(0, rows.size + 1, self.width, dtype=np.int32))
+            features = pa.ListArray.from_arrays(offsets, pa.array(rows.reshape(-1)))
+            pq.write_table(
+                pa.table({"features": features, "label": pa.array(y[part])}),
+                os.path.join(path, f"part-{i:03d}.parquet"),
+                row_group_size=64 * 1024,
+            )
+        return path
+
+
+WORKLOADS = {
+    "dense": Workload("dense", 1_000_000, 100, 0, 256, 1),
+    "mlp8m": Workload("mlp8m", 8_192, 1024, 10, 32, 2),
+    "digits": Workload("digits", 1_437, 64, 10, 16, 20),
+}

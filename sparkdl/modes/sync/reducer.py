@@ -1,0 +1,187 @@
+"""Averages sync mode's gradients over the ranks in buckets that start moving while backprop is still running.
+
+As PyTorch DDP's reducer and Horovod's tensor fusion: the step's gradients are grouped, from the
+model's last variables to its first (the order backprop produces them), into buckets of about
+``bucket_bytes``; each bucket is fused into one buffer and handed to the communicator's
+asynchronous allreduce by its own ``tf.numpy_function`` as soon as its gradients exist, while
+TensorFlow goes on computing the earlier layers' gradients; one last call waits for every bucket
+before the optimizer applies the averages. The launches are stateful ops, which TensorFlow runs
+in program order, so every rank starts the same buckets in the same order. A model whose
+gradients fit one bucket (or ``overlap=False``) makes one blocking call per step instead.
+
+With ``compression`` the buffers are narrowed to bfloat16 or float16 in the graph (TensorFlow's
+cast, on every core), travel and are summed at that width (each addition in float32, rounded
+once per hop, as NCCL does), and are widened back to float32 before the division by the ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from sparkdl.collective import compression as compressions
+from sparkdl.collective.api import ReduceOp
+
+#: Gradient bytes per bucket (on the wire): large enough that a bucket's fixed cost (two Python
+#: calls, one collective's latency) is small beside its transfer, small enough that several
+#: buckets of a model of tens of MB overlap its backward pass (DDP's default is 25 MB on GPUs).
+BUCKET_BYTES = 4 << 20
+
+
+class GradientReducer:
+    """The ``intercept`` for :func:`sparkdl.keras.optimizer_hooks.intercept_apply` that averages over ``comm``.
+
+    ``scales`` (per step of an epoch, from global step ``first_step`` on) weigh this rank's gradient
+    by its rows when the ranks' batches differ in size (``schedule.gradient_scales``). ``timeout``
+    bounds the wait for the buckets. ``profile`` (a :class:`~sparkdl.modes.sync.step_profile.StepProfile`)
+    records when the gradients were ready and how long the exchange took.
+    """
+
+    def __init__(
+        self,
+        comm,
+        *,
+        timeout: float,
+        scales: np.ndarray | None = None,
+        first_step: int = 0,
+        compression: str | None = None,
+        overlap: bool = True,
+        bucket_bytes: int = BUCKET_BYTES,
+        profile=None,
+    ):
+        self._comm, self._timeout, self._scales = comm, timeout, scales
+        self._steps = itertools.count(first_step)
+        self._compression = compression
+        self._wire = np.dtype(np.float32) if compression is None else compressions.wire_dtype(compression)
+        self._bucket_bytes = bucket_bytes if overlap else None
+        self._profile = profile
+        self._pending: dict[int, tuple[Any, np.ndarray]] = {}  # bucket -> its work, and its input kept alive
+        self._buffers: dict[tuple[int, int], np.ndarray] = {}  # (bucket, step parity) -> the allreduce's output
+        self._parity = 0
+        self.buckets: list[list[int]] = []  # the variables (by index) of each bucket, as last traced
+
+    # -- in the graph ------------------------------------------------------------------------------
+
+    def __call__(self, apply, grads: Sequence, variables: Sequence):
+        import tensorflow as tf
+
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return apply(grads, variables)
+        dense = {i: tf.convert_to_tensor(grads[i]) for i in present}  # densifies IndexedSlices
+        if self._scales is not None:
+            scale = tf.ensure_shape(tf.numpy_function(self._next_scale, [], tf.float32, stateful=True), [])
+            dense = {i: g * tf.cast(scale, g.dtype) for i, g in dense.items()}
+        self.buckets = self._group(present, dense)
+        fused = [
+            tf.concat([tf.reshape(tf.cast(dense[i], tf.float32), [-1]) for i in bucket], 0) for bucket in self.buckets
+        ]
+        wire = [self._narrow(buffer) for buffer in fused]
+        wire_dtype = tf.as_dtype(self._wire)
+        if len(wire) == 1:
+            reduced = [
+                tf.numpy_function(self._reduce_now, wire[0], wire_dtype, stateful=True, name="sparkdl_allreduce")
+            ]
+        else:
+            started = [
+                tf.numpy_function(
+                    self._starter(b), inputs, tf.int32, stateful=True, name=f"sparkdl_allreduce_start_{b}"
+                )
+                for b, inputs in enumerate(wire)
+            ]
+            reduced = tf.numpy_function(
+                self._finish, started, [wire_dtype] * len(wire), stateful=True, name="sparkdl_allreduce_wait"
+            )
+        out = list(grads)
+        for bucket, buffer, result in zip(self.buckets, fused, reduced):
+            mean = tf.cast(tf.ensure_shape(result, buffer.shape), tf.float32) * (1.0 / self._comm.size)
+            for i, part in zip(bucket, tf.split(mean, [int(np.prod(dense[i].shape)) for i in bucket])):
+                out[i] = tf.cast(tf.reshape(part, tf.shape(dense[i])), dense[i].dtype)
+        applied = apply(out, variables)
+        if self._profile is not None:  # stateful, so it runs after the optimizer's updates (program order)
+            tf.numpy_function(self._profile.applied, [], tf.int32, stateful=True, name="sparkdl_profile_applied")
+        return applied
+
+    def _group(self, present: list[int], dense: dict) -> list[list[int]]:
+        """The variables of each bucket: the last ones first, as backprop produces their gradients."""
+        if self._bucket_bytes is None:
+            return [present]
+        buckets, current, size = [], [], 0
+        for i in reversed(present):
+            current.append(i)
+            size += int(np.prod(dense[i].shape)) * self._wire.itemsize
+            if size >= self._bucket_bytes:
+                buckets.append(current)
+                current, size = [], 0
+        if current:
+            buckets.append(current)
+        return buckets
+
+    def _narrow(self, buffer) -> list:
+        """The buffer as it goes to the wire (and, for float16, its largest magnitude, checked before it goes)."""
+        import tensorflow as tf
+
+        if self._compression is None:
+            return [buffer]
+        narrowed = tf.cast(buffer, tf.as_dtype(self._wire))
+        if self._compression == "fp16":
+            return [narrowed, tf.reduce_max(tf.abs(buffer))]
+        return [narrowed]
+
+    # -- in Python, once per step ------------------------------------------------------------------
+
+    def _next_scale(self) -> np.float32:
+        assert self._scales is not None  # called only when there are scales
+        return np.float32(self._scales[next(self._steps) % len(self._scales)])
+
+    def _reduce_now(self, wire: np.ndarray, largest=None) -> np.ndarray:
+        self._check(largest)
+        if self._profile is not None:
+            self._profile.gradients_ready(buckets=1, done=0, nbytes=wire.nbytes)
+            self._profile.peers_ready(self._comm)
+        result = self._comm.allreduce(wire, ReduceOp.SUM, out=self._buffer(0, wire))
+        self._parity ^= 1
+        if self._profile is not None:
+            self._profile.exchange_done()
+        return result
+
+    def _starter(self, bucket: int):
+        def start(wire: np.ndarray, largest=None) -> np.int32:
+            self._check(largest)
+            # the input is TensorFlow's memory, alive until this step ends: the buffer is kept with the work
+            self._pending[bucket] = (
+                self._comm.allreduce_async(wire, ReduceOp.SUM, out=self._buffer(bucket, wire)),
+                wire,
+            )
+            return np.int32(bucket)
+
+        return start
+
+    def _finish(self, *started: np.int32) -> list[np.ndarray]:
+        pending = [self._pending.pop(int(bucket)) for bucket in started]
+        works = [work for work, _ in pending]
+        if self._profile is not None:  # backprop is over: how many buckets have already crossed?
+            nbytes = sum(wire.nbytes for _, wire in pending)
+            self._profile.gradients_ready(buckets=len(works), done=sum(work.done() for work in works), nbytes=nbytes)
+            self._profile.peers_ready(None)
+        results = [work.wait(self._timeout) for work in works]
+        self._parity ^= 1
+        if self._profile is not None:
+            self._profile.exchange_done()
+        return results
+
+    def _buffer(self, bucket: int, like: np.ndarray) -> np.ndarray:
+        """The bucket's output buffer, allocated once; two per bucket, alternating steps, so that a step's
+        result is never overwritten while TensorFlow may still read it."""
+        key = (bucket, self._parity)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            buffer = self._buffers[key] = np.empty_like(like)
+        return buffer
+
+    def _check(self, largest) -> None:
+        if largest is not None:
+            compressions.check_fits_float16(np.asarray(largest))

@@ -1,0 +1,101 @@
+"""Where a fit's time goes (``FitResult.phases``), and the barrier stage's rendezvous through the driver's relay."""
+
+import threading
+
+import pytest
+from models import make_mlp
+
+import sparkdl
+from sparkdl.launch import rendezvous
+from sparkdl.launch.forward import TaskReporter, _Forwarder
+from sparkdl.launch.phases import Phases
+from sparkdl.launch.relay import OutputRelay
+
+SECRET = b"r" * 32
+SYNC_PHASES = [
+    "settings",
+    "slots",
+    "checks",
+    "probe",
+    "serialize",
+    "launch",
+    "import",
+    "read",
+    "connect",
+    "model in",
+    "train",
+    "model out",
+    "result",
+]
+
+
+def test_a_task_s_phases_are_placed_on_the_driver_s_timeline_after_the_launch():
+    driver = Phases()
+    driver.end("checks")
+    task = Phases()
+    task.end("read")
+    task.end("train")
+    driver.watch(1, task.event())  # only rank 0 speaks for the fit
+    driver.watch(0, task.event())
+    driver.end("result")
+    assert list(driver.seconds()) == ["checks", "launch", "read", "train", "result"]
+    assert all(seconds >= 0 for seconds in driver.seconds().values())
+    assert driver.seconds()["read"] == task.seconds()["read"]  # durations travel, not clock readings
+    assert list(Phases().event()["phases"]) == ["task"]  # a task that names no phase is one phase
+
+
+def test_a_sync_fit_says_where_its_time_went_phase_by_phase(digits_df):
+    result = sparkdl.fit(digits_df, make_mlp(), num_workers=2, epochs=1, batch_size=64, seed=0, progress=False)
+    assert list(result.phases) == SYNC_PHASES  # rank 0's own phases came from its task, between launch and result
+    assert all(isinstance(seconds, float) and seconds >= 0 for seconds in result.phases.values())
+    assert result.phases["train"] > 0
+
+
+def test_a_mode_whose_tasks_name_no_phase_reports_them_as_one(digits_df):
+    result = sparkdl.fit(digits_df, make_mlp(), num_workers=2, mode="async", epochs=1, batch_size=64, progress=False)
+    assert list(result.phases)[-3:] == ["launch", "task", "result"]
+
+
+def _join_in_thread(relay, rank: int, task: int, record: str, answers: dict) -> tuple[threading.Thread, TaskReporter]:
+    reporter = TaskReporter(_Forwarder(relay.address, SECRET, rank, timeout=30.0, encrypt=False), rank)
+
+    def join():
+        try:
+            answers[task] = rendezvous.join(reporter, rank, task, record, 30.0)
+        except OSError as exc:  # its connection was closed under it (a killed task)
+            answers[task] = exc
+
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    return thread, reporter
+
+
+def test_every_rank_gets_every_record_once_all_joined():
+    answers: dict = {}
+    with OutputRelay("127.0.0.1", SECRET, 3, rendezvous=rendezvous.Rendezvous(3)) as relay:
+        joins = [_join_in_thread(relay, rank, 10 + rank, f"address-{rank} host", answers) for rank in (2, 0, 1)]
+        for thread, reporter in joins:
+            thread.join(30)
+            reporter.connection.close()
+    assert answers == {task: ["address-0 host", "address-1 host", "address-2 host"] for task in (10, 11, 12)}
+
+
+def test_a_retried_stage_meets_without_the_tasks_of_the_failed_attempt():
+    """Rank 0 of the first attempt joins and is killed (its connection closes) before rank 1 comes: the new
+    attempt's tasks meet among themselves; a late join of a task older than its rank's newest is refused."""
+    answers: dict = {}
+    with OutputRelay("127.0.0.1", SECRET, 2, rendezvous=rendezvous.Rendezvous(2)) as relay:
+        stale, stale_reporter = _join_in_thread(relay, 0, 5, "stale-address host", answers)
+        stale_reporter.connection.close()  # Spark killed it: the relay drops its record
+        stale.join(30)
+        relay.wait_until_quiet(10)
+        joins = [_join_in_thread(relay, rank, task, f"new-{rank} host", answers) for rank, task in ((1, 8), (0, 7))]
+        for thread, reporter in joins:
+            thread.join(30)
+            reporter.connection.close()
+        late = TaskReporter(_Forwarder(relay.address, SECRET, 0, timeout=5.0, encrypt=False), 0)
+        with pytest.raises((ConnectionError, TimeoutError)):
+            rendezvous.join(late, 0, 6, "late host", 5.0)  # older than rank 0's task 7: its connection is dropped
+        late.connection.close()
+    assert answers[7] == answers[8] == ["new-0 host", "new-1 host"]
+    assert isinstance(answers[5], OSError)  # the killed task never got an answer
