@@ -240,6 +240,8 @@ EVERY_PARAM = {
     "backend": ("horovod", "backend", "horovod"),
     "customObjects": ({"Scale": Scale}, "custom_objects", {"Scale": Scale}),
     "weightCol": ("w", "sample_weight_col", "w"),
+    "compression": ("bf16", "compression", "bf16"),
+    "overlap": (False, "overlap", False),
 }
 OUTPUT_PARAMS = {"model", "predictionCol", "probabilityCol", "rawPredictionCol"}  # not fit settings
 OPTIMIZER_PARAMS = {"learningRate", "optimizerOptions"}  # applied to a copy of the model (tests/test_tuning.py)

@@ -62,6 +62,7 @@ def test_options_are_checked_against_the_mode_that_takes_them():
     assert check_mode_options("ssp", max_staleness=0, push_every=None) == {
         "push_every": None,
         "num_servers": None,
+        "compression": None,
         "max_staleness": 0,
     }
     with pytest.raises(ValueError, match=r"`max_staleness` applies to mode='ssp' only"):
