@@ -16,8 +16,11 @@ tables give the median and the spread [min-max] over the repeats of:
   sparkdl, compiles the server's update), of the slowest worker; ``x one``: its ratio to one
   process's second epoch, the step cost the issue's goal is about;
 - ``epoch 2 CPU``: the CPU seconds the epoch cost: one process's own; for sparkdl the workers'
-  and the driver's (the parameter server) over that epoch, which is what a busy machine
-  divides between runs, so its ratio holds still when the wall time does not.
+  and the driver's (the parameter server) over that epoch (Spark's JVM is left out: it idles
+  while the workers train). On a shared machine other jobs' load stretches the wall times,
+  sparkdl's three processes more than one process's two threads (each exchange waits for the
+  scheduler to run the server, then the worker), while the CPU a run costs holds still: each
+  repeat prints the load average it ended at.
 
 Then where an async step goes, per push (each worker pushes once a step, and a step's wall time
 here is the training loop's, both epochs, as the counters'), from the counters
@@ -164,7 +167,7 @@ def main(argv=None) -> None:
             figures = runs[variant][-1]
             print(
                 f"repeat {repeat + 1}: {variant:<11} fit {figures['fit']:.2f}s  epoch 2 {figures['epoch2']:.2f}s "
-                f"(CPU {figures['cpu2']:.2f}s)",
+                f"(CPU {figures['cpu2']:.2f}s)  load average {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
 

@@ -143,6 +143,14 @@ def cpu_seconds(root: int) -> float:
     return sum(times.get(pid, 0.0) for pid in tree)
 
 
+def _has_setting(spark, key: str) -> bool:
+    try:
+        spark.conf.get(key)  # a setting this Spark does not know raises; one left at its default gives the default
+    except Exception:
+        return False
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -174,7 +182,7 @@ def main() -> None:
     )
     spark.sparkContext.setLogLevel("ERROR")
     jvm = int(spark.sparkContext._jvm.ProcessHandle.current().pid())  # type: ignore[union-attr]
-    settings = ["true", "false"] if spark.conf.get(COLUMNAR_INPUT, None) is not None else [None]
+    settings: list[str | None] = ["true", "false"] if _has_setting(spark, COLUMNAR_INPUT) else [None]
     with tempfile.TemporaryDirectory(prefix="sparkdl-bench-") as tmp:
         write_parquet(x, tmp)
         df = spark.read.parquet(tmp)

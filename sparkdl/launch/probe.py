@@ -47,6 +47,7 @@ _DEFAULT_PYTHON = "python3"  # what PySpark starts on the executors when nothing
 # make ``python -m`` run a module that is already imported).
 WORKER_DAEMON = "sparkdl.launch.worker_daemon"
 _DAEMON_SETTING = "spark.python.daemon.module"
+_SUBMIT_WAIT_SECONDS = 10.0  # the longest start_check waits for the probe's job to be on its way
 _checks: dict = {}  # (session, interpreter, modules) -> its PendingCheck, running or passed
 _checks_lock = threading.Lock()
 
@@ -151,6 +152,7 @@ class PendingCheck:
         self._tag = session.JobTag(spark, "sparkdl-probe")
         self._reports: list[dict] = []
         self._failure: BaseException | None = None
+        self._submitting = threading.Event()  # the probe's job is about to be submitted (or the probe ended)
         self.seconds = 0.0  # the probe job's duration
 
     def start(self, num_workers: int, modules: tuple) -> None:
@@ -162,6 +164,9 @@ class PendingCheck:
             target=self._run, args=(num_workers, modules, properties), name="sparkdl-probe", daemon=True
         )
         self._thread.start()
+        # Its job goes first: jobs the caller starts next (fit's checks) would otherwise take the task slots, and
+        # its task (with sparkdl's daemon, the only one: its Python worker imports TensorFlow) would wait for them.
+        self._submitting.wait(_SUBMIT_WAIT_SECONDS)
 
     def _run(self, num_workers: int, modules: tuple, properties) -> None:
         started = time.perf_counter()
@@ -169,10 +174,11 @@ class PendingCheck:
             if properties is not None:
                 self._spark.sparkContext._jsc.sc().setLocalProperties(properties)
             with self._tag, slots.probing(self._tag.name):
-                self._reports = _run_probe(self._spark, num_workers, modules)
+                self._reports = _run_probe(self._spark, num_workers, modules, self._submitting)
         except BaseException as exc:  # raised to the caller of wait(), in its thread
             self._failure = exc
         finally:
+            self._submitting.set()
             self.seconds = time.perf_counter() - started
 
     def wait(self) -> float:
@@ -216,12 +222,14 @@ class PendingCheck:
         )
 
 
-def _run_probe(spark, num_workers: int, modules: tuple) -> list[dict]:
+def _run_probe(spark, num_workers: int, modules: tuple, submitting: threading.Event) -> list[dict]:
     from pyspark.sql import functions as F
 
     tasks = 1 if _one_preloading_python(spark) else num_workers
     probe = F.udf(_probe_function(modules), "string", useArrow=False)
-    rows = spark.range(tasks, numPartitions=tasks).select(probe("id")).collect()
+    frame = spark.range(tasks, numPartitions=tasks).select(probe("id"))
+    submitting.set()
+    rows = frame.collect()
     return [json.loads(row[0]) for row in rows]
 
 

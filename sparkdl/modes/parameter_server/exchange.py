@@ -2,17 +2,19 @@
 
 The train step itself, in TensorFlow, casts each gradient to the push dtype (float32, or with
 ``compression`` the half-width dtype: narrowed once, on the way into the fused vector) and
-concatenates them shard by shard (``ShardLayout.order``), so that each shard's part of the
-vector is one span the client sends in place; a small function compiled by XLA does both in one
-pass (TensorFlow's own cast to bfloat16 is a scalar loop, then its concat copies again: 10 ms
-instead of 6.6 for 8.4M parameters on one core). The numpy side
-(:class:`Exchange`) pushes it and pulls the server's float32 weights into a buffer, whose spans
-the step assigns to the variables. Nothing is copied in numpy (each copy of an 8.4M-parameter
-model's 32 MB costs 5-15 ms of a core, docs/performance.md), and TensorFlow takes the buffer over
-as the variables' memory without copying it either, holding a reference to it for as long as
-anything (a variable, a tensor read from one) uses that memory. So a pull never writes a buffer
-TensorFlow still references: it reuses one that TensorFlow has let go of, or takes a fresh one
-(whose pages the kernel must first fault in and zero: 5% of the step's CPU, measured).
+concatenates them shard by shard (``ShardLayout.order``), so that each shard's part of the vector
+is one span the client sends in place. Under compression a small function compiled by XLA narrows
+and concatenates in one pass (TensorFlow's own cast to bfloat16 is a scalar loop, and its concat
+then copies again: 10-11 ms of a core against 7.3 for 8.4M parameters); a float32 concat is as
+fast without XLA (6.4 ms).
+
+The numpy side (:class:`Exchange`) pushes the vector and pulls the server's float32 weights into
+a buffer, whose spans the step assigns to the variables. Nothing is copied in numpy (each copy of
+an 8.4M-parameter model's 32 MB costs 5-15 ms of a core, docs/performance.md), and TensorFlow
+takes the buffer over as the variables' memory without copying it either, holding a reference to
+it for as long as anything (a variable, a tensor read from one) uses that memory. So a pull never
+writes a buffer TensorFlow still references: it reuses one TensorFlow has let go of, or takes a
+fresh one (whose pages the kernel first faults in and zeroes: 5% of the step's CPU in a profile).
 
 With ``push_every=k`` the step adds its float32 gradient to a sum kept in the graph instead,
 and every k-th step pushes the mean (narrowed once, then); until then the model keeps the
@@ -95,7 +97,8 @@ class StepHook:
         self._iterations = model.optimizer.iterations
         self._dtype = tf.as_dtype(wire.push_dtype(compression))
         self._checks_range = compression == "fp16"
-        self._fuse = tf.function(lambda ordered: self._fused(ordered), jit_compile=True)  # this hook's own
+        # A function of this hook's own (a shared method's traces would count as retraces across hooks).
+        self._fuse = tf.function(lambda ordered: self._fused(ordered), jit_compile=True) if compression else self._fused
         if push_every > 1:
             self._sum = tf.Variable(tf.zeros([layout.size]), trainable=False, name="sparkdl_gradient_sum")
             self._steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="sparkdl_summed_steps")
