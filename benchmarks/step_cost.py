@@ -113,18 +113,34 @@ def _measure(spark, workload, args, directory: str) -> None:
 
     sparkdl.fit(df.limit(4 * args.workers * workload.batch_size), workload.model(), num_workers=args.workers)
     reads, trains, walls = [], [], {variant: [] for variant in args.variants}
+    phases: dict[str, list[dict]] = {variant: [] for variant in args.variants}
     for _ in range(args.repeats):  # interleaved, so that the machine's load hits every run alike
         read, train = one_process(workload, parquet)
         reads.append(read)
         trains.append(train)
         for variant in args.variants:
             started = time.perf_counter()
-            fit(**VARIANTS[variant])
+            result = fit(**VARIANTS[variant])
             walls[variant].append(time.perf_counter() - started)
+            phases[variant].append(getattr(result, "phases", {}))  # an older checkout has none
     profiles = {}
     if not args.no_profile:
         profiles = {variant: fit(profile=True, **VARIANTS[variant]).stats["step_profile"] for variant in args.variants}
     _report(workload, args, reads, trains, walls, profiles)
+    _report_phases(phases)
+
+
+def _report_phases(phases: dict[str, list[dict]]) -> None:
+    """Each variant's fit, phase by phase (``FitResult.phases``, median seconds): the part outside ``train``
+    is the fit's fixed cost."""
+    names = list(dict.fromkeys(name for runs in phases.values() for run in runs for name in run))
+    if not names:
+        return
+    print("\nfit phases, median seconds:")
+    print(f"{'phase':<20}" + "".join(f"{variant:>26}" for variant in phases))
+    for name in names:
+        cells = [statistics.median(run.get(name, 0.0) for run in runs) for runs in phases.values()]
+        print(f"{name:<20}" + "".join(f"{cell:>26.2f}" for cell in cells))
 
 
 def _report(workload, args, reads, trains, walls, profiles) -> None:

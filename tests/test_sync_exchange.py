@@ -9,6 +9,7 @@ from models import make_mlp
 
 import sparkdl
 from sparkdl.collective import compression
+from sparkdl.keras import compiled_update
 from sparkdl.modes.sync.mode import SyncMode
 from sparkdl.modes.sync.reducer import GradientReducer
 from sparkdl.modes.sync.step_profile import PHASES
@@ -132,7 +133,7 @@ def _wide_model():
 def test_buckets_overlap_a_running_backward_pass_on_the_workers(spark):
     rng = np.random.default_rng(0)
     rows = [
-        (rng.standard_normal(2048).astype(np.float32).tolist(), rng.standard_normal(4).tolist()) for _ in range(768)
+        (rng.standard_normal(2048).astype(np.float32).tolist(), rng.standard_normal(4).tolist()) for _ in range(1536)
     ]
     df = spark.createDataFrame(rows, "features array<float>, label array<double>").cache()
 
@@ -153,6 +154,7 @@ def test_buckets_overlap_a_running_backward_pass_on_the_workers(spark):
 
     overlapped, blocking = profiles[True], profiles[False]
     assert overlapped["buckets"] == 2 and blocking["buckets"] == 1
+    assert overlapped["compiled_update"] and blocking["compiled_update"]  # 3.2M parameters: XLA's update
     assert overlapped["steps"] >= 2
     # When backprop ended (the first layer's weight gradient computed), the last layers' bucket had mostly
     # been averaged already on every rank: communication ran while backprop was still computing.
@@ -165,6 +167,52 @@ def test_buckets_overlap_a_running_backward_pass_on_the_workers(spark):
         assert min(profile["forward_backward"]) > 0.5  # a 2048x1024 layer's backward pass: milliseconds
     assert max(overlapped["wait_for_peers"]) < 0.1  # with buckets in flight there is no separate wait
     assert min(blocking["collective"]) > 0.0
+
+
+def test_the_compiled_update_applies_what_keras_applies_op_by_op():
+    sizes = ((1100, 1000), (1000,))  # 1.1M parameters: enough for the update to be compiled
+    initial = [np.random.default_rng(7).standard_normal(shape).astype(np.float32) for shape in sizes]
+
+    def body(comm, compile_update):
+        reducer = GradientReducer(comm, timeout=30, compile_update=compile_update)
+        weights = [keras.Variable(w) for w in initial]
+        optimizer = keras.optimizers.Adam(0.01)
+        optimizer.build(weights)
+        assert compiled_update.pays(optimizer, weights)
+
+        @tf.function
+        def step(grads):
+            reducer(optimizer.apply, list(grads), weights)
+
+        for _ in range(3):
+            step([tf.constant(g) for g in _gradients(comm.rank, sizes)])
+        return [w.numpy() for w in weights]
+
+    op_by_op = run_ranks(2, lambda comm: body(comm, False))[0]
+    compiled = run_ranks(2, lambda comm: body(comm, True))[0]
+    for before, keras_own, xla in zip(initial, op_by_op, compiled):
+        assert np.abs(keras_own - before).min() > 1e-3  # every weight moved (Adam: about 0.01 a step)
+        np.testing.assert_allclose(xla, keras_own, rtol=1e-5, atol=1e-6)
+
+
+class _HostCallingSGD(keras.optimizers.SGD):
+    """An update that calls back into Python, which XLA cannot compile."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        rate = tf.numpy_function(lambda r: r, [tf.cast(learning_rate, tf.float32)], tf.float32)
+        variable.assign_sub(gradient * rate)
+
+
+def test_an_update_xla_cannot_compile_runs_op_by_op_with_a_warning(caplog):
+    large = [keras.Variable(np.zeros((1100, 1000), np.float32))]
+    small = [keras.Variable(np.zeros((100, 10), np.float32))]
+    assert compiled_update.pays(keras.optimizers.SGD(), large)
+    with caplog.at_level("WARNING", logger="sparkdl.keras.compiled_update"):
+        assert not compiled_update.pays(keras.optimizers.SGD(), small)  # too small to pay: no trial, no warning
+        assert not caplog.records
+        assert not compiled_update.pays(_HostCallingSGD(), large)
+    assert "XLA cannot compile the update of _HostCallingSGD" in caplog.text
+    assert large[0].numpy().max() == 0  # the trial touched stand-ins only
 
 
 def test_bf16_compression_trains_digits_as_well_as_float32(digits_df, digits):

@@ -9,6 +9,9 @@ before the optimizer applies the averages. The launches are stateful ops, which 
 in program order, so every rank starts the same buckets in the same order. A model whose
 gradients fit one bucket (or ``overlap=False``) makes one blocking call per step instead.
 
+With ``compile_update`` the averages' widening and division, and the optimizer's update, run as
+one XLA function (``sparkdl.keras.compiled_update``).
+
 With ``compression`` the buffers are narrowed to bfloat16 or float16 in the graph (TensorFlow's
 cast, on every core), travel and are summed at that width (each addition in float32, rounded
 once per hop, as NCCL does), and are widened back to float32 before the division by the ranks.
@@ -24,6 +27,7 @@ import numpy as np
 
 from sparkdl.collective import compression as compressions
 from sparkdl.collective.api import ReduceOp
+from sparkdl.keras import compiled_update
 
 #: Gradient bytes per bucket (on the wire): large enough that a bucket's fixed cost (two Python
 #: calls, one collective's latency) is small beside its transfer, small enough that several
@@ -50,6 +54,7 @@ class GradientReducer:
         compression: str | None = None,
         overlap: bool = True,
         bucket_bytes: int = BUCKET_BYTES,
+        compile_update: bool = False,
         profile=None,
     ):
         self._comm, self._timeout, self._scales = comm, timeout, scales
@@ -57,6 +62,7 @@ class GradientReducer:
         self._compression = compression
         self._wire = np.dtype(np.float32) if compression is None else compressions.wire_dtype(compression)
         self._bucket_bytes = bucket_bytes if overlap else None
+        self._compile_update = compile_update
         self._profile = profile
         self._pending: dict[int, tuple[Any, np.ndarray]] = {}  # bucket -> its work, and its input kept alive
         self._buffers: dict[tuple[int, int], np.ndarray] = {}  # (bucket, step parity) -> the allreduce's output
@@ -95,12 +101,21 @@ class GradientReducer:
             reduced = tf.numpy_function(
                 self._finish, started, [wire_dtype] * len(wire), stateful=True, name="sparkdl_allreduce_wait"
             )
-        out = list(grads)
-        for bucket, buffer, result in zip(self.buckets, fused, reduced):
-            mean = tf.cast(tf.ensure_shape(result, buffer.shape), tf.float32) * (1.0 / self._comm.size)
-            for i, part in zip(bucket, tf.split(mean, [int(np.prod(dense[i].shape)) for i in bucket])):
-                out[i] = tf.cast(tf.reshape(part, tf.shape(dense[i])), dense[i].dtype)
-        applied = apply(out, variables)
+        shapes = {i: (dense[i].shape, dense[i].dtype) for i in present}
+
+        def average_and_apply(reduced):
+            out: list = [None] * len(grads)
+            for bucket, result in zip(self.buckets, reduced):
+                mean = tf.cast(result, tf.float32) * (1.0 / self._comm.size)
+                for i, part in zip(bucket, tf.split(mean, [int(np.prod(shapes[i][0])) for i in bucket])):
+                    out[i] = tf.cast(tf.reshape(part, shapes[i][0]), shapes[i][1])
+            return apply(out, variables)
+
+        reduced = [tf.ensure_shape(result, buffer.shape) for result, buffer in zip(reduced, fused)]
+        if self._compile_update:  # the widening, the mean and the update: one XLA function
+            applied = compiled_update.compiled(average_and_apply)(reduced)
+        else:
+            applied = average_and_apply(reduced)
         if self._profile is not None:  # stateful, so it runs after the optimizer's updates (program order)
             tf.numpy_function(self._profile.applied, [], tf.int32, stateful=True, name="sparkdl_profile_applied")
         return applied

@@ -19,6 +19,7 @@ import numpy as np
 from sparkdl import _compat, schedule
 from sparkdl.collective.api import ReduceOp
 from sparkdl.data import Rows
+from sparkdl.keras import compiled_update
 from sparkdl.keras.epoch_dataset import epoch_dataset
 from sparkdl.keras.held_out import in_batches
 from sparkdl.keras.optimizer_hooks import intercept_apply
@@ -48,14 +49,22 @@ class Exchange:
 
 @contextlib.contextmanager
 def distributed_optimizer(
-    optimizer, comm, scales: np.ndarray | None = None, first_step: int = 0, *, exchange=Exchange(), timeout=600.0
+    optimizer,
+    comm,
+    scales: np.ndarray | None = None,
+    first_step: int = 0,
+    *,
+    exchange=Exchange(),
+    timeout=600.0,
+    compile_update: bool = False,
 ) -> Iterator[None]:
     """Makes ``optimizer`` average its gradients over ``comm`` while the block runs.
 
     A communicator with its own in-graph collective (Horovod's) averages them there; otherwise
     :class:`~sparkdl.modes.sync.reducer.GradientReducer` sends them, as ``exchange`` says.
     ``scales`` (per step of an epoch, from global step ``first_step`` on: ``schedule.gradient_scales``)
-    weigh this rank's gradient by its rows when the ranks' batches differ in size.
+    weigh this rank's gradient by its rows when the ranks' batches differ in size. ``compile_update``:
+    the optimizer's update runs XLA-compiled (``sparkdl.keras.compiled_update``; not with Horovod).
     """
     if comm.capabilities.in_graph_allreduce:
         steps = itertools.count(first_step)
@@ -81,6 +90,7 @@ def distributed_optimizer(
             first_step=first_step,
             compression=exchange.compression,
             overlap=exchange.overlap,
+            compile_update=compile_update,
             profile=exchange.profile,
         )
     with intercept_apply(optimizer, intercept):
@@ -268,13 +278,21 @@ def train(
             validation_data = rows.take(np.arange(1))
     callback = _average_across_workers_callback(comm, samples=len(rows), steps_per_epoch=steps, validation=validation)
     scales = schedule.gradient_scales(rows_per_rank, comm.rank, steps)
+    compile_update = compiled_update.pays(model.optimizer, model.trainable_variables)
     first = []
     if exchange.profile is not None:  # an attribute of this replica only, removed before the model is saved
         model.train_step = exchange.profile.wrap_train_step(model.train_step)
         first.append(exchange.profile.callback())
+        exchange.profile.compiled_update = compile_update
     try:
         with distributed_optimizer(
-            model.optimizer, comm, scales, first_step=initial_epoch * steps, exchange=exchange, timeout=settings.timeout
+            model.optimizer,
+            comm,
+            scales,
+            first_step=initial_epoch * steps,
+            exchange=exchange,
+            timeout=settings.timeout,
+            compile_update=compile_update,
         ):
             history = model.fit(
                 stream,

@@ -56,6 +56,7 @@ class StepProfile:
         self._buckets = 0  # a step's gradient buckets
         self._buckets_done = 0  # buckets averaged before backprop ended, over the counted steps
         self._nbytes = 0  # a step's gradient bytes, at their width on the wire
+        self.compiled_update = False  # the optimizer's update runs XLA-compiled (``keras.compiled_update``)
 
     def _stamp(self, name: str) -> None:
         now = time.perf_counter()
@@ -108,9 +109,10 @@ class StepProfile:
 
     def summary(self, comm) -> dict:
         """Every rank's mean milliseconds per phase, and its mean buckets per step already averaged when
-        backprop ended: ``{"steps": n, "buckets": b, "gradient_bytes": g, phase: [rank 0, rank 1, ...],
-        "buckets_done_early": [...]}`` (``g``: a step's gradients as they go on the wire, before the
-        allreduce's 2(N-1)/N). Collective: every rank calls it."""
+        backprop ended: ``{"steps": n, "buckets": b, "gradient_bytes": g, "compiled_update": c,
+        phase: [rank 0, rank 1, ...], "buckets_done_early": [...]}`` (``g``: a step's gradients as they go on
+        the wire, before the allreduce's 2(N-1)/N; ``c``: the optimizer's update ran XLA-compiled).
+        Collective: every rank calls it."""
         steps = max(self._steps, 1)
         mine = [1000.0 * self._totals[phase] / steps for phase in PHASES]
         mine += [self._buckets_done / steps, self._steps, self._buckets, self._nbytes]
@@ -119,6 +121,7 @@ class StepProfile:
             "steps": int(everyone[:, -3].min()),
             "buckets": int(everyone[0, -2]),
             "gradient_bytes": int(everyone[0, -1]),
+            "compiled_update": self.compiled_update,
         }
         summary.update({phase: [round(float(v), 3) for v in everyone[:, i]] for i, phase in enumerate(PHASES)})
         summary["buckets_done_early"] = [round(float(v), 3) for v in everyone[:, len(PHASES)]]
