@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.join(ROOT, "jobs"))
 
 import numpy as np  # noqa: E402
 from train import build_mlp  # noqa: E402  (the main job's model, so the figures describe it)
+from workloads import local_session  # noqa: E402
 
 
 def digits_split():
@@ -94,17 +95,10 @@ def main(argv=None) -> None:
         return
 
     import keras
-    from pyspark.sql import SparkSession
 
     import sparkdl
 
-    spark = (
-        SparkSession.builder.master(f"local[{args.workers}]")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.ui.showConsoleProgress", "false")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_session(args.workers)
     x_train, x_test, y_train, y_test = digits_split()
     df = spark.createDataFrame(
         [(r.tolist(), int(l)) for r, l in zip(x_train, y_train)], "features array<float>, label int"
@@ -220,19 +214,11 @@ def phases_repeat(args, tree: str) -> dict:
 def phases_child(args) -> dict:
     """One process's fit, the session's first sparkdl fit, one process's fit, two warm fits: seconds and phases."""
     import keras
-    from pyspark.sql import SparkSession
 
     import sparkdl
 
-    builder = (
-        SparkSession.builder.master(f"local[{args.workers}]")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.ui.showConsoleProgress", "false")
-    )
-    if args.daemon:
-        builder = builder.config("spark.python.daemon.module", sparkdl.WORKER_DAEMON)
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
+    config = {"spark.python.daemon.module": sparkdl.WORKER_DAEMON} if args.daemon else {}
+    spark = local_session(args.workers, **config)
     x_train, _, y_train, _ = digits_split()
     df = spark.createDataFrame(
         [(r.tolist(), int(l)) for r, l in zip(x_train, y_train)], "features array<float>, label int"

@@ -48,7 +48,7 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
-from workloads import WORKLOADS  # noqa: E402
+from workloads import WORKLOADS, local_session  # noqa: E402
 
 WORKERS = 2
 VARIANTS = {"single": None, "async": None, "async-bf16": "bf16", "async-fp16": "fp16"}
@@ -122,18 +122,10 @@ def main(argv=None) -> None:
     parser.add_argument("--workload", default="mlp8m", choices=list(WORKLOADS))
     args = parser.parse_args(argv)
 
-    from pyspark.sql import SparkSession
-
     import sparkdl
 
     workload = WORKLOADS[args.workload]
-    spark = (
-        SparkSession.builder.master(f"local[{WORKERS}]")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.ui.showConsoleProgress", "false")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_session(WORKERS)
     x, y = workload.arrays()
     scratch = tempfile.mkdtemp(prefix="sparkdl-ps-step-")
     df = spark.read.parquet(workload.parquet(scratch)).cache()

@@ -30,7 +30,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
-from workloads import WORKLOADS  # noqa: E402
+from workloads import WORKLOADS, local_session  # noqa: E402
 
 VARIANTS = {
     "sync": {},
@@ -69,16 +69,7 @@ def main(argv=None) -> None:
     )
     args = parser.parse_args(argv)
 
-    from pyspark.sql import SparkSession
-
-    spark = (
-        SparkSession.builder.master(f"local[{args.workers}]")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.memory", "6g")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_session(args.workers, **{"spark.driver.memory": "6g"})
     directory = tempfile.mkdtemp(prefix="sparkdl-step-cost-")
     for name in args.workloads:
         _measure(spark, WORKLOADS[name], args, directory)

@@ -93,3 +93,20 @@ WORKLOADS = {
     "mlp8m": Workload("mlp8m", 8_192, 1024, 10, 32, 2),
     "digits": Workload("digits", 1_437, 64, 10, 16, 20),
 }
+
+
+def local_session(workers: int, **config: str):
+    """The benchmarks' Spark session: ``local[workers]`` on loopback, without console progress, logging errors only;
+    ``config``: more settings (``spark.driver.memory="6g"``)."""
+    from pyspark.sql import SparkSession
+
+    builder = (
+        SparkSession.builder.master(f"local[{workers}]")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.ui.showConsoleProgress", "false")
+    )
+    for key, value in config.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
