@@ -224,7 +224,11 @@ def fit(
         # The executors' Python is checked (and TensorFlow loaded into it) while the driver checks the rows.
         workers = probe.start_check(df.sparkSession, num_workers, timeout)
         phases.end("slots")
-        training = planned.check(num_workers)
+        try:
+            training = planned.check(num_workers)
+        except Exception:
+            workers.wait()  # a broken executor Python fails the checks job too: the probe's error names why
+            raise
         phases.end("checks")
         waited = workers.wait()
         phases.end("probe")

@@ -26,10 +26,12 @@ remembered per session and interpreter.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -91,9 +93,26 @@ def use_worker_daemon(spark) -> None:
         return
     live = sc._conf  # the SparkContext's own configuration (``getConf()`` returns a copy)
     forks = (live.get("spark.python.use.daemon", "true") or "true").strip().lower() != "false"
-    if forks and live.get(_DAEMON_SETTING, None) is None:
+    if forks and live.get(_DAEMON_SETTING, None) is None and _finds_sparkdl(sc.pythonExec):
         _log.info("sparkdl: local Python workers fork from %s, which imports TensorFlow once", WORKER_DAEMON)
         live.set(_DAEMON_SETTING, WORKER_DAEMON)
+
+
+@functools.cache
+def _finds_sparkdl(python: str) -> bool:
+    """Whether the local interpreter ``python`` imports the worker daemon's module (sparkdl, numpy, PySpark): one
+    that cannot would start no Python worker at all, and the probe, run by Spark's own daemon, names what it lacks.
+    Another interpreter than the driver's is asked once per process (a second or so)."""
+    found = shutil.which(python)
+    if found is None:
+        return False
+    if os.path.abspath(found) == os.path.abspath(sys.executable):
+        return True
+    try:
+        imports = subprocess.run([found, "-c", f"import {WORKER_DAEMON}"], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return imports.returncode == 0
 
 
 def check_executors(spark, num_workers: int, *, timeout: float = 600.0, wait: bool = True) -> PendingCheck:
@@ -222,13 +241,15 @@ class PendingCheck:
         )
 
 
-def _run_probe(spark, num_workers: int, modules: tuple, submitting: threading.Event) -> list[dict]:
+def _run_probe(spark, num_workers: int, modules: tuple, submitting: threading.Event | None = None) -> list[dict]:
+    """Every executor Python's report; ``submitting`` is set just before the probe's job is submitted."""
     from pyspark.sql import functions as F
 
     tasks = 1 if _one_preloading_python(spark) else num_workers
     probe = F.udf(_probe_function(modules), "string", useArrow=False)
     frame = spark.range(tasks, numPartitions=tasks).select(probe("id"))
-    submitting.set()
+    if submitting is not None:
+        submitting.set()
     rows = frame.collect()
     return [json.loads(row[0]) for row in rows]
 
