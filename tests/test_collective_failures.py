@@ -237,7 +237,12 @@ def test_closed_peer_fails_collective():
         assert not isinstance(info.value, CollectiveTimeout)
         return True
 
-    assert run_ranks(3, body, timeout=5.0)[:2] == [True, True]
+    # A rank fails in its allreduce or, where rank 2 left before that rank had linked to its neighbours, while
+    # linking: either way with the error that names the closed link, not a timeout.
+    for result in run_ranks(3, body, timeout=5.0, capture=True)[:2]:
+        assert result is True or (isinstance(result, CollectiveError) and not isinstance(result, CollectiveTimeout)), (
+            repr(result)
+        )
 
 
 def test_a_failure_poisons_the_subgroups_too():
