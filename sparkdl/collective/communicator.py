@@ -78,7 +78,8 @@ class SparkdlCommunicator(BaseCommunicator):
         shared_memory: bool = True,
         algorithm: str | None = None,
     ) -> SparkdlCommunicator:
-        """Joins the job of ``len(addresses)`` ranks as ``rank``; ``addresses[i]`` is rank i's listener.
+        """Joins the job of ``len(addresses)`` ranks as ``rank``; ``addresses[i]`` is rank i's listener. Collective:
+        it returns once every rank has joined.
 
         ``hosts[i]`` names rank i's host (by default the host of its address); ranks of one host exchange through
         shared memory unless ``shared_memory=False``. ``timeout`` bounds every single wait; ``encrypt`` seals
@@ -100,6 +101,8 @@ class SparkdlCommunicator(BaseCommunicator):
             local = job.topology.local(comm.members, rank)
             if shared_memory and len(local) > 1 and job.topology.balanced(comm.members) and shm.available():
                 job.shared = _open_shared(local, rank, secret, hosts[rank], timeout)
+            if comm.size > 1:  # as NCCL's init: no rank returns (and may leave) before every rank is linked
+                comm.barrier()
         except BaseException:
             links.close()
             raise
