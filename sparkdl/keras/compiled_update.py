@@ -46,10 +46,14 @@ def pays(optimizer, variables: Sequence) -> bool:
     return True
 
 
-def compiled(update: Callable) -> Callable:
-    """``update(tensors)`` as one XLA-compiled function (made while a train step is traced). It must take
-    the variables it updates from its closure: Keras's variables cannot be a TensorFlow function's arguments."""
-    return _xla_function(update)
+def compiled(fn: Callable) -> Callable:
+    """``fn`` as an XLA-compiled TensorFlow function of its own (an update must take the variables it updates
+    from its closure: Keras's variables cannot be a TensorFlow function's arguments). TensorFlow counts the
+    traces of every function made from the same code together, and warns of retracing after five (five fits
+    in one Python worker would); a ``functools.partial`` has no code of its own, so it counts alone."""
+    import tensorflow as tf
+
+    return tf.function(functools.partial(fn), jit_compile=True)
 
 
 def _compile_on_stand_ins(optimizer, variables: Sequence) -> None:
@@ -62,13 +66,4 @@ def _compile_on_stand_ins(optimizer, variables: Sequence) -> None:
         ]
         trial = getattr(type(optimizer), "hooked_from", type(optimizer)).from_config(optimizer.get_config())
         trial.build(stand_ins)
-        _xla_function(lambda grads: trial.apply(grads, stand_ins))([tf.zeros_like(v) for v in stand_ins])
-
-
-def _xla_function(fn: Callable):
-    """``fn`` as an XLA-compiled TensorFlow function of its own. TensorFlow counts the traces of every
-    function made from the same code together, and warns of retracing after five (five fits in one Python
-    worker would make that warning); a ``functools.partial`` has no code of its own, so it counts alone."""
-    import tensorflow as tf
-
-    return tf.function(functools.partial(fn), jit_compile=True)
+        compiled(lambda grads: trial.apply(grads, stand_ins))([tf.zeros_like(v) for v in stand_ins])

@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from sparkdl.collective import compression as compressions
+from sparkdl.keras import compiled_update
 from sparkdl.ps import wire
 from sparkdl.ps.client import ParameterClient
 from sparkdl.ps.sharding import ShardLayout
@@ -97,8 +98,7 @@ class StepHook:
         self._iterations = model.optimizer.iterations
         self._dtype = tf.as_dtype(wire.push_dtype(compression))
         self._checks_range = compression == "fp16"
-        # A function of this hook's own (a shared method's traces would count as retraces across hooks).
-        self._fuse = tf.function(lambda ordered: self._fused(ordered), jit_compile=True) if compression else self._fused
+        self._fuse = compiled_update.compiled(self._fused) if compression else self._fused
         if push_every > 1:
             self._sum = tf.Variable(tf.zeros([layout.size]), trainable=False, name="sparkdl_gradient_sum")
             self._steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="sparkdl_summed_steps")
