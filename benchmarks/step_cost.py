@@ -36,6 +36,8 @@ VARIANTS = {
     "sync": {},
     "sync overlap=False": {"overlap": False},
     "sync compression=bf16": {"compression": "bf16"},
+    "sharded": {"mode": "sharded"},
+    "sharded compression=bf16": {"mode": "sharded", "compression": "bf16"},
 }
 
 

@@ -98,6 +98,9 @@ def fit(
         ``"sync"``: every step, the workers' gradients are averaged with a ring
         allreduce (barrier mode); equivalent to minibatch SGD at the global
         batch ``num_workers * batch_size``.
+        ``"sharded"``: as sync, but each worker keeps and updates only its 1/N of the
+        optimizer's state (ZeRO stage 1: gradients reduce-scattered, weights all-gathered);
+        the same weights, for an element-wise optimizer (SGD, Adam, ... : docs/large-models.md).
         ``"async"``: a parameter server on the driver applies each worker's
         pushed gradient as it arrives, under a lock, with the model's own optimizer.
         ``"hogwild"``: as async, without the lock.
@@ -153,10 +156,10 @@ def fit(
             float32 by the receiver (``sparkdl.collective.compression``); ``None`` (default) sends float32.
             float16 refuses a gradient beyond its range (65504) with an error; bfloat16 has float32's range.
             Not with ``mode="average"`` (it sends weights, not gradients) or ``backend="horovod"``.
-        overlap: sync: average the gradients in buckets of about 4 MB that start moving while backprop is
+        overlap: sync, sharded: average the gradients in buckets of about 4 MB that start moving while backprop is
             still computing the earlier layers' gradients, as PyTorch DDP and Horovod do (default ``True``);
             ``False`` sends them all at once after backprop (``sparkdl.modes.sync.reducer``).
-        profile: sync: time every step's phases (input, forward/backward, waiting for peers, the
+        profile: sync, sharded: time every step's phases (input, forward/backward, waiting for peers, the
             collective, optimizer, Keras, callbacks) on every rank; ``stats["step_profile"]`` holds
             each rank's mean milliseconds per phase. Costs a barrier and a few clock readings a step.
         checkpoint_dir: a directory (local path, ``file://``, ``hdfs://``, ``s3://``, ...) where the

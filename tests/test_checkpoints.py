@@ -108,13 +108,16 @@ def _mlp_with_crash(partition, at_call, marker):
     return model
 
 
-def test_sync_survives_a_worker_killed_mid_epoch_and_resumes_from_its_checkpoint(digits_df, digits, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "sharded"])
+def test_sync_survives_a_worker_killed_mid_epoch_and_resumes_from_its_checkpoint(digits_df, digits, tmp_path, mode):
     """Rank 1's Python worker dies hard in its third epoch: Spark retries the barrier stage, which resumes
-    from the checkpoint of epoch 2 instead of epoch 0, and ends with the weights of a run without the fault."""
+    from the checkpoint of epoch 2 instead of epoch 0, and ends with the weights of a run without the fault
+    (sharded: from the optimizer state its ranks gathered for that checkpoint, re-cut into shards)."""
     _, x_test, _, y_test = digits
     steps = sparkdl.schedule.estimated_steps(digits_df.count(), 2, 16)
     marker = str(tmp_path / "crashed")
     settings = dict(
+        mode=mode,
         num_workers=2,
         epochs=8,
         batch_size=16,

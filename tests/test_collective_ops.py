@@ -69,7 +69,8 @@ def test_every_operation_dtype_and_reduce_op_matches_numpy(size, algorithm):
     """Sync calls for every other dtype, their ``*_async`` twins (``.wait()``) for the rest.
 
     ``hierarchical`` (allreduce only) runs with shared memory: on one host, and for N=4 on two hosts of two
-    ranks each (the host names are made up, so the ranks of "host b" reduce through their own segment).
+    ranks each (the host names are made up, so the ranks of "host b" reduce through their own segment); on
+    one host the same matrix runs reduce_scatter and allgather through the segment (their default there).
     """
 
     def body(comm):
@@ -144,6 +145,31 @@ def test_every_operation_dtype_and_reduce_op_matches_numpy(size, algorithm):
     started = time.monotonic()
     assert run_ranks(size, body, algorithm=None, **connect) == [True] * size
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("shared_memory", [False, True])
+def test_allgather_and_reduce_scatter_write_into_out(shared_memory):
+    """``out=`` receives the result (no new array), through the ring or the host's segment; a wrong one is
+    refused before anything moves, so the ranks stay in step."""
+
+    def body(comm):
+        x = np.arange(10, dtype=np.float32) + comm.rank
+        gathered = np.empty((comm.size, 10), np.float32)
+        assert comm.allgather(x, out=gathered) is gathered
+        mine = np.empty(len(np.array_split(np.arange(10), comm.size)[comm.rank]), np.float32)
+        assert comm.reduce_scatter_async(x, ReduceOp.MEAN, out=mine).wait(30) is mine
+        with pytest.raises(ValueError, match="Expected `out`"):
+            comm.allgather(x, out=np.empty((comm.size, 9), np.float32))
+        with pytest.raises(ValueError, match="Expected `out`"):
+            comm.reduce_scatter(x, out=np.empty(10, np.float64))
+        return gathered, mine, comm.allreduce(np.ones(1))  # still in step
+
+    results = run_ranks(3, body, shared_memory=shared_memory)
+    inputs = [np.arange(10, dtype=np.float32) + r for r in range(3)]
+    for rank, (gathered, mine, ones) in enumerate(results):
+        np.testing.assert_array_equal(gathered, np.stack(inputs))
+        np.testing.assert_allclose(mine, np.array_split(np.mean(inputs, axis=0), 3)[rank], rtol=1e-6)
+        assert ones.tolist() == [3.0]
 
 
 def test_bfloat16_and_random_floats_round_within_tolerance():
@@ -377,13 +403,13 @@ TRAFFIC = {
 }
 
 
-def test_the_traffic_table_covers_every_algorithm_but_hierarchical():
+def test_the_traffic_table_covers_every_algorithm_but_the_shared_memory_ones():
     covered = {(name, algorithm) for name, algorithm in TRAFFIC}
     wanted = {
         (name, algorithm)
         for name, names in algorithms.ALGORITHMS.items()
         for algorithm in names
-        if algorithm != "hierarchical" and name not in ("send", "recv")
+        if algorithm not in ("hierarchical", "shared_memory") and name not in ("send", "recv")
     }
     assert covered == wanted
 
@@ -413,6 +439,12 @@ def test_default_algorithm_follows_the_size_and_the_communicator():
     assert algorithms.choose("allreduce", None, "naive", 1 << 20, False) == "naive"
     assert algorithms.choose("reduce", None, "ring", 1 << 20, False) == "tree"  # not the reduce's: its own default
     assert algorithms.choose("allreduce", None, None, 100, True) == "hierarchical"
+    # one host holding every rank: reduce-scatter and allgather through its segment alone
+    assert algorithms.choose("reduce_scatter", None, None, 1 << 20, True, True) == "shared_memory"
+    assert algorithms.choose("allgather", None, None, 100, True, True) == "shared_memory"
+    assert algorithms.choose("allgather", None, None, 100, True, False) == "ring"  # several hosts
+    with pytest.raises(ValueError, match="shared_memory.*one host"):
+        algorithms.choose("reduce_scatter", "shared_memory", None, 100, True, False)
 
 
 # -- subgroups ---------------------------------------------------------------------------------------------------------

@@ -68,6 +68,19 @@ def collectives(group, queue, name):
                 _compare(failures, label + " (input kept)", x, rank_data(rank, n, dtype, case))
                 group.allreduce(x, op, x)
                 _compare(failures, label + " in place", x, expected)
+                # reduce_scatter by np.array_split's bounds: this rank's range
+                x = rank_data(rank, n, dtype, case)
+                bounds = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(n), size)]).tolist()
+                lo, hi = bounds[rank], bounds[rank + 1]
+                out = np.empty(hi - lo, x.dtype)
+                group.reduce_scatter(x, op, out, bounds)
+                _compare(failures, f"reduce_scatter {op} {np.dtype(dtype).name}[{n}]", out, expected[lo:hi])
+                _compare(failures, f"reduce_scatter {op} [{n}] (input kept)", x, rank_data(rank, n, dtype, case))
+            rows = np.stack([rank_data(q, n, dtype, case) for q in range(size)])
+            gathered = np.zeros_like(rows)
+            gathered[rank] = rows[rank]
+            group.allgather(gathered)
+            _compare(failures, f"allgather {np.dtype(dtype).name}[{n}]", gathered.reshape(-1), rows.reshape(-1))
     for n in (1, 1001, BIG):
         for root in range(size):
             case += 1

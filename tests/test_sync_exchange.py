@@ -101,7 +101,7 @@ def test_compression_names_round_trip_and_bad_names_are_refused():
         ({"overlap": "yes"}, r"Expected `overlap` to be True or False"),
         ({"profile": 1}, r"Expected `profile` to be True or False"),
         ({"mode": "average", "compression": "bf16"}, r"`compression` applies to mode="),
-        ({"mode": "average", "overlap": False}, r"`overlap` applies to mode='sync' only"),
+        ({"mode": "average", "overlap": False}, r"`overlap` applies to mode='sync' or 'sharded' only"),
     ],
 )
 def test_exchange_settings_are_checked_on_the_driver(digits_df, options, message):

@@ -12,7 +12,7 @@ Every operation is collective over its communicator (all ranks call the same
 operations in the same order) except ``send``/``recv``, which pair one rank
 with another by tag. Arrays are numpy arrays of any dtype the wire carries
 (:func:`sparkdl.net.frames.dtype_code`), bfloat16 included; results are new
-arrays unless ``out=`` is given.
+arrays unless ``out=`` is given (allreduce, allgather, reduce_scatter, recv).
 """
 
 from __future__ import annotations
@@ -141,8 +141,10 @@ class Communicator(Protocol):
         """Rank r gets ``arrays[r]`` of rank ``root`` (the others pass None)."""
         ...
 
-    def allgather(self, array: np.ndarray, *, algorithm: str | None = None) -> np.ndarray:
-        """Every rank's array (all of one shape) stacked by rank: shape ``(size, *array.shape)``."""
+    def allgather(
+        self, array: np.ndarray, *, out: np.ndarray | None = None, algorithm: str | None = None
+    ) -> np.ndarray:
+        """Every rank's array (all of one shape) stacked by rank: shape ``(size, *array.shape)`` (into ``out``)."""
         ...
 
     def allgather_v(self, array: np.ndarray) -> list[np.ndarray]:
@@ -150,9 +152,15 @@ class Communicator(Protocol):
         ...
 
     def reduce_scatter(
-        self, array: np.ndarray, op: ReduceOp = ReduceOp.SUM, *, algorithm: str | None = None
+        self,
+        array: np.ndarray,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str | None = None,
     ) -> np.ndarray:
-        """This rank's part of ``op`` over all ranks: ``np.array_split(result, size)[rank]`` (along axis 0)."""
+        """This rank's part of ``op`` over all ranks: ``np.array_split(result, size)[rank]`` (along axis 0;
+        into ``out``)."""
         ...
 
     def alltoall(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -190,12 +198,19 @@ class Communicator(Protocol):
 
     def scatter_async(self, arrays: Sequence[np.ndarray] | None, root: int = 0) -> Work: ...
 
-    def allgather_async(self, array: np.ndarray, *, algorithm: str | None = None) -> Work: ...
+    def allgather_async(
+        self, array: np.ndarray, *, out: np.ndarray | None = None, algorithm: str | None = None
+    ) -> Work: ...
 
     def allgather_v_async(self, array: np.ndarray) -> Work: ...
 
     def reduce_scatter_async(
-        self, array: np.ndarray, op: ReduceOp = ReduceOp.SUM, *, algorithm: str | None = None
+        self,
+        array: np.ndarray,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        out: np.ndarray | None = None,
+        algorithm: str | None = None,
     ) -> Work: ...
 
     def alltoall_async(self, arrays: Sequence[np.ndarray]) -> Work: ...

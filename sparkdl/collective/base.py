@@ -152,11 +152,11 @@ class BaseCommunicator:
     def scatter_async(self, arrays, root=0):
         return self._call("scatter", True, arrays=arrays, root=root)
 
-    def allgather(self, array, *, algorithm=None) -> np.ndarray:
-        return self._call("allgather", False, array=array, algorithm=algorithm)
+    def allgather(self, array, *, out=None, algorithm=None) -> np.ndarray:
+        return self._call("allgather", False, array=array, out=out, algorithm=algorithm)
 
-    def allgather_async(self, array, *, algorithm=None):
-        return self._call("allgather", True, array=array, algorithm=algorithm)
+    def allgather_async(self, array, *, out=None, algorithm=None):
+        return self._call("allgather", True, array=array, out=out, algorithm=algorithm)
 
     def allgather_v(self, array) -> list[np.ndarray]:
         return self._call("allgather_v", False, array=array)
@@ -164,11 +164,11 @@ class BaseCommunicator:
     def allgather_v_async(self, array):
         return self._call("allgather_v", True, array=array)
 
-    def reduce_scatter(self, array, op=ReduceOp.SUM, *, algorithm=None) -> np.ndarray:
-        return self._call("reduce_scatter", False, array=array, op=op, algorithm=algorithm)
+    def reduce_scatter(self, array, op=ReduceOp.SUM, *, out=None, algorithm=None) -> np.ndarray:
+        return self._call("reduce_scatter", False, array=array, op=op, out=out, algorithm=algorithm)
 
-    def reduce_scatter_async(self, array, op=ReduceOp.SUM, *, algorithm=None):
-        return self._call("reduce_scatter", True, array=array, op=op, algorithm=algorithm)
+    def reduce_scatter_async(self, array, op=ReduceOp.SUM, *, out=None, algorithm=None):
+        return self._call("reduce_scatter", True, array=array, op=op, out=out, algorithm=algorithm)
 
     def alltoall(self, arrays) -> list[np.ndarray]:
         return self._call("alltoall", False, arrays=arrays)
@@ -204,3 +204,15 @@ class BaseCommunicator:
 
     def cross(self) -> Communicator:
         raise CollectiveError(f"rank {self.rank}: the {self.capabilities.backend} backend cannot form subgroups")
+
+
+def output_array(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """``out`` checked to fit an operation's result of ``shape`` and ``dtype`` (a new array where None)."""
+    if out is None:
+        return np.empty(shape, dtype)
+    if out.shape != tuple(shape) or out.dtype != dtype or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(
+            f"Expected `out` to be a writeable C-contiguous {dtype} array of shape {tuple(shape)}. "
+            f"Received: {out.dtype} of shape {out.shape}"
+        )
+    return out

@@ -25,7 +25,7 @@ import numpy as np
 from sparkdl.collective import algorithms, shm
 from sparkdl.collective.algorithms import hierarchical, naive, ring, tree
 from sparkdl.collective.api import OP_CODES, OPERATION_NAMES, Capabilities, ReduceOp
-from sparkdl.collective.base import BaseCommunicator, check_reduce_op
+from sparkdl.collective.base import BaseCommunicator, check_reduce_op, output_array
 from sparkdl.collective.exchange import Exchange
 from sparkdl.collective.links import Links, Listener
 from sparkdl.collective.topology import Topology
@@ -180,7 +180,14 @@ class SparkdlCommunicator(BaseCommunicator):
 
     def _choose(self, name: str, requested: str | None, nbytes: int) -> str:
         # A communicator of one rank moves nothing, so any algorithm "runs" on it.
-        return algorithms.choose(name, requested, self.algorithm, nbytes, self._shared_memory() or self.size == 1)
+        return algorithms.choose(
+            name, requested, self.algorithm, nbytes, self._shared_memory() or self.size == 1, self._one_host()
+        )
+
+    def _one_host(self) -> bool:
+        """Whether this communicator's ranks are exactly the ranks of this host's segment, in order."""
+        shared = self._job.shared
+        return shared is not None and self.group == 0 and shared.ranks == list(self.members)
 
     def _root(self, root: int) -> int:
         if not 0 <= root < self.size:
@@ -192,7 +199,7 @@ class SparkdlCommunicator(BaseCommunicator):
     def _allreduce(self, array, op, out, algorithm) -> np.ndarray:
         source, flat = _flat(array)
         check_reduce_op(op, source.dtype)
-        result = _output(out, source)
+        result = output_array(out, source.shape, source.dtype)
         out_flat = result.reshape(-1)
         chosen = self._choose("allreduce", algorithm, source.nbytes)
         if self.size == 1:
@@ -240,36 +247,46 @@ class SparkdlCommunicator(BaseCommunicator):
             ex.flush()
         return out.reshape(source.shape)
 
-    def _allgather(self, array, algorithm) -> np.ndarray:
+    def _allgather(self, array, out, algorithm) -> np.ndarray:
         source = np.asarray(array)
         dtype_code(source.dtype)
-        out = np.empty((self.size, *source.shape), source.dtype)
+        out = output_array(out, (self.size, *source.shape), source.dtype)
         rows = out.reshape(self.size, source.size)
         rows[self.rank] = source.reshape(-1)
-        if self.size > 1:
+        chosen = self._choose("allgather", algorithm, source.nbytes)
+        if self.size > 1 and chosen == "shared_memory":
+            assert self._job.shared is not None  # chosen only where the segment holds every rank
+            self._job.shared.allgather(rows)
+        elif self.size > 1:
             ex = self._exchange("allgather")
-            module = ring if self._choose("allgather", algorithm, source.nbytes) == "ring" else naive
-            module.allgather(ex, rows)
+            (ring if chosen == "ring" else naive).allgather(ex, rows)
             ex.flush()
         return out
 
-    def _reduce_scatter(self, array, op, algorithm) -> np.ndarray:
+    def _reduce_scatter(self, array, op, out, algorithm) -> np.ndarray:
         source, flat = _flat(array)
         check_reduce_op(op, source.dtype)
         if source.ndim == 0:
             raise ValueError("Expected an array of at least one dimension to scatter by rows. Received: a scalar")
-        self._choose("reduce_scatter", algorithm, source.nbytes)
-        out = np.array(flat, copy=True)
+        chosen = self._choose("reduce_scatter", algorithm, source.nbytes)
         rows = source.shape[0]
-        if self.size > 1:
-            ex = self._exchange("reduce_scatter")
-            ring.reduce_scatter(ex, flat, out, rows, _COMBINE[op], self._scratch_of(ring.SEGMENT_BYTES))
-            ex.flush()
         bounds = ring.chunk_bounds(rows, self.size)
-        mine = out.reshape(source.shape)[bounds[self.rank] : bounds[self.rank + 1]]
+        lo, hi = (b * (flat.size // rows if rows else 0) for b in bounds[self.rank : self.rank + 2])
+        result = output_array(out, (bounds[self.rank + 1] - bounds[self.rank], *source.shape[1:]), source.dtype)
+        if self.size > 1 and chosen == "shared_memory":
+            assert self._job.shared is not None  # chosen only where the segment holds every rank
+            row = flat.size // rows if rows else 0
+            self._job.shared.reduce_scatter(flat, _SHARED_OP[op], result.reshape(-1), [b * row for b in bounds])
+        else:
+            work = np.array(flat, copy=True)
+            if self.size > 1:
+                ex = self._exchange("reduce_scatter")
+                ring.reduce_scatter(ex, flat, work, rows, _COMBINE[op], self._scratch_of(ring.SEGMENT_BYTES))
+                ex.flush()
+            result.reshape(-1)[...] = work[lo:hi]
         if op is ReduceOp.MEAN:
-            np.true_divide(mine, self.size, out=mine)
-        return np.array(mine, copy=True)
+            np.true_divide(result, self.size, out=result)
+        return result
 
     def _gather(self, array, root) -> list[np.ndarray] | None:
         source = np.asarray(array)
@@ -342,17 +359,6 @@ def _flat(array) -> tuple[np.ndarray, np.ndarray]:
     source = np.asarray(array)
     dtype_code(source.dtype)
     return source, np.ascontiguousarray(source).reshape(-1)
-
-
-def _output(out: np.ndarray | None, source: np.ndarray) -> np.ndarray:
-    if out is None:
-        return np.empty(source.shape, source.dtype)
-    if out.shape != source.shape or out.dtype != source.dtype or not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError(
-            f"Expected `out` to be a writeable C-contiguous {source.dtype} array of shape {source.shape}. "
-            f"Received: {out.dtype} of shape {out.shape}"
-        )
-    return out
 
 
 def _sum_if_mean(op: ReduceOp) -> ReduceOp:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from sparkdl.collective.api import Capabilities, ReduceOp
-from sparkdl.collective.base import BaseCommunicator, check_reduce_op
+from sparkdl.collective.base import BaseCommunicator, check_reduce_op, output_array
 from sparkdl.net.errors import CollectiveError
 from sparkdl.net.frames import dtype_code, dtype_of
 
@@ -233,11 +233,14 @@ class HorovodCommunicator(BaseCommunicator):
         moved = _numpy(self._hvd.broadcast(_to_moved(array), root_rank=root, name=self._name("broadcast")))
         return _from_moved(moved, array.dtype)
 
-    def _allgather(self, array: np.ndarray, algorithm: str | None) -> np.ndarray:
+    def _allgather(self, array: np.ndarray, out: np.ndarray | None, algorithm: str | None) -> np.ndarray:
+        array = np.asarray(array)
+        result = output_array(out, (self.size, *array.shape), array.dtype)  # refused before anything moves
         stacked = self._hvd.allgather(_to_moved(array)[np.newaxis], name=self._name("allgather")).numpy()
         if stacked.shape[0] != self.size:
             raise CollectiveError(f"rank {self.rank}: allgather got {stacked.shape[0]} rows from {self.size} ranks")
-        return _from_moved(stacked, array.dtype)
+        result[...] = _from_moved(stacked, array.dtype)
+        return result
 
     def _allgather_v(self, array: np.ndarray) -> list[np.ndarray]:
         records = self._hvd.allgather(_record(array), name=self._name("allgather_v.shapes")).numpy()
@@ -250,11 +253,17 @@ class HorovodCommunicator(BaseCommunicator):
         arrays = self._allgather_v(array)
         return arrays if self.rank == root else None
 
-    def _reduce_scatter(self, array: np.ndarray, op: ReduceOp, algorithm: str | None) -> np.ndarray:
+    def _reduce_scatter(
+        self, array: np.ndarray, op: ReduceOp, out: np.ndarray | None, algorithm: str | None
+    ) -> np.ndarray:
+        array = np.asarray(array)
+        rows = len(np.array_split(np.arange(array.shape[0] if array.ndim else 1), self.size)[self.rank])
+        result = output_array(out, (rows, *array.shape[1:]), array.dtype)  # refused before anything moves
         if op in (ReduceOp.SUM, ReduceOp.MEAN):
-            return self._hvd.reducescatter(array, op=self._ops[op], name=self._name("reduce_scatter")).numpy()
-        # Horovod's reducescatter has only SUM and AVERAGE.
-        return np.array_split(self._allreduce(array, op, None, None), self.size)[self.rank].copy()
+            result[...] = self._hvd.reducescatter(array, op=self._ops[op], name=self._name("reduce_scatter")).numpy()
+        else:  # Horovod's reducescatter has only SUM and AVERAGE
+            result[...] = np.array_split(self._allreduce(array, op, None, None), self.size)[self.rank]
+        return result
 
     def _alltoall(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         records = [_record(array) for array in arrays]

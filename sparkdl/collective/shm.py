@@ -1,4 +1,4 @@
-"""Why ranks on one host skip TCP: allreduce, broadcast and barrier through one shared memory segment.
+"""Why ranks on one host skip TCP: allreduce, reduce-scatter, allgather, broadcast and barrier through one segment.
 
 :class:`SharedMemoryGroup` joins the local ranks of a host (setup, segments and
 doorbells: :mod:`sparkdl.collective.shm_segment`).  Each phase of an operation
@@ -14,7 +14,9 @@ copies the other chunks of the result into ``out``. Pieces alternate between
 two sets of slots and results, and piece k+1's A runs between k's B and C, so
 every wait has a phase of work as slack.  An area is rewritten only once every
 reader of its old contents has published past it, which the counters already
-say: no extra round trip.  broadcast: the root copies into one of two halves
+say: no extra round trip.  reduce_scatter is allreduce's A and B over a segment
+of every rank's range per piece; allgather, each rank's piece into its slot, then
+copied out by the others.  broadcast: the root copies into one of two halves
 of the data segment, the others copy out.  barrier: counters only.
 """
 
@@ -98,9 +100,7 @@ class SharedMemoryGroup:
 
     def allreduce(self, flat: np.ndarray, op: str, out: np.ndarray) -> None:
         """``out`` = ``op`` ("sum", "min", "max") over every local rank's ``flat``; ``out`` may be ``flat``."""
-        if op not in OPS:
-            raise ValueError(f"Expected op in {sorted(OPS)}. Received: op={op!r}")
-        ufunc, same = OPS[op], _check(flat, out)
+        ufunc, same = self._ufunc(op), _check(flat, out)
         ufunc(flat[:0], out[:0], out=out[:0])  # TypeError now, not mid-call, for a dtype the op does not take
         with self._operation("allreduce") as progress:
             if progress is None or flat.size == 0:
@@ -156,6 +156,110 @@ class SharedMemoryGroup:
                 dst[start + b : start + end] = result[b:end]
                 progress.publish(progress.value + 1)
                 self._free_results[set_] = progress.value
+
+    def reduce_scatter(self, flat: np.ndarray, op: str, out: np.ndarray, bounds: Sequence[int]) -> None:
+        """``out`` = ``op`` over every local rank's ``flat[bounds[r]:bounds[r + 1]]`` (r: this local rank).
+
+        Each piece holds a segment of every rank's range: A, each rank copies the segments the others
+        reduce into its slot; B, each reduces its own segment from its input and the others' slots into
+        ``out``. Piece k+1's A runs before k's B.
+        """
+        ufunc = self._ufunc(op)
+        if len(bounds) != self.local_size + 1 or list(bounds) != sorted(bounds) or bounds[-1] > np.size(flat):
+            raise ValueError(f"Expected {self.local_size + 1} ascending bounds within the array. Received: {bounds}")
+        lo, hi = bounds[self.local_rank], bounds[self.local_rank + 1]
+        _check(flat, flat)
+        if not isinstance(out, np.ndarray) or out.shape != (hi - lo,) or out.dtype != flat.dtype:
+            raise ValueError(f"Expected out of {hi - lo} {flat.dtype}. Received: {getattr(out, 'shape', out)}")
+        if not out.flags.c_contiguous or not out.flags.writeable or np.may_share_memory(flat, out):
+            raise ValueError("Expected a writeable C-contiguous out apart from flat")
+        ufunc(flat[:0], out[:0], out=out[:0])  # TypeError now, not mid-call, for a dtype the op does not take
+        with self._operation("reduce_scatter") as progress:
+            size, rank, item = self.local_size, self.local_rank, flat.dtype.itemsize
+            if progress is None:
+                out[...] = flat[lo:hi]
+                return
+            step = max(1, PIECE_BYTES // item // size)  # elements of one rank's range per piece
+            count = -(-max(bounds[q + 1] - bounds[q] for q in range(size)) // step)
+            data = self._reserve(2 * (size + 1) * seg.align(step * size * item, 64), "reduce_scatter")
+            stride = len(data) // (2 * (size + 1)) // 64 * 64
+            src, wait, peers = flat.view(np.uint8), progress.wait, self._peers
+            sets, written = self._sets(count), [0] * count
+
+            def segment(q: int, k: int) -> tuple[int, int]:
+                a = bounds[q] + k * step
+                return a, min(bounds[q + 1], a + step)
+
+            def phase_a(k: int) -> None:
+                slot = data[(sets[k] * (size + 1) + rank) * stride :]
+                wait(max(self._free_slots[sets[k]], *self._free_halves), peers, "reduce_scatter")
+                for q in peers:
+                    a, b = segment(q, k)
+                    slot[q * step * item : (q * step + b - a) * item] = src[a * item : b * item]
+                progress.publish(progress.value + 1)
+                written[k] = progress.value
+
+            if count:
+                phase_a(0)
+            for k in range(count):
+                if k + 1 < count:
+                    phase_a(k + 1)
+                base = sets[k] * (size + 1) * stride
+                wait(max(written[k], *self._free_halves), peers, "reduce_scatter")
+                a, b = segment(rank, k)
+                if b > a:
+                    mine = out[a - lo : b - lo]
+                    for i, q in enumerate(peers):
+                        start = base + q * stride + rank * step * item
+                        ufunc(
+                            flat[a:b] if i == 0 else mine,
+                            data[start : start + (b - a) * item].view(out.dtype),
+                            out=mine,
+                        )
+                progress.publish(progress.value + 1)
+                self._free_slots[sets[k]] = progress.value
+
+    def allgather(self, rows: np.ndarray) -> None:
+        """Row r of ``rows`` (``(local_size, n)``, C-contiguous, any dtype) from local rank r into every rank's.
+
+        Each rank copies a piece of its row into its slot; the others copy it out. Piece k+1 is written
+        before piece k is read.
+        """
+        if not isinstance(rows, np.ndarray) or rows.ndim != 2 or rows.shape[0] != self.local_size:
+            raise ValueError(f"Expected rows of shape ({self.local_size}, n). Received: {getattr(rows, 'shape', rows)}")
+        if not rows.flags.c_contiguous or not rows.flags.writeable or rows.dtype.hasobject:
+            raise ValueError("Expected C-contiguous, writeable numeric rows")
+        with self._operation("allgather") as progress:
+            if progress is None or rows.size == 0:
+                return
+            size, rank, wait, peers = self.local_size, self.local_rank, progress.wait, self._peers
+            table = rows.view(np.uint8).reshape(size, -1)
+            n = table.shape[1]
+            piece = min(n, PIECE_BYTES)
+            count = -(-n // piece)
+            data = self._reserve(2 * (size + 1) * seg.align(piece, 64), "allgather")
+            stride = len(data) // (2 * (size + 1)) // 64 * 64
+            sets, written = self._sets(count), [0] * count
+
+            def write(k: int) -> None:
+                a, b = k * piece, min(n, (k + 1) * piece)
+                start = (sets[k] * (size + 1) + rank) * stride
+                wait(max(self._free_slots[sets[k]], *self._free_halves), peers, "allgather")
+                data[start : start + b - a] = table[rank, a:b]
+                progress.publish(progress.value + 1)
+                written[k] = progress.value
+
+            write(0)
+            for k in range(count):
+                if k + 1 < count:
+                    write(k + 1)
+                a, b = k * piece, min(n, (k + 1) * piece)
+                wait(written[k], peers, "allgather")
+                for q in peers:
+                    start = (sets[k] * (size + 1) + q) * stride
+                    table[q, a:b] = data[start : start + b - a]
+                progress.publish(progress.value + 1)
+                self._free_slots[sets[k]] = progress.value
 
     def broadcast(self, flat: np.ndarray, root: int, out: np.ndarray) -> None:
         """Local rank ``root``'s ``flat`` into every rank's ``out`` (the root's too); ``out`` may be ``flat``."""
@@ -229,6 +333,19 @@ class SharedMemoryGroup:
             self._progress.words.release()
             self._links.close()
             self._links = None
+
+    def _ufunc(self, op: str):
+        if op not in OPS:
+            raise ValueError(f"Expected op in {sorted(OPS)}. Received: op={op!r}")
+        return OPS[op]
+
+    def _sets(self, count: int) -> list[int]:
+        """The set of slots (0 or 1) each of ``count`` pieces uses, alternating on from the last call's."""
+        sets = []
+        for _ in range(count):
+            sets.append(self._set)
+            self._set ^= 1
+        return sets
 
     def _reserve(self, need: int, op: str) -> np.ndarray:
         """The data segment's bytes, after replacing it with a bigger one if it holds fewer than ``need``."""

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from sparkdl.checkpoint import Checkpointer
 from sparkdl.keras import serialization
-from sparkdl.keras.optimizer_hooks import unhooked
+from sparkdl.keras.optimizer_hooks import saved_form
 
 # Seconds between two step reports of one worker (the driver's progress bar moves about this often).
 STEP_REPORT_SECONDS = 1.0
@@ -100,7 +100,7 @@ def checkpoint_callback(checkpointer: Checkpointer):
     class SaveCheckpoint(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
             checkpointer.record(numeric_logs(logs))
-            with unhooked(self.model.optimizer):  # saved as the user's own optimizer class
+            with saved_form(self.model):  # saved as the user's own optimizer
                 model_bytes = serialization.model_to_bytes(self.model)
             checkpointer.save(epoch + 1, model_bytes)
 

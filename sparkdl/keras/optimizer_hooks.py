@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,7 @@ def intercept_apply(optimizer, intercept: Callable) -> Iterator[None]:
     (class, config, variable paths) than the user's unless unwrapped for every save; and with
     Keras 2 (``_compat``) the wrapper would have to mirror ``apply_gradients`` too. The swap
     changes only which ``apply`` runs: the same instance keeps its variables, its tracking by
-    the model and its config, and ``unhooked`` restores the class for a save in one assignment.
+    the model and its config, and ``saved_form`` restores the class for a save in one assignment.
     """
     original = type(optimizer)
     optimizer.__class__ = _compat.hooked_optimizer_class(original, intercept)
@@ -42,9 +43,34 @@ def intercept_apply(optimizer, intercept: Callable) -> Iterator[None]:
         optimizer.__class__ = original
 
 
+#: Stand-in optimizers (by id) that a model holds while ``fit`` runs, each with the getter of the
+#: optimizer a save must record instead (sharded mode's optimizer over one rank's shard).
+_STAND_INS: dict[int, Callable[[], Any]] = {}
+
+
 @contextlib.contextmanager
-def unhooked(optimizer) -> Iterator[None]:
-    """While the block runs, the optimizer is of the user's own class again (to save it: Keras records the class)."""
+def standing_in(stand_in, saved_as: Callable[[], Any]) -> Iterator[None]:
+    """While the block runs, :func:`saved_form` records ``saved_as()`` wherever a model holds ``stand_in``."""
+    _STAND_INS[id(stand_in)] = saved_as
+    try:
+        yield
+    finally:
+        del _STAND_INS[id(stand_in)]
+
+
+@contextlib.contextmanager
+def saved_form(model) -> Iterator[None]:
+    """While the block runs, the model's optimizer is the one a save should record: of the user's own
+    class (Keras records the class), and the user's whole optimizer where a stand-in holds its place."""
+    optimizer = model.optimizer
+    saved_as = _STAND_INS.get(id(optimizer))
+    if saved_as is not None:
+        model.optimizer = saved_as()
+        try:
+            yield
+        finally:
+            model.optimizer = optimizer
+        return
     hooked = type(optimizer)
     original = getattr(hooked, "hooked_from", None)
     if original is None:

@@ -12,6 +12,7 @@ from sparkdl.launch import run_tasks
 from sparkdl.launch.backends import check_backend
 from sparkdl.launch.session import encrypts_traffic
 from sparkdl.modes.base import Job, Mode, ModeResult, Option
+from sparkdl.modes.sync import sharded
 from sparkdl.modes.sync.task import MODEL, SyncTask, run_sync_task
 
 
@@ -21,27 +22,34 @@ class SyncOptions:
     compression: str | None = None  # gradients on the wire as "bf16"/"fp16" (``sparkdl.collective.compression``)
     overlap: bool = True  # gradient buckets start moving while backprop runs
     profile: bool = False  # time each step's phases on every rank (FitResult.stats["step_profile"])
+    shard: bool = False  # mode="sharded": each rank keeps and updates 1/N of the optimizer state
 
 
 class SyncMode(Mode):
     """Minibatch SGD at the global batch ``num_workers * batch_size``: the replicas stay one model.
+
+    ``"sharded"`` is the same training with the optimizer's state and update split over the ranks
+    (ZeRO stage 1, ``sharded``): the same weights, 1/N of the optimizer's memory and work per rank.
 
     Rank 0 speaks for all ranks (their metrics are combined already): it reports progress and
     writes the checkpoints, from inside the stage, so that a stage Spark retries after losing a
     task resumes from what the failed attempt saved.
     """
 
-    names = ("sync",)
+    names = ("sync", "sharded")
 
     def options(self, name: str) -> dict[str, Option]:
+        backend = {"backend": Option(check=check_backend)} if name == "sync" else {}  # sharded: the ring's
         return {
-            "backend": Option(check=check_backend),
+            **backend,
             "compression": Option(check=compressions.check),
             "overlap": Option(check=_check_flag("overlap")),
             "profile": Option(check=_check_flag("profile")),
         }
 
     def configure(self, name: str, model, values: dict) -> SyncOptions:
+        if name == "sharded":
+            sharded.check_model(model)
         backend, compression = values.get("backend") or "ring", values.get("compression")
         if compression is not None and backend != "ring":
             raise ValueError(
@@ -49,7 +57,7 @@ class SyncMode(Mode):
                 f"gradients' own dtype. Received: compression={compression!r}. Use backend='ring' to compress."
             )
         overlap, profile = values.get("overlap"), values.get("profile")
-        return SyncOptions(backend, compression, True if overlap is None else overlap, bool(profile))
+        return SyncOptions(backend, compression, True if overlap is None else overlap, bool(profile), name == "sharded")
 
     def run(self, job: Job) -> ModeResult:
         task = SyncTask(
@@ -60,6 +68,7 @@ class SyncMode(Mode):
             compression=job.options.compression,
             overlap=job.options.overlap,
             profile=job.options.profile,
+            shard=job.options.shard,
             checkpoints=job.checkpoints,
             encrypt=encrypts_traffic(job.training.frame.sparkSession),
         )

@@ -65,7 +65,7 @@ class GradientReducer:
         self._compile_update = compile_update
         self._profile = profile
         self._pending: dict[int, tuple[Any, np.ndarray]] = {}  # bucket -> its work, and its input kept alive
-        self._buffers: dict[tuple[int, int], np.ndarray] = {}  # (bucket, step parity) -> the allreduce's output
+        self._buffers: dict[tuple[int, int], np.ndarray] = {}  # (bucket, step parity) -> the collective's output
         self._parity = 0
         self.buckets: list[list[int]] = []  # the variables (by index) of each bucket, as last traced
 
@@ -81,53 +81,83 @@ class GradientReducer:
         if self._scales is not None:
             scale = tf.ensure_shape(tf.numpy_function(self._next_scale, [], tf.float32, stateful=True), [])
             dense = {i: g * tf.cast(scale, g.dtype) for i, g in dense.items()}
-        self.buckets = self._group(present, dense)
+        self.buckets = self._group(present, {i: int(np.prod(dense[i].shape)) for i in present})
         fused = [
-            tf.concat([tf.reshape(tf.cast(dense[i], tf.float32), [-1]) for i in bucket], 0) for bucket in self.buckets
+            self._padded(tf.concat([tf.reshape(tf.cast(dense[i], tf.float32), [-1]) for i in bucket], 0))
+            for bucket in self.buckets
         ]
         wire = [self._narrow(buffer) for buffer in fused]
         wire_dtype = tf.as_dtype(self._wire)
         if len(wire) == 1:
             reduced = [
-                tf.numpy_function(self._reduce_now, wire[0], wire_dtype, stateful=True, name="sparkdl_allreduce")
+                tf.numpy_function(
+                    self._reduce_now, wire[0], wire_dtype, stateful=True, name=f"sparkdl_{self.OPERATION}"
+                )
             ]
         else:
             started = [
                 tf.numpy_function(
-                    self._starter(b), inputs, tf.int32, stateful=True, name=f"sparkdl_allreduce_start_{b}"
+                    self._starter(b), inputs, tf.int32, stateful=True, name=f"sparkdl_{self.OPERATION}_start_{b}"
                 )
                 for b, inputs in enumerate(wire)
             ]
             reduced = tf.numpy_function(
-                self._finish, started, [wire_dtype] * len(wire), stateful=True, name="sparkdl_allreduce_wait"
+                self._finish, started, [wire_dtype] * len(wire), stateful=True, name=f"sparkdl_{self.OPERATION}_wait"
             )
+        reduced = [tf.ensure_shape(result, self._result_shape(buffer)) for result, buffer in zip(reduced, fused)]
         shapes = {i: (dense[i].shape, dense[i].dtype) for i in present}
+        applied = self._apply_reduced(apply, reduced, shapes, len(grads), variables)
+        if self._profile is not None:  # stateful, so it runs after the optimizer's updates (program order)
+            tf.numpy_function(self._last_stamp(), [], tf.int32, stateful=True, name="sparkdl_profile_applied")
+        return applied
+
+    # -- what a subclass with another collective changes -------------------------------------------
+
+    #: The communicator's operation each bucket goes through (its name in the graph's op names too).
+    OPERATION = "allreduce"
+
+    def _last_stamp(self):
+        """The profile's stamp once the step's update is in the weights."""
+        return self._profile.applied
+
+    def _padded(self, buffer):
+        """The fused bucket as it goes to the collective (a subclass may pad it)."""
+        return buffer
+
+    def _result_shape(self, buffer) -> list[int]:
+        """The shape of the collective's result for the (padded) fused bucket ``buffer``."""
+        return buffer.shape
+
+    def _collective(self, wire: np.ndarray, bucket: int, *, now: bool):
+        """Starts bucket ``bucket``'s collective on ``wire`` (``now``: runs it and returns its result)."""
+        operation = self._comm.allreduce if now else self._comm.allreduce_async
+        return operation(wire, ReduceOp.SUM, out=self._buffer(bucket, wire.shape, wire.dtype))
+
+    def _apply_reduced(self, apply, reduced: list, shapes: dict, count: int, variables: Sequence):
+        """Applies the step's update from the buckets' results: here, the ranks' sums averaged."""
+        import tensorflow as tf
 
         def average_and_apply(reduced):
-            out: list = [None] * len(grads)
+            out: list = [None] * count
             for bucket, result in zip(self.buckets, reduced):
                 mean = tf.cast(result, tf.float32) * (1.0 / self._comm.size)
                 for i, part in zip(bucket, tf.split(mean, [int(np.prod(shapes[i][0])) for i in bucket])):
                     out[i] = tf.cast(tf.reshape(part, shapes[i][0]), shapes[i][1])
             return apply(out, variables)
 
-        reduced = [tf.ensure_shape(result, buffer.shape) for result, buffer in zip(reduced, fused)]
         if self._compile_update:  # the widening, the mean and the update: one XLA function
-            applied = compiled_update.compiled(average_and_apply)(reduced)
-        else:
-            applied = average_and_apply(reduced)
-        if self._profile is not None:  # stateful, so it runs after the optimizer's updates (program order)
-            tf.numpy_function(self._profile.applied, [], tf.int32, stateful=True, name="sparkdl_profile_applied")
-        return applied
+            return compiled_update.compiled(average_and_apply)(reduced)
+        return average_and_apply(reduced)
 
-    def _group(self, present: list[int], dense: dict) -> list[list[int]]:
-        """The variables of each bucket: the last ones first, as backprop produces their gradients."""
+    def _group(self, present: list[int], sizes: dict[int, int]) -> list[list[int]]:
+        """The variables of each bucket (``sizes``: their elements): the last ones first, as backprop
+        produces their gradients."""
         if self._bucket_bytes is None:
             return [present]
         buckets, current, size = [], [], 0
         for i in reversed(present):
             current.append(i)
-            size += int(np.prod(dense[i].shape)) * self._wire.itemsize
+            size += sizes[i] * self._wire.itemsize
             if size >= self._bucket_bytes:
                 buckets.append(current)
                 current, size = [], 0
@@ -157,7 +187,7 @@ class GradientReducer:
         if self._profile is not None:
             self._profile.gradients_ready(buckets=1, done=0, nbytes=wire.nbytes)
             self._profile.peers_ready(self._comm)
-        result = self._comm.allreduce(wire, ReduceOp.SUM, out=self._buffer(0, wire))
+        result = self._collective(wire, 0, now=True)
         self._parity ^= 1
         if self._profile is not None:
             self._profile.exchange_done()
@@ -167,10 +197,7 @@ class GradientReducer:
         def start(wire: np.ndarray, largest=None) -> np.int32:
             self._check(largest)
             # the input is TensorFlow's memory, alive until this step ends: the buffer is kept with the work
-            self._pending[bucket] = (
-                self._comm.allreduce_async(wire, ReduceOp.SUM, out=self._buffer(bucket, wire)),
-                wire,
-            )
+            self._pending[bucket] = (self._collective(wire, bucket, now=False), wire)
             return np.int32(bucket)
 
         return start
@@ -188,13 +215,13 @@ class GradientReducer:
             self._profile.exchange_done()
         return results
 
-    def _buffer(self, bucket: int, like: np.ndarray) -> np.ndarray:
+    def _buffer(self, bucket: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """The bucket's output buffer, allocated once; two per bucket, alternating steps, so that a step's
         result is never overwritten while TensorFlow may still read it."""
         key = (bucket, self._parity)
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            buffer = self._buffers[key] = np.empty_like(like)
+        if buffer is None or buffer.shape != tuple(shape) or buffer.dtype != dtype:
+            buffer = self._buffers[key] = np.empty(shape, dtype)
         return buffer
 
     def _check(self, largest) -> None:

@@ -13,6 +13,7 @@ import hashlib
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from sparkdl.keras.held_out import in_batches
 from sparkdl.keras.optimizer_hooks import intercept_apply
 from sparkdl.metrics import combine_logs
 from sparkdl.modes.base import Settings
+from sparkdl.modes.sync import sharded
 from sparkdl.modes.sync.reducer import GradientReducer
 from sparkdl.modes.sync.step_profile import StepProfile
 
@@ -45,6 +47,7 @@ class Exchange:
     compression: str | None = None  # "bf16"/"fp16": half the bytes on the wire (``collective.compression``)
     overlap: bool = True  # buckets start moving while backprop runs (``reducer.GradientReducer``)
     profile: StepProfile | None = None  # records where each step's time goes (``step_profile``)
+    shard: bool = False  # each rank keeps 1/N of the optimizer state (``sharded``: mode="sharded")
 
 
 @contextlib.contextmanager
@@ -244,7 +247,8 @@ def train(
     validation: Validation | None = None,
     callbacks: Sequence = (),
     exchange: Exchange = Exchange(),
-) -> dict[str, list[float]]:
+    saves_each_epoch: bool = False,
+) -> tuple[dict[str, list[float]], dict]:
     """Trains ``model`` in place on this rank's rows, in lockstep with the other ranks; returns the history.
 
     ``settings.steps_per_epoch`` is the ranks' common count (``Settings.for_rows(rows_per_rank)``):
@@ -254,7 +258,9 @@ def train(
     ``validation_data``) and the history gains the combined ``val_*`` metrics. Training runs
     epochs ``initial_epoch..epochs-1`` (the history holds those); ``callbacks`` run after the
     combination of metrics over ranks, so they see the global values. ``exchange`` says how the
-    gradients travel, and whether each step is profiled.
+    gradients travel, and whether each step is profiled. ``saves_each_epoch``: rank 0's ``callbacks``
+    save the model at every epoch's end (a sharded optimizer's state is gathered for it first).
+    Returns the history and this mode's counters (every rank's, the same on every rank).
     """
     import keras
 
@@ -284,16 +290,27 @@ def train(
         model.train_step = exchange.profile.wrap_train_step(model.train_step)
         first.append(exchange.profile.callback())
         exchange.profile.compiled_update = compile_update
+    options: dict[str, Any] = dict(
+        timeout=settings.timeout, first_step=initial_epoch * steps, compile_update=compile_update
+    )
+    stats: dict = {}
     try:
-        with distributed_optimizer(
-            model.optimizer,
-            comm,
-            scales,
-            first_step=initial_epoch * steps,
-            exchange=exchange,
-            timeout=settings.timeout,
-            compile_update=compile_update,
-        ):
+        exchanging: contextlib.AbstractContextManager[Any]
+        if exchange.shard:
+            exchanging = sharded.sharded_optimizer(
+                model,
+                comm,
+                scales=scales,
+                compression=exchange.compression,
+                overlap=exchange.overlap,
+                profile=exchange.profile,
+                **options,
+            )
+        else:
+            exchanging = distributed_optimizer(model.optimizer, comm, scales, exchange=exchange, **options)
+        with exchanging as state:
+            if state is not None and saves_each_epoch:
+                first.append(state.consolidating_callback())
             history = model.fit(
                 stream,
                 epochs=settings.epochs,
@@ -303,8 +320,11 @@ def train(
                 validation_data=validation_data,
                 callbacks=[*first, callback, *callbacks],
             )
+            if state is not None:
+                stats["sharded"] = state.summary()
+                state.finish()
     finally:
         if exchange.profile is not None:
             del model.train_step
     check_replicas_identical(model, comm)
-    return {name: [float(v) for v in values] for name, values in history.history.items()}
+    return {name: [float(v) for v in values] for name, values in history.history.items()}, stats

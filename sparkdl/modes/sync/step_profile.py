@@ -13,7 +13,8 @@ Keras hands the step back to Python, and the next step starts (the same callback
 | ``forward_backward``| the data                 | all gradients ready                     |
 | ``wait_for_peers`` | the gradients             | every rank ready (0 with overlap)       |
 | ``collective``     | every rank ready          | averages back (with overlap: the part not hidden behind backprop) |
-| ``optimizer``      | averages back             | the updates applied                     |
+| ``optimizer``      | averages back             | the updates applied (sharded: this rank's shard's) |
+| ``allgather``      | the shard's update        | the weights gathered from every rank (sharded mode; 0 in sync) |
 | ``keras``          | the updates               | Keras back in Python with the logs      |
 | ``callbacks``      | Keras back in Python      | the next step starts                    |
 
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-PHASES = ("input", "forward_backward", "wait_for_peers", "collective", "optimizer", "keras", "callbacks")
+PHASES = ("input", "forward_backward", "wait_for_peers", "collective", "optimizer", "allgather", "keras", "callbacks")
 # Each stamp ends a phase: the time since the previous stamp is charged to it.
 _ENDS = {
     "data": "input",
@@ -40,6 +41,7 @@ _ENDS = {
     "peers": "wait_for_peers",
     "reduced": "collective",
     "applied": "optimizer",
+    "gathered": "allgather",
     "returned": "keras",
     "began": "callbacks",
 }
@@ -92,6 +94,11 @@ class StepProfile:
     def applied(self) -> np.int32:
         self._stamp("applied")
         self._applied += 1
+        return np.int32(0)
+
+    def gathered(self) -> np.int32:
+        """Sharded mode: every rank's updated shard is in this rank's weights."""
+        self._stamp("gathered")
         return np.int32(0)
 
     def step_returned(self) -> None:

@@ -42,6 +42,11 @@ class SyncTask:
     compression: str | None = None  # gradients on the wire as "bf16"/"fp16" (``sparkdl.collective.compression``)
     overlap: bool = True  # gradient buckets start moving while backprop runs (``reducer``)
     profile: bool = False  # every rank times each step's phases (``step_profile``); rank 0 returns them
+    shard: bool = False  # mode="sharded": each rank keeps 1/N of the optimizer state (``sharded``)
+
+    @property
+    def mode(self) -> str:
+        return "sharded" if self.shard else "sync"
 
 
 def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, task: SyncTask) -> bytes | None:
@@ -71,7 +76,7 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
         validation = replicas.Validation(held_out, validation_rows) if settings.validate else None
         extra = list(settings.callbacks)
         saving = task.checkpoints if comm.rank == 0 else None  # rank 0 saves, where checkpoints are asked for
-        with Checkpointer(saving, start, "sync") if saving is not None else contextlib.nullcontext() as checkpointer:
+        with Checkpointer(saving, start, task.mode) if saving is not None else contextlib.nullcontext() as checkpointer:
             if comm.rank == 0:  # the ranks hold the same model and (combined) metrics: one of them reports and saves
                 reporter.progress(
                     {"event": "start", "initial_epoch": start.epoch, "steps_per_epoch": settings.steps_per_epoch}
@@ -88,7 +93,7 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
             if checkpointer is not None:
                 extra.insert(0, callbacks.checkpoint_callback(checkpointer))
             profile = StepProfile() if task.profile else None
-            history = replicas.train(
+            history, stats = replicas.train(
                 model,
                 rows,
                 comm=comm,
@@ -97,9 +102,11 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
                 initial_epoch=start.epoch,
                 validation=validation,
                 callbacks=extra,
-                exchange=replicas.Exchange(task.compression, task.overlap, profile),
+                exchange=replicas.Exchange(task.compression, task.overlap, profile, task.shard),
+                saves_each_epoch=task.checkpoints is not None,
             )
-        stats = {"step_profile": profile.summary(comm)} if profile is not None else {}
+        if profile is not None:
+            stats["step_profile"] = profile.summary(comm)
         reporter.phase("train")
         if comm.rank != 0:
             return None
@@ -122,7 +129,7 @@ def _starting_point(comm, task: SyncTask, reporter: TaskReporter) -> Checkpoint:
         if task.checkpoints is not None:
             start = task.checkpoints.latest(newer_than=settings.initial_epoch)
         if start is None:
-            start = Checkpoint(settings.initial_epoch, payloads.fetch(reporter, MODEL), task.start_history, "sync")
+            start = Checkpoint(settings.initial_epoch, payloads.fetch(reporter, MODEL), task.start_history, task.mode)
     header = comm.broadcast(np.array([start.epoch, len(start.model_bytes)] if start else [0, 0], np.int64))
     model = comm.broadcast(np.frombuffer(start.model_bytes, np.uint8) if start else np.empty(int(header[1]), np.uint8))
-    return start or Checkpoint(int(header[0]), model.tobytes(), {}, "sync")
+    return start or Checkpoint(int(header[0]), model.tobytes(), {}, task.mode)

@@ -1,0 +1,330 @@
+"""Sharded data parallelism (ZeRO stage 1): each rank keeps and updates 1/N of the optimizer's state.
+
+Sync mode replicates the optimizer: every rank holds every slot (Adam's two moments: twice the
+weights) and applies the whole update, memory-bound work that one process would do once. In
+``mode="sharded"`` the gradient buckets are reduce-scattered instead of allreduced (the ring's first
+half, still overlapping backprop, ``reducer.GradientReducer``): each rank receives the sum of its
+part of every bucket, updates only that part of the weights with an optimizer built over one flat
+variable of that size (its "shard"), and the updated parts are all-gathered into every rank's
+weights (the ring's second half). The bytes on the wire are those of one allreduce; each rank's
+optimizer state and update are 1/N of the model's.
+
+The flat shard is exact only for optimizers that treat every element alone (SGD, Adam and the
+others of :data:`ELEMENTWISE`); :func:`check_model` refuses the rest on the driver. The checkpoints
+and the result hold a normal optimizer: :class:`ShardedOptimizer` gathers the shards into one on
+rank 0 (``consolidate``), and re-shards a saved optimizer's state when a fit resumes, onto any
+number of ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from sparkdl import _compat
+from sparkdl.collective.api import ReduceOp
+from sparkdl.keras import compiled_update
+from sparkdl.keras.optimizer_hooks import intercept_apply, standing_in
+from sparkdl.modes.sync.reducer import GradientReducer
+
+#: Keras optimizers whose update of an element depends on that element's gradient and slots only.
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Nadam", "Lion", "Ftrl")
+#: The shard's variable name; the optimizer names its slots ``sparkdl_shard_<slot>``.
+SHARD = "sparkdl_shard"
+
+
+def check_model(model) -> None:
+    """Refuses, on the driver, a model whose optimizer's update cannot be split into independent shards."""
+    import keras
+
+    if _compat.keras_major() < 3:
+        raise ValueError("mode='sharded' needs Keras 3.")
+    optimizer = model.optimizer
+    name = type(optimizer).__name__
+    if type(optimizer) is not getattr(keras.optimizers, name, None) or name not in ELEMENTWISE:
+        raise ValueError(
+            f"mode='sharded' updates each rank's slice of the weights alone, so it needs an optimizer that "
+            f"updates every weight from its own gradient only: one of keras.optimizers.{{{', '.join(ELEMENTWISE)}}}. "
+            f"Received: {name} ({type(optimizer).__module__}). Use mode='sync' for it."
+        )
+    for setting in ("clipnorm", "global_clipnorm"):
+        if getattr(optimizer, setting, None):
+            raise ValueError(
+                f"mode='sharded' cannot clip by norm: a norm spans every rank's shard. Received: "
+                f"{setting}={getattr(optimizer, setting)!r}. Use clipvalue, or mode='sync'."
+            )
+    if optimizer.use_ema or optimizer.gradient_accumulation_steps:
+        raise ValueError(
+            "mode='sharded' supports neither use_ema nor gradient_accumulation_steps. Received: "
+            f"use_ema={optimizer.use_ema}, gradient_accumulation_steps={optimizer.gradient_accumulation_steps}"
+        )
+    wide = [v.path for v in model.trainable_variables if _numpy_dtype(v.dtype) != np.float32]
+    if wide:
+        raise ValueError(
+            f"mode='sharded' keeps the weights' shards as float32. Received trainable variables of other dtypes: "
+            f"{wide[:5]}. Use mode='sync' for mixed precision."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """Where each rank's shard lies in the gradient buckets: each bucket padded to a multiple of the ranks
+    and cut in equal parts (the reduce-scatter's); a shard is this rank's part of every bucket, in order."""
+
+    buckets: tuple[tuple[int, ...], ...]  # variable indices per bucket, as the reducer groups them
+    sizes: tuple[int, ...]  # elements per variable, by index
+    ranks: int
+
+    def length(self, bucket: int) -> int:
+        return sum(self.sizes[i] for i in self.buckets[bucket])
+
+    def part(self, bucket: int) -> int:
+        """Elements of each rank's part of ``bucket`` (padded)."""
+        return -(-self.length(bucket) // self.ranks)
+
+    def padded(self, bucket: int) -> int:
+        """Elements of ``bucket`` padded to a multiple of the ranks."""
+        return self.part(bucket) * self.ranks
+
+    @property
+    def shard_size(self) -> int:
+        return sum(self.part(b) for b in range(len(self.buckets)))
+
+    @property
+    def order(self) -> list[int]:
+        """The variables in the order of the gathered weights (bucket by bucket)."""
+        return [i for bucket in self.buckets for i in bucket]
+
+    def shard_of(self, values: Sequence[np.ndarray], rank: int) -> np.ndarray:
+        """Rank ``rank``'s shard of the per-variable ``values`` (by variable index)."""
+        parts = []
+        for b, bucket in enumerate(self.buckets):
+            padded = np.zeros(self.part(b) * self.ranks, np.float32)
+            padded[: self.length(b)] = np.concatenate([np.ravel(values[i]) for i in bucket])
+            parts.append(padded[rank * self.part(b) : (rank + 1) * self.part(b)])
+        return np.concatenate(parts)
+
+    def unshard(self, shards: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """The ``(ranks, shard_size)`` shards as one flat vector in :attr:`order` (written into ``out``)."""
+        column = position = 0
+        for b in range(len(self.buckets)):
+            part, length = self.part(b), self.length(b)
+            out[position : position + length] = shards[:, column : column + part].reshape(-1)[:length]
+            column, position = column + part, position + length
+        return out
+
+    def split(self, flat: np.ndarray) -> dict[int, np.ndarray]:
+        """A flat vector in :attr:`order` as one flat array per variable index."""
+        offsets = np.cumsum([0] + [self.sizes[i] for i in self.order])
+        return {i: flat[offsets[k] : offsets[k + 1]] for k, i in enumerate(self.order)}
+
+
+class ShardedReducer(GradientReducer):
+    """Reduce-scatters the gradient buckets, updates this rank's shard, all-gathers the weights."""
+
+    OPERATION = "reduce_scatter"
+
+    def __init__(self, comm, variables: Sequence, **options):
+        super().__init__(comm, **options)
+        sizes = tuple(int(np.prod(v.shape)) for v in variables)
+        buckets = self._group(list(range(len(sizes))), dict(enumerate(sizes)))
+        self.layout = ShardLayout(tuple(map(tuple, buckets)), sizes, comm.size)
+        padded = sum(self.layout.padded(b) for b in range(len(buckets)))
+        self._gathered = [np.empty(padded, np.float32) for _ in range(2)]
+        self.shard = None  # the flat variable of this rank's weights, set by ShardedOptimizer
+
+    def __call__(self, apply, grads: Sequence, variables: Sequence):
+        missing = [v.path for v, g in zip(variables, grads) if g is None]
+        if missing:
+            raise ValueError(
+                f"mode='sharded' needs a gradient for every trainable variable; these have none: {missing[:5]}. "
+                "Make the layers that do not take part in the loss non-trainable."
+            )
+        return super().__call__(apply, grads, variables)
+
+    def _padded(self, buffer):
+        import tensorflow as tf
+
+        return tf.pad(buffer, [[0, (-int(buffer.shape[0])) % self._comm.size]])
+
+    def _result_shape(self, buffer) -> list[int]:
+        return [int(buffer.shape[0]) // self._comm.size]
+
+    def _collective(self, wire: np.ndarray, bucket: int, *, now: bool):
+        operation = self._comm.reduce_scatter if now else self._comm.reduce_scatter_async
+        return operation(wire, ReduceOp.SUM, out=self._buffer(bucket, (wire.size // self._comm.size,), wire.dtype))
+
+    def _apply_reduced(self, apply, reduced: list, shapes: dict, count: int, variables: Sequence):
+        import tensorflow as tf
+
+        if [list(bucket) for bucket in self.layout.buckets] != self.buckets:
+            raise RuntimeError(f"The gradients' buckets {self.buckets} differ from the shards' {self.layout.buckets}")
+        shard = self.shard
+
+        def average_and_apply(reduced):
+            gradient = tf.concat([tf.cast(part, tf.float32) for part in reduced], 0) * (1.0 / self._comm.size)
+            return apply([gradient], [shard])
+
+        if self._compile_update:
+            compiled_update.compiled(average_and_apply)(reduced)
+        else:
+            average_and_apply(reduced)
+        layout, gathered_parts, targets = self.layout, [], []
+        for b, bucket in enumerate(layout.buckets):  # each bucket's padding is split off and dropped
+            gathered_parts += [layout.sizes[i] for i in bucket] + [layout.padded(b) - layout.length(b)]
+            targets += list(bucket) + [None]
+        weights = tf.numpy_function(
+            self._allgather, [tf.convert_to_tensor(shard)], tf.float32, stateful=True, name="sparkdl_allgather"
+        )
+        parts = tf.split(tf.ensure_shape(weights, [sum(gathered_parts)]), gathered_parts)
+        for i, part in zip(targets, parts):
+            if i is not None:
+                variables[i].assign(tf.reshape(part, shapes[i][0]))
+
+    def _last_stamp(self):
+        return self._profile.gathered
+
+    def _allgather(self, shard: np.ndarray) -> np.ndarray:
+        """Every rank's updated shard, as the padded buckets in order: each bucket's parts gathered in place."""
+        if self._profile is not None:
+            self._profile.applied()  # this rank's shard is updated
+        out = self._gathered[self._parity]  # two buffers, alternating steps, as the reducer's own
+        start = column = 0
+        for b in range(len(self.layout.buckets)):
+            part, padded = self.layout.part(b), self.layout.padded(b)
+            rows = out[start : start + padded].reshape(self._comm.size, part)
+            self._comm.allgather(shard[column : column + part], out=rows)
+            start, column = start + padded, column + part
+        return out
+
+
+class ShardedOptimizer:
+    """This rank's optimizer over its shard, standing in for the model's optimizer while ``fit`` runs.
+
+    Built from the model's optimizer's config over one flat variable, :attr:`shard`; a model whose
+    optimizer holds state (a resumed fit) gives each rank its slice of every slot. ``consolidate``
+    (collective) gathers the slots into a normal optimizer over the model's variables on rank 0,
+    which ``saved`` puts in the model while a checkpoint is written and ``finish`` leaves there.
+    """
+
+    def __init__(self, model, comm, reducer: ShardedReducer):
+        import keras
+
+        self._model, self._comm, self._layout = model, comm, reducer.layout
+        user = model.optimizer
+        self._class, variables = type(user), model.trainable_variables
+        weights = [v.numpy() for v in variables]
+        self.shard = reducer.shard = keras.Variable(self._layout.shard_of(weights, comm.rank), name=SHARD)
+        self.optimizer = self._class.from_config(user.get_config())
+        self.optimizer.build([self.shard])
+        self._slots = [v for v in self.optimizer.variables if v.name.startswith(SHARD + "_")]
+        self._others = [v for v in self.optimizer.variables if not v.name.startswith(SHARD + "_")]
+        if user.built and user.variables:
+            self._load(user)
+        self._full: Any = None  # rank 0's optimizer over the model's variables, once gathered
+        model.optimizer = self.optimizer
+
+    def summary(self) -> dict:
+        """Collective: the optimizer-state bytes every rank holds, beside what each would hold in sync mode."""
+        held = self._comm.allgather(np.array([self.state_bytes()], np.int64))[:, 0]
+        return {"optimizer_state_bytes": held.tolist(), "replicated_optimizer_state_bytes": self.replicated_bytes()}
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds."""
+        return sum(int(np.prod(v.shape)) * np.dtype(_numpy_dtype(v.dtype)).itemsize for v in self.optimizer.variables)
+
+    def replicated_bytes(self) -> int:
+        """Bytes of optimizer state each rank would hold in sync mode."""
+        others = sum(int(np.prod(v.shape)) * np.dtype(_numpy_dtype(v.dtype)).itemsize for v in self._others)
+        return others + 4 * len(self._slots) * sum(self._layout.sizes)
+
+    def consolidate(self) -> None:
+        """Collective: rank 0's full optimizer gets every rank's slots and this step's other variables."""
+        slots = np.concatenate([np.asarray(v.numpy(), np.float32) for v in self._slots]) if self._slots else None
+        gathered = self._comm.gather(slots if slots is not None else np.empty(0, np.float32), root=0)
+        if gathered is None:
+            return
+        if self._full is None:
+            self._full = self._class.from_config(self.optimizer.get_config())
+            self._full.build(self._model.trainable_variables)
+        slot_of, others = self._slot_variables(self._full)
+        for ours, theirs in zip(self._others, others):
+            theirs.assign(ours.numpy())
+        stacked = np.stack(gathered).reshape(self._comm.size, len(self._slots), self._layout.shard_size)
+        flat = np.empty(sum(self._layout.sizes), np.float32)
+        for k, slot in enumerate(self._slots):
+            for i, values in self._layout.split(self._layout.unshard(stacked[:, k], flat)).items():
+                target = slot_of[(i, slot.name[len(SHARD) + 1 :])]
+                target.assign(values.reshape(tuple(target.shape)))
+
+    def full(self):
+        """Rank 0's optimizer over the model's variables, as of the last ``consolidate``."""
+        if self._full is None:
+            raise RuntimeError("The sharded optimizer's state was not gathered (consolidate) before a save")
+        return self._full
+
+    def finish(self) -> None:
+        """Collective, after training: rank 0's model keeps the full optimizer, as the fit's result."""
+        self.consolidate()
+        if self._full is not None:
+            self._model.optimizer = self._full
+
+    def consolidating_callback(self):
+        """A Keras callback that gathers the state at every epoch's end (for rank 0's checkpoint after it)."""
+        import keras
+
+        state = self
+
+        class ConsolidateShards(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                state.consolidate()
+
+        return ConsolidateShards()
+
+    def _load(self, user) -> None:
+        """This rank's slice of every slot of ``user`` (an optimizer over the model's variables)."""
+        slot_of, others = self._slot_variables(user)
+        for ours, theirs in zip(self._others, others):
+            ours.assign(theirs.numpy())
+        for slot in self._slots:
+            suffix = slot.name[len(SHARD) + 1 :]
+            values = [slot_of[(i, suffix)].numpy() for i in range(len(self._layout.sizes))]
+            slot.assign(self._layout.shard_of(values, self._comm.rank))
+
+    def _slot_variables(self, optimizer) -> tuple[dict[tuple[int, str], Any], list]:
+        """``optimizer``'s slots by (variable index, slot name), and its other variables in order."""
+        by_name = {v.name: v for v in optimizer.variables}
+        suffixes = [slot.name[len(SHARD) + 1 :] for slot in self._slots]
+        slot_of: dict[tuple[int, str], Any] = {}
+        for i, variable in enumerate(self._model.trainable_variables):
+            for suffix in suffixes:
+                name = f"{variable.path.replace('/', '_')}_{suffix}"
+                if name not in by_name:
+                    raise RuntimeError(f"{type(optimizer).__name__} has no slot {name!r} for {variable.path}")
+                slot_of[(i, suffix)] = by_name[name]
+        taken = {id(v) for v in slot_of.values()}
+        others = [v for v in optimizer.variables if id(v) not in taken]
+        if len(others) != len(self._others):
+            raise RuntimeError(
+                f"{type(optimizer).__name__}'s variables {[v.name for v in others]} do not match the shard's "
+                f"{[v.name for v in self._others]}"
+            )
+        return slot_of, others
+
+
+def _numpy_dtype(dtype) -> np.dtype:
+    return np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
+
+
+@contextlib.contextmanager
+def sharded_optimizer(model, comm, **options) -> Iterator[ShardedOptimizer]:
+    """While the block runs, the model's optimizer is this rank's :class:`ShardedOptimizer`'s, its gradients
+    reduce-scattered (``options``: :class:`ShardedReducer`'s); a save records the gathered whole."""
+    reducer = ShardedReducer(comm, model.trainable_variables, **options)
+    state = ShardedOptimizer(model, comm, reducer)
+    with intercept_apply(state.optimizer, reducer), standing_in(state.optimizer, state.full):
+        yield state
