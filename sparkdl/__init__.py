@@ -17,8 +17,9 @@ quiet_tensorflow()  # before anything imports TensorFlow: on the driver, and in 
 from sparkdl.api import MODES, FitResult, check_mode_options, fit
 from sparkdl.data import features_column
 from sparkdl.launch import WorkerError
-from sparkdl.launch.probe import WORKER_DAEMON, WorkerEnvironmentError, check_executors
+from sparkdl.launch.probe import WorkerEnvironmentError, check_executors
 from sparkdl.launch.runner import run
+from sparkdl.launch.worker_python import WORKER_DAEMON
 
 __all__ = [
     "fit",

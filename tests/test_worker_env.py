@@ -19,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 import sparkdl
-from sparkdl.launch import probe
+from sparkdl.launch import probe, worker_python
 
 # Runs in a fresh Python: trains (sparkdl.fit) or launches (sparkdl.run) on local[2,4], prints one JSON line.
 _SCRIPT = textwrap.dedent("""
@@ -172,7 +172,7 @@ def test_local_mode_workers_run_the_driver_python_forked_with_tensorflow_loaded(
     assert ranks is not None, outcome
     executable, pid, tensorflow_loaded, forked_by = ranks  # rank 0's
     assert executable == sys.executable
-    assert f"-m {probe.WORKER_DAEMON}" in forked_by, forked_by
+    assert f"-m {worker_python.WORKER_DAEMON}" in forked_by, forked_by
     assert tensorflow_loaded, "the barrier task's Python worker did not start with TensorFlow loaded"
     assert len(events["barrier_stages"]) == 1
     # Every worker comes from the one daemon: the training check and run's own check run one task each.
@@ -198,13 +198,13 @@ def test_sparkdls_worker_daemon_forks_workers_with_tensorflow_loaded(tmp_path):
     The probe then needs one task in local mode (all workers come from the same daemon), which leaves
     the other task slot free for the data checks that run beside it.
     """
-    outcome, events, output = _run_script(tmp_path, "run-after-probe", daemon=probe.WORKER_DAEMON)
+    outcome, events, output = _run_script(tmp_path, "run-after-probe", daemon=worker_python.WORKER_DAEMON)
 
     ranks = outcome.get("result")
     assert ranks is not None, outcome
     executable, _, tensorflow_loaded, forked_by = ranks
     assert executable == sys.executable
-    assert f"-m {probe.WORKER_DAEMON}" in forked_by, forked_by
+    assert f"-m {worker_python.WORKER_DAEMON}" in forked_by, forked_by
     assert tensorflow_loaded
     assert events["probe_tasks"] == [1, 1] and events["failed_tasks"] == []
     assert "found in sys.modules" not in output  # runpy's warning when the daemon module was imported before it ran

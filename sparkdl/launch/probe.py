@@ -11,44 +11,41 @@ so no task fails and nothing is retried, and the driver raises one
 Where no GPU is in sight, the probe also imports TensorFlow in the executors' Python workers,
 which Spark keeps for later tasks (``spark.python.worker.reuse``, on by default): the training
 stage then starts without paying for that import. With sparkdl's worker daemon
-(:data:`WORKER_DAEMON`, which forks every worker with TensorFlow loaded) in local mode, one task
+(``worker_python.WORKER_DAEMON``, which forks every worker with TensorFlow loaded) in local mode, one task
 checks them all. Run in a background thread (:func:`start_check`), the probe overlaps the
 driver's data checks.
 
 In local modes the executors are threads of the driver's JVM, on this machine: with neither
 ``PYSPARK_PYTHON`` nor ``spark.pyspark.python`` set, PySpark would start ``python3`` from the
-``PATH``; :func:`use_driver_python` makes it the driver's own interpreter instead (classic
-sessions: ``SparkContext.pythonExec``, which PySpark reads whenever it builds a Python UDF or
-``mapInArrow`` function). In ``local[...]`` mode the workers also fork from sparkdl's worker daemon
-unless the session names a daemon of its own (:func:`use_worker_daemon`). A passing probe is
-remembered per session and interpreter.
+``PATH``; ``worker_python`` makes it the driver's own interpreter instead, and in ``local[...]``
+mode makes the workers fork from sparkdl's worker daemon. A passing probe is remembered per session
+and interpreter.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 
 from sparkdl.launch import session, slots
+from sparkdl.launch.worker_python import (
+    classic_context,
+    forks_from_worker_daemon,
+    use_driver_python,
+    use_worker_daemon,
+)
 
 _log = logging.getLogger(__name__)
 
 # What the tasks import: sparkdl's launcher (``sparkdl.run``), and training or inference on top of it.
 LAUNCH_MODULES = ("numpy", "pyarrow", "sparkdl")
 TRAINING_MODULES = ("numpy", "pyarrow", "keras", "tensorflow", "sparkdl")
-_DEFAULT_PYTHON = "python3"  # what PySpark starts on the executors when nothing says otherwise
-# spark.python.daemon.module that forks the workers with TensorFlow loaded (a name: importing it here would
-# make ``python -m`` run a module that is already imported).
-WORKER_DAEMON = "sparkdl.launch.worker_daemon"
-_DAEMON_SETTING = "spark.python.daemon.module"
 _SUBMIT_WAIT_SECONDS = 10.0  # the longest start_check waits for the probe's job to be on its way
 _checks: dict = {}  # (session, interpreter, modules) -> its PendingCheck, running or passed
 _checks_lock = threading.Lock()
@@ -56,63 +53,6 @@ _checks_lock = threading.Lock()
 
 class WorkerEnvironmentError(RuntimeError):
     """The executors' Python cannot run sparkdl: a module is missing, or the interpreter does not start."""
-
-
-def use_driver_python(spark) -> None:
-    """Classic sessions: the executors run ``spark.pyspark.python`` if set, else, in local modes, this Python.
-
-    ``PYSPARK_PYTHON`` (the environment variable) always wins: PySpark read it when the
-    SparkContext started. Spark Connect sessions are left alone (their server decides).
-    """
-    sc = _classic_context(spark)
-    if sc is None or os.environ.get("PYSPARK_PYTHON"):
-        return
-    configured = sc.getConf().get("spark.pyspark.python", None)
-    wanted = configured or (sys.executable if sc.master.startswith("local") else None)
-    if wanted and sc.pythonExec == _DEFAULT_PYTHON:
-        # PySpark reads spark.pyspark.python only under spark-submit; as a builder setting it is ignored.
-        _log.info(
-            "sparkdl: Python workers run %s (%s)",
-            wanted,
-            "spark.pyspark.python" if configured else "the driver's Python; local mode",
-        )
-        sc.pythonExec = wanted
-
-
-def use_worker_daemon(spark) -> None:
-    """``local[...]`` classic sessions: Python workers fork from :data:`WORKER_DAEMON` (TensorFlow imported once,
-    before the forks) unless the session names a daemon module (``spark.python.daemon.module``) of its own.
-
-    Spark reads that setting whenever it starts Python code for a task (``BasePythonRunner``), from the
-    configuration the local executors share with the driver: set here, it applies from the next Python
-    worker on (workers already started stay as they are). Executors of other masters (``local-cluster``
-    too) read their own copy when they start: there it must be given where the session is built.
-    """
-    sc = _classic_context(spark)
-    if sc is None or not session.is_local_mode(sc.master):
-        return
-    live = sc._conf  # the SparkContext's own configuration (``getConf()`` returns a copy)
-    forks = (live.get("spark.python.use.daemon", "true") or "true").strip().lower() != "false"
-    if forks and live.get(_DAEMON_SETTING, None) is None and _finds_sparkdl(sc.pythonExec):
-        _log.info("sparkdl: local Python workers fork from %s, which imports TensorFlow once", WORKER_DAEMON)
-        live.set(_DAEMON_SETTING, WORKER_DAEMON)
-
-
-@functools.cache
-def _finds_sparkdl(python: str) -> bool:
-    """Whether the local interpreter ``python`` imports the worker daemon's module (sparkdl, numpy, PySpark): one
-    that cannot would start no Python worker at all, and the probe, run by Spark's own daemon, names what it lacks.
-    Another interpreter than the driver's is asked once per process (a second or so)."""
-    found = shutil.which(python)
-    if found is None:
-        return False
-    if os.path.abspath(found) == os.path.abspath(sys.executable):
-        return True
-    try:
-        imports = subprocess.run([found, "-c", f"import {WORKER_DAEMON}"], capture_output=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return imports.returncode == 0
 
 
 def check_executors(spark, num_workers: int, *, timeout: float = 600.0, wait: bool = True) -> PendingCheck:
@@ -177,7 +117,7 @@ class PendingCheck:
     def start(self, num_workers: int, modules: tuple) -> None:
         # The probe's job carries the job tags of the thread starting it (a fit's slot claim, ``slots``):
         # a classic session's tags are the local properties of the thread, which a new thread does not inherit.
-        sc = _classic_context(self._spark)
+        sc = classic_context(self._spark)
         properties = sc._jsc.sc().getLocalProperties().clone() if sc is not None else None
         self._thread = threading.Thread(
             target=self._run, args=(num_workers, modules, properties), name="sparkdl-probe", daemon=True
@@ -261,10 +201,8 @@ def _one_preloading_python(spark) -> bool:
     the data checks that run meanwhile: ``num_workers`` tasks would hold every slot of a small
     machine while the daemon imports TensorFlow.
     """
-    sc = _classic_context(spark)
-    return (
-        sc is not None and session.is_local_mode(sc.master) and sc.getConf().get(_DAEMON_SETTING, "") == WORKER_DAEMON
-    )
+    sc = classic_context(spark)
+    return sc is not None and session.is_local_mode(sc.master) and forks_from_worker_daemon(sc)
 
 
 def _probe_function(modules: tuple) -> Callable[[int], str]:
@@ -386,13 +324,13 @@ def _root_cause(exc: BaseException) -> str:
 
 def _configured_python(spark) -> str | None:
     """The interpreter the executors were told to start (unknown over Spark Connect: the server decides)."""
-    sc = _classic_context(spark)
+    sc = classic_context(spark)
     return sc.pythonExec if sc is not None else None
 
 
 def _check_local_python(spark) -> None:
     """Local modes run the workers on this machine: a missing interpreter is known before any job."""
-    sc = _classic_context(spark)
+    sc = classic_context(spark)
     if sc is None or not sc.master.startswith("local"):
         return
     relative = os.sep in sc.pythonExec and not os.path.isabs(sc.pythonExec)  # inside spark.archives, per executor
@@ -403,13 +341,8 @@ def _check_local_python(spark) -> None:
         )
 
 
-def _classic_context(spark):
-    """The SparkContext of a classic session; None over Spark Connect, which has none."""
-    return None if session.is_connect(spark) else spark.sparkContext
-
-
 def _session_key(spark) -> tuple:
-    sc = _classic_context(spark)
+    sc = classic_context(spark)
     if sc is None:
         return ("connect", spark.session_id)
     return ("classic", sc.applicationId, sc.pythonExec)

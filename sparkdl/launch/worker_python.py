@@ -1,0 +1,96 @@
+"""Which Python the executors' workers run, and whether they fork from sparkdl's worker daemon (local modes).
+
+In local modes the executors are threads of the driver's JVM, on this machine: with neither
+``PYSPARK_PYTHON`` nor ``spark.pyspark.python`` set, PySpark would start ``python3`` from the
+``PATH``; :func:`use_driver_python` makes it the driver's own interpreter instead (classic
+sessions: ``SparkContext.pythonExec``, which PySpark reads whenever it builds a Python UDF or
+``mapInArrow`` function). In ``local[...]`` mode the workers also fork from :data:`WORKER_DAEMON`,
+which imports TensorFlow once, unless the session names a daemon of its own
+(:func:`use_worker_daemon`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+from sparkdl.launch import session
+
+_log = logging.getLogger(__name__)
+
+_DEFAULT_PYTHON = "python3"  # what PySpark starts on the executors when nothing says otherwise
+# spark.python.daemon.module that forks the workers with TensorFlow loaded (a name: importing it here would
+# make ``python -m`` run a module that is already imported).
+WORKER_DAEMON = "sparkdl.launch.worker_daemon"
+_DAEMON_SETTING = "spark.python.daemon.module"
+
+
+def classic_context(spark):
+    """The SparkContext of a classic session; None over Spark Connect, which has none."""
+    return None if session.is_connect(spark) else spark.sparkContext
+
+
+def forks_from_worker_daemon(sc) -> bool:
+    """Whether the SparkContext ``sc`` starts its Python workers from :data:`WORKER_DAEMON`."""
+    return sc.getConf().get(_DAEMON_SETTING, "") == WORKER_DAEMON
+
+
+def use_driver_python(spark) -> None:
+    """Classic sessions: the executors run ``spark.pyspark.python`` if set, else, in local modes, this Python.
+
+    ``PYSPARK_PYTHON`` (the environment variable) always wins: PySpark read it when the
+    SparkContext started. Spark Connect sessions are left alone (their server decides).
+    """
+    sc = classic_context(spark)
+    if sc is None or os.environ.get("PYSPARK_PYTHON"):
+        return
+    configured = sc.getConf().get("spark.pyspark.python", None)
+    wanted = configured or (sys.executable if sc.master.startswith("local") else None)
+    if wanted and sc.pythonExec == _DEFAULT_PYTHON:
+        # PySpark reads spark.pyspark.python only under spark-submit; as a builder setting it is ignored.
+        _log.info(
+            "sparkdl: Python workers run %s (%s)",
+            wanted,
+            "spark.pyspark.python" if configured else "the driver's Python; local mode",
+        )
+        sc.pythonExec = wanted
+
+
+def use_worker_daemon(spark) -> None:
+    """``local[...]`` classic sessions: Python workers fork from :data:`WORKER_DAEMON` (TensorFlow imported once,
+    before the forks) unless the session names a daemon module (``spark.python.daemon.module``) of its own.
+
+    Spark reads that setting whenever it starts Python code for a task (``BasePythonRunner``), from the
+    configuration the local executors share with the driver: set here, it applies from the next Python
+    worker on (workers already started stay as they are). Executors of other masters (``local-cluster``
+    too) read their own copy when they start: there it must be given where the session is built.
+    """
+    sc = classic_context(spark)
+    if sc is None or not session.is_local_mode(sc.master):
+        return
+    live = sc._conf  # the SparkContext's own configuration (``getConf()`` returns a copy)
+    forks = (live.get("spark.python.use.daemon", "true") or "true").strip().lower() != "false"
+    if forks and live.get(_DAEMON_SETTING, None) is None and _finds_sparkdl(sc.pythonExec):
+        _log.info("sparkdl: local Python workers fork from %s, which imports TensorFlow once", WORKER_DAEMON)
+        live.set(_DAEMON_SETTING, WORKER_DAEMON)
+
+
+@functools.cache
+def _finds_sparkdl(python: str) -> bool:
+    """Whether the local interpreter ``python`` imports the worker daemon's module (sparkdl, numpy, PySpark): one
+    that cannot would start no Python worker at all, and the probe, run by Spark's own daemon, names what it lacks.
+    Another interpreter than the driver's is asked once per process (a second or so)."""
+    found = shutil.which(python)
+    if found is None:
+        return False
+    if os.path.abspath(found) == os.path.abspath(sys.executable):
+        return True
+    try:
+        imports = subprocess.run([found, "-c", f"import {WORKER_DAEMON}"], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return imports.returncode == 0
