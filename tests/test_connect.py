@@ -33,7 +33,7 @@ except ImportError as missing:
     )
 
 _CLIENT_SECONDS = 540
-_MODES = ("sync", "async", "hogwild", "ssp", "average")
+_MODES = ("sync", "sharded", "async", "hogwild", "ssp", "average")
 _ROWS, _WORKERS, _EPOCHS, _BATCH = 320, 2, 2, 32
 _STEPS = -(-_ROWS // (_WORKERS * _BATCH))  # per epoch
 
@@ -127,7 +127,7 @@ def _captured_fit(df, mode: str) -> dict:
     ]
     return {
         "history": result.history,
-        "stats": {k: v for k, v in result.stats.items() if isinstance(v, (int, float))},
+        "stats": {k: v for k, v in result.stats.items() if isinstance(v, (int, float, dict))},
         "weights_changed": changed,
         "where": where,
     }
@@ -341,7 +341,13 @@ def test_fit_over_connect(results, connect_server, mode):
         assert connect_server["pid"] in where["ancestors"] and results["client_pid"] not in where["ancestors"]
     partitions = {where["partition"] for where in value["where"]}
     assert partitions == {0, 1}  # every rank runs the callbacks, in sync mode too
-    if mode != "sync":  # parameter-server counters travel in the tasks' payloads: every worker's steps, once
+    if mode == "sharded":  # each rank held half of the optimizer's state
+        held = value["stats"]["sharded"]["optimizer_state_bytes"]
+        assert len(held) == _WORKERS and max(held) < 0.6 * value["stats"]["sharded"]["replicated_optimizer_state_bytes"]
+    if mode not in (
+        "sync",
+        "sharded",
+    ):  # parameter-server counters travel in the tasks' payloads: every worker's steps, once
         stats = value["stats"]
         assert stats["samples"] == _EPOCHS * _ROWS  # every row once per epoch
         # Each worker runs its own partition's steps: _STEPS for an even split, one more for a larger partition.

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from shards import LR, SGDShard
 
+from sparkdl.keras import adopted
 from sparkdl.net.errors import CollectiveError
 from sparkdl.net.frames import HEADER
 from sparkdl.ps import wire
@@ -107,9 +108,9 @@ def test_the_finite_check_reads_each_dtype_bits():
     for dtype, largest in [(np.float32, np.finfo(np.float32).max), (np.float16, 65504.0)] + [
         (ml_dtypes.bfloat16, float(ml_dtypes.finfo(ml_dtypes.bfloat16).max))
     ]:
-        values = wire.aligned_empty(5, dtype)
+        values = adopted.aligned_empty(5, dtype)
         values[...] = np.array([0.0, -largest, largest, 1.5, -0.0], np.float32).astype(dtype)
         assert wire.all_finite(values) and wire.count_non_finite(values) == 0
         values[[1, 4]] = np.array([np.inf, np.nan], np.float32).astype(dtype)
         assert not wire.all_finite(values) and wire.count_non_finite(values) == 2
-        assert values.ctypes.data % wire.ALIGNMENT == 0
+        assert values.ctypes.data % adopted.ALIGNMENT == 0

@@ -8,9 +8,9 @@ import pytest
 import tensorflow as tf
 from shards import LR, SGDShard
 
+from sparkdl.keras import adopted
 from sparkdl.keras.optimizer_hooks import intercept_apply
 from sparkdl.modes.parameter_server.exchange import Exchange, StepHook
-from sparkdl.ps import wire
 from sparkdl.ps.client import ParameterClient
 from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.sharding import ShardLayout, assign_shards
@@ -63,7 +63,7 @@ def test_a_pull_never_writes_a_buffer_something_still_holds(num_servers):
         first = exchange.pull()
         kept = first.copy()
         second = exchange.push(np.ones(layout.size, np.float32), np.float32(1.0))  # ``first`` still held
-        assert second is not first and wire.is_aligned(second)
+        assert second is not first and adopted.is_aligned(second)
         np.testing.assert_array_equal(first, kept)
         np.testing.assert_allclose(second, kept - LR, rtol=1e-6)
         released = id(first)

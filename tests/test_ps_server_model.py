@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from sparkdl.ps import wire
+from sparkdl.keras import adopted
 from sparkdl.ps.server_model import ServerModel
 
 
@@ -24,7 +24,7 @@ def make_model(optimizer=None):
 def pushed(gradients: list[np.ndarray], shard: list[int], dtype=np.float32) -> np.ndarray:
     """One shard's part of a push, as the server receives it: its variables' gradients end to end, in ``dtype``."""
     flat = np.concatenate([gradients[i].ravel() for i in shard])
-    buffer = wire.aligned_empty(flat.size, dtype)
+    buffer = adopted.aligned_empty(flat.size, dtype)
     buffer[...] = flat.astype(dtype)
     return buffer
 
@@ -82,7 +82,7 @@ def test_a_misaligned_push_is_applied_all_the_same():
     gradients = [np.full(v.shape, 0.25, np.float32) for v in served.weights]
     misaligned = np.zeros(shard.size + 1, np.float32)[1:]  # 4 bytes past an aligned start
     misaligned[...] = pushed(gradients, list(range(len(gradients))))
-    assert not wire.is_aligned(misaligned)
+    assert not adopted.is_aligned(misaligned)
     shard.apply(misaligned)
     reference.optimizer.apply(gradients, reference.trainable_variables)
     for got, want in zip(served.get_weights(), reference.get_weights()):
@@ -95,7 +95,7 @@ def test_the_receive_buffer_is_never_kept_by_an_update(compiled):
     came must keep a copy, not the buffer the next push overwrites."""
     model = make_model(KeepsGradient(0.1))
     (shard,) = ServerModel(model, 1, compiled=compiled).shards
-    buffer = wire.aligned_empty(shard.size, np.float32)
+    buffer = adopted.aligned_empty(shard.size, np.float32)
     buffer[...] = 1.0
     shard.apply(buffer)
     buffer[...] = 7.0  # the next push arriving

@@ -26,7 +26,7 @@ import logging
 import numpy as np
 
 from sparkdl import _compat
-from sparkdl.ps import wire
+from sparkdl.keras import adopted
 from sparkdl.ps.sharding import ShardLayout, assign_shards
 
 logger = logging.getLogger(__name__)
@@ -70,8 +70,8 @@ class OptimizerShard:
     def apply(self, gradient: np.ndarray) -> None:
         import tensorflow as tf
 
-        if not wire.is_aligned(gradient):  # TensorFlow aborts the process on a misaligned in-place buffer
-            aligned = wire.aligned_empty(gradient.size, gradient.dtype)
+        if not adopted.is_aligned(gradient):  # TensorFlow aborts the process on a misaligned in-place buffer
+            aligned = adopted.aligned_empty(gradient.size, gradient.dtype)
             aligned[...] = gradient
             gradient = aligned
         bits = tf.experimental.dlpack.from_dlpack(gradient.view(_BITS[gradient.dtype.itemsize]).__dlpack__())

@@ -20,6 +20,7 @@ import typing
 
 import numpy as np
 
+from sparkdl.keras import adopted
 from sparkdl.net.frames import HEADER, FrameError, Header, Kind, dtype_name
 from sparkdl.net.io import ReadTimeout
 from sparkdl.net.listener import ServingListener
@@ -147,7 +148,7 @@ class ShardServer:
             server._count(bytes_in=HEADER.size + length)
             if msg == Msg.PUSH:
                 if gradient is None:
-                    gradient = wire.aligned_empty(self.size, self.push_dtype)
+                    gradient = adopted.aligned_empty(self.size, self.push_dtype)
                 self._push(channel, worker, seq, gradient)
             elif msg == Msg.PULL:
                 self._pull(channel, worker, seq)

@@ -4,7 +4,7 @@ A push's payload is one shard's gradient as float32 or, with ``compression`` ("b
 as the half-width dtype the worker narrowed it to once (``sparkdl.collective.compression``): half
 the bytes. The server receives every push of a connection into the same buffer (a fresh 32 MB
 array is a fresh mapping whose page faults cost as much as copying it), aligned so that
-TensorFlow reads it in place (:func:`aligned_empty`), checks it for NaN and infinity in its own
+TensorFlow reads it in place (``sparkdl.keras.adopted``), checks it for NaN and infinity in its own
 dtype (:func:`all_finite`), and the shard widens it to float32 as it applies it. Pulled weights
 travel as float32 whatever ``compression`` says (docs/modes.md, "Compression", says why).
 """
@@ -16,9 +16,6 @@ import numpy as np
 from sparkdl.collective import compression as compressions
 from sparkdl.ps.protocol import FLOAT
 
-#: TensorFlow's buffer alignment (Eigen's widest vectors): it reads a numpy buffer in place only when aligned so.
-ALIGNMENT = 64
-
 # A half-width value is NaN or infinite exactly when its exponent bits are all ones: with the sign bit
 # masked off (0x7FFF), its bits are then at least these.
 _NON_FINITE_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
@@ -27,19 +24,6 @@ _NON_FINITE_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
 def push_dtype(compression: str | None) -> np.dtype:
     """The dtype a push carries: float32, or the half-width dtype of ``compression``."""
     return FLOAT if compression is None else compressions.wire_dtype(compression)
-
-
-def aligned_empty(size: int, dtype) -> np.ndarray:
-    """An uninitialised 1-D array of ``size`` values whose first byte is :data:`ALIGNMENT`-aligned."""
-    dtype = np.dtype(dtype)
-    raw = np.empty(size * dtype.itemsize + ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start : start + size * dtype.itemsize].view(dtype)
-
-
-def is_aligned(array: np.ndarray) -> bool:
-    """Whether TensorFlow may read ``array`` in place: C-contiguous and :data:`ALIGNMENT`-aligned."""
-    return array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0
 
 
 def all_finite(values: np.ndarray) -> bool:

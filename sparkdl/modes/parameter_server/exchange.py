@@ -23,13 +23,12 @@ weights it pulled, as the k steps must be taken at the same weights.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import numpy as np
 
 from sparkdl.collective import compression as compressions
-from sparkdl.keras import compiled_update
+from sparkdl.keras import adopted, compiled_update
 from sparkdl.ps import wire
 from sparkdl.ps.client import ParameterClient
 from sparkdl.ps.sharding import ShardLayout
@@ -45,7 +44,7 @@ class Exchange:
         self._client = client
         self._layout = layout
         self._compression = compression
-        self._buffers: list[np.ndarray] = []
+        self._buffers = adopted.BufferPool(layout.size, np.float32, keep=POOLED_BUFFERS)
         self.pushes = self.pulls = 0
         self.push_seconds = self.pull_seconds = 0.0  # waiting for the server: sending, applying, receiving
 
@@ -63,23 +62,12 @@ class Exchange:
     def pull(self) -> np.ndarray:
         """The server's weights, shard by shard, in a buffer nothing else references (aligned: TensorFlow takes it
         over in place)."""
-        out = self._free_buffer()
+        out = self._buffers.take()
         started = time.perf_counter()
         self._client.pull([out[start:stop] for start, stop in self._layout.bounds])
         self.pull_seconds += time.perf_counter() - started
         self.pulls += 1
         return out
-
-    def _free_buffer(self) -> np.ndarray:
-        """A kept buffer that only this exchange references (``sys.getrefcount``: the list's reference and the
-        call's own), else a fresh one, kept while fewer than ``POOLED_BUFFERS`` are."""
-        for i in range(len(self._buffers)):
-            if sys.getrefcount(self._buffers[i]) <= 2:
-                return self._buffers[i]
-        buffer = wire.aligned_empty(self._layout.size, np.float32)
-        if len(self._buffers) < POOLED_BUFFERS:
-            self._buffers.append(buffer)
-        return buffer
 
 
 class StepHook:

@@ -27,7 +27,7 @@ import numpy as np
 
 from sparkdl import _compat
 from sparkdl.collective.api import ReduceOp
-from sparkdl.keras import compiled_update
+from sparkdl.keras import adopted, compiled_update
 from sparkdl.keras.optimizer_hooks import intercept_apply, standing_in
 from sparkdl.modes.sync.reducer import GradientReducer
 
@@ -133,8 +133,8 @@ class ShardedReducer(GradientReducer):
         sizes = tuple(int(np.prod(v.shape)) for v in variables)
         buckets = self._group(list(range(len(sizes))), dict(enumerate(sizes)))
         self.layout = ShardLayout(tuple(map(tuple, buckets)), sizes, comm.size)
-        padded = sum(self.layout.padded(b) for b in range(len(buckets)))
-        self._gathered = [np.empty(padded, np.float32) for _ in range(2)]
+        # the gathered weights: TensorFlow reads them in place, and the variables may keep their memory
+        self._gathered = adopted.BufferPool(sum(self.layout.padded(b) for b in range(len(buckets))), np.float32)
         self.shard = None  # the flat variable of this rank's weights, set by ShardedOptimizer
 
     def __call__(self, apply, grads: Sequence, variables: Sequence):
@@ -192,7 +192,7 @@ class ShardedReducer(GradientReducer):
         """Every rank's updated shard, as the padded buckets in order: each bucket's parts gathered in place."""
         if self._profile is not None:
             self._profile.applied()  # this rank's shard is updated
-        out = self._gathered[self._parity]  # two buffers, alternating steps, as the reducer's own
+        out = self._gathered.take()
         start = column = 0
         for b in range(len(self.layout.buckets)):
             part, padded = self.layout.part(b), self.layout.padded(b)

@@ -1,0 +1,50 @@
+"""Numpy buffers that TensorFlow takes over in place: aligned as it needs, reused only once it has let go.
+
+TensorFlow reads a numpy array that a ``tf.numpy_function`` returns (or that a tensor is made
+from) in place when its first byte is :data:`ALIGNMENT`-aligned, and may go on to adopt that memory
+as a variable's (an assign forwards its input's buffer); otherwise it copies it. An adopted buffer
+holds a reference to its array for as long as TensorFlow uses it, so a :class:`BufferPool` hands
+out only buffers that nothing but the pool references: a buffer is never written while a variable
+may still be made of it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+#: TensorFlow's buffer alignment (Eigen's widest vectors): it reads a numpy buffer in place only when aligned so.
+ALIGNMENT = 64
+
+
+def aligned_empty(size: int, dtype) -> np.ndarray:
+    """An uninitialised 1-D array of ``size`` values whose first byte is :data:`ALIGNMENT`-aligned."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(size * dtype.itemsize + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start : start + size * dtype.itemsize].view(dtype)
+
+
+def is_aligned(array: np.ndarray) -> bool:
+    """Whether TensorFlow may read ``array`` in place: C-contiguous and :data:`ALIGNMENT`-aligned."""
+    return array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0
+
+
+class BufferPool:
+    """Aligned buffers of ``size`` values of ``dtype``; :meth:`take` gives one that only the pool references."""
+
+    def __init__(self, size: int, dtype, *, keep: int = 3):
+        self.size, self.dtype, self._keep = size, np.dtype(dtype), keep
+        self._buffers: list[np.ndarray] = []
+
+    def take(self) -> np.ndarray:
+        """A kept buffer no one else references (``sys.getrefcount``: the list's reference and the call's own),
+        else a fresh one, kept while fewer than ``keep`` are."""
+        for i in range(len(self._buffers)):
+            if sys.getrefcount(self._buffers[i]) <= 2:
+                return self._buffers[i]
+        buffer = aligned_empty(self.size, self.dtype)
+        if len(self._buffers) < self._keep:
+            self._buffers.append(buffer)
+        return buffer
