@@ -207,8 +207,9 @@ class ShardedOptimizer:
 
     Built from the model's optimizer's config over one flat variable, :attr:`shard`; a model whose
     optimizer holds state (a resumed fit) gives each rank its slice of every slot. ``consolidate``
-    (collective) gathers the slots into a normal optimizer over the model's variables on rank 0,
-    which ``saved`` puts in the model while a checkpoint is written and ``finish`` leaves there.
+    (collective) gathers the slots into a normal optimizer over the model's variables on rank 0
+    (:meth:`full`), which a save records instead (``optimizer_hooks.saved_form``) and ``finish``
+    leaves in the model.
     """
 
     def __init__(self, model, comm, reducer: ShardedReducer):
