@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 
@@ -53,6 +54,11 @@ def hooked_optimizer_class(original: type[Any], intercept) -> type:
         return intercept(apply_original, list(grads), list(variables))
 
     return type(original.__name__, (original,), {"apply_gradients": apply_gradients, "hooked_from": original})
+
+
+def numpy_dtype(dtype) -> np.dtype:
+    """A variable's dtype as numpy's: Keras 3 gives a name ("float32"), tf.keras 2 a ``tf.DType``."""
+    return np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
 
 
 def is_compiled(model) -> bool:

@@ -271,11 +271,11 @@ class SparkdlCommunicator(BaseCommunicator):
         chosen = self._choose("reduce_scatter", algorithm, source.nbytes)
         rows = source.shape[0]
         bounds = ring.chunk_bounds(rows, self.size)
-        lo, hi = (b * (flat.size // rows if rows else 0) for b in bounds[self.rank : self.rank + 2])
+        row = flat.size // rows if rows else 0
+        lo, hi = bounds[self.rank] * row, bounds[self.rank + 1] * row
         result = output_array(out, (bounds[self.rank + 1] - bounds[self.rank], *source.shape[1:]), source.dtype)
         if self.size > 1 and chosen == "shared_memory":
             assert self._job.shared is not None  # chosen only where the segment holds every rank
-            row = flat.size // rows if rows else 0
             self._job.shared.reduce_scatter(flat, _SHARED_OP[op], result.reshape(-1), [b * row for b in bounds])
         else:
             work = np.array(flat, copy=True)

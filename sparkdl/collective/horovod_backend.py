@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from sparkdl.collective.algorithms.ring import chunk_bounds
 from sparkdl.collective.api import Capabilities, ReduceOp
 from sparkdl.collective.base import BaseCommunicator, check_reduce_op, output_array
 from sparkdl.net.errors import CollectiveError
@@ -257,7 +258,8 @@ class HorovodCommunicator(BaseCommunicator):
         self, array: np.ndarray, op: ReduceOp, out: np.ndarray | None, algorithm: str | None
     ) -> np.ndarray:
         array = np.asarray(array)
-        rows = len(np.array_split(np.arange(array.shape[0] if array.ndim else 1), self.size)[self.rank])
+        bounds = chunk_bounds(array.shape[0] if array.ndim else 1, self.size)
+        rows = bounds[self.rank + 1] - bounds[self.rank]
         result = output_array(out, (rows, *array.shape[1:]), array.dtype)  # refused before anything moves
         if op in (ReduceOp.SUM, ReduceOp.MEAN):
             result[...] = self._hvd.reducescatter(array, op=self._ops[op], name=self._name("reduce_scatter")).numpy()

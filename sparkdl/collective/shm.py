@@ -123,14 +123,13 @@ class SharedMemoryGroup:
                 written[k] = progress.value
 
             pieces: list[tuple[int, ...]] = []
-            written: list[int] = []
-            for first in range(0, n, piece):
+            firsts = range(0, n, piece)
+            written = [0] * len(firsts)
+            for first, set_ in zip(firsts, self._sets(len(firsts))):
                 m = min(piece, n - first)
                 lo = first + rank * (m // size) + min(rank, m % size)
                 hi = lo + m // size + (rank < m % size)
-                pieces.append((first * item, (lo - first) * item, (hi - first) * item, m * item, self._set, lo, hi))
-                self._set ^= 1
-                written.append(0)
+                pieces.append((first * item, (lo - first) * item, (hi - first) * item, m * item, set_, lo, hi))
             phase_a(0)
             for k, (start, a, b, end, set_, lo, hi) in enumerate(pieces):
                 # B: this rank's chunk, reduced from its input and the slots into out, then shared.

@@ -161,18 +161,13 @@ def _average_across_workers_callback(
                     _concat([np.asarray(v.numpy(), np.float64) for v in statistics]), ReduceOp.MEAN
                 )
                 for variable, value in zip(statistics, _split(averaged, statistics)):
-                    variable.assign(value.astype(_numpy_dtype(variable.dtype)))
+                    variable.assign(value.astype(_compat.numpy_dtype(variable.dtype)))
 
     return AverageAcrossWorkers()
 
 
-def _numpy_dtype(dtype) -> np.dtype:
-    """A variable's dtype as numpy's: Keras 3 gives a name ("float32"), tf.keras 2 a ``tf.DType``."""
-    return np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
-
-
 def _is_float(dtype) -> bool:
-    return np.issubdtype(_numpy_dtype(dtype), np.floating)
+    return np.issubdtype(_compat.numpy_dtype(dtype), np.floating)
 
 
 def _concat(arrays: list[np.ndarray]) -> np.ndarray:

@@ -62,7 +62,7 @@ def check_model(model) -> None:
             "mode='sharded' supports neither use_ema nor gradient_accumulation_steps. Received: "
             f"use_ema={optimizer.use_ema}, gradient_accumulation_steps={optimizer.gradient_accumulation_steps}"
         )
-    wide = [v.path for v in model.trainable_variables if _numpy_dtype(v.dtype) != np.float32]
+    wide = [v.path for v in model.trainable_variables if _compat.numpy_dtype(v.dtype) != np.float32]
     if wide:
         raise ValueError(
             f"mode='sharded' keeps the weights' shards as float32. Received trainable variables of other dtypes: "
@@ -236,11 +236,11 @@ class ShardedOptimizer:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
-        return sum(int(np.prod(v.shape)) * np.dtype(_numpy_dtype(v.dtype)).itemsize for v in self.optimizer.variables)
+        return sum(_nbytes(v) for v in self.optimizer.variables)
 
     def replicated_bytes(self) -> int:
         """Bytes of optimizer state each rank would hold in sync mode."""
-        others = sum(int(np.prod(v.shape)) * np.dtype(_numpy_dtype(v.dtype)).itemsize for v in self._others)
+        others = sum(_nbytes(v) for v in self._others)
         return others + 4 * len(self._slots) * sum(self._layout.sizes)
 
     def consolidate(self) -> None:
@@ -317,8 +317,8 @@ class ShardedOptimizer:
         return slot_of, others
 
 
-def _numpy_dtype(dtype) -> np.dtype:
-    return np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
+def _nbytes(variable) -> int:
+    return int(np.prod(variable.shape)) * _compat.numpy_dtype(variable.dtype).itemsize
 
 
 @contextlib.contextmanager
