@@ -74,6 +74,18 @@ _TYPE_NAMES = {
 }
 
 
+def add_mode_options(parser: argparse.ArgumentParser, declared: dict) -> None:
+    """A flag for each option the modes declare (``sparkdl.modes.registry.declared_options``): ``--push-every N``,
+    ``--overlap``/``--no-overlap``, ``--compression {bf16,fp16}``; left out (None) unless given."""
+    for entry in declared.values():
+        option = entry.option
+        help_text = entry.described() + (" (required)" if option.required else "")
+        if option.kind is bool:
+            parser.add_argument(option.flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(option.flag, type=option.kind, choices=option.choices or None, help=help_text)
+
+
 def job_parser(description: str) -> argparse.ArgumentParser:
     """An argument parser with the ``--config`` option every job takes."""
     parser = argparse.ArgumentParser(description=description)
@@ -115,6 +127,12 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict:
 
 def _checked_value(path: str, key: str, value, option: argparse.Action):
     """The value as the option's type would give it (a TOML integer for a float option becomes a float)."""
+    if isinstance(option, argparse.BooleanOptionalAction):
+        if not isinstance(value, bool):
+            raise ValueError(
+                f"Expected {key!r} in {path} to be true or false (as {option.option_strings[0]}). Received: {value!r}"
+            )
+        return value
     accepted = _ACCEPTED_TYPES[option.type]
     if isinstance(value, bool) or not isinstance(value, accepted):
         raise ValueError(

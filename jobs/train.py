@@ -25,9 +25,10 @@ import _output
 import _spark  # first: it sets the environment before pyspark or keras is imported
 
 import sparkdl
+from sparkdl.modes.registry import declared_options
 
-# Settings that only some modes use (sparkdl.fit rejects one the chosen mode does not use).
-MODE_SETTINGS = ("push_every", "max_staleness", "num_servers", "sync_every")
+# Settings that only some modes use, as the modes declare them (sparkdl.fit rejects one the chosen mode does not use).
+MODE_SETTINGS = tuple(declared_options())
 # Settings that sparkdl.fit takes only when given.
 OPTIONAL_FIT_SETTINGS = (*MODE_SETTINGS, "validation_split", "checkpoint_dir", "sample_weight_col")
 
@@ -81,10 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=16, help="rows per worker per step")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--push-every", type=int, help="async/hogwild/ssp: steps per gradient push")
-    parser.add_argument("--max-staleness", type=int, help="ssp (required): pushes a worker may run ahead")
-    parser.add_argument("--num-servers", type=int, help="async/hogwild/ssp: parameter-server shards")
-    parser.add_argument("--sync-every", type=int, help="average: local steps between averagings")
+    _config.add_mode_options(parser, declared_options())
     parser.add_argument("--validation-split", type=float, help="training rows held out for val_ metrics (a fraction)")
     parser.add_argument("--checkpoint-dir", help="where sparkdl.fit writes checkpoints to resume from")
     parser.add_argument("--test-fraction", type=float, default=0.2)

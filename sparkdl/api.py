@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -10,12 +11,14 @@ import time
 from pyspark.sql import DataFrame
 
 from sparkdl import data, launch, tracking
-from sparkdl.checkpoint import Checkpoint, CheckpointStore
+from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore
 from sparkdl.data import ColumnSpec
 from sparkdl.keras import serialization, shipped_objects
 from sparkdl.launch import probe
 from sparkdl.launch.phases import Phases
-from sparkdl.modes.base import Job, Settings
+from sparkdl.metrics import merge_histories
+from sparkdl.modes.base import Job, ModeResult, Settings
+from sparkdl.modes.keywords import with_mode_options
 from sparkdl.modes.registry import MODES as _REGISTRY
 from sparkdl.modes.registry import check_mode_options
 from sparkdl.progress import ProgressMonitor
@@ -74,130 +77,105 @@ def fit(
     batch_size: int = 32,
     shuffle: bool = True,
     seed: int | None = None,
-    push_every: int | None = None,
-    max_staleness: int | None = None,
-    num_servers: int | None = None,
-    sync_every: int | None = None,
     validation_col: str | None = None,
     validation_split: float | None = None,
     timeout: float = 600.0,
     custom_objects: dict | None = None,
-    backend: str = "ring",
-    compression: str | None = None,
-    overlap: bool | None = None,
-    profile: bool | None = None,
     checkpoint_dir: str | None = None,
     callbacks: list | None = None,
     progress: bool = True,
     tensorboard_dir: str | None = None,
     log_to_mlflow: bool = False,
+    **mode_options,
 ) -> FitResult:
     """Trains a compiled Keras 3 model on a Spark DataFrame with ``num_workers`` Spark tasks.
 
-    Modes:
-        ``"sync"``: every step, the workers' gradients are averaged with a ring
-        allreduce (barrier mode); equivalent to minibatch SGD at the global
-        batch ``num_workers * batch_size``.
-        ``"sharded"``: as sync, but each worker keeps and updates only its 1/N of the
-        optimizer's state (ZeRO stage 1: gradients reduce-scattered, weights all-gathered);
-        the same weights, for an element-wise optimizer (SGD, Adam, ... : docs/large-models.md).
-        ``"async"``: a parameter server on the driver applies each worker's
-        pushed gradient as it arrives, under a lock, with the model's own optimizer.
-        ``"hogwild"``: as async, without the lock.
-        ``"ssp"``: as async, but a worker more than ``max_staleness`` pushes
-        ahead of the slowest one waits.
-        ``"average"``: no server: every ``sync_every`` local steps the driver
-        averages the workers' weights (Spark broadcast + accumulators).
+        Modes:
+            ``"sync"``: every step, the workers' gradients are averaged with a ring
+            allreduce (barrier mode); equivalent to minibatch SGD at the global
+            batch ``num_workers * batch_size``.
+            ``"sharded"``: as sync, but each worker keeps and updates only its 1/N of the
+            optimizer's state (ZeRO stage 1: gradients reduce-scattered, weights all-gathered);
+            the same weights, for an element-wise optimizer (SGD, Adam, ... : docs/large-models.md).
+            ``"async"``: a parameter server on the driver applies each worker's
+            pushed gradient as it arrives, under a lock, with the model's own optimizer.
+            ``"hogwild"``: as async, without the lock.
+            ``"ssp"``: as async, but a worker more than ``max_staleness`` pushes
+            ahead of the slowest one waits.
+            ``"average"``: no server: every ``sync_every`` local steps the driver
+            averages the workers' weights (Spark broadcast + accumulators).
 
-    Args:
-        df: the training data.
-        model: a compiled ``keras.Model`` (TensorFlow backend); it is left untouched.
-        features_col: the model's input: a number, Vector, (nested) number array or image column
-            (Spark's image source), or a list of number columns; for a model with several inputs, a
-            mapping from input name to one of those. Each row is reshaped to its input's shape (flat
-            rows of the input's size, or nested arrays of its shape); integer columns reach integer
-            inputs as integers (ids stay exact); see docs/data.md.
-        label_col: the target: a number, Vector or (nested) array column, or a list of number
-            columns; for a model with several outputs, a mapping from output name to one of those.
-            Integer columns arrive as int64, others as float32.
-        sample_weight_col: a number column (>= 0) weighting each row's loss, as Keras's
-            ``sample_weight`` does (weighted metrics follow Keras: ``compile(weighted_metrics=...)``).
-        num_workers: Spark tasks that train together; at most the cluster's task slots (the fit waits for free
-            ones, up to ``timeout``).
-        epochs: passes over the whole DataFrame.
-        batch_size: rows per worker per step.
-        shuffle: reshuffle every worker's rows each epoch.
-        seed: makes shuffling and per-worker randomness reproducible.
-        push_every: async/hogwild/ssp: steps whose gradients are averaged into one push (default 1).
-        max_staleness: ssp (required): how many pushes a worker may run ahead of the slowest.
-        num_servers: async/hogwild/ssp: parameter-server shards, balanced by size (default 1).
-        sync_every: average: local steps between two averagings (default: half an epoch's steps).
-        validation_col: a boolean column; rows where it is true are held out for validation
-            (never trained on). Not together with ``validation_split``.
-        validation_split: a fraction in (0, 1) of the rows held out for validation, chosen by a
-            hash of each row seeded with ``seed`` (``data.validation_split_mask``): the same rows
-            for the same seed and data.
-            With either setting, ``history`` also holds ``val_<metric>`` per epoch for every
-            metric (``val_loss``, ``val_accuracy``, ...), as Keras's ``fit(validation_data=...)``
-            does: the held-out rows evaluated with the epoch's final weights (per mode: sync, the
-            replicas' common weights; async/hogwild/ssp, each worker's weights at its epoch end,
-            combined weighted by held-out rows; average, the averaged model after the round that
-            completes the epoch). Steps per epoch count the training rows only.
-        timeout: seconds any single network wait may take before the job fails, and the longest the fit waits for
-            task slots that other sparkdl fits or other jobs hold (``sparkdl.launch.slots``).
-        custom_objects: Keras custom objects (name -> class or function) for ``keras.models.load_model`` on the
-            workers. Rarely needed: classes and functions the model uses that the workers cannot import (defined in
-            the driver's script or notebook, or registered at run time) are found on the driver and sent with the
-            job (``sparkdl.keras.shipped_objects``); one that cannot be found is refused before any Spark job.
-        backend: sync: whose collectives average the gradients: ``"ring"`` (sparkdl's own) or
-            ``"horovod"`` (Horovod's Gloo/NCCL; needs the Horovod stack, ``conf/horovod/install.sh``).
-        compression: ``"bf16"`` or ``"fp16"``: gradients travel at half the bytes (sync mode's allreduce,
-            the parameter server's pushes and pulls), narrowed once by the sender and added and applied in
-            float32 by the receiver (``sparkdl.collective.compression``); ``None`` (default) sends float32.
-            float16 refuses a gradient beyond its range (65504) with an error; bfloat16 has float32's range.
-            Not with ``mode="average"`` (it sends weights, not gradients) or ``backend="horovod"``.
-        overlap: sync, sharded: average the gradients in buckets of about 4 MB that start moving while backprop is
-            still computing the earlier layers' gradients, as PyTorch DDP and Horovod do (default ``True``);
-            ``False`` sends them all at once after backprop (``sparkdl.modes.sync.reducer``).
-        profile: sync, sharded: time every step's phases (input, forward/backward, waiting for peers, the
-            collective, optimizer, Keras, callbacks) on every rank; ``stats["step_profile"]`` holds
-            each rank's mean milliseconds per phase. Costs a barrier and a few clock readings a step.
-        checkpoint_dir: a directory (local path, ``file://``, ``hdfs://``, ``s3://``, ...) where the
-            model, its optimizer state and the history are saved after every epoch (by rank 0 in
-            sync mode, by the driver otherwise; see ``sparkdl.checkpoint``). A fit pointed at a
-            directory holding checkpoints continues from the newest one, and in sync mode a stage
-            Spark retries after losing a task resumes from it. On a cluster it must be storage
-            every executor reaches.
-        callbacks: Keras callbacks to run inside every worker (sync mode: after the metrics are
-            averaged over workers, so every rank sees, and decides on, the same values).
-        progress: show progress on the console: a bar where one can be seen (terminal, notebook) and
-            one line per epoch (docs/output.md). Epoch lines are logged on the ``sparkdl.progress``
-            logger (INFO) either way.
-        tensorboard_dir: write per-epoch metrics and throughput there for TensorBoard (needs the
-            ``tensorboard`` package), from the driver.
-        log_to_mlflow: log the settings and per-epoch metrics to MLflow (the active run, or a new
-            one), from the driver.
+        Args:
+            df: the training data.
+            model: a compiled ``keras.Model`` (TensorFlow backend); it is left untouched.
+            features_col: the model's input: a number, Vector, (nested) number array or image column
+                (Spark's image source), or a list of number columns; for a model with several inputs, a
+                mapping from input name to one of those. Each row is reshaped to its input's shape (flat
+                rows of the input's size, or nested arrays of its shape); integer columns reach integer
+                inputs as integers (ids stay exact); see docs/data.md.
+            label_col: the target: a number, Vector or (nested) array column, or a list of number
+                columns; for a model with several outputs, a mapping from output name to one of those.
+                Integer columns arrive as int64, others as float32.
+            sample_weight_col: a number column (>= 0) weighting each row's loss, as Keras's
+                ``sample_weight`` does (weighted metrics follow Keras: ``compile(weighted_metrics=...)``).
+            num_workers: Spark tasks that train together; at most the cluster's task slots (the fit waits for free
+                ones, up to ``timeout``).
+            epochs: passes over the whole DataFrame.
+            batch_size: rows per worker per step.
+            shuffle: reshuffle every worker's rows each epoch.
+            seed: makes shuffling and per-worker randomness reproducible.
+            validation_col: a boolean column; rows where it is true are held out for validation
+                (never trained on). Not together with ``validation_split``.
+            validation_split: a fraction in (0, 1) of the rows held out for validation, chosen by a
+                hash of each row seeded with ``seed`` (``data.validation_split_mask``): the same rows
+                for the same seed and data.
+                With either setting, ``history`` also holds ``val_<metric>`` per epoch for every
+                metric (``val_loss``, ``val_accuracy``, ...), as Keras's ``fit(validation_data=...)``
+                does: the held-out rows evaluated with the epoch's final weights (per mode: sync, the
+                replicas' common weights; async/hogwild/ssp, each worker's weights at its epoch end,
+                combined weighted by held-out rows; average, the averaged model after the round that
+                completes the epoch). Steps per epoch count the training rows only.
+            timeout: seconds any single network wait may take before the job fails, and the longest the fit waits for
+                task slots that other sparkdl fits or other jobs hold (``sparkdl.launch.slots``).
+            custom_objects: Keras custom objects (name -> class or function) for ``keras.models.load_model`` on the
+                workers. Rarely needed: classes and functions the model uses that the workers cannot import (defined in
+                the driver's script or notebook, or registered at run time) are found on the driver and sent with the
+                job (``sparkdl.keras.shipped_objects``); one that cannot be found is refused before any Spark job.
+            checkpoint_dir: a directory (local path, ``file://``, ``hdfs://``, ``s3://``, ...) where the
+                model, its optimizer state and the history are saved after every epoch (by rank 0 in
+                sync mode, by the driver otherwise; see ``sparkdl.checkpoint``). A fit pointed at a
+                directory holding checkpoints continues from the newest one, and in sync mode a stage
+                Spark retries after losing a task resumes from it. On a cluster it must be storage
+                every executor reaches.
+            callbacks: Keras callbacks to run inside every worker (sync mode: after the metrics are
+                averaged over workers, so every rank sees, and decides on, the same values).
+            progress: show progress on the console: a bar where one can be seen (terminal, notebook) and
+                one line per epoch (docs/output.md). Epoch lines are logged on the ``sparkdl.progress``
+                logger (INFO) either way.
+            tensorboard_dir: write per-epoch metrics and throughput there for TensorBoard (needs the
+                ``tensorboard`` package), from the driver.
+            log_to_mlflow: log the settings and per-epoch metrics to MLflow (the active run, or a new
+                one), from the driver.
+            **mode_options: the settings only some modes take (below; docs/modes.md), each declared by its
+                mode (``sparkdl.modes.base.Option``); one the chosen mode does not take is an error.
 
-    Example:
-        >>> result = sparkdl.fit(df, model, features_col="features", label_col="label",
-        ...                      num_workers=2, epochs=20, batch_size=16, seed=0)
-        >>> result.history["loss"][-1]
+        Mode options:
+    {mode_options}
+
+        Example:
+            >>> result = sparkdl.fit(df, model, features_col="features", label_col="label",
+            ...                      num_workers=2, epochs=20, batch_size=16, seed=0)
+            >>> result.history["loss"][-1]
     """
     phases = Phases()
     check_settings(df, model, num_workers=num_workers, epochs=epochs, batch_size=batch_size, timeout=timeout, seed=seed)
-    values = check_mode_options(
-        mode,
-        push_every=push_every,
-        max_staleness=max_staleness,
-        num_servers=num_servers,
-        sync_every=sync_every,
-        backend=None if backend == "ring" else backend,
-        compression=compression,
-        overlap=overlap,
-        profile=profile,
-    )
+    values = check_mode_options(mode, **mode_options)
     runner = _REGISTRY[mode]
     options = runner.configure(mode, model, values)
+    runner.check_fit(
+        mode, options, num_workers=num_workers, batch_size=batch_size, weighted=sample_weight_col is not None
+    )
+    layout = runner.layout(mode, num_workers, options)
     check_validation(validation_col, validation_split)
     worker_callbacks = check_callbacks(callbacks, mode, runner.runs_callbacks)
     if not isinstance(progress, bool):
@@ -211,7 +189,7 @@ def fit(
     # Prepare: the slots, the data, the executors' Python, the job.
     # The slots are held from here to the end of the fit: other fits running now cannot take them.
     with launch.claim_slots(
-        df.sparkSession, num_workers, why=lambda slots: runner.why_all_at_once(mode, slots), timeout=timeout
+        df.sparkSession, layout.slots, why=lambda slots: runner.why_all_at_once(mode, slots), timeout=timeout
     ):
         seed = secrets.randbelow(2**31) if seed is None else seed
         planned = data.plan(
@@ -225,10 +203,10 @@ def fit(
             seed=seed,
         )  # the columns, matched to the model's inputs and outputs: no Spark job yet
         # The executors' Python is checked (and TensorFlow loaded into it) while the driver checks the rows.
-        workers = probe.start_check(df.sparkSession, num_workers, timeout)
+        workers = probe.start_check(df.sparkSession, layout.slots, timeout)
         phases.end("slots")
         try:
-            training = planned.check(num_workers)
+            training = planned.check(layout.shards)
         except Exception:
             workers.wait()  # a broken executor Python fails the checks job too: the probe's error names why
             raise
@@ -238,6 +216,7 @@ def fit(
         settings = Settings.for_data(
             training,
             num_workers=num_workers,
+            shards=layout.shards,
             epochs=epochs,
             batch_size=batch_size,
             seed=seed,
@@ -255,16 +234,14 @@ def fit(
                 resumed.epoch,
                 epochs,
             )
-            return FitResult(
-                resumed.model,
-                resumed.checkpoint.history,
-                num_workers,
-                steps,
-                0.0,
-                {},
-                training.validation_rows,
-                resumed.checkpoint.epoch,
-                phases.seconds(),
+            return _result(
+                ModeResult(resumed.model, {}, {}, resumed.epoch),
+                resumed.checkpoint,
+                num_workers=num_workers,
+                steps_per_epoch=steps,
+                seconds=0.0,
+                validation_rows=training.validation_rows,
+                phases=phases,
             )
         start = (
             resumed.checkpoint if resumed is not None else Checkpoint(0, serialization.model_to_bytes(model), {}, mode)
@@ -286,17 +263,17 @@ def fit(
             initial_epoch=start.epoch,
             reporting_ranks=runner.reporting_ranks(num_workers),
             console=progress,
-            listeners=_listeners(
-                tensorboard_dir, log_to_mlflow, mode=mode, settings=settings, backend=backend, values=values
-            ),
+            listeners=_listeners(tensorboard_dir, log_to_mlflow, mode=mode, settings=settings, values=values),
             description=f"sparkdl {mode} x{num_workers}",
             watch=phases.watch,
         )
         phases.end("serialize")
 
-        # Run the mode.
+        # Run the mode; the driver's checkpointer (for modes that save there) is closed once it returns,
+        # raising what it could not write.
         started = time.perf_counter()
-        with monitor:
+        on_driver = checkpoints if runner.saves_checkpoints == "driver" else None
+        with monitor, Checkpointer(on_driver, start, mode) if on_driver else contextlib.nullcontext() as checkpointer:
             result = runner.run(
                 Job(
                     training=training,
@@ -305,29 +282,56 @@ def fit(
                     mode=mode,
                     options=options,
                     monitor=monitor,
+                    layout=layout,
                     checkpoints=checkpoints,
+                    checkpointer=checkpointer,
                 )
             )
         seconds = time.perf_counter() - started
         phases.end("result")
         logger.info("sparkdl: phases %s; %s", phases, workers.summary(waited))
-
-        # Build the result.
-        return FitResult(
-            result.model,
-            result.history,
-            num_workers,
-            monitor.steps_per_epoch,
-            seconds,
-            result.stats,
-            training.validation_rows,
-            result.initial_epoch,
-            phases.seconds(),
+        return _result(
+            result,
+            start,
+            num_workers=num_workers,
+            steps_per_epoch=monitor.steps_per_epoch,
+            seconds=seconds,
+            validation_rows=training.validation_rows,
+            phases=phases,
         )
 
 
+def _result(
+    result: ModeResult,
+    start: Checkpoint,
+    *,
+    num_workers: int,
+    steps_per_epoch: int,
+    seconds: float,
+    validation_rows: int,
+    phases: Phases,
+) -> FitResult:
+    """The one place a ``FitResult`` is built: the mode's result, behind the history of the epochs it resumed
+    after (``start``'s, or the newer checkpoint's the mode resumed from: ``ModeResult.resumed_history``)."""
+    earlier = start.history if result.resumed_history is None else result.resumed_history
+    return FitResult(
+        model=result.model,
+        history=merge_histories(earlier, result.history),
+        num_workers=num_workers,
+        steps_per_epoch=steps_per_epoch,
+        seconds=seconds,
+        stats=result.stats,
+        validation_rows=validation_rows,
+        initial_epoch=result.initial_epoch,
+        phases=phases.seconds(),
+    )
+
+
+fit = with_mode_options(fit)
+
+
 def _listeners(
-    tensorboard_dir: str | None, log_to_mlflow: bool, *, mode: str, settings: Settings, backend: str, values: dict
+    tensorboard_dir: str | None, log_to_mlflow: bool, *, mode: str, settings: Settings, values: dict
 ) -> list:
     """The driver's epoch listeners: TensorBoard, MLflow."""
     listeners: list = []
@@ -344,8 +348,7 @@ def _listeners(
                     seed=settings.seed,
                     shuffle=settings.shuffle,
                     steps_per_epoch=settings.steps_per_epoch,
-                    backend=backend,
-                    **{k: v for k, v in values.items() if v is not None and k != "backend"},
+                    **{k: v for k, v in values.items() if v is not None},
                 )
             )
         )

@@ -37,5 +37,8 @@ def combine_logs(
 
 
 def merge_histories(earlier: dict[str, list[float]], later: dict[str, list[float]]) -> dict[str, list[float]]:
-    """The history of epochs resumed from a checkpoint followed by this run's."""
+    """The history of epochs resumed from a checkpoint followed by this run's (the earlier one alone when this run
+    trained nothing)."""
+    if not later:
+        return {name: list(values) for name, values in earlier.items()}
     return {name: list(earlier.get(name, [])) + list(values) for name, values in later.items()}

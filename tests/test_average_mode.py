@@ -12,6 +12,7 @@ import sparkdl
 from sparkdl import data, schedule
 from sparkdl.checkpoint import Checkpoint
 from sparkdl.keras import serialization
+from sparkdl.launch.layout import TaskLayout
 from sparkdl.modes.average import mode as average
 from sparkdl.modes.average.mode import AverageMode, AverageOptions
 from sparkdl.modes.base import Job, Settings
@@ -35,6 +36,7 @@ def run_average(training, *, model_bytes, sync_every, **settings):
             mode="average",
             options=AverageOptions(sync_every),
             monitor=monitor,
+            layout=TaskLayout.data_parallel(settings.num_workers),
         )
     )
     return result.model, result.history, result.stats

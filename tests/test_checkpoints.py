@@ -108,15 +108,20 @@ def _mlp_with_crash(partition, at_call, marker):
     return model
 
 
-@pytest.mark.parametrize("mode", ["sync", "sharded"])
+@pytest.mark.parametrize("mode", ["sync", "sharded", "pipeline"])
 def test_sync_survives_a_worker_killed_mid_epoch_and_resumes_from_its_checkpoint(digits_df, digits, tmp_path, mode):
-    """Rank 1's Python worker dies hard in its third epoch: Spark retries the barrier stage, which resumes
+    """A Python worker dies hard in its third epoch: Spark retries the barrier stage, which resumes
     from the checkpoint of epoch 2 instead of epoch 0, and ends with the weights of a run without the fault
-    (sharded: from the optimizer state its ranks gathered for that checkpoint, re-cut into shards)."""
+    (sharded: from the optimizer state its ranks gathered for that checkpoint, re-cut into shards; pipeline:
+    the first stage's task, which holds the crashing layer, dies, and every stage takes its part of the
+    whole model the last stage saved)."""
     _, x_test, _, y_test = digits
-    steps = sparkdl.schedule.estimated_steps(digits_df.count(), 2, 16)
+    pipeline = dict(num_stages=2, micro_batches=2) if mode == "pipeline" else {}
+    steps = sparkdl.schedule.estimated_steps(digits_df.count(), 1 if pipeline else 2, 16)
+    calls_per_step = 2 if pipeline else 1  # a stage calls its layers once per micro-batch
     marker = str(tmp_path / "crashed")
     settings = dict(
+        **pipeline,
         mode=mode,
         num_workers=2,
         epochs=8,
@@ -126,9 +131,8 @@ def test_sync_survives_a_worker_killed_mid_epoch_and_resumes_from_its_checkpoint
         custom_objects={"CrashOnFirstAttempt": CrashOnFirstAttempt},
     )
 
-    faulty = sparkdl.fit(
-        digits_df, _mlp_with_crash(1, 2 * steps + steps // 2, marker), checkpoint_dir=str(tmp_path / "ckpt"), **settings
-    )
+    crash = _mlp_with_crash(0 if pipeline else 1, (2 * steps + steps // 2) * calls_per_step, marker)
+    faulty = sparkdl.fit(digits_df, crash, checkpoint_dir=str(tmp_path / "ckpt"), **settings)
     clean = sparkdl.fit(digits_df, _mlp_with_crash(-1, 0, None), **settings)  # the same model, never crashing
 
     assert os.path.exists(marker)  # the worker really died once

@@ -17,6 +17,7 @@ from pyspark.ml.feature import StandardScaler, VectorAssembler
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 
 from sparkdl.ml import KerasEstimator, KerasModel
+from sparkdl.modes.registry import declared_options
 
 PIXELS = [f"p{i}" for i in range(64)]
 
@@ -225,10 +226,6 @@ EVERY_PARAM = {
     "epochs": (4, "epochs", 4),
     "batchSize": (8, "batch_size", 8),
     "shuffle": (False, "shuffle", False),
-    "pushEvery": (3, "push_every", 3),
-    "maxStaleness": (2, "max_staleness", 2),
-    "numServers": (2, "num_servers", 2),
-    "syncEvery": (5, "sync_every", 5),
     "validationIndicatorCol": ("held", "validation_col", "held"),
     "validationSplit": (0.25, "validation_split", 0.25),
     "timeout": (30.0, "timeout", 30.0),
@@ -237,12 +234,25 @@ EVERY_PARAM = {
     "logToMlflow": (True, "log_to_mlflow", True),
     "progress": (False, "progress", False),
     "seed": (7, "seed", 7),
-    "backend": ("horovod", "backend", "horovod"),
     "customObjects": ({"Scale": Scale}, "custom_objects", {"Scale": Scale}),
     "weightCol": ("w", "sample_weight_col", "w"),
-    "compression": ("bf16", "compression", "bf16"),
-    "overlap": (False, "overlap", False),
 }
+# The modes' options: a Param each, made from the declaration; a value other than the default passes through.
+EVERY_PARAM.update(
+    {
+        entry.option.camel_name: (value, name, value)
+        for name, entry in declared_options().items()
+        for value in [
+            not entry.option.default
+            if entry.option.kind is bool
+            else entry.option.choices[-1]
+            if entry.option.choices
+            else "a,b"
+            if entry.option.kind is str
+            else entry.option.minimum + 2
+        ]
+    }
+)
 OUTPUT_PARAMS = {"model", "predictionCol", "probabilityCol", "rawPredictionCol"}  # not fit settings
 OPTIMIZER_PARAMS = {"learningRate", "optimizerOptions"}  # applied to a copy of the model (tests/test_tuning.py)
 
@@ -258,7 +268,8 @@ def test_every_param_maps_to_its_fit_argument():
         getattr(one, f"set{name[0].upper()}{name[1:]}")(value)
         assert one.fit_arguments()[argument] == expected, name
     default = KerasEstimator().fit_arguments()
-    assert default["backend"] == "ring" and "custom_objects" not in default and "validation_col" not in default
+    assert "custom_objects" not in default and "validation_col" not in default
+    assert not set(default) & set(declared_options())  # a mode option left out is its default: not passed
 
 
 def test_validation_col_is_a_deprecated_alias_of_validation_indicator_col(spark, tmp_path):

@@ -9,12 +9,13 @@ from models import make_mlp
 import sparkdl
 from sparkdl import api, schedule
 from sparkdl.metrics import combine_logs
-from sparkdl.modes.base import Job, Mode, ModeResult, Option
+from sparkdl.modes.average.mode import SYNC_EVERY
+from sparkdl.modes.base import Job, Mode, ModeResult
 from sparkdl.modes.registry import MODES, check_mode_options
 
 
 def test_every_mode_name_has_one_mode_object_and_fit_accepts_exactly_those():
-    assert api.MODES == tuple(MODES) == ("sync", "sharded", "async", "hogwild", "ssp", "average")
+    assert api.MODES == tuple(MODES) == ("sync", "sharded", "async", "hogwild", "ssp", "average", "pipeline")
     assert all(isinstance(mode, Mode) and name in mode.names for name, mode in MODES.items())
     assert MODES["async"] is MODES["ssp"] is MODES["hogwild"]  # one mode, three variants
     assert MODES["sync"] is MODES["sharded"]  # sharded: sync's training, the optimizer split over the ranks
@@ -31,7 +32,7 @@ class _StubMode(Mode):
         self.result = ModeResult(model=object(), history={"loss": [0.25, 0.125]}, stats={"stub": 1}, initial_epoch=0)
 
     def options(self, name):
-        return {"sync_every": Option()}
+        return (SYNC_EVERY,)  # average's option: a mode may take another mode's option, declared the same
 
     def configure(self, name, model, values):
         return ("stub options", values["sync_every"])
@@ -61,8 +62,8 @@ def test_fit_runs_a_mode_through_the_registry(digits_df, monkeypatch):
 
 def test_options_are_checked_against_the_mode_that_takes_them():
     assert check_mode_options("ssp", max_staleness=0, push_every=None) == {
-        "push_every": None,
-        "num_servers": None,
+        "push_every": 1,  # left out: the option's declared default
+        "num_servers": 1,
         "compression": None,
         "max_staleness": 0,
     }

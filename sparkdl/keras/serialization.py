@@ -49,10 +49,15 @@ def model_from_bytes(data: bytes, custom_objects: Mapping | None = None, *, sett
 
 
 def result_to_bytes(
-    model_bytes: bytes, history: dict[str, list[float]], initial_epoch: int, stats: dict | None = None
+    model_bytes: bytes,
+    history: dict[str, list[float]],
+    initial_epoch: int,
+    stats: dict | None = None,
+    resumed_history: dict[str, list[float]] | None = None,
 ) -> bytes:
-    """Rank 0's answer: the trained ``.keras`` archive (with optimizer state), the history, the
-    epoch training (re)started from, and the mode's counters (JSON-able)."""
+    """Rank 0's answer: the trained ``.keras`` archive (with optimizer state), the history of the epochs it
+    trained, the epoch training (re)started from, the mode's counters (JSON-able), and the history before
+    that epoch when it resumed from a checkpoint the driver did not offer (``modes.base.ModeResult``)."""
     buffer = io.BytesIO()
     np.savez(
         buffer,
@@ -60,15 +65,17 @@ def result_to_bytes(
         history=np.frombuffer(json.dumps(history).encode(), np.uint8),
         initial_epoch=np.array(initial_epoch, np.int64),
         stats=np.frombuffer(json.dumps(stats or {}).encode(), np.uint8),
+        resumed_history=np.frombuffer(json.dumps(resumed_history).encode(), np.uint8),
     )
     return buffer.getvalue()
 
 
-def result_from_bytes(data: bytes) -> tuple[bytes, dict[str, list[float]], int, dict]:
+def result_from_bytes(data: bytes) -> tuple[bytes, dict[str, list[float]], int, dict, dict | None]:
     with np.load(io.BytesIO(data), allow_pickle=False) as archive:
         return (
             archive["model"].tobytes(),
             json.loads(archive["history"].tobytes().decode()),
             int(archive["initial_epoch"]),
             json.loads(archive["stats"].tobytes().decode()),
+            json.loads(archive["resumed_history"].tobytes().decode()),
         )

@@ -2,7 +2,8 @@
 
 The DataFrame is repartitioned to exactly N partitions right before
 ``mapInArrow(..., barrier=...)`` (barrier stages refuse coalesce/union
-lineage), each task gets its partition as Arrow record batches, and each
+lineage; ``layout`` decides which rows each task reads), each task gets its
+partition as Arrow record batches, and each
 task's return value comes back to the driver over the task's connection to the
 driver's relay (``payloads``: not through the JVMs, whatever its size), or for
 bytes that will be unpickled as binary rows through Spark. While the job
@@ -27,6 +28,7 @@ from sparkdl.collective import Listener, SparkdlCommunicator, topology
 from sparkdl.launch import gpu, payloads, rendezvous, session
 from sparkdl.launch.errors import worker_error
 from sparkdl.launch.forward import TaskReporter, forward_output
+from sparkdl.launch.layout import TaskLayout, task_input
 from sparkdl.launch.phases import Phases
 from sparkdl.launch.relay import OutputRelay
 from sparkdl.launch.task_context import current_task
@@ -55,7 +57,7 @@ _REPORT_GRACE_SECONDS = 10.0
 
 def run_tasks(
     frame: DataFrame,
-    num_workers: int,
+    tasks: int | TaskLayout,
     task: TaskFunction,
     *,
     barrier: bool,
@@ -64,7 +66,8 @@ def run_tasks(
     offered: dict[str, bytes] | None = None,
     spark_results: bool = False,
 ) -> dict[int, bytes]:
-    """Runs ``task`` once per partition of ``frame.repartition(num_workers)``.
+    """Runs ``task`` once per task of ``tasks`` (a layout, or a number of workers each reading a shard of its own),
+    on the rows the layout gives it (``launch.layout.task_input``).
 
     Returns the bytes each task returned, by partition index (tasks returning
     None are left out). They come over the driver's relay, of any size (as a
@@ -79,6 +82,8 @@ def run_tasks(
     answers. ``on_progress(rank, event)`` receives the tasks' progress reports as they come, and
     each task's phases (``sparkdl.launch.phases``) just before its result.
     """
+    layout = tasks if isinstance(tasks, TaskLayout) else TaskLayout.data_parallel(tasks)
+    num_tasks = layout.slots
     spark = frame.sparkSession
     local_mode = session.is_local_mode(session.master(spark))
     relay_secret = secrets.token_bytes(32)
@@ -88,11 +93,11 @@ def run_tasks(
     relay = OutputRelay(
         session.driver_host(spark),
         relay_secret,
-        num_workers,
+        num_tasks,
         on_error=lambda report: tag.cancel(),
         on_progress=on_progress,
         exchange=exchange,
-        rendezvous=rendezvous.Rendezvous(num_workers) if barrier else None,
+        rendezvous=rendezvous.Rendezvous(num_tasks) if barrier else None,
         encrypt=encrypt,
     )
     relay_address = relay.address  # the closure below must not capture the relay itself
@@ -136,7 +141,7 @@ def run_tasks(
                 schema=_RESULT_ARROW_SCHEMA,
             )
 
-    results = frame.repartition(num_workers).mapInArrow(run_task, _RESULT_SCHEMA, barrier=barrier)
+    results = task_input(frame, layout).mapInArrow(run_task, _RESULT_SCHEMA, barrier=barrier)
     if barrier:
         # Spark retries a failed barrier stage only when it is a shuffle-map stage (a failed barrier
         # result stage aborts the job): the shuffle makes the training stage retryable after a lost task.

@@ -18,7 +18,8 @@ from sparkdl.ml.persistence import KerasStagePersistence
 class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
     """Trains a compiled Keras 3 model on a DataFrame; ``fit`` returns a :class:`KerasModel`.
 
-    Every setting of :func:`sparkdl.fit` but ``callbacks`` is a Param (camelCase; ``validation_col``
+    Every setting of :func:`sparkdl.fit` but ``callbacks`` is a Param (camelCase; the modes' own options,
+    ``pushEvery``, ``overlap``, ..., are keyword arguments here made from the modes' declarations; ``validation_col``
     is Spark ML's ``validationIndicatorCol``, ``validationCol`` is its deprecated alias); ``fit`` calls
     ``sparkdl.fit`` itself, so every mode is available. ``learningRate`` and ``optimizerOptions``
     change the model's optimizer for the fit (``sparkdl.ml.optimizer``). ``customObjects`` is saved as
@@ -52,10 +53,6 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
         batchSize=32,
         shuffle=True,
         seed=None,
-        pushEvery=None,
-        maxStaleness=None,
-        numServers=None,
-        syncEvery=None,
         validationIndicatorCol=None,
         validationSplit=None,
         timeout=600.0,
@@ -63,17 +60,15 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
         tensorboardDir=None,
         logToMlflow=None,
         progress=None,
-        backend="ring",
-        compression=None,
-        overlap=None,
         customObjects=None,
         weightCol=None,
         learningRate=None,
         optimizerOptions=None,
         validationCol=None,
+        **modeOptions,
     ):
         super().__init__()
-        self._set(**deprecated_validation_col(self._input_kwargs))
+        self._set(**self.check_param_names(deprecated_validation_col(self._input_kwargs)))
 
     @keyword_only
     def setParams(
@@ -91,10 +86,6 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
         batchSize=32,
         shuffle=True,
         seed=None,
-        pushEvery=None,
-        maxStaleness=None,
-        numServers=None,
-        syncEvery=None,
         validationIndicatorCol=None,
         validationSplit=None,
         timeout=600.0,
@@ -102,16 +93,14 @@ class KerasEstimator(KerasTrainingParams, Estimator, KerasStagePersistence):
         tensorboardDir=None,
         logToMlflow=None,
         progress=None,
-        backend="ring",
-        compression=None,
-        overlap=None,
         customObjects=None,
         weightCol=None,
         learningRate=None,
         optimizerOptions=None,
         validationCol=None,
+        **modeOptions,
     ):
-        return self._set(**deprecated_validation_col(self._input_kwargs))
+        return self._set(**self.check_param_names(deprecated_validation_col(self._input_kwargs)))
 
     def _fit(self, dataset) -> KerasModel:
         if not self.isDefined(self.model):

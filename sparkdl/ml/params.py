@@ -14,6 +14,7 @@ from pyspark.ml.param.shared import (
 )
 
 from sparkdl.api import MODES
+from sparkdl.ml import mode_option_params
 from sparkdl.ml.model_params import HasOutputCols, column_spec
 from sparkdl.ml.optimizer import HasOptimizerSettings
 
@@ -68,7 +69,8 @@ class KerasTrainingParams(
     HasOutputCols, HasLabelCol, HasSeed, HasValidationIndicatorCol, HasWeightCol, HasOptimizerSettings
 ):
     """Every training setting of :func:`sparkdl.fit`, under Spark ML's camelCase names (``weightCol`` is
-    ``sample_weight_col``), and the optimizer's."""
+    ``sample_weight_col``), and the optimizer's. The modes' own options (``pushEvery``, ``overlap``, ...)
+    are made from the modes' declarations (``sparkdl.ml.mode_option_params``)."""
 
     labelCol = Param(
         Params._dummy(),
@@ -88,24 +90,6 @@ class KerasTrainingParams(
     batchSize = Param(Params._dummy(), "batchSize", "rows per worker per step", typeConverter=TypeConverters.toInt)
     shuffle = Param(
         Params._dummy(), "shuffle", "reshuffle each worker's rows every epoch", typeConverter=TypeConverters.toBoolean
-    )
-    pushEvery = Param(
-        Params._dummy(),
-        "pushEvery",
-        "async/hogwild/ssp: steps whose gradients make one push",
-        typeConverter=TypeConverters.toInt,
-    )
-    maxStaleness = Param(
-        Params._dummy(),
-        "maxStaleness",
-        "ssp: pushes a worker may run ahead of the slowest",
-        typeConverter=TypeConverters.toInt,
-    )
-    numServers = Param(
-        Params._dummy(), "numServers", "async/hogwild/ssp: parameter-server shards", typeConverter=TypeConverters.toInt
-    )
-    syncEvery = Param(
-        Params._dummy(), "syncEvery", "average: local steps between two averagings", typeConverter=TypeConverters.toInt
     )
     validationSplit = Param(
         Params._dummy(),
@@ -143,31 +127,8 @@ class KerasTrainingParams(
         "show a progress bar and one line per epoch on the console",
         typeConverter=TypeConverters.toBoolean,
     )
-    backend = Param(
-        Params._dummy(),
-        "backend",
-        "sync: whose collectives average the gradients, 'ring' or 'horovod'",
-        typeConverter=TypeConverters.toString,
-    )
-    compression = Param(
-        Params._dummy(),
-        "compression",
-        "sync/async/hogwild/ssp: gradients on the wire as 'bf16' or 'fp16' (half the bytes)",
-        typeConverter=TypeConverters.toString,
-    )
-    overlap = Param(
-        Params._dummy(),
-        "overlap",
-        "sync: average gradient buckets while backprop still runs",
-        typeConverter=TypeConverters.toBoolean,
-    )
-
     # Param name -> sparkdl.fit argument, for the settings passed only when set.
     OPTIONAL_FIT_ARGUMENTS = {
-        "pushEvery": "push_every",
-        "maxStaleness": "max_staleness",
-        "numServers": "num_servers",
-        "syncEvery": "sync_every",
         "validationIndicatorCol": "validation_col",
         "validationSplit": "validation_split",
         "checkpointDir": "checkpoint_dir",
@@ -176,13 +137,12 @@ class KerasTrainingParams(
         "progress": "progress",
         "customObjects": "custom_objects",
         "weightCol": "sample_weight_col",
-        "compression": "compression",
-        "overlap": "overlap",
     }
     # Names that saved stages may still use -> the Param that replaced them.
     RENAMED_PARAMS = {"validationCol": "validationIndicatorCol"}
 
     def __init__(self) -> None:
+        mode_option_params.install(KerasTrainingParams)  # also the options of modes registered since the last stage
         super().__init__()
         self._setDefault(
             labelCol="label",
@@ -192,7 +152,6 @@ class KerasTrainingParams(
             batchSize=32,
             shuffle=True,
             timeout=600.0,
-            backend="ring",
         )
 
     def fit_arguments(self) -> dict:
@@ -207,12 +166,22 @@ class KerasTrainingParams(
             shuffle=self.getShuffle(),
             seed=None if self.getSeed() is None else self.getSeed() % 2**31,  # Spark's default seed is a 64-bit hash
             timeout=self.getTimeout(),
-            backend=self.getBackend(),
+            **mode_option_params.fit_arguments(self),
         )
         for name, argument in self.OPTIONAL_FIT_ARGUMENTS.items():
             if self.isDefined(self.getParam(name)):
                 arguments[argument] = self.getOrDefault(name)
         return arguments
+
+    def check_param_names(self, kwargs: dict) -> dict:
+        """``kwargs`` of the constructor or ``setParams``, with a clear error for a name that is no Param."""
+        unknown = sorted(name for name in kwargs if not self.hasParam(name))
+        if unknown:
+            raise ValueError(
+                f"Unknown Param{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} of "
+                f"{type(self).__name__}. Its Params: {sorted(p.name for p in self.params)}"
+            )
+        return kwargs
 
     def setLabelCol(self, value: str):
         """Sets the label column (the value of labelCol)."""
@@ -288,38 +257,6 @@ class KerasTrainingParams(
         """Sets whether each worker reshuffles its rows every epoch (the value of shuffle)."""
         return self._set(shuffle=value)
 
-    def getPushEvery(self) -> int:
-        """Gets the steps whose gradients make one push (async/hogwild/ssp) (the value of pushEvery)."""
-        return self.getOrDefault(self.pushEvery)
-
-    def setPushEvery(self, value: int):
-        """Sets the steps whose gradients make one push (async/hogwild/ssp) (the value of pushEvery)."""
-        return self._set(pushEvery=value)
-
-    def getMaxStaleness(self) -> int:
-        """Gets the pushes a worker may run ahead of the slowest (ssp) (the value of maxStaleness)."""
-        return self.getOrDefault(self.maxStaleness)
-
-    def setMaxStaleness(self, value: int):
-        """Sets the pushes a worker may run ahead of the slowest (ssp) (the value of maxStaleness)."""
-        return self._set(maxStaleness=value)
-
-    def getNumServers(self) -> int:
-        """Gets the parameter-server shards (async/hogwild/ssp) (the value of numServers)."""
-        return self.getOrDefault(self.numServers)
-
-    def setNumServers(self, value: int):
-        """Sets the parameter-server shards (async/hogwild/ssp) (the value of numServers)."""
-        return self._set(numServers=value)
-
-    def getSyncEvery(self) -> int:
-        """Gets the local steps between two averagings (average) (the value of syncEvery)."""
-        return self.getOrDefault(self.syncEvery)
-
-    def setSyncEvery(self, value: int):
-        """Sets the local steps between two averagings (average) (the value of syncEvery)."""
-        return self._set(syncEvery=value)
-
     def getValidationSplit(self) -> float:
         """Gets the random fraction of rows held out for validation (the value of validationSplit)."""
         return self.getOrDefault(self.validationSplit)
@@ -367,27 +304,3 @@ class KerasTrainingParams(
     def setProgress(self, value: bool):
         """Sets whether progress is shown on the console (the value of progress)."""
         return self._set(progress=value)
-
-    def getBackend(self) -> str:
-        """Gets whose collectives average the gradients in sync mode (the value of backend)."""
-        return self.getOrDefault(self.backend)
-
-    def setBackend(self, value: str):
-        """Sets whose collectives average the gradients in sync mode (the value of backend)."""
-        return self._set(backend=value)
-
-    def getCompression(self) -> str:
-        """Gets how gradients travel: 'bf16' or 'fp16' (the value of compression)."""
-        return self.getOrDefault(self.compression)
-
-    def setCompression(self, value: str):
-        """Sets how gradients travel: 'bf16' or 'fp16' (the value of compression)."""
-        return self._set(compression=value)
-
-    def getOverlap(self) -> bool:
-        """Gets whether sync mode averages gradient buckets while backprop runs (the value of overlap)."""
-        return self.getOrDefault(self.overlap)
-
-    def setOverlap(self, value: bool):
-        """Sets whether sync mode averages gradient buckets while backprop runs (the value of overlap)."""
-        return self._set(overlap=value)

@@ -5,8 +5,9 @@
 | ``Job``        | what every mode trains with: the data, where to start, the common settings  |
 | ``Settings``   | the common settings every task needs (shipped in the tasks' closures)        |
 | ``Option``     | a setting only some modes take (``push_every``, ``sync_every``, ...)         |
-| ``Mode``       | a mode's names, its options, whether it runs callbacks, who reports progress |
-| ``ModeResult`` | the trained model, the whole history, the mode's counters                    |
+| ``TaskLayout`` | the tasks a mode runs: each one's role and which rows it reads               |
+| ``Mode``       | a mode's names, options, layout, who reports progress and who saves          |
+| ``ModeResult`` | the trained model, the history it trained, the mode's counters               |
 
 ``api.fit`` validates, prepares a ``Job`` and calls ``MODES[mode].run(job)``; a mode never
 reads the user's arguments itself.
@@ -19,8 +20,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sparkdl import data, schedule
-from sparkdl.checkpoint import Checkpoint, CheckpointStore
+from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore
 from sparkdl.data.fields import Layout
+from sparkdl.launch.layout import TaskLayout
 from sparkdl.progress import ProgressMonitor
 
 
@@ -43,16 +45,25 @@ class Settings:
 
     @classmethod
     def for_data(
-        cls, training: data.TrainingData, *, num_workers: int, epochs: int, batch_size: int, seed: int, **rest
+        cls,
+        training: data.TrainingData,
+        *,
+        num_workers: int,
+        epochs: int,
+        batch_size: int,
+        seed: int,
+        shards: int | None = None,
+        **rest,
     ) -> Settings:
-        """The settings of a fit over ``training``: its layout, the steps per epoch evenly split rows would take
-        (:func:`sparkdl.schedule.estimated_steps`), and validation when it holds rows out."""
+        """The settings of a fit over ``training``: its layout, the steps per epoch rows evenly split into
+        ``shards`` (default: one per worker) would take (:func:`sparkdl.schedule.estimated_steps`), and
+        validation when it holds rows out."""
         return cls(
             layout=training.layout,
             num_workers=num_workers,
             epochs=epochs,
             batch_size=batch_size,
-            steps_per_epoch=schedule.estimated_steps(training.num_rows, num_workers, batch_size),
+            steps_per_epoch=schedule.estimated_steps(training.num_rows, shards or num_workers, batch_size),
             seed=seed,
             validate=training.validation_rows > 0,
             **rest,
@@ -100,31 +111,83 @@ class Job:
     mode: str  # the name the user chose ("async" and "ssp" are variants of one mode)
     options: Any  # the mode's own option object (``Mode.configure``)
     monitor: ProgressMonitor  # where progress goes; its epoch listeners see the combined metrics
-    checkpoints: CheckpointStore | None = None
+    layout: TaskLayout  # the tasks to run (``Mode.layout``): ``launch.run_tasks`` takes it as it is
+    checkpoints: CheckpointStore | None = None  # where checkpoints go, for modes whose tasks save them
+    checkpointer: Checkpointer | None = None  # opened by ``fit`` for modes that save on the driver
 
 
 @dataclasses.dataclass(frozen=True)
 class ModeResult:
-    """What a mode returns: the trained model (on the driver), the history of all epochs (resumed ones
-    included), the mode's counters, and the epoch its (last) attempt started from."""
+    """What a mode returns: the trained model (on the driver), the history of the epochs it trained, the
+    mode's counters, and the epoch its (last) attempt started from.
+
+    ``fit`` puts the history before ``initial_epoch`` in front: ``Job.start``'s, or ``resumed_history``
+    where the mode resumed from a newer checkpoint than that (a sync stage Spark retried).
+    """
 
     model: Any
     history: dict[str, list[float]]
     stats: dict
     initial_epoch: int
+    resumed_history: dict[str, list[float]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """A setting only some modes take; ``None`` means left out (the mode's default).
+    """A setting only some modes take, declared once as data.
 
-    By default a whole number of at least ``minimum``; ``check`` replaces that check for other kinds.
+    ``sparkdl.fit``'s keyword, the estimator's Param (``camel_name``), and the jobs' flag (``flag``) and
+    config key are all made from it (``modes.registry.declared_options``), so a new option is one
+    declaration. ``None`` always means left out: the mode then uses ``default``.
     """
 
-    minimum: int = 1
+    name: str  # the keyword of sparkdl.fit, and the config key of the jobs
+    meaning: str  # one line, for help texts, Param docs and the error of a missing required option
+    kind: type = int  # int, float, bool or str
+    default: Any = None  # what the mode uses when it is left out (None: the mode decides, see ``meaning``)
+    minimum: int = 1  # for int: the least value taken
+    choices: tuple[str, ...] = ()  # for str: the values taken
     required: bool = False
-    check: Callable[[Any], object] | None = None  # raises on a bad value; what it returns is ignored
-    meaning: str = ""  # what it sets, for the error when a required one is missing
+    check: Callable[[Any], object] | None = None  # a further check on the driver; raises on a bad value
+
+    @property
+    def camel_name(self) -> str:
+        """The Spark ML Param's name: ``push_every`` -> ``pushEvery``."""
+        head, *rest = self.name.split("_")
+        return head + "".join(part.title() for part in rest)
+
+    @property
+    def flag(self) -> str:
+        """The jobs' command-line flag: ``push_every`` -> ``--push-every``."""
+        return "--" + self.name.replace("_", "-")
+
+    def expected(self) -> str:
+        """What a value must be, in words (for errors and help texts)."""
+        if self.kind is bool:
+            return "True or False"
+        if self.kind is str:
+            return " or ".join(map(repr, self.choices)) if self.choices else "a string"
+        if self.kind is float:
+            return "a number"
+        return (
+            "a non-negative integer"
+            if self.minimum == 0
+            else "a positive integer"
+            if self.minimum == 1
+            else (f"an integer >= {self.minimum}")
+        )
+
+    def accepts(self, value) -> bool:
+        """Whether ``value`` (not None) has the option's kind and lies within its bounds or choices."""
+        if self.kind is bool:
+            return isinstance(value, bool)
+        if isinstance(value, bool):
+            return False
+        if self.kind is str:
+            return isinstance(value, str) and (not self.choices or value in self.choices)
+        if self.kind is float:
+            return isinstance(value, (int, float))
+        return isinstance(value, int) and value >= self.minimum
 
 
 class Mode:
@@ -132,14 +195,28 @@ class Mode:
 
     names: tuple[str, ...] = ()  # the names it answers to (variants of one mode share a class)
     runs_callbacks: bool = True  # whether the user's Keras callbacks run inside its workers' fit
+    # Who writes the checkpoints: "driver" (``fit`` opens ``Job.checkpointer`` and closes it after ``run``,
+    # raising its errors) or "tasks" (a task writes them to ``Job.checkpoints``, as sync's rank 0 does, so
+    # that a stage Spark retries resumes from what its failed attempt saved).
+    saves_checkpoints: str = "driver"
 
-    def options(self, name: str) -> dict[str, Option]:
+    def options(self, name: str) -> tuple[Option, ...]:
         """The settings the variant ``name`` takes beyond the common ones."""
-        return {}
+        return ()
 
     def configure(self, name: str, model, values: dict) -> Any:
-        """The option object for ``Job.options``, from checked ``values`` (``None`` where left out)."""
+        """The option object for ``Job.options``, from checked ``values`` (an option's ``default`` where left
+        out)."""
         return None
+
+    def check_fit(self, name: str, options: Any, *, num_workers: int, batch_size: int, weighted: bool) -> None:
+        """Refuses, on the driver before any Spark job, a fit this mode cannot run: ``num_workers`` workers,
+        ``batch_size`` rows per step, a sample weight column (``weighted``). By default every fit is fine."""
+
+    def layout(self, name: str, num_workers: int, options: Any) -> TaskLayout:
+        """The tasks of a fit with ``num_workers`` (``options``: what ``configure`` returned); by default one
+        worker per shard of the rows."""
+        return TaskLayout.data_parallel(num_workers)
 
     def reporting_ranks(self, num_workers: int) -> int:
         """How many workers report progress per epoch (1 when one speaks for all, or the driver reports)."""

@@ -66,7 +66,6 @@ driver, nor, under Spark Connect, the client.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import secrets
@@ -82,7 +81,7 @@ from sparkdl.checkpoint import Checkpointer
 from sparkdl.keras import serialization
 from sparkdl.launch import session
 from sparkdl.launch.task_context import partition_id
-from sparkdl.metrics import merge_histories, weighted_mean
+from sparkdl.metrics import weighted_mean
 from sparkdl.modes.average import capacity
 from sparkdl.modes.average import rounds as schedule
 from sparkdl.modes.average.deltas import RoundDeltas
@@ -94,6 +93,9 @@ from sparkdl.schedule import require_rows
 logger = logging.getLogger(__name__)
 
 _ROWS_SCHEMA = "partition int, rows long, validation_rows long"
+
+
+SYNC_EVERY = Option("sync_every", "local steps between two averagings (default: half an epoch's steps)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,11 +113,11 @@ class AverageMode(Mode):
     names = ("average",)
     runs_callbacks = False
 
-    def options(self, name: str) -> dict[str, Option]:
-        return {"sync_every": Option()}
+    def options(self, name: str) -> tuple[Option, ...]:
+        return (SYNC_EVERY,)
 
     def configure(self, name: str, model, values: dict) -> AverageOptions:
-        return AverageOptions(values.get("sync_every"))
+        return AverageOptions(values["sync_every"])
 
     def why_all_at_once(self, name: str, slots: int) -> str:
         return (
@@ -160,70 +162,68 @@ class AverageMode(Mode):
             tuple(partition_rows),
         )
         metrics = _Metrics()
-        checkpointer = Checkpointer(job.checkpoints, job.start, "average") if job.checkpoints else None
-        publisher = _EpochPublisher(rounds, job.monitor, checkpointer, model, variables, metrics)
+        publisher = _EpochPublisher(rounds, job.monitor, job.checkpointer, model, variables, metrics)
 
         model_broadcast = session.ship(spark, job.start.model_bytes, size=len(job.start.model_bytes), what="the model")
         state_bytes = len(job.start.model_bytes) + sum(array.nbytes for array in state)  # each round ships both
         state_broadcast = None
         totals = np.zeros(4, np.int64)
-        with checkpointer or contextlib.nullcontext():  # waits for the last checkpoint; raises if one was not written
-            try:
-                logger.info(
-                    "sparkdl: average mode, %d workers, rows per worker %s, %d steps/epoch x %d epochs, "
-                    "%d rounds of %d steps",
-                    settings.num_workers,
-                    partition_rows,
-                    settings.steps_per_epoch,
-                    settings.epochs,
-                    rounds.count,
-                    sync_every,
-                )
-                for round_index in range(rounds.count):
-                    round_started = time.perf_counter()
-                    state_broadcast = session.ship(spark, state, size=state_bytes, what="the model and its state")
-                    deltas = RoundDeltas(spark)
-                    sender = deltas.sender()
+        try:
+            logger.info(
+                "sparkdl: average mode, %d workers, rows per worker %s, %d steps/epoch x %d epochs, "
+                "%d rounds of %d steps",
+                settings.num_workers,
+                partition_rows,
+                settings.steps_per_epoch,
+                settings.epochs,
+                rounds.count,
+                sync_every,
+            )
+            for round_index in range(rounds.count):
+                round_started = time.perf_counter()
+                state_broadcast = session.ship(spark, state, size=state_bytes, what="the model and its state")
+                deltas = RoundDeltas(spark)
+                sender = deltas.sender()
 
-                    def run_round(
-                        batches,
-                        _rounds=rounds,
-                        _round=round_index,
-                        _model=model_broadcast,
-                        _state=state_broadcast,
-                        _sender=sender,
-                    ):
-                        return round_task(batches, _rounds, _round, _model, _state, _sender)
+                def run_round(
+                    batches,
+                    _rounds=rounds,
+                    _round=round_index,
+                    _model=model_broadcast,
+                    _state=state_broadcast,
+                    _sender=sender,
+                ):
+                    return round_task(batches, _rounds, _round, _model, _state, _sender)
 
-                    table = _compat.collect_arrow(frame.mapInArrow(run_round, METRICS_SCHEMA))
-                    delta_sums, counter_sums = deltas.sums(table)
-                    state = schedule.apply_average(state, delta_sums, counter_sums, round_index)
-                    totals += counter_sums[0].sum(axis=0)
-                    metrics.add(table)
-                    state_broadcast.unpersist()
-                    state_broadcast.destroy()
-                    state_broadcast = None
-                    publisher.round_done(round_index, state, time.perf_counter() - round_started)
-                if settings.validate:  # the last round's epochs: no next round evaluates the final state; one job does
-                    state_broadcast = session.ship(spark, state, size=state_bytes, what="the model and its state")
-                    last = rounds.epochs_finished(rounds.count - 1)
+                table = _compat.collect_arrow(frame.mapInArrow(run_round, METRICS_SCHEMA))
+                delta_sums, counter_sums = deltas.sums(table)
+                state = schedule.apply_average(state, delta_sums, counter_sums, round_index)
+                totals += counter_sums[0].sum(axis=0)
+                metrics.add(table)
+                state_broadcast.unpersist()
+                state_broadcast.destroy()
+                state_broadcast = None
+                publisher.round_done(round_index, state, time.perf_counter() - round_started)
+            if settings.validate:  # the last round's epochs: no next round evaluates the final state; one job does
+                state_broadcast = session.ship(spark, state, size=state_bytes, what="the model and its state")
+                last = rounds.epochs_finished(rounds.count - 1)
 
-                    def evaluate(batches, _rounds=rounds, _model=model_broadcast, _state=state_broadcast, _last=last):
-                        return evaluate_task(batches, _rounds, _model, _state, _last)
+                def evaluate(batches, _rounds=rounds, _model=model_broadcast, _state=state_broadcast, _last=last):
+                    return evaluate_task(batches, _rounds, _model, _state, _last)
 
-                    metrics.add(_compat.collect_arrow(frame.mapInArrow(evaluate, METRICS_SCHEMA)))
-                    state_broadcast.unpersist()
-                    state_broadcast.destroy()
-                    state_broadcast = None
-                publisher.finish()
-            finally:
-                if state_broadcast is not None:
-                    state_broadcast.destroy()
-                model_broadcast.destroy()
-                frame.unpersist()
+                metrics.add(_compat.collect_arrow(frame.mapInArrow(evaluate, METRICS_SCHEMA)))
+                state_broadcast.unpersist()
+                state_broadcast.destroy()
+                state_broadcast = None
+            publisher.finish()
+        finally:
+            if state_broadcast is not None:
+                state_broadcast.destroy()
+            model_broadcast.destroy()
+            frame.unpersist()
 
         _assign(variables, state)
-        history = merge_histories(job.start.history, metrics.history(range(settings.initial_epoch, settings.epochs)))
+        history = metrics.history(range(settings.initial_epoch, settings.epochs))
         stats = {
             "rounds": rounds.count,
             "samples": int(totals[schedule.SAMPLES]),

@@ -14,7 +14,6 @@ returns or raises.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -22,16 +21,23 @@ import secrets
 
 from sparkdl import launch
 from sparkdl.checkpoint import Checkpointer
-from sparkdl.collective import compression as compressions
 from sparkdl.keras import serialization
 from sparkdl.launch import session
-from sparkdl.metrics import combine_logs, merge_histories
+from sparkdl.metrics import combine_logs
 from sparkdl.modes.base import Job, Mode, ModeResult, Option
 from sparkdl.modes.parameter_server.task import COUNTERS, MODEL, ParameterServerTask, run_parameter_server_task
+from sparkdl.modes.shared_options import COMPRESSION
 from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.server_model import ServerModel
 
 logger = logging.getLogger(__name__)
+
+
+PUSH_EVERY = Option("push_every", "steps whose gradients are averaged into one push", default=1)
+NUM_SERVERS = Option("num_servers", "parameter-server shards, balanced by size", default=1)
+MAX_STALENESS = Option(
+    "max_staleness", "how many pushes a worker may run ahead of the slowest", minimum=0, required=True
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,16 +57,11 @@ class ParameterServerMode(Mode):
 
     names = ("async", "hogwild", "ssp")
 
-    def options(self, name: str) -> dict[str, Option]:
-        options = {"push_every": Option(), "num_servers": Option(), "compression": Option(check=compressions.check)}
-        if name == "ssp":
-            options["max_staleness"] = Option(
-                minimum=0, required=True, meaning="how many pushes a worker may run ahead of the slowest"
-            )
-        return options
+    def options(self, name: str) -> tuple[Option, ...]:
+        return (PUSH_EVERY, NUM_SERVERS, COMPRESSION, *((MAX_STALENESS,) if name == "ssp" else ()))
 
     def configure(self, name: str, model, values: dict) -> ParameterServerOptions:
-        num_servers = values.get("num_servers") or 1
+        num_servers = values["num_servers"]
         variables = len(model.trainable_variables)
         if num_servers > variables:
             raise ValueError(
@@ -68,7 +69,7 @@ class ParameterServerMode(Mode):
                 f"whole variables). Received: num_servers={num_servers}"
             )
         return ParameterServerOptions(
-            values.get("push_every") or 1, num_servers, values.get("max_staleness") or 0, values.get("compression")
+            values["push_every"], num_servers, values.get("max_staleness", 0), values["compression"]
         )
 
     def reporting_ranks(self, num_workers: int) -> int:
@@ -120,22 +121,17 @@ class ParameterServerMode(Mode):
                 encrypt=encrypt,
                 compression=options.compression,
             )
-            with (
-                Checkpointer(job.checkpoints, job.start, job.mode)
-                if job.checkpoints
-                else contextlib.nullcontext() as checkpointer
-            ):
-                if checkpointer is not None:
-                    job.monitor.add_listener(_ServerCheckpoints(checkpointer, server, server_model))
-                results = launch.run_tasks(
-                    job.training.frame,
-                    settings.num_workers,
-                    lambda batches, reporter: run_parameter_server_task(batches, reporter, task),
-                    barrier=False,
-                    timeout=settings.timeout,
-                    on_progress=job.monitor.on_event,
-                    offered={MODEL: job.start.model_bytes},
-                )
+            if job.checkpointer is not None:
+                job.monitor.add_listener(_ServerCheckpoints(job.checkpointer, server, server_model))
+            results = launch.run_tasks(
+                job.training.frame,
+                job.layout,
+                lambda batches, reporter: run_parameter_server_task(batches, reporter, task),
+                barrier=False,
+                timeout=settings.timeout,
+                on_progress=job.monitor.on_event,
+                offered={MODEL: job.start.model_bytes},
+            )
             server_stats = server.stats()
         outcomes = [json.loads(payload) for payload in results.values()]
         stats = {
@@ -154,8 +150,7 @@ class ParameterServerMode(Mode):
                 )
             },
         }
-        history = merge_histories(job.start.history, combine_histories(outcomes))
-        return ModeResult(server_model.model, history, stats, job.start.epoch)
+        return ModeResult(server_model.model, combine_histories(outcomes), stats, job.start.epoch)
 
 
 class _ServerCheckpoints:

@@ -5,15 +5,28 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
-from sparkdl.collective import compression as compressions
 from sparkdl.keras import serialization
 from sparkdl.keras.prebuilt import PrebuiltModel
 from sparkdl.launch import run_tasks
-from sparkdl.launch.backends import check_backend
+from sparkdl.launch.backends import BACKENDS, check_backend
 from sparkdl.launch.session import encrypts_traffic
 from sparkdl.modes.base import Job, Mode, ModeResult, Option
+from sparkdl.modes.shared_options import COMPRESSION
 from sparkdl.modes.sync import sharded
 from sparkdl.modes.sync.task import MODEL, SyncTask, run_sync_task
+
+BACKEND = Option(
+    "backend",
+    "whose collectives average the gradients: sparkdl's 'ring' or 'horovod' (needs the Horovod stack)",
+    kind=str,
+    default="ring",
+    choices=BACKENDS,
+    check=check_backend,
+)
+OVERLAP = Option("overlap", "average gradient buckets of about 4 MB while backprop still runs", kind=bool, default=True)
+PROFILE = Option(
+    "profile", "time every step's phases on every rank (FitResult.stats['step_profile'])", kind=bool, default=False
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,26 +51,21 @@ class SyncMode(Mode):
 
     names = ("sync", "sharded")
 
-    def options(self, name: str) -> dict[str, Option]:
-        backend = {"backend": Option(check=check_backend)} if name == "sync" else {}  # sharded: the ring's
-        return {
-            **backend,
-            "compression": Option(check=compressions.check),
-            "overlap": Option(check=_check_flag("overlap")),
-            "profile": Option(check=_check_flag("profile")),
-        }
+    saves_checkpoints = "tasks"
+
+    def options(self, name: str) -> tuple[Option, ...]:
+        return (*((BACKEND,) if name == "sync" else ()), COMPRESSION, OVERLAP, PROFILE)  # sharded: the ring's
 
     def configure(self, name: str, model, values: dict) -> SyncOptions:
         if name == "sharded":
             sharded.check_model(model)
-        backend, compression = values.get("backend") or "ring", values.get("compression")
+        backend, compression = values.get("backend", "ring"), values["compression"]
         if compression is not None and backend != "ring":
             raise ValueError(
                 f"Expected compression=None with backend={backend!r}: Horovod's collectives average in the "
                 f"gradients' own dtype. Received: compression={compression!r}. Use backend='ring' to compress."
             )
-        overlap, profile = values.get("overlap"), values.get("profile")
-        return SyncOptions(backend, compression, True if overlap is None else overlap, bool(profile), name == "sharded")
+        return SyncOptions(backend, compression, values["overlap"], values["profile"], name == "sharded")
 
     def run(self, job: Job) -> ModeResult:
         task = SyncTask(
@@ -76,20 +84,12 @@ class SyncMode(Mode):
         prebuilt = PrebuiltModel(job.start.model_bytes, job.settings.custom_objects, timeout=job.settings.timeout)
         results = run_tasks(
             job.training.frame,
-            job.settings.num_workers,
+            job.layout,
             lambda batches, reporter: run_sync_task(batches, reporter, task),
             barrier=True,
             timeout=job.settings.timeout,
             on_progress=job.monitor.on_event,
             offered={MODEL: job.start.model_bytes},
         )
-        model_bytes, history, initial_epoch, stats = serialization.result_from_bytes(results[0])
-        return ModeResult(prebuilt.trained(model_bytes), history, stats, initial_epoch)
-
-
-def _check_flag(name: str):
-    def check(value) -> None:
-        if not isinstance(value, bool):
-            raise ValueError(f"Expected `{name}` to be True or False. Received: {name}={value!r}")
-
-    return check
+        model_bytes, history, initial_epoch, stats, resumed_history = serialization.result_from_bytes(results[0])
+        return ModeResult(prebuilt.trained(model_bytes), history, stats, initial_epoch, resumed_history)

@@ -17,7 +17,6 @@ from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_bac
 from sparkdl.launch import payloads
 from sparkdl.launch.backends import trainer_communicator
 from sparkdl.launch.forward import TaskReporter
-from sparkdl.metrics import merge_histories
 from sparkdl.modes.base import Settings
 from sparkdl.modes.sync import replicas
 from sparkdl.modes.sync.step_profile import StepProfile
@@ -111,7 +110,11 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
         if comm.rank != 0:
             return None
         result = serialization.result_to_bytes(
-            serialization.model_to_bytes(model), merge_histories(start.history, history), start.epoch, stats
+            serialization.model_to_bytes(model),
+            history,
+            start.epoch,
+            stats,
+            start.history if start.epoch != task.settings.initial_epoch else None,
         )
         reporter.phase("model out")
         return result

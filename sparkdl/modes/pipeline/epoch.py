@@ -1,0 +1,138 @@
+"""One epoch of one pipeline stage: its steps on its replica's schedule, its held-out rows, and the epoch's logs
+combined over the stages (the loss is every stage's share summed) and over the replicas (weighted by rows)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sparkdl import schedule
+from sparkdl.collective import ReduceOp
+
+
+class StageMetrics:
+    """The last stage's compiled metrics (the model's ``metrics=``), over the micro-batches they see."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def update(self, y: np.ndarray, outputs) -> None:
+        self.model.compute_metrics(None, y, outputs, None)
+
+    def reset(self) -> None:
+        for metric in self.model.metrics:
+            metric.reset_state()
+
+    def result(self) -> dict[str, float]:
+        return {name: float(value) for name, value in self.model.get_metrics_result().items() if name != "loss"}
+
+
+class StageEpochs:
+    """Runs a stage's epochs. ``shard_rows`` are the training and held-out rows of the replica's shard: the
+    first and last stage hold them, every stage knows how many (the middle stages walk the schedule by count)."""
+
+    def __init__(self, runner, settings, *, replica: int, shard_rows: tuple[int, int], pipeline, replicas, metrics):
+        self.runner, self.settings, self.replica = runner, settings, replica
+        self.rows, self.validation_rows = shard_rows
+        self.pipeline, self.replicas, self.metrics = pipeline, replicas, metrics
+
+    def run(self, epoch: int, rows, held_out) -> dict[str, float]:
+        """Trains epoch ``epoch`` (``rows``/``held_out``: the shard's, on the first and last stage; None elsewhere);
+        its logs, complete on the last stage (loss, metrics, ``val_*``), the loss alone elsewhere."""
+        logs = self._train(epoch, rows)
+        if self.settings.validate:
+            logs.update(self._validate(held_out))
+        return logs
+
+    def _train(self, epoch: int, rows) -> dict[str, float]:
+        settings, runner = self.settings, self.runner
+        start, stop = epoch * settings.steps_per_epoch, (epoch + 1) * settings.steps_per_epoch
+        parts = schedule.epoch_steps(
+            self.rows,
+            steps=settings.steps_per_epoch,
+            seed=settings.seed,
+            rank=self.replica,
+            shuffle=settings.shuffle,
+            start=start,
+            stop=stop,
+        )
+        sizes = [end - begin for part in parts for begin, end in part.spans]
+        batches = iter(settings.batches(rows, self.replica, start, stop)) if rows is not None else None
+        if self.metrics is not None:
+            self.metrics.reset()
+        total = 0.0
+        for size in sizes:
+            x, y = next(batches)[:2] if batches is not None else (None, None)
+            share = runner.train_step(*self._ends(x, y), micro_batches=min(size, runner.micro_batches))
+            total += share * size  # weighted by rows, as Keras's loss tracker weighs its steps
+        loss = float(self.pipeline.allreduce(np.array([total], np.float64), ReduceOp.SUM)[0]) / sum(sizes)
+        if self.metrics is None:
+            return {"loss": loss}
+        return {"loss": loss, **self._over_replicas(self.metrics.result(), self.rows)}
+
+    def _validate(self, held_out) -> dict[str, float]:
+        runner, batch, count = self.runner, self.settings.batch_size, self.validation_rows
+        if count == 0:
+            raise ValueError(
+                f"Pipeline replica {self.replica}'s shard got no validation row: every shard needs held-out rows "
+                "(use more rows, a larger validation_split, or fewer data replicas)."
+            )
+        if self.metrics is not None:
+            self.metrics.reset()
+        total = 0.0
+        for begin in range(0, count, batch):
+            size = min(batch, count - begin)
+            x, y = held_out.take(np.arange(begin, begin + size))[:2] if held_out is not None else (None, None)
+            loss = runner.evaluate_step(*self._ends(x, y), micro_batches=min(size, runner.micro_batches))
+            total += loss * size
+        if self.metrics is None:
+            return {}
+        values = {"val_loss": total / count, **{f"val_{k}": v for k, v in self.metrics.result().items()}}
+        return self._over_replicas(values, count)
+
+    def _ends(self, x, y):
+        return (x if self.runner.first else None), (y if self.runner.last else None)
+
+    def _over_replicas(self, values: dict[str, float], weight: int) -> dict[str, float]:
+        """``values`` averaged over this stage's replicas, each weighted by ``weight`` (its rows)."""
+        if self.replicas is None:
+            return values
+        names = sorted(values)
+        sums = self.replicas.allreduce(np.array([*(weight * values[n] for n in names), weight], np.float64))
+        return {name: float(sums[i] / sums[-1]) for i, name in enumerate(names)}
+
+    def summary_row(self) -> np.ndarray:
+        """This stage's timings and memory, one row of the table every task gathers (:meth:`stats`)."""
+        summary, model = self.runner.summary(), self.runner.model
+        weight_bytes = sum(np.asarray(v.numpy()).nbytes for v in model.weights)
+        optimizer_bytes = sum(np.asarray(v.numpy()).nbytes for v in model.optimizer.variables)
+        keys = ("compute_seconds", "wait_seconds", "allreduce_seconds", "steps")
+        return np.array([*(float(summary[k]) for k in keys), weight_bytes, optimizer_bytes], np.float64)
+
+    def stats(self, plan, rows: np.ndarray) -> dict:
+        """``FitResult.stats["pipeline"]``: per stage of replica 0 (``rows``), its parameters, the bytes of weights
+        and optimizer state its task held, its seconds computing and waiting, its idle fraction; GPipe's bound."""
+        stages = []
+        for parameters, row in zip(plan.parameters, rows):
+            compute, wait, allreduce, steps, weight_bytes, optimizer_bytes = row.tolist()
+            stages.append(
+                {
+                    "parameters": parameters,
+                    "weight_bytes": int(weight_bytes),
+                    "optimizer_bytes": int(optimizer_bytes),
+                    "compute_seconds": compute,
+                    "wait_seconds": wait,
+                    "allreduce_seconds": allreduce,
+                    "idle_fraction": wait / (compute + wait) if compute + wait else 0.0,
+                }
+            )
+        summary = self.runner.summary()
+        return {
+            "stages": stages,
+            "micro_batches": self.runner.micro_batches,
+            "steps": int(summary["steps"]),
+            "idle_fraction": float(np.mean([s["idle_fraction"] for s in stages])),
+            "gpipe_bound": summary["gpipe_bound"],
+        }
+
+    def close(self) -> None:
+        self.runner.close()

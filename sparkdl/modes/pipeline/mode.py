@@ -1,0 +1,128 @@
+"""Pipeline mode's driver side: the model cut into stages, one barrier task per stage and replica, the stages'
+trained state put back into one model.
+
+``num_workers = data_replicas * num_stages`` tasks, laid out as Keras's ``DeviceMesh`` with the axes
+``("batch", "model")``: task ``t`` is stage ``t % num_stages`` of replica ``t // num_stages``. Each
+replica's first stage reads the features of one shard of the rows and its last stage the labels of
+the same shard (the layout gives both the same rows in the same order); middle stages read nothing.
+Each stage task gets only its own layers' weights and optimizer state (``state.stage_state``), offered
+by the driver, and returns them; the driver assembles the trained model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+
+from sparkdl.keras import serialization
+from sparkdl.launch import run_tasks
+from sparkdl.launch.layout import Task, TaskLayout
+from sparkdl.launch.session import encrypts_traffic
+from sparkdl.modes.base import Job, Mode, ModeResult, Option
+from sparkdl.modes.pipeline import cut, state
+from sparkdl.modes.pipeline.task import MODEL, PipelineTask, read_report, run_pipeline_task, stage_payload
+
+
+def _check_cut_points(value) -> None:
+    names = [name.strip() for name in value.split(",")]
+    if not all(names):
+        raise ValueError(
+            f"Expected `cut_points` to be layer names separated by commas, e.g. 'dense_2,dense_4'. "
+            f"Received: cut_points={value!r}"
+        )
+
+
+NUM_STAGES = Option("num_stages", "consecutive stages the model is cut into, one task each", minimum=2, required=True)
+MICRO_BATCHES = Option("micro_batches", "parts of each batch that flow through the stages one after another", default=4)
+CUT_POINTS = Option(
+    "cut_points",
+    "the layers that start stages 2, 3, ... (comma-separated names; default: stages balanced by parameters)",
+    kind=str,
+    check=_check_cut_points,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    plan: cut.StagePlan  # the stages: layers, boundary shapes, parameters
+    micro_batches: int
+    compile_config: dict  # the model's compile settings: each stage's optimizer, the last stage's loss and metrics
+
+
+class PipelineMode(Mode):
+    """GPipe: every step's micro-batches flow forward through the stages and their gradients back, each stage
+    then applies its own optimizer to its own layers (``engine.PipelineStage``).
+
+    The last stage of replica 0 speaks for all: it reports progress, and writes the checkpoints (the
+    stages of replica 0 send it their state), from inside the stage, so that a stage Spark retries resumes
+    from what the failed attempt saved.
+    """
+
+    names = ("pipeline",)
+    saves_checkpoints = "tasks"
+
+    def options(self, name: str) -> tuple[Option, ...]:
+        return (NUM_STAGES, MICRO_BATCHES, CUT_POINTS)
+
+    def configure(self, name: str, model, values: dict) -> PipelineOptions:
+        points = values["cut_points"]
+        plan = cut.plan_stages(
+            model, values["num_stages"], None if points is None else [p.strip() for p in points.split(",")]
+        )
+        if model.optimizer is None:
+            raise ValueError("Expected a compiled model: mode='pipeline' trains with the model's own optimizer.")
+        return PipelineOptions(plan, values["micro_batches"], model.get_compile_config())
+
+    def check_fit(self, name: str, options: PipelineOptions, *, num_workers: int, batch_size: int, weighted: bool):
+        stages = options.plan.num_stages
+        if num_workers % stages:
+            raise ValueError(
+                f"Expected `num_workers` to be a multiple of num_stages={stages} (data replicas x stages). "
+                f"Received: num_workers={num_workers}"
+            )
+        if options.micro_batches > batch_size:
+            raise ValueError(
+                f"Expected `micro_batches` to be at most batch_size={batch_size} (a micro-batch holds at least a "
+                f"row). Received: micro_batches={options.micro_batches}"
+            )
+        if weighted:
+            raise ValueError("mode='pipeline' takes no `sample_weight_col`: its stages weigh every row alike.")
+
+    def layout(self, name: str, num_workers: int, options: PipelineOptions) -> TaskLayout:
+        stages = options.plan.num_stages
+        return TaskLayout(
+            tuple(
+                Task(
+                    f"replica {t // stages} stage {t % stages}", t // stages if t % stages in (0, stages - 1) else None
+                )
+                for t in range(num_workers)
+            )
+        )
+
+    def run(self, job: Job) -> ModeResult:
+        options = job.options
+        model = serialization.model_from_bytes(job.start.model_bytes, job.settings.custom_objects)
+        offered = {stage_payload(s): state.stage_state(model, options.plan, s) for s in range(options.plan.num_stages)}
+        task = PipelineTask(
+            settings=job.settings,
+            secret=secrets.token_bytes(32),
+            plan=options.plan,
+            micro_batches=options.micro_batches,
+            compile_config=options.compile_config,
+            checkpoints=job.checkpoints,
+            start_history=job.start.history,
+            encrypt=encrypts_traffic(job.training.frame.sparkSession),
+        )
+        results = run_tasks(
+            job.training.frame,
+            job.layout,
+            lambda batches, reporter: run_pipeline_task(batches, reporter, task),
+            barrier=True,
+            timeout=job.settings.timeout,
+            on_progress=job.monitor.on_event,
+            offered={**offered, MODEL: job.start.model_bytes},
+        )
+        stages = [results[s] for s in range(options.plan.num_stages)]  # replica 0's stages
+        state.assemble_state(model, options.plan, stages)
+        history, stats, initial_epoch, resumed = read_report(state.from_bytes(stages[-1])[2])
+        return ModeResult(model, history, stats, initial_epoch, resumed)

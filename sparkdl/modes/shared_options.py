@@ -1,0 +1,13 @@
+"""The options more than one mode takes, declared once so that every mode taking one declares it the same way."""
+
+from __future__ import annotations
+
+from sparkdl.collective import compression
+from sparkdl.modes.base import Option
+
+COMPRESSION = Option(
+    "compression",
+    "gradients on the wire as 'bf16' or 'fp16' (half the bytes), added and applied in float32",
+    kind=str,
+    choices=compression.NAMES,
+)
