@@ -24,8 +24,8 @@ def check_callbacks(callbacks, mode: str, runs_callbacks: bool) -> tuple:
 
     if not runs_callbacks:
         raise ValueError(
-            f"`callbacks` run inside Keras's fit on the workers, which mode={mode!r} does not use (it "
-            "trains in rounds of train_on_batch). Use mode='sync' or a parameter-server mode, or drop "
+            f"`callbacks` run inside Keras's fit on the workers, which mode={mode!r} does not use (its "
+            "workers run a training loop of their own). Use mode='sync' or a parameter-server mode, or drop "
             f"the callbacks. Received: callbacks={callbacks!r}"
         )
     if not isinstance(callbacks, (list, tuple)):

@@ -33,7 +33,7 @@ except ImportError as missing:
     )
 
 _CLIENT_SECONDS = 540
-_MODES = ("sync", "sharded", "async", "hogwild", "ssp", "average")
+_MODES = ("sync", "sharded", "async", "hogwild", "ssp", "average", "pipeline")
 _ROWS, _WORKERS, _EPOCHS, _BATCH = 320, 2, 2, 32
 _STEPS = -(-_ROWS // (_WORKERS * _BATCH))  # per epoch
 
@@ -97,6 +97,8 @@ def _captured_fit(df, mode: str) -> dict:
     if mode == "average":
         # One round per epoch; with held-out rows the evaluation-only job after the last round runs too.
         options.update(validation_split=0.25, sync_every=_STEPS)
+    elif mode == "pipeline":  # its stages run their own loop: no Keras callbacks
+        options.update(validation_split=0.25, num_stages=2)
     else:
         options["callbacks"] = [_where_callback()]
     model = _model()
@@ -333,6 +335,11 @@ def test_fit_over_connect(results, connect_server, mode):
     if mode == "average":  # deltas and counters came back as result rows: one per worker and round
         stats = value["stats"]
         assert stats["contributions"] == _WORKERS * stats["rounds"] and stats["samples"] > 0
+        assert "val_loss" in value["history"]
+        return
+    if mode == "pipeline":  # two stage tasks on the server, each measuring the part of the model it held
+        stages = value["stats"]["pipeline"]["stages"]
+        assert len(stages) == 2 and all(stage["weight_bytes"] > 0 for stage in stages)
         assert "val_loss" in value["history"]
         return
     # The callback ran inside Spark tasks on the server (partitions 0 and 1, or rank 0 alone), not in the client.

@@ -80,6 +80,7 @@ def test_cut_points_name_the_first_layer_of_each_later_stage(small_df):
         (dict(micro_batches=2), r"mode='pipeline' needs `num_stages`"),
         (dict(num_stages=2, sample_weight_col="label"), r"mode='pipeline' takes no `sample_weight_col`"),
         (dict(num_stages=2, overlap=False), r"`overlap` applies to mode='sync' or 'sharded' only"),
+        (dict(num_stages=2, callbacks=[keras.callbacks.Callback()]), r"`callbacks` run inside Keras's fit"),
     ],
 )
 def test_what_cannot_work_is_refused_on_the_driver_before_any_job(spark, small_df, settings, message):

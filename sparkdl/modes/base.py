@@ -148,7 +148,7 @@ class Option:
     minimum: int = 1  # for int: the least value taken
     choices: tuple[str, ...] = ()  # for str: the values taken
     required: bool = False
-    check: Callable[[Any], object] | None = None  # a further check on the driver; raises on a bad value
+    check: Callable[[Any], object] | None = None  # its own check on the driver, run first; raises on a bad value
 
     @property
     def camel_name(self) -> str:

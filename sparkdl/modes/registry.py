@@ -118,10 +118,10 @@ def check_mode_options(mode: str, names: dict[str, str] | None = None, **options
                 f"{called(name)} applies to {modes} only. Received: {shown(name, value)} with {shown('mode', mode)}"
             )
         option = taken[name]
+        if option.check is not None:  # first: its error says more than the kind's
+            option.check(value)
         if not option.accepts(value):
             raise ValueError(f"Expected {called(name)} to be {option.expected()}. Received: {shown(name, value)}")
-        if option.check is not None:
-            option.check(value)
     for name, option in taken.items():
         if option.required and options.get(name) is None:
             raise ValueError(f"{shown('mode', mode)} needs {called(name)}: {option.meaning}.")

@@ -10,4 +10,5 @@ COMPRESSION = Option(
     "gradients on the wire as 'bf16' or 'fp16' (half the bytes), added and applied in float32",
     kind=str,
     choices=compression.NAMES,
+    check=compression.check,  # None means float32 gradients: its error says so
 )

@@ -3,10 +3,13 @@ combined over the stages (the loss is every stage's share summed) and over the r
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from sparkdl import schedule
 from sparkdl.collective import ReduceOp
+from sparkdl.keras.callbacks import STEP_REPORT_SECONDS
 
 
 class StageMetrics:
@@ -30,10 +33,13 @@ class StageEpochs:
     """Runs a stage's epochs. ``shard_rows`` are the training and held-out rows of the replica's shard: the
     first and last stage hold them, every stage knows how many (the middle stages walk the schedule by count)."""
 
-    def __init__(self, runner, settings, *, replica: int, shard_rows: tuple[int, int], pipeline, replicas, metrics):
+    def __init__(
+        self, runner, settings, *, replica: int, shard_rows: tuple[int, int], pipeline, replicas, metrics, report=None
+    ):
         self.runner, self.settings, self.replica = runner, settings, replica
         self.rows, self.validation_rows = shard_rows
         self.pipeline, self.replicas, self.metrics = pipeline, replicas, metrics
+        self.report = report  # the reporting task's: a progress event (at most one a second, for the steps)
 
     def run(self, epoch: int, rows, held_out) -> dict[str, float]:
         """Trains epoch ``epoch`` (``rows``/``held_out``: the shard's, on the first and last stage; None elsewhere);
@@ -59,11 +65,17 @@ class StageEpochs:
         batches = iter(settings.batches(rows, self.replica, start, stop)) if rows is not None else None
         if self.metrics is not None:
             self.metrics.reset()
-        total = 0.0
-        for size in sizes:
+        total, reported, rows_since = 0.0, time.monotonic(), 0
+        replicas = self.settings.num_workers // self.pipeline.size
+        for step, size in enumerate(sizes):
             x, y = next(batches)[:2] if batches is not None else (None, None)
             share = runner.train_step(*self._ends(x, y), micro_batches=min(size, runner.micro_batches))
             total += share * size  # weighted by rows, as Keras's loss tracker weighs its steps
+            rows_since, now = rows_since + size * replicas, time.monotonic()
+            if self.report is not None and now - reported >= STEP_REPORT_SECONDS:
+                rate = rows_since / (now - reported)
+                self.report({"event": "step", "epoch": epoch, "step": step + 1, "logs": {}, "samples_per_second": rate})
+                reported, rows_since = now, 0
         loss = float(self.pipeline.allreduce(np.array([total], np.float64), ReduceOp.SUM)[0]) / sum(sizes)
         if self.metrics is None:
             return {"loss": loss}

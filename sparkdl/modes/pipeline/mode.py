@@ -59,6 +59,7 @@ class PipelineMode(Mode):
     """
 
     names = ("pipeline",)
+    runs_callbacks = False  # its stages run their own loop (``epoch.StageEpochs``), not Keras's fit
     saves_checkpoints = "tasks"
 
     def options(self, name: str) -> tuple[Option, ...]:

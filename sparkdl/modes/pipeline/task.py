@@ -103,6 +103,7 @@ def run_pipeline_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter,
             pipeline=pipeline,
             replicas=replicas,
             metrics=metrics,
+            report=reporter.progress if writer else None,
         )
         reporter.phase("model in")
         own_rows = (rows, held_out) if stage in (0, stages - 1) else (None, None)
