@@ -20,6 +20,7 @@ from collections.abc import Iterable
 import numpy as np
 import pyarrow as pa
 
+from sparkdl import schedule
 from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore
 from sparkdl.data import read_partition
 from sparkdl.keras import serialization
@@ -72,6 +73,7 @@ def run_pipeline_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter,
     with connect_collective(reporter, task.secret, settings.timeout, encrypt=task.encrypt) as comm:
         replica, stage = divmod(comm.rank, stages)
         counts = comm.allgather(np.array([len(rows), len(held_out)], np.int64))[::stages]  # each shard's, once
+        schedule.require_rows(dict(enumerate(counts[:, 0].tolist())))  # no replica trains without rows
         settings = settings.for_rows(counts[:, 0].tolist())
         # Every rank forms every group (the communicator numbers them in call order): one per replica, one per stage.
         pipelines = [comm.split(range(r * stages, (r + 1) * stages)) for r in range(comm.size // stages)]
@@ -84,8 +86,7 @@ def run_pipeline_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter,
         model = build_stage(task.plan, stage, weights)
         model.compile_from_config(task.compile_config)
         state.restore_optimizer(model.optimizer, model.trainable_variables, optimizer_state)
-        last = stage == stages - 1
-        metrics = StageMetrics(model) if last else None
+        metrics = StageMetrics(model) if stage == stages - 1 else None
         epochs = StageEpochs(
             PipelineStage(
                 model,
@@ -136,7 +137,7 @@ def run_pipeline_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter,
         extra = {}
         if writer:
             report = {
-                "history": history if last else {},
+                "history": history,
                 "stats": {"pipeline": epochs.stats(task.plan, rows_of_stats[:stages])},
                 "initial_epoch": start.epoch,
                 "resumed_history": start.history if start.epoch != task.settings.initial_epoch else None,
