@@ -90,82 +90,82 @@ def fit(
 ) -> FitResult:
     """Trains a compiled Keras 3 model on a Spark DataFrame with ``num_workers`` Spark tasks.
 
-        Modes:
-            ``"sync"``: every step, the workers' gradients are averaged with a ring
-            allreduce (barrier mode); equivalent to minibatch SGD at the global
-            batch ``num_workers * batch_size``.
-            ``"sharded"``: as sync, but each worker keeps and updates only its 1/N of the
-            optimizer's state (ZeRO stage 1: gradients reduce-scattered, weights all-gathered);
-            the same weights, for an element-wise optimizer (SGD, Adam, ... : docs/large-models.md).
-            ``"async"``: a parameter server on the driver applies each worker's
-            pushed gradient as it arrives, under a lock, with the model's own optimizer.
-            ``"hogwild"``: as async, without the lock.
-            ``"ssp"``: as async, but a worker more than ``max_staleness`` pushes
-            ahead of the slowest one waits.
-            ``"average"``: no server: every ``sync_every`` local steps the driver
-            averages the workers' weights (Spark broadcast + accumulators).
+    Modes:
+        ``"sync"``: every step, the workers' gradients are averaged with a ring
+        allreduce (barrier mode); equivalent to minibatch SGD at the global
+        batch ``num_workers * batch_size``.
+        ``"sharded"``: as sync, but each worker keeps and updates only its 1/N of the
+        optimizer's state (ZeRO stage 1: gradients reduce-scattered, weights all-gathered);
+        the same weights, for an element-wise optimizer (SGD, Adam, ... : docs/large-models.md).
+        ``"async"``: a parameter server on the driver applies each worker's
+        pushed gradient as it arrives, under a lock, with the model's own optimizer.
+        ``"hogwild"``: as async, without the lock.
+        ``"ssp"``: as async, but a worker more than ``max_staleness`` pushes
+        ahead of the slowest one waits.
+        ``"average"``: no server: every ``sync_every`` local steps the driver
+        averages the workers' weights (Spark broadcast + accumulators).
 
-        Args:
-            df: the training data.
-            model: a compiled ``keras.Model`` (TensorFlow backend); it is left untouched.
-            features_col: the model's input: a number, Vector, (nested) number array or image column
-                (Spark's image source), or a list of number columns; for a model with several inputs, a
-                mapping from input name to one of those. Each row is reshaped to its input's shape (flat
-                rows of the input's size, or nested arrays of its shape); integer columns reach integer
-                inputs as integers (ids stay exact); see docs/data.md.
-            label_col: the target: a number, Vector or (nested) array column, or a list of number
-                columns; for a model with several outputs, a mapping from output name to one of those.
-                Integer columns arrive as int64, others as float32.
-            sample_weight_col: a number column (>= 0) weighting each row's loss, as Keras's
-                ``sample_weight`` does (weighted metrics follow Keras: ``compile(weighted_metrics=...)``).
-            num_workers: Spark tasks that train together; at most the cluster's task slots (the fit waits for free
-                ones, up to ``timeout``).
-            epochs: passes over the whole DataFrame.
-            batch_size: rows per worker per step.
-            shuffle: reshuffle every worker's rows each epoch.
-            seed: makes shuffling and per-worker randomness reproducible.
-            validation_col: a boolean column; rows where it is true are held out for validation
-                (never trained on). Not together with ``validation_split``.
-            validation_split: a fraction in (0, 1) of the rows held out for validation, chosen by a
-                hash of each row seeded with ``seed`` (``data.validation_split_mask``): the same rows
-                for the same seed and data.
-                With either setting, ``history`` also holds ``val_<metric>`` per epoch for every
-                metric (``val_loss``, ``val_accuracy``, ...), as Keras's ``fit(validation_data=...)``
-                does: the held-out rows evaluated with the epoch's final weights (per mode: sync, the
-                replicas' common weights; async/hogwild/ssp, each worker's weights at its epoch end,
-                combined weighted by held-out rows; average, the averaged model after the round that
-                completes the epoch). Steps per epoch count the training rows only.
-            timeout: seconds any single network wait may take before the job fails, and the longest the fit waits for
-                task slots that other sparkdl fits or other jobs hold (``sparkdl.launch.slots``).
-            custom_objects: Keras custom objects (name -> class or function) for ``keras.models.load_model`` on the
-                workers. Rarely needed: classes and functions the model uses that the workers cannot import (defined in
-                the driver's script or notebook, or registered at run time) are found on the driver and sent with the
-                job (``sparkdl.keras.shipped_objects``); one that cannot be found is refused before any Spark job.
-            checkpoint_dir: a directory (local path, ``file://``, ``hdfs://``, ``s3://``, ...) where the
-                model, its optimizer state and the history are saved after every epoch (by rank 0 in
-                sync mode, by the driver otherwise; see ``sparkdl.checkpoint``). A fit pointed at a
-                directory holding checkpoints continues from the newest one, and in sync mode a stage
-                Spark retries after losing a task resumes from it. On a cluster it must be storage
-                every executor reaches.
-            callbacks: Keras callbacks to run inside every worker (sync mode: after the metrics are
-                averaged over workers, so every rank sees, and decides on, the same values).
-            progress: show progress on the console: a bar where one can be seen (terminal, notebook) and
-                one line per epoch (docs/output.md). Epoch lines are logged on the ``sparkdl.progress``
-                logger (INFO) either way.
-            tensorboard_dir: write per-epoch metrics and throughput there for TensorBoard (needs the
-                ``tensorboard`` package), from the driver.
-            log_to_mlflow: log the settings and per-epoch metrics to MLflow (the active run, or a new
-                one), from the driver.
-            **mode_options: the settings only some modes take (below; docs/modes.md), each declared by its
-                mode (``sparkdl.modes.base.Option``); one the chosen mode does not take is an error.
+    Args:
+        df: the training data.
+        model: a compiled ``keras.Model`` (TensorFlow backend); it is left untouched.
+        features_col: the model's input: a number, Vector, (nested) number array or image column
+            (Spark's image source), or a list of number columns; for a model with several inputs, a
+            mapping from input name to one of those. Each row is reshaped to its input's shape (flat
+            rows of the input's size, or nested arrays of its shape); integer columns reach integer
+            inputs as integers (ids stay exact); see docs/data.md.
+        label_col: the target: a number, Vector or (nested) array column, or a list of number
+            columns; for a model with several outputs, a mapping from output name to one of those.
+            Integer columns arrive as int64, others as float32.
+        sample_weight_col: a number column (>= 0) weighting each row's loss, as Keras's
+            ``sample_weight`` does (weighted metrics follow Keras: ``compile(weighted_metrics=...)``).
+        num_workers: Spark tasks that train together; at most the cluster's task slots (the fit waits for free
+            ones, up to ``timeout``).
+        epochs: passes over the whole DataFrame.
+        batch_size: rows per worker per step.
+        shuffle: reshuffle every worker's rows each epoch.
+        seed: makes shuffling and per-worker randomness reproducible.
+        validation_col: a boolean column; rows where it is true are held out for validation
+            (never trained on). Not together with ``validation_split``.
+        validation_split: a fraction in (0, 1) of the rows held out for validation, chosen by a
+            hash of each row seeded with ``seed`` (``data.validation_split_mask``): the same rows
+            for the same seed and data.
+            With either setting, ``history`` also holds ``val_<metric>`` per epoch for every
+            metric (``val_loss``, ``val_accuracy``, ...), as Keras's ``fit(validation_data=...)``
+            does: the held-out rows evaluated with the epoch's final weights (per mode: sync, the
+            replicas' common weights; async/hogwild/ssp, each worker's weights at its epoch end,
+            combined weighted by held-out rows; average, the averaged model after the round that
+            completes the epoch). Steps per epoch count the training rows only.
+        timeout: seconds any single network wait may take before the job fails, and the longest the fit waits for
+            task slots that other sparkdl fits or other jobs hold (``sparkdl.launch.slots``).
+        custom_objects: Keras custom objects (name -> class or function) for ``keras.models.load_model`` on the
+            workers. Rarely needed: classes and functions the model uses that the workers cannot import (defined in
+            the driver's script or notebook, or registered at run time) are found on the driver and sent with the
+            job (``sparkdl.keras.shipped_objects``); one that cannot be found is refused before any Spark job.
+        checkpoint_dir: a directory (local path, ``file://``, ``hdfs://``, ``s3://``, ...) where the
+            model, its optimizer state and the history are saved after every epoch (by rank 0 in
+            sync mode, by the driver otherwise; see ``sparkdl.checkpoint``). A fit pointed at a
+            directory holding checkpoints continues from the newest one, and in sync mode a stage
+            Spark retries after losing a task resumes from it. On a cluster it must be storage
+            every executor reaches.
+        callbacks: Keras callbacks to run inside every worker (sync mode: after the metrics are
+            averaged over workers, so every rank sees, and decides on, the same values).
+        progress: show progress on the console: a bar where one can be seen (terminal, notebook) and
+            one line per epoch (docs/output.md). Epoch lines are logged on the ``sparkdl.progress``
+            logger (INFO) either way.
+        tensorboard_dir: write per-epoch metrics and throughput there for TensorBoard (needs the
+            ``tensorboard`` package), from the driver.
+        log_to_mlflow: log the settings and per-epoch metrics to MLflow (the active run, or a new
+            one), from the driver.
+        **mode_options: the settings only some modes take (below; docs/modes.md), each declared by its
+            mode (``sparkdl.modes.base.Option``); one the chosen mode does not take is an error.
 
-        Mode options:
-    {mode_options}
+    Mode options:
+        {mode_options}
 
-        Example:
-            >>> result = sparkdl.fit(df, model, features_col="features", label_col="label",
-            ...                      num_workers=2, epochs=20, batch_size=16, seed=0)
-            >>> result.history["loss"][-1]
+    Example:
+        >>> result = sparkdl.fit(df, model, features_col="features", label_col="label",
+        ...                      num_workers=2, epochs=20, batch_size=16, seed=0)
+        >>> result.history["loss"][-1]
     """
     phases = Phases()
     check_settings(df, model, num_workers=num_workers, epochs=epochs, batch_size=batch_size, timeout=timeout, seed=seed)

@@ -76,6 +76,7 @@ def test_cut_points_name_the_first_layer_of_each_later_stage(small_df):
         (dict(num_stages=4), r"(?i)more stages than .*layers|num_stages"),
         (dict(num_stages=2, cut_points="no_such_layer"), r"no_such_layer"),
         (dict(num_stages=2, cut_points=","), r"Expected `cut_points` to be layer names separated by commas"),
+        (dict(num_stages=2, cut_points=["dense"]), r"Expected `cut_points` to be layer names separated by commas"),
         (dict(num_stages=1), r"Expected `num_stages` to be an integer >= 2"),
         (dict(micro_batches=2), r"mode='pipeline' needs `num_stages`"),
         (dict(num_stages=2, sample_weight_col="label"), r"mode='pipeline' takes no `sample_weight_col`"),

@@ -20,7 +20,7 @@ def with_mode_options(function):
         )
         text = f"{name} ({option.expected()}): {entry.described()}.{default}"
         lines.append(textwrap.fill(text, 110, initial_indent=" " * 8, subsequent_indent=" " * 12))
-    function.__doc__ = function.__doc__.replace("{mode_options}", "\n".join(lines))
+    function.__doc__ = function.__doc__.replace("{mode_options}", "\n".join(lines).lstrip())  # the line's indent stays
     signature = inspect.signature(function)
     parameters = list(signature.parameters.values())
     keywords = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in declared]

@@ -24,8 +24,8 @@ from sparkdl.modes.pipeline.task import MODEL, PipelineTask, read_report, run_pi
 
 
 def _check_cut_points(value) -> None:
-    names = [name.strip() for name in value.split(",")]
-    if not all(names):
+    names = [name.strip() for name in value.split(",")] if isinstance(value, str) else []
+    if not names or not all(names):
         raise ValueError(
             f"Expected `cut_points` to be layer names separated by commas, e.g. 'dense_2,dense_4'. "
             f"Received: cut_points={value!r}"
