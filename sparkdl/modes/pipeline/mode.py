@@ -5,7 +5,7 @@ trained state put back into one model.
 ``("batch", "model")``: task ``t`` is stage ``t % num_stages`` of replica ``t // num_stages``. Each
 replica's first stage reads the features of one shard of the rows and its last stage the labels of
 the same shard (the layout gives both the same rows in the same order); middle stages read nothing.
-Each stage task gets only its own layers' weights and optimizer state (``state.stage_state``), offered
+Each stage task gets only its own layers' weights and optimizer state (``state.stage_states``), offered
 by the driver, and returns them; the driver assembles the trained model.
 """
 
@@ -103,7 +103,8 @@ class PipelineMode(Mode):
     def run(self, job: Job) -> ModeResult:
         options = job.options
         model = serialization.model_from_bytes(job.start.model_bytes, job.settings.custom_objects)
-        offered = {stage_payload(s): state.stage_state(model, options.plan, s) for s in range(options.plan.num_stages)}
+        stages = range(options.plan.num_stages)
+        offered = {stage_payload(s): part for s, part in zip(stages, state.stage_states(model, options.plan, stages))}
         task = PipelineTask(
             settings=job.settings,
             secret=secrets.token_bytes(32),
@@ -123,7 +124,7 @@ class PipelineMode(Mode):
             on_progress=job.monitor.on_event,
             offered={**offered, MODEL: job.start.model_bytes},
         )
-        stages = [results[s] for s in range(options.plan.num_stages)]  # replica 0's stages
-        state.assemble_state(model, options.plan, stages)
-        history, stats, initial_epoch, resumed = read_report(state.from_bytes(stages[-1])[2])
+        trained = [results[s] for s in stages]  # replica 0's stages
+        state.assemble_state(model, options.plan, trained)
+        history, stats, initial_epoch, resumed = read_report(state.from_bytes(trained[-1])[2])
         return ModeResult(model, history, stats, initial_epoch, resumed)

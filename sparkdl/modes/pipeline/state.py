@@ -56,11 +56,15 @@ def restore_optimizer(
             variable.assign(arrays[name])
 
 
-def stage_state(model: keras.Model, plan: StagePlan, stage: int) -> bytes:
-    """Stage ``stage``'s part of the whole ``model``: its weights and its variables' optimizer state."""
-    first, count = _trainable_span(model, plan, stage)
+def stage_states(model: keras.Model, plan: StagePlan, stages: Sequence[int]) -> list[bytes]:
+    """The parts of the whole ``model`` that ``stages`` hold: each one's weights and its variables' optimizer state
+    (the optimizer's arrays read once for all of them)."""
+    spans = _trainable_spans(model, plan)
     arrays = optimizer_arrays(model.optimizer, model.trainable_variables) if model.optimizer else {}
-    return to_bytes(stage_weights(model, plan, stage), _renumbered(arrays, first, count, -first))
+    return [
+        to_bytes(stage_weights(model, plan, stage), _renumbered(arrays, *spans[stage], -spans[stage][0]))
+        for stage in stages
+    ]
 
 
 def assemble_state(model: keras.Model, plan: StagePlan, states: Sequence[bytes]) -> None:
@@ -68,8 +72,7 @@ def assemble_state(model: keras.Model, plan: StagePlan, states: Sequence[bytes])
     parts = [from_bytes(data) for data in states]
     assemble(model, plan, [weights for weights, _, _ in parts])
     merged: dict[str, np.ndarray] = {}
-    for stage, (_, optimizer, _) in enumerate(parts):
-        first, count = _trainable_span(model, plan, stage)
+    for (_, optimizer, _), (first, count) in zip(parts, _trainable_spans(model, plan)):
         merged.update(_renumbered(optimizer, 0, count, first))
     if model.optimizer is not None and merged:
         restore_optimizer(model.optimizer, model.trainable_variables, merged)
@@ -102,9 +105,9 @@ def _renumbered(arrays: dict[str, np.ndarray], first: int, count: int, shift: in
     return kept
 
 
-def _trainable_span(model: keras.Model, plan: StagePlan, stage: int) -> tuple[int, int]:
-    """The index of stage ``stage``'s first trainable variable among ``model``'s, and how many it has."""
+def _trainable_spans(model: keras.Model, plan: StagePlan) -> list[tuple[int, int]]:
+    """For each stage, the index of its first trainable variable among ``model``'s, and how many it has."""
     counts = [
         sum(len(layer.trainable_variables) for layer in stage_layers(model, plan, s)) for s in range(plan.num_stages)
     ]
-    return sum(counts[:stage]), counts[stage]
+    return [(sum(counts[:stage]), count) for stage, count in enumerate(counts)]

@@ -170,7 +170,7 @@ def _starting_point(comm, task: PipelineTask, reporter: TaskReporter, stage: int
         if newer is None or newer.epoch != epoch:
             raise RuntimeError(f"Pipeline stage {stage} found no checkpoint of epoch {epoch} in {task.checkpoints.uri}")
     whole = serialization.model_from_bytes(newer.model_bytes, task.settings.custom_objects)
-    weights, optimizer, _ = state.from_bytes(state.stage_state(whole, task.plan, stage))
+    weights, optimizer, _ = state.from_bytes(state.stage_states(whole, task.plan, [stage])[0])
     return newer, (weights, optimizer)
 
 
