@@ -1,11 +1,15 @@
-"""How much optimizer state each rank holds in mode="sharded" against mode="sync", for N = 2, 3, 4 ranks.
+"""How much optimizer state (and, with shard_weights=True, how much of the weights) each rank holds in mode="sharded"
+against mode="sync", for N = 2, 3, 4 ranks.
 
 Each N runs on a ``local-cluster[N,1,...]`` master, so that every rank is a Python worker of an
 executor process of its own, as on a cluster. The model is ``workloads.py``'s mlp8m (8.4M
 parameters, Adam: two slots per weight); one epoch of a few steps is enough, as the state's size
 does not change while training. Each rank measures the bytes of the optimizer variables it holds
 (``FitResult.stats["sharded"]``); the sync figure is what every rank of sync mode holds, the same
-optimizer over the whole model. (That both train the same weights is tests/test_sharded.py's to
+optimizer over the whole model. A third fit shards the weights too (``shard_weights=True``, ZeRO-3):
+each rank measures the bytes of the weights it holds between steps, its optimizer state, and the most
+it holds whole at once while a step runs (two layers' weights: one in use, the next being gathered);
+``FitResult.stats["fully_sharded"]``. (That both train the same weights is tests/test_sharded.py's to
 check, on ``local``: across executors, the order in which a shuffle's blocks arrive, and so the rows'
 order in a partition, changes from one fit to the next.)
 
@@ -32,11 +36,15 @@ def main(argv=None) -> None:
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 3, 4])
     args = parser.parse_args(argv)
     workload = WORKLOADS["mlp8m"]
-    print(
-        f"{'ranks':>5}{'sync MB/rank':>14}{'sharded MB per rank':>28}{'sharded / sync':>16}{'fit s sync/sharded':>22}"
-    )
-    for ranks in args.ranks:
-        print(_measure(workload, ranks), flush=True)
+    rows = [_measure(workload, ranks) for ranks in args.ranks]
+    print("optimizer state per rank, MB")
+    print(f"{'ranks':>5}{'sync':>8}{'sharded':>28}{'sharded / sync':>16}{'fit s sync/sharded/weights too':>32}")
+    for row in rows:
+        print(row["optimizer"], flush=True)
+    print("with shard_weights=True: MB per rank (weights held between steps, optimizer state, peak gathered)")
+    print(f"{'ranks':>5}{'whole weights':>15}{'weights held':>16}{'held / whole':>14}{'optimizer':>11}{'peak':>8}")
+    for row in rows:
+        print(row["weights"], flush=True)
 
 
 def _measure(workload, ranks: int) -> str:
@@ -61,26 +69,37 @@ def _measure(workload, ranks: int) -> str:
         ).cache()
         df.count()
         results, seconds = {}, {}
-        for mode in ("sync", "sharded"):
+        for name, mode, options in (
+            ("sync", "sync", {}),
+            ("sharded", "sharded", {}),
+            ("weights too", "sharded", {"shard_weights": True}),
+        ):
             started = time.perf_counter()
-            results[mode] = sparkdl.fit(
+            results[name] = sparkdl.fit(
                 df,
                 workload.model(),
                 mode=mode,
+                **options,
                 num_workers=ranks,
                 epochs=1,
                 batch_size=workload.batch_size,
                 seed=0,
                 progress=False,
             )
-            seconds[mode] = time.perf_counter() - started
+            seconds[name] = time.perf_counter() - started
         held = results["sharded"].stats["sharded"]["optimizer_state_bytes"]
         replicated = results["sharded"].stats["sharded"]["replicated_optimizer_state_bytes"]
         per_rank = " ".join(f"{h / 1e6:.1f}" for h in held)
-        return (
-            f"{ranks:>5}{replicated / 1e6:>14.1f}{per_rank:>28}{max(held) / replicated:>16.3f}"
-            f"{seconds['sync']:>11.1f}/{seconds['sharded']:.1f}"
-        )
+        fully = results["weights too"].stats["fully_sharded"]["ranks"]
+        whole = fully[0]["whole_weight_bytes"]
+        weights_held = " ".join(f"{r['weight_bytes'] / 1e6:.1f}" for r in fully)
+        return {
+            "optimizer": f"{ranks:>5}{replicated / 1e6:>8.1f}{per_rank:>28}{max(held) / replicated:>16.3f}"
+            f"{seconds['sync']:>18.1f}/{seconds['sharded']:.1f}/{seconds['weights too']:.1f}",
+            "weights": f"{ranks:>5}{whole / 1e6:>15.1f}{weights_held:>16}"
+            f"{max(r['weight_bytes'] for r in fully) / whole:>14.3f}{max(r['optimizer_bytes'] for r in fully) / 1e6:>11.1f}"
+            f"{max(r['gathered_peak_bytes'] for r in fully) / 1e6:>8.1f}",
+        }
     finally:
         spark.stop()
 

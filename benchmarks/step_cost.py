@@ -38,6 +38,7 @@ VARIANTS = {
     "sync compression=bf16": {"compression": "bf16"},
     "sharded": {"mode": "sharded"},
     "sharded compression=bf16": {"mode": "sharded", "compression": "bf16"},
+    "sharded shard_weights=True": {"mode": "sharded", "shard_weights": True},
 }
 
 

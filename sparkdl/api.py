@@ -177,7 +177,7 @@ def fit(
     )
     layout = runner.layout(mode, num_workers, options)
     check_validation(validation_col, validation_split)
-    worker_callbacks = check_callbacks(callbacks, mode, runner.runs_callbacks)
+    worker_callbacks = check_callbacks(callbacks, runner.refuses_callbacks(mode, options))
     if not isinstance(progress, bool):
         raise ValueError(f"Expected `progress` to be True or False. Received: progress={progress!r}")
     tracking.check_available(tensorboard_dir, log_to_mlflow)

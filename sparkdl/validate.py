@@ -15,18 +15,18 @@ from sparkdl import _compat
 from sparkdl.keras.runtime import use_tensorflow_backend
 
 
-def check_callbacks(callbacks, mode: str, runs_callbacks: bool) -> tuple:
-    """Keras callbacks that can travel to the workers (they are pickled into the tasks)."""
+def check_callbacks(callbacks, refused: str | None) -> tuple:
+    """Keras callbacks that can travel to the workers (they are pickled into the tasks); ``refused``: why the fit
+    cannot run any (``Mode.refuses_callbacks``), or None."""
     if not callbacks:
         return ()
     import keras
     from pyspark import cloudpickle
 
-    if not runs_callbacks:
+    if refused is not None:
         raise ValueError(
-            f"`callbacks` run inside Keras's fit on the workers, which mode={mode!r} does not use (its "
-            "workers run a training loop of their own). Use mode='sync' or a parameter-server mode, or drop "
-            f"the callbacks. Received: callbacks={callbacks!r}"
+            f"`callbacks` run inside Keras's fit on the workers, which {refused}. Use mode='sync' or a "
+            f"parameter-server mode, or drop the callbacks. Received: callbacks={callbacks!r}"
         )
     if not isinstance(callbacks, (list, tuple)):
         raise ValueError(f"Expected `callbacks` to be a list of keras.callbacks.Callback. Received: {callbacks!r}")

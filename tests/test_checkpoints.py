@@ -108,21 +108,23 @@ def _mlp_with_crash(partition, at_call, marker):
     return model
 
 
-@pytest.mark.parametrize("mode", ["sync", "sharded", "pipeline"])
+@pytest.mark.parametrize("mode", ["sync", "sharded", "pipeline", "sharded-weights"])
 def test_sync_survives_a_worker_killed_mid_epoch_and_resumes_from_its_checkpoint(digits_df, digits, tmp_path, mode):
     """A Python worker dies hard in its third epoch: Spark retries the barrier stage, which resumes
     from the checkpoint of epoch 2 instead of epoch 0, and ends with the weights of a run without the fault
     (sharded: from the optimizer state its ranks gathered for that checkpoint, re-cut into shards; pipeline:
     the first stage's task, which holds the crashing layer, dies, and every stage takes its part of the
-    whole model the last stage saved)."""
+    whole model the last stage saved; sharded weights: every rank cuts its part of the checkpoint's whole model)."""
     _, x_test, _, y_test = digits
     pipeline = dict(num_stages=2, micro_batches=2) if mode == "pipeline" else {}
+    options = dict(shard_weights=True) if mode == "sharded-weights" else pipeline
     steps = sparkdl.schedule.estimated_steps(digits_df.count(), 1 if pipeline else 2, 16)
-    calls_per_step = 2 if pipeline else 1  # a stage calls its layers once per micro-batch
+    # a stage calls its layers once per micro-batch; a fully sharded unit once forward, once again backward
+    calls_per_step = 2 if options else 1
     marker = str(tmp_path / "crashed")
     settings = dict(
-        **pipeline,
-        mode=mode,
+        **options,
+        mode="sharded" if mode == "sharded-weights" else mode,
         num_workers=2,
         epochs=8,
         batch_size=16,

@@ -33,7 +33,7 @@ except ImportError as missing:
     )
 
 _CLIENT_SECONDS = 540
-_MODES = ("sync", "sharded", "async", "hogwild", "ssp", "average", "pipeline")
+_MODES = ("sync", "sharded", "async", "hogwild", "ssp", "average", "pipeline", "gossip", "sharded-weights")
 _ROWS, _WORKERS, _EPOCHS, _BATCH = 320, 2, 2, 32
 _STEPS = -(-_ROWS // (_WORKERS * _BATCH))  # per epoch
 
@@ -99,6 +99,8 @@ def _captured_fit(df, mode: str) -> dict:
         options.update(validation_split=0.25, sync_every=_STEPS)
     elif mode == "pipeline":  # its stages run their own loop: no Keras callbacks
         options.update(validation_split=0.25, num_stages=2)
+    elif mode == "sharded-weights":  # sharded with the weights sharded too: its own loop, no Keras callbacks
+        options.update(validation_split=0.25, shard_weights=True)
     else:
         options["callbacks"] = [_where_callback()]
     model = _model()
@@ -114,7 +116,7 @@ def _captured_fit(df, mode: str) -> dict:
             num_workers=_WORKERS,
             epochs=_EPOCHS,
             batch_size=_BATCH,
-            mode=mode,
+            mode="sharded" if mode == "sharded-weights" else mode,
             seed=0,
             progress=False,
             **options,
@@ -342,6 +344,11 @@ def test_fit_over_connect(results, connect_server, mode):
         assert len(stages) == 2 and all(stage["weight_bytes"] > 0 for stage in stages)
         assert "val_loss" in value["history"]
         return
+    if mode == "sharded-weights":  # two ranks on the server, each measuring the half of the weights it held
+        ranks = value["stats"]["fully_sharded"]["ranks"]
+        assert len(ranks) == 2 and all(r["weight_bytes"] < 0.6 * r["whole_weight_bytes"] for r in ranks)
+        assert "val_loss" in value["history"]
+        return
     # The callback ran inside Spark tasks on the server (partitions 0 and 1, or rank 0 alone), not in the client.
     assert value["where"], "no task output reached the client through the relay"
     for where in value["where"]:
@@ -351,10 +358,9 @@ def test_fit_over_connect(results, connect_server, mode):
     if mode == "sharded":  # each rank held half of the optimizer's state
         held = value["stats"]["sharded"]["optimizer_state_bytes"]
         assert len(held) == _WORKERS and max(held) < 0.6 * value["stats"]["sharded"]["replicated_optimizer_state_bytes"]
-    if mode not in (
-        "sync",
-        "sharded",
-    ):  # parameter-server counters travel in the tasks' payloads: every worker's steps, once
+    if mode == "gossip":  # the replicas' spread, measured on the server's ranks at every epoch's end
+        assert len(value["stats"]["gossip"]["spread"]) == _EPOCHS
+    if mode not in ("sync", "sharded", "gossip"):  # parameter-server counters travel in the tasks' payloads: once each
         stats = value["stats"]
         assert stats["samples"] == _EPOCHS * _ROWS  # every row once per epoch
         # Each worker runs its own partition's steps: _STEPS for an even split, one more for a larger partition.

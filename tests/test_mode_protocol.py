@@ -46,6 +46,9 @@ def test_every_declared_option_is_a_fit_keyword_an_estimator_param_and_a_job_fla
         "num_stages",
         "micro_batches",
         "cut_points",
+        "gossip_every",
+        "peers",
+        "shard_weights",
     }
     keywords = inspect.signature(sparkdl.fit).parameters
     estimator = KerasEstimator()

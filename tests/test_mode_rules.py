@@ -15,7 +15,7 @@ from sparkdl.modes.registry import MODES, check_mode_options
 
 
 def test_every_mode_name_has_one_mode_object_and_fit_accepts_exactly_those():
-    assert api.MODES == tuple(MODES) == ("sync", "sharded", "async", "hogwild", "ssp", "average", "pipeline")
+    assert api.MODES == tuple(MODES) == ("sync", "sharded", "async", "hogwild", "ssp", "average", "pipeline", "gossip")
     assert all(isinstance(mode, Mode) and name in mode.names for name, mode in MODES.items())
     assert MODES["async"] is MODES["ssp"] is MODES["hogwild"]  # one mode, three variants
     assert MODES["sync"] is MODES["sharded"]  # sharded: sync's training, the optimizer split over the ranks

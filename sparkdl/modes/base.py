@@ -218,6 +218,15 @@ class Mode:
         worker per shard of the rows."""
         return TaskLayout.data_parallel(num_workers)
 
+    def refuses_callbacks(self, name: str, options: Any) -> str | None:
+        """Why a fit of ``name`` with ``options`` cannot run the user's Keras callbacks, for the error (None when it
+        runs them: ``runs_callbacks``)."""
+        return (
+            None
+            if self.runs_callbacks
+            else f"mode={name!r} does not use it (its workers run a training loop of their own)"
+        )
+
     def reporting_ranks(self, num_workers: int) -> int:
         """How many workers report progress per epoch (1 when one speaks for all, or the driver reports)."""
         return 1

@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 
 from sparkdl.modes.average.mode import AverageMode
 from sparkdl.modes.base import Mode, Option
+from sparkdl.modes.gossip.mode import GossipMode
 from sparkdl.modes.parameter_server.mode import ParameterServerMode
 from sparkdl.modes.pipeline.mode import PipelineMode
 from sparkdl.modes.sync.mode import SyncMode
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "sparkdl.modes"
 
-_BUILT_IN: tuple[Mode, ...] = (SyncMode(), ParameterServerMode(), AverageMode(), PipelineMode())
+_BUILT_IN: tuple[Mode, ...] = (SyncMode(), ParameterServerMode(), AverageMode(), PipelineMode(), GossipMode())
 
 MODES: dict[str, Mode] = {}
 

@@ -56,14 +56,20 @@ class StagePlan:
         return tuple(stage.parameters for stage in self.stages)
 
 
-def plan_stages(model: keras.Model, num_stages: int, cut_points: Sequence[str] | None = None) -> StagePlan:
+def plan_stages(
+    model: keras.Model,
+    num_stages: int,
+    cut_points: Sequence[str] | None = None,
+    purpose: str = "to cut into `num_stages`",
+) -> StagePlan:
     """``model``'s layers in ``num_stages`` consecutive stages: at ``cut_points`` (each the name of the first layer
-    of a new stage, in model order) when given, else balanced (the largest stage's parameter count is least)."""
+    of a new stage, in model order) when given, else balanced (the largest stage's parameter count is least).
+    ``purpose``: why a chain is needed, for the error that refuses another model."""
     import keras
 
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"Expected `num_stages` to be a positive integer. Received: num_stages={num_stages!r}")
-    chain = chain_of(model)
+    chain = chain_of(model, purpose)
     if num_stages > len(chain):
         raise ValueError(
             f"Expected `num_stages` to be at most the model's {len(chain)} layers (every stage holds at least one). "
@@ -97,8 +103,9 @@ def plan_stages(model: keras.Model, num_stages: int, cut_points: Sequence[str] |
     return StagePlan(tuple(stages))
 
 
-def chain_of(model: keras.Model) -> list[tuple[keras.layers.Layer, Any]]:
-    """The model's layers from input to output, each with the (symbolic) tensor entering it; refuses a non-chain."""
+def chain_of(model: keras.Model, purpose: str = "to cut into `num_stages`") -> list[tuple[keras.layers.Layer, Any]]:
+    """The model's layers from input to output, each with the (symbolic) tensor entering it; refuses a non-chain,
+    saying why a chain is needed (``purpose``)."""
     import keras
 
     try:
@@ -109,7 +116,7 @@ def chain_of(model: keras.Model) -> list[tuple[keras.layers.Layer, Any]]:
         ) from None
     if len(inputs) != 1 or len(outputs) != 1:
         raise ValueError(
-            "Expected a model with one input and one output to cut into `num_stages`. "
+            f"Expected a model with one input and one output {purpose}. "
             f"Received: {len(inputs)} inputs and {len(outputs)} outputs"
         )
     chain: list[tuple[keras.layers.Layer, Any]] = []
@@ -127,12 +134,12 @@ def chain_of(model: keras.Model) -> list[tuple[keras.layers.Layer, Any]]:
         if len(entering) != 1:
             producers = ", ".join(f"'{t._keras_history[0].name}'" for t in entering)
             raise ValueError(
-                "Expected a chain of layers, each taking exactly the previous layer's output, to cut into "
-                f"`num_stages`. Received: layer '{operation.name}' merges {len(entering)} tensors (from {producers})"
+                f"Expected a chain of layers, each taking exactly the previous layer's output, {purpose}. "
+                f"Received: layer '{operation.name}' merges {len(entering)} tensors (from {producers})"
             )
         if any(layer is operation for layer, _ in chain):
             raise ValueError(
-                "Expected a chain of distinct layers to cut into `num_stages`. "
+                f"Expected a chain of distinct layers {purpose}. "
                 f"Received: layer '{operation.name}' is called more than once (its weights are shared)"
             )
         chain.append((operation, entering[0]))

@@ -26,9 +26,7 @@ stages s-1 and s+1, by point-to-point messages of raw float32 arrays:
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -36,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from sparkdl.collective.api import Communicator, ReduceOp, Work
-from sparkdl.net.errors import CollectiveError
+from sparkdl.modes.step_clock import StepClock
 
 
 class PipelineStage:
@@ -68,10 +66,10 @@ class PipelineStage:
         self.stage, self.stages, self.micro_batches = comm.rank, comm.size, micro_batches
         self._loss = keras.losses.get(loss) if isinstance(loss, str) else loss
         self._loss_weighs_rows = getattr(self._loss, "reduction", None) != "sum"
-        self._streams = (_stream_of(comm), _stream_of(comm))
+        self._streams = (stream_of(comm), stream_of(comm))
         self._upstream = self._streams[(self.stage - 1) % 2]  # the edge (s-1, s)
         self._downstream = self._streams[self.stage % 2]  # the edge (s, s+1)
-        self._seconds = {"compute": 0.0, "wait": 0.0, "allreduce": 0.0}
+        self._clock = StepClock(f"pipeline stage {self.stage} of {self.stages}", ("compute", "wait", "allreduce"))
         # The stage's layers as one compiled function (its gradient is compiled too, from the tape that records the
         # call): a micro-batch is a few ops to TensorFlow instead of every layer's, one by one.
         self._call = tf.function(self._layers, reduce_retracing=True)
@@ -101,7 +99,7 @@ class PipelineStage:
         if self.replicas is not None:
             gradients, share = self._average_over_replicas(self.replicas, gradients, share)
         if self.model.trainable_variables:
-            with self._clock("compute"):
+            with self._clock.timing("compute"):
                 self._apply(gradients)
         self._steps += 1
         return share
@@ -151,7 +149,7 @@ class PipelineStage:
         records, sends = [], []
         for m in range(count):
             entering = xs[m] if xs is not None else self._received(received[m], m)
-            with self._clock("compute"):
+            with self._clock.timing("compute"):
                 inputs = tf.convert_to_tensor(entering)
                 with tf.GradientTape() as tape:
                     if not self.first:
@@ -182,7 +180,7 @@ class PipelineStage:
             if not self.last:
                 upstream = self._wait(received[m], f"receiving micro-batch {m}'s gradient from stage {s + 1}")
                 _check_shape(upstream, record["outputs"].shape, f"stage {s}'s gradient {m} from stage {s + 1}")
-            with self._clock("compute"):
+            with self._clock.timing("compute"):
                 row_weight = int(record["outputs"].shape[0]) / rows
                 loss_weight = row_weight if self._loss_weighs_rows else 1.0
                 targets, seeds = [], []
@@ -208,7 +206,7 @@ class PipelineStage:
     def _average_over_replicas(
         self, replicas: Communicator, gradients: list[tf.Tensor], share: float
     ) -> tuple[list[tf.Tensor], float]:
-        with self._clock("allreduce"):
+        with self._clock.timing("allreduce"):
             parts = [np.asarray(g, np.float32).reshape(-1) for g in gradients]
             work = replicas.allreduce_async(np.concatenate([*parts, [share]]).astype(np.float32), ReduceOp.MEAN)
         mean = self._wait(work, "averaging the gradients over the replicas", clock="allreduce")
@@ -237,10 +235,7 @@ class PipelineStage:
         of labels ``y`` (the last stage's; None elsewhere)."""
         outputs = self.model(inputs, training=training)
         penalties = self.model.losses if training else []
-        loss = None
-        if y is not None:
-            value = self._loss(y, outputs)
-            loss = tf.reduce_mean(value) if value.shape.rank else value
+        loss = batch_loss(self._loss, y, outputs) if y is not None else None
         return outputs, (tf.add_n(penalties) if penalties else None), loss
 
     def _labels(self, ys: list | None, m: int, rows: int) -> tf.Tensor | None:
@@ -264,24 +259,12 @@ class PipelineStage:
         return outputs.numpy().astype(np.float32, copy=False)
 
     def _wait(self, work: Work, what: str, clock: str = "wait") -> Any:
-        with self._clock(clock):
-            try:
-                return work.wait(self.timeout)
-            except CollectiveError as exc:
-                raise type(exc)(f"pipeline stage {self.stage} of {self.stages}: {what}: {exc}") from exc
-
-    @contextlib.contextmanager
-    def _clock(self, kind: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._seconds[kind] += time.perf_counter() - start
+        return self._clock.wait(work, what, clock, self.timeout)
 
     def summary(self) -> dict[str, float | int]:
         """Seconds computing, waiting on the neighbours and averaging over replicas, over every step so far; the
         idle ("bubble") fraction of computing plus waiting, and GPipe's bound on it, (S-1)/(M+S-1)."""
-        compute, wait = self._seconds["compute"], self._seconds["wait"]
+        compute, wait = self._clock.seconds["compute"], self._clock.seconds["wait"]
         return {
             "stage": self.stage,
             "stages": self.stages,
@@ -289,7 +272,7 @@ class PipelineStage:
             "steps": self._steps,
             "compute_seconds": compute,
             "wait_seconds": wait,
-            "allreduce_seconds": self._seconds["allreduce"],
+            "allreduce_seconds": self._clock.seconds["allreduce"],
             "idle_fraction": wait / (compute + wait) if compute + wait else 0.0,
             "gpipe_bound": (self.stages - 1) / (self.micro_batches + self.stages - 1),
         }
@@ -300,7 +283,13 @@ class PipelineStage:
             stream.close()
 
 
-def _stream_of(comm: Communicator) -> Communicator:
+def batch_loss(loss: Any, y: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
+    """The compiled loss of a batch, as Keras reports it (a per-row loss averaged over the rows)."""
+    value = loss(y, outputs)
+    return tf.reduce_mean(value) if value.shape.rank else value
+
+
+def stream_of(comm: Communicator) -> Communicator:
     """A communicator of ``comm``'s ranks with a stream of operations of its own (collective)."""
     stream = comm.split(range(comm.size))
     assert stream is not None  # every rank is a member

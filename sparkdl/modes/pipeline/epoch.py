@@ -12,6 +12,19 @@ from sparkdl.collective import ReduceOp
 from sparkdl.keras.callbacks import STEP_REPORT_SECONDS
 
 
+def epoch_event(epoch: int, logs: dict, counts: np.ndarray, seconds: float) -> dict:
+    """The progress event of an epoch's end; ``counts``: each shard's training and held-out rows."""
+    samples = int(counts[:, 0].sum())
+    return {
+        "event": "epoch",
+        "epoch": epoch,
+        "logs": logs,
+        "samples_per_second": samples / max(seconds, 1e-9),
+        "samples": samples,
+        "validation_rows": int(counts[:, 1].sum()),
+    }
+
+
 class StageMetrics:
     """The last stage's compiled metrics (the model's ``metrics=``), over the micro-batches they see."""
 
@@ -31,20 +44,42 @@ class StageMetrics:
 
 class StageEpochs:
     """Runs a stage's epochs. ``shard_rows`` are the training and held-out rows of the replica's shard: the
-    first and last stage hold them, every stage knows how many (the middle stages walk the schedule by count)."""
+    first and last stage hold them, every stage knows how many (the middle stages walk the schedule by count).
+
+    ``pipeline``: the replica's stages, whose loss shares sum to the replica's loss (None: the runner is the whole
+    model, as a fully sharded replica is, and each replica's loss is combined over ``replicas`` by rows).
+    ``settle``: called after each epoch's last step, before validation (averaging the replicas' statistics).
+    ``validation_steps``: where every replica's runner must take part in every evaluation step (a fully sharded
+    replica gathers its weights from all), the most steps any replica's held-out rows take; a replica with fewer
+    runs the rest with no rows (``runner.evaluate_nothing``), and one with none weighs nothing.
+    """
 
     def __init__(
-        self, runner, settings, *, replica: int, shard_rows: tuple[int, int], pipeline, replicas, metrics, report=None
+        self,
+        runner,
+        settings,
+        *,
+        replica: int,
+        shard_rows: tuple[int, int],
+        pipeline,
+        replicas,
+        metrics,
+        report=None,
+        settle=None,
+        validation_steps: int | None = None,
     ):
         self.runner, self.settings, self.replica = runner, settings, replica
         self.rows, self.validation_rows = shard_rows
         self.pipeline, self.replicas, self.metrics = pipeline, replicas, metrics
         self.report = report  # the reporting task's: a progress event (at most one a second, for the steps)
+        self.settle, self.validation_steps = settle, validation_steps
 
     def run(self, epoch: int, rows, held_out) -> dict[str, float]:
         """Trains epoch ``epoch`` (``rows``/``held_out``: the shard's, on the first and last stage; None elsewhere);
         its logs, complete on the last stage (loss, metrics, ``val_*``), the loss alone elsewhere."""
         logs = self._train(epoch, rows)
+        if self.settle is not None:
+            self.settle()
         if self.settings.validate:
             logs.update(self._validate(held_out))
         return logs
@@ -66,7 +101,7 @@ class StageEpochs:
         if self.metrics is not None:
             self.metrics.reset()
         total, reported, rows_since = 0.0, time.monotonic(), 0
-        replicas = self.settings.num_workers // self.pipeline.size
+        replicas = self.replicas.size if self.replicas is not None else 1
         for step, size in enumerate(sizes):
             x, y = next(batches)[:2] if batches is not None else (None, None)
             share = runner.train_step(*self._ends(x, y), micro_batches=min(size, runner.micro_batches))
@@ -76,14 +111,15 @@ class StageEpochs:
                 rate = rows_since / (now - reported)
                 self.report({"event": "step", "epoch": epoch, "step": step + 1, "logs": {}, "samples_per_second": rate})
                 reported, rows_since = now, 0
+        metrics = self.metrics.result() if self.metrics is not None else {}
+        if self.pipeline is None:  # this replica's own loss: combined over the replicas like its metrics
+            return self._over_replicas({"loss": total / sum(sizes), **metrics}, self.rows)
         loss = float(self.pipeline.allreduce(np.array([total], np.float64), ReduceOp.SUM)[0]) / sum(sizes)
-        if self.metrics is None:
-            return {"loss": loss}
-        return {"loss": loss, **self._over_replicas(self.metrics.result(), self.rows)}
+        return {"loss": loss, **self._over_replicas(metrics, self.rows)} if self.metrics is not None else {"loss": loss}
 
     def _validate(self, held_out) -> dict[str, float]:
         runner, batch, count = self.runner, self.settings.batch_size, self.validation_rows
-        if count == 0:
+        if count == 0 and self.validation_steps is None:
             raise ValueError(
                 f"Pipeline replica {self.replica}'s shard got no validation row: every shard needs held-out rows "
                 "(use more rows, a larger validation_split, or fewer data replicas)."
@@ -96,9 +132,11 @@ class StageEpochs:
             x, y = held_out.take(np.arange(begin, begin + size))[:2] if held_out is not None else (None, None)
             loss = runner.evaluate_step(*self._ends(x, y), micro_batches=min(size, runner.micro_batches))
             total += loss * size
+        for _ in range(-(-count // batch), self.validation_steps or 0):  # the other replicas' steps
+            runner.evaluate_nothing()
         if self.metrics is None:
             return {}
-        values = {"val_loss": total / count, **{f"val_{k}": v for k, v in self.metrics.result().items()}}
+        values = {"val_loss": total / max(count, 1), **{f"val_{k}": v for k, v in self.metrics.result().items()}}
         return self._over_replicas(values, count)
 
     def _ends(self, x, y):

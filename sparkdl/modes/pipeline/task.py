@@ -31,7 +31,7 @@ from sparkdl.launch.stage import connect_collective
 from sparkdl.modes.base import Settings
 from sparkdl.modes.pipeline import state
 from sparkdl.modes.pipeline.cut import StagePlan, build_stage
-from sparkdl.modes.pipeline.epoch import StageEpochs, StageMetrics
+from sparkdl.modes.pipeline.epoch import StageEpochs, StageMetrics, epoch_event
 
 MODEL = "model"  # the whole model to start from, offered to the writer, which saves the checkpoints
 _STATE_TAG = 1 << 20  # the tag of a stage's state sent to the writer
@@ -121,7 +121,7 @@ def run_pipeline_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter,
                 for name, value in logs.items():
                     history.setdefault(name, []).append(value)
                 if writer:
-                    reporter.progress(_epoch_event(epoch, logs, counts, time.monotonic() - started))
+                    reporter.progress(epoch_event(epoch, logs, counts, time.monotonic() - started))
                 if task.checkpoints is not None and replica == 0:
                     states = _gather_states(pipeline, model, writer)
                     if checkpointer is not None:
@@ -187,15 +187,3 @@ def _whole_model(task: PipelineTask, reporter: TaskReporter, start: Checkpoint):
     """The whole model the writer saves checkpoints of (loaded once: the start's architecture and compile settings)."""
     model_bytes = start.model_bytes or payloads.fetch(reporter, MODEL)
     return serialization.model_from_bytes(model_bytes, task.settings.custom_objects)
-
-
-def _epoch_event(epoch: int, logs: dict, counts: np.ndarray, seconds: float) -> dict:
-    samples = int(counts[:, 0].sum())
-    return {
-        "event": "epoch",
-        "epoch": epoch,
-        "logs": logs,
-        "samples_per_second": samples / max(seconds, 1e-9),
-        "samples": samples,
-        "validation_rows": int(counts[:, 1].sum()),
-    }

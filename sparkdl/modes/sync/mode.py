@@ -5,15 +5,14 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
-from sparkdl.keras import serialization
-from sparkdl.keras.prebuilt import PrebuiltModel
-from sparkdl.launch import run_tasks
 from sparkdl.launch.backends import BACKENDS, check_backend
 from sparkdl.launch.session import encrypts_traffic
+from sparkdl.modes import whole_replicas
 from sparkdl.modes.base import Job, Mode, ModeResult, Option
+from sparkdl.modes.fully_sharded import driver as fully_sharded
 from sparkdl.modes.shared_options import COMPRESSION
 from sparkdl.modes.sync import sharded
-from sparkdl.modes.sync.task import MODEL, SyncTask, run_sync_task
+from sparkdl.modes.sync.task import SyncTask, run_sync_task
 
 BACKEND = Option(
     "backend",
@@ -24,6 +23,13 @@ BACKEND = Option(
     check=check_backend,
 )
 OVERLAP = Option("overlap", "average gradient buckets of about 4 MB while backprop still runs", kind=bool, default=True)
+SHARD_WEIGHTS = Option(
+    "shard_weights",
+    "mode='sharded': keep only 1/N of the weights between uses too (ZeRO-3): each layer's weights are all-gathered "
+    "just before its forward and its backward pass and dropped after (chain models; no callbacks)",
+    kind=bool,
+    default=False,
+)
 PROFILE = Option(
     "profile", "time every step's phases on every rank (FitResult.stats['step_profile'])", kind=bool, default=False
 )
@@ -42,7 +48,8 @@ class SyncMode(Mode):
     """Minibatch SGD at the global batch ``num_workers * batch_size``: the replicas stay one model.
 
     ``"sharded"`` is the same training with the optimizer's state and update split over the ranks
-    (ZeRO stage 1, ``sharded``): the same weights, 1/N of the optimizer's memory and work per rank.
+    (ZeRO stage 1, ``sharded``): the same weights, 1/N of the optimizer's memory and work per rank; with
+    ``shard_weights=True`` the weights too (ZeRO stage 3, ``modes.fully_sharded``).
 
     Rank 0 speaks for all ranks (their metrics are combined already): it reports progress and
     writes the checkpoints, from inside the stage, so that a stage Spark retries after losing a
@@ -54,11 +61,15 @@ class SyncMode(Mode):
     saves_checkpoints = "tasks"
 
     def options(self, name: str) -> tuple[Option, ...]:
-        return (*((BACKEND,) if name == "sync" else ()), COMPRESSION, OVERLAP, PROFILE)  # sharded: the ring's
+        if name == "sharded":  # the ring's collectives
+            return (COMPRESSION, OVERLAP, PROFILE, SHARD_WEIGHTS)
+        return (BACKEND, COMPRESSION, OVERLAP, PROFILE)
 
-    def configure(self, name: str, model, values: dict) -> SyncOptions:
+    def configure(self, name: str, model, values: dict) -> SyncOptions | fully_sharded.FullyShardedOptions:
         if name == "sharded":
             sharded.check_model(model)
+            if values["shard_weights"]:
+                return fully_sharded.configure(model, values)
         backend, compression = values.get("backend", "ring"), values["compression"]
         if compression is not None and backend != "ring":
             raise ValueError(
@@ -67,7 +78,16 @@ class SyncMode(Mode):
             )
         return SyncOptions(backend, compression, values["overlap"], values["profile"], name == "sharded")
 
+    def check_fit(self, name: str, options, *, num_workers: int, batch_size: int, weighted: bool) -> None:
+        if isinstance(options, fully_sharded.FullyShardedOptions):
+            fully_sharded.check_fit(weighted=weighted)
+
+    def refuses_callbacks(self, name: str, options) -> str | None:
+        return fully_sharded.NO_CALLBACKS if isinstance(options, fully_sharded.FullyShardedOptions) else None
+
     def run(self, job: Job) -> ModeResult:
+        if isinstance(job.options, fully_sharded.FullyShardedOptions):
+            return fully_sharded.run(job)
         task = SyncTask(
             settings=job.settings,
             secret=secrets.token_bytes(32),
@@ -80,16 +100,4 @@ class SyncMode(Mode):
             checkpoints=job.checkpoints,
             encrypt=encrypts_traffic(job.training.frame.sparkSession),
         )
-        # The result's Keras model is built from the start point while the stage runs (``keras.prebuilt``).
-        prebuilt = PrebuiltModel(job.start.model_bytes, job.settings.custom_objects, timeout=job.settings.timeout)
-        results = run_tasks(
-            job.training.frame,
-            job.layout,
-            lambda batches, reporter: run_sync_task(batches, reporter, task),
-            barrier=True,
-            timeout=job.settings.timeout,
-            on_progress=job.monitor.on_event,
-            offered={MODEL: job.start.model_bytes},
-        )
-        model_bytes, history, initial_epoch, stats, resumed_history = serialization.result_from_bytes(results[0])
-        return ModeResult(prebuilt.trained(model_bytes), history, stats, initial_epoch, resumed_history)
+        return whole_replicas.run_stage(job, lambda batches, reporter: run_sync_task(batches, reporter, task))

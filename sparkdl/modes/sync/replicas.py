@@ -21,19 +21,14 @@ from sparkdl import _compat, schedule
 from sparkdl.collective.api import ReduceOp
 from sparkdl.data import Rows
 from sparkdl.keras import compiled_update
-from sparkdl.keras.epoch_dataset import epoch_dataset
-from sparkdl.keras.held_out import in_batches
 from sparkdl.keras.optimizer_hooks import intercept_apply
-from sparkdl.metrics import combine_logs
+from sparkdl.modes import whole_replicas
 from sparkdl.modes.base import Settings
 from sparkdl.modes.sync import sharded
 from sparkdl.modes.sync.reducer import GradientReducer
 from sparkdl.modes.sync.step_profile import StepProfile
 
 logger = logging.getLogger(__name__)
-
-#: Steps Keras runs per call of its train function, unless the model or a callback says otherwise.
-STEPS_PER_CALL = 16
 
 # Ranks whose final weights differ by more than this (after an exact hash
 # comparison failed) are reported as diverged rather than accepted.
@@ -100,21 +95,8 @@ def distributed_optimizer(
         yield
 
 
-@dataclasses.dataclass(frozen=True)
-class Validation:
-    """This rank's held-out rows, and every rank's count of them (the same array on every rank).
-
-    A rank with no held-out rows still validates, on a stand-in (one of its training rows), so
-    that every rank's epoch logs hold the same keys and every rank makes the same collective
-    calls; its stand-in metrics have no rows behind them, so they weigh nothing (``metrics.combine_logs``).
-    """
-
-    rows: Rows
-    rows_per_rank: np.ndarray
-
-
 def _average_across_workers_callback(
-    comm, *, samples: int, steps_per_epoch: int | None = None, validation: Validation | None = None
+    comm, *, samples: int, steps_per_epoch: int | None = None, validation: whole_replicas.Validation | None = None
 ):
     import keras
 
@@ -141,15 +123,8 @@ def _average_across_workers_callback(
                 self._average_statistics()
 
         def on_epoch_end(self, epoch, logs=None):
-            if logs:  # every rank gathers the same rows, so every rank computes the same combination
-                keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.number)))
-                local = np.array([logs[k] for k in keys] + [samples, validation_rows], np.float64)
-                rows = comm.allgather(local)
-                logs.update(
-                    combine_logs(
-                        [dict(zip(keys, row[:-2].tolist())) for row in rows], rows[:, -2].tolist(), rows[:, -1].tolist()
-                    )
-                )
+            if logs:
+                whole_replicas.combine_over_ranks(comm, logs, samples, validation_rows)
             if not self._statistics_averaged:
                 self._average_statistics()
 
@@ -212,25 +187,6 @@ def check_replicas_identical(model, comm) -> None:
     logger.warning("Replicas differ by at most %.3g after training (within tolerance).", differences.max())
 
 
-def _run_steps_per_call(model, callbacks: Sequence) -> None:
-    """Lets Keras run up to :data:`STEPS_PER_CALL` steps per call of its train function.
-
-    One call per step costs a Python round trip (Keras's loop, the logs, the callbacks) that a
-    small model's step does not hide. The model's own ``compile(steps_per_execution=...)`` wins
-    when the user set one; so does a user callback that acts on every batch, as it would
-    otherwise be called once per call only (Keras's rule for ``steps_per_execution``).
-    """
-    import keras
-
-    if _compat.keras_major() < 3 or model.steps_per_execution > 1:
-        return
-    batch_hooks = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
-    for callback in callbacks:
-        if any(getattr(type(callback), hook) is not getattr(keras.callbacks.Callback, hook) for hook in batch_hooks):
-            return
-    model.steps_per_execution = STEPS_PER_CALL
-
-
 def train(
     model,
     rows: Rows,
@@ -239,7 +195,7 @@ def train(
     settings: Settings,
     rows_per_rank: Sequence[int],
     initial_epoch: int,
-    validation: Validation | None = None,
+    validation: whole_replicas.Validation | None = None,
     callbacks: Sequence = (),
     exchange: Exchange = Exchange(),
     saves_each_epoch: bool = False,
@@ -263,20 +219,10 @@ def train(
     model.jit_compile = False  # the allreduce runs through tf.numpy_function, which XLA cannot compile
     broadcast_weights(model, comm)
     steps = settings.steps_per_epoch
-    stream = epoch_dataset(
-        lambda epoch: settings.chunks(rows, comm.rank, start=epoch * steps, stop=(epoch + 1) * steps),
-        example=rows.read(np.arange(1)),
-        to_keras=rows.layout.keras_batch,
-        first_epoch=initial_epoch,
-        steps=steps,
-    )
-    _run_steps_per_call(model, settings.callbacks)  # the user's: sparkdl's own take any number of steps per call
-    validation_data = None
-    if validation is not None:  # a rank without held-out rows validates on a stand-in, which weighs 0
-        if len(validation.rows):
-            validation_data = in_batches(validation.rows, settings.batch_size)
-        else:
-            validation_data = rows.take(np.arange(1))
+    stream = whole_replicas.epoch_stream(rows, settings, comm.rank, initial_epoch)
+    # the user's callbacks: sparkdl's own take any number of steps per call
+    whole_replicas.run_steps_per_call(model, settings.callbacks)
+    validation_data = validation.keras_data(rows, settings.batch_size) if validation is not None else None
     callback = _average_across_workers_callback(comm, samples=len(rows), steps_per_epoch=steps, validation=validation)
     scales = schedule.gradient_scales(rows_per_rank, comm.rank, steps)
     compile_update = compiled_update.pays(model.optimizer, model.trainable_variables)

@@ -6,22 +6,18 @@ import contextlib
 import dataclasses
 from collections.abc import Iterable
 
-import numpy as np
 import pyarrow as pa
 
-from sparkdl import schedule
-from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore
+from sparkdl.checkpoint import Checkpointer, CheckpointStore
 from sparkdl.data import read_partition
 from sparkdl.keras import callbacks, serialization
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
-from sparkdl.launch import payloads
 from sparkdl.launch.backends import trainer_communicator
 from sparkdl.launch.forward import TaskReporter
+from sparkdl.modes import whole_replicas
 from sparkdl.modes.base import Settings
 from sparkdl.modes.sync import replicas
 from sparkdl.modes.sync.step_profile import StepProfile
-
-MODEL = "model"  # the name the driver offers the model to start from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,22 +53,16 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
     rows, held_out = read_partition(settings.layout, batches)
     reporter.phase("read")
     with trainer_communicator(task.backend, reporter, task.secret, settings.timeout, encrypt=task.encrypt) as comm:
-        # Every rank learns every rank's training and validation row counts, so that all of them take
-        # the same decisions below (raise, validate, how to weigh validation metrics) with no further talk.
-        counts = comm.allgather(np.array([len(rows), len(held_out)], np.int64))
+        settings, counts = whole_replicas.rows_of_ranks(comm, rows, held_out, settings)
         rows_per_rank, validation_rows = counts[:, 0], counts[:, 1]
-        schedule.require_rows(dict(enumerate(rows_per_rank.tolist())))
-        settings = settings.for_rows(rows_per_rank.tolist())  # every rank: the same steps per epoch
-        if comm.rank == 0:
-            schedule.warn_fillers(rows_per_rank.tolist(), settings.steps_per_epoch)
-        if settings.validate and validation_rows.sum() == 0:
-            raise ValueError("No worker partition got a validation row: the validation set is empty.")
         reporter.phase("connect")
         limit_threads_to_task_cpus()
-        start = _starting_point(comm, task, reporter)
+        start = whole_replicas.starting_point(
+            comm, reporter, task.settings, task.checkpoints, task.start_history, task.mode
+        )
         model = serialization.model_from_bytes(start.model_bytes, settings.custom_objects)
         reporter.phase("model in")
-        validation = replicas.Validation(held_out, validation_rows) if settings.validate else None
+        validation = whole_replicas.Validation(held_out, validation_rows) if settings.validate else None
         extra = list(settings.callbacks)
         saving = task.checkpoints if comm.rank == 0 else None  # rank 0 saves, where checkpoints are asked for
         with Checkpointer(saving, start, task.mode) if saving is not None else contextlib.nullcontext() as checkpointer:
@@ -118,21 +108,3 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
         )
         reporter.phase("model out")
         return result
-
-
-def _starting_point(comm, task: SyncTask, reporter: TaskReporter) -> Checkpoint:
-    """Rank 0 gets the model to start from and sends it to every rank (other ranks get no history).
-
-    The driver offers what it resumes from (``Job.start``); rank 0 prefers a newer checkpoint, which
-    exists only when Spark retried the stage after a lost task and the failed attempt saved more.
-    """
-    start = None
-    if comm.rank == 0:
-        settings = task.settings
-        if task.checkpoints is not None:
-            start = task.checkpoints.latest(newer_than=settings.initial_epoch)
-        if start is None:
-            start = Checkpoint(settings.initial_epoch, payloads.fetch(reporter, MODEL), task.start_history, task.mode)
-    header = comm.broadcast(np.array([start.epoch, len(start.model_bytes)] if start else [0, 0], np.int64))
-    model = comm.broadcast(np.frombuffer(start.model_bytes, np.uint8) if start else np.empty(int(header[1]), np.uint8))
-    return start or Checkpoint(int(header[0]), model.tobytes(), {}, task.mode)

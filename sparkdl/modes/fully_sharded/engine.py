@@ -1,0 +1,395 @@
+"""One rank's replica of a model whose weights, gradients and optimizer state are all sharded (ZeRO stage 3).
+
+Each rank trains the whole model on its own rows, but between uses it holds only its shard of the
+trainable weights (1/N of each unit, ``units``), the optimizer's state over that shard, and the
+non-trainable weights. A step, per unit in chain order (FSDP's schedule):
+
+- Forward: the unit's weights are all-gathered (the next unit's gather starts before this unit
+  runs), the unit runs on them (``stateless_call``; its own Keras variables hold nothing,
+  ``sparkdl.keras.deferred``) and they are dropped. Only the activation entering each unit is kept.
+- Backward, from the last unit to the first: the unit's weights are gathered again (the last unit's
+  are kept from its forward), its forward runs again under a tape from the kept activation, with the
+  non-trainable values it ran with (so dropout draws the same mask), and its gradients are taken; the
+  weights are dropped and the weights' gradient is reduce-scattered while the units before it run.
+- Update: each rank applies the optimizer to its shard with its part of the averaged gradient.
+
+The wire carries what ZeRO-3 costs: per step, every unit's weights gathered twice (but the last) and
+its gradient reduce-scattered once, 1.5 times an allreduce's bytes; the compute is one forward pass
+more than sync mode's (every unit's recomputed). With ``compression``, gradients travel as bfloat16
+or float16; weights always travel as float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from sparkdl.collective import compression as compressions
+from sparkdl.collective.api import Communicator, ReduceOp, Work
+from sparkdl.keras import adopted, deferred
+from sparkdl.keras.deferred import initial_value, is_deferred
+from sparkdl.modes.fully_sharded import state, units
+from sparkdl.modes.pipeline.cut import StagePlan, build_stage
+from sparkdl.modes.pipeline.engine import batch_loss, stream_of
+from sparkdl.modes.step_clock import StepClock
+from sparkdl.modes.sync.sharded import SHARD, ShardLayout
+
+_Pending = tuple[Work, np.ndarray] | None  # a gather under way: its work and the rows it fills
+
+
+class Unit:
+    """One unit: its deferred Keras model, run on given weights (chain order) and non-trainable values."""
+
+    def __init__(self, model: keras.Model, loss: Any, *, last: bool, first: bool):
+        self.model, self.last, self.first = model, last, first
+        self._loss = keras.losses.get(loss) if isinstance(loss, str) else loss
+        canonical = units.trainables(units.own_layers(model))
+        position = {id(variable): k for k, variable in enumerate(canonical)}
+        self._order = [position[id(variable)] for variable in model.trainable_variables]
+        self.shapes = [tuple(int(d) for d in variable.shape) for variable in canonical]
+        held = {id(variable): k for k, variable in enumerate(model.non_trainable_variables)}
+        # where the non-trainable weights (chain order) sit among the values a call takes (seed states too)
+        self.statistic_places = [held[id(v)] for v in units.statistics(units.own_layers(model))]
+        undeferred = [variable.path for variable in model.variables if not is_deferred(variable)]
+        if undeferred:
+            raise RuntimeError(f"A fully sharded unit's variables must hold no memory; these do: {undeferred[:5]}")
+
+        def forward(x, weights, statistics, y, training: bool):
+            """The unit's outputs, its non-trainable values after the call, its penalties (training), the loss (last)."""
+            return self._run(x, weights, statistics, y, training)
+
+        # Functions of this unit's own (not one method's for all units: TensorFlow would take them for retraces)
+        self.forward = tf.function(forward, reduce_retracing=True)
+        self.backward = tf.function(functools.partial(Unit._backward, self), reduce_retracing=True)
+
+    def starting_statistics(self, weights: Sequence[np.ndarray]) -> list[tf.Tensor]:
+        """The non-trainable values a call takes: the unit's non-trainable ``weights`` (chain order) where they go,
+        a seed generator's state from its initializer (this process's: each rank draws its own dropout masks)."""
+        values = [tf.convert_to_tensor(initial_value(v)) for v in self.model.non_trainable_variables]
+        if len(weights) != len(self.statistic_places):
+            raise ValueError(f"Expected {len(self.statistic_places)} non-trainable weights. Received: {len(weights)}")
+        for place, value in zip(self.statistic_places, weights):
+            values[place] = tf.convert_to_tensor(value)
+        return values
+
+    def _run(self, x, weights: Sequence, statistics: Sequence, y, training: bool):
+        outputs, statistics, losses = self.model.stateless_call(
+            [weights[k] for k in self._order], list(statistics), x, training=training, return_losses=True
+        )
+        penalty = tf.add_n(losses) if training and losses else None
+        loss = batch_loss(self._loss, y, outputs) if y is not None else None
+        return outputs, statistics, penalty, loss
+
+    def _backward(self, x, weights, statistics, upstream, y):
+        """The gradients of the loss (the last unit's, plus the unit's penalties, plus ``upstream`` through its
+        outputs) with respect to ``weights`` and, but on the first unit, ``x``: the forward pass run again."""
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            if not self.first:
+                tape.watch(x)
+            outputs, _, penalty, loss = self._run(x, weights, statistics, y, True)
+            terms = [term for term in (loss, penalty) if term is not None]
+            if upstream is not None:
+                terms.append(tf.reduce_sum(outputs * tf.cast(upstream, outputs.dtype)))
+            total = tf.add_n(terms)
+        sources = [*weights] + ([] if self.first else [x])
+        return tape.gradient(total, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+
+class FullyShardedReplica:
+    """This rank's replica: ``unit_models`` (deferred, in chain order), trained on the shard ``weights`` (this
+    rank's, of ``layout``) with ``optimizer`` (its class and config; its state in ``optimizer_arrays``: the slots'
+    shards as ``slot:<name>``, its own variables as ``global:<name>``), ``statistics``: each unit's non-trainable
+    weights, whole (chain order).
+
+    ``scales`` (per step of an epoch, from global step ``first_step`` on: ``schedule.gradient_scales``) weigh
+    this rank's gradient by its rows. ``overlap``: gathers run ahead and reduce-scatters behind the compute
+    (else each waits where it is started). ``observe``: the metrics' update, with each batch's labels and outputs.
+    It runs a step as the pipeline's stage runner does (``pipeline.epoch.StageEpochs``), as both stages' ends.
+    """
+
+    first = last = True
+    micro_batches = 1
+
+    def __init__(
+        self,
+        unit_models: Sequence[keras.Model],
+        layout: ShardLayout,
+        comm: Communicator,
+        *,
+        weights: np.ndarray,
+        statistics: Sequence[Sequence[Any]],
+        optimizer: keras.optimizers.Optimizer,
+        optimizer_arrays: dict[str, np.ndarray],
+        loss: Any,
+        scales: np.ndarray | None = None,
+        first_step: int = 0,
+        compression: str | None = None,
+        overlap: bool = True,
+        timeout: float = 300.0,
+        observe: Callable[[np.ndarray, Any], None] | None = None,
+    ):
+        count = len(unit_models)
+        self.units = [Unit(m, loss, last=u == count - 1, first=u == 0) for u, m in enumerate(unit_models)]
+        self.layout, self.comm, self.timeout, self.overlap = layout, comm, timeout, overlap
+        self._scales, self._step, self.observe = scales, first_step, observe
+        self._compression = compression
+        self._wire = np.dtype(np.float32) if compression is None else compressions.wire_dtype(compression)
+        self.statistics = [unit.starting_statistics(values) for unit, values in zip(self.units, statistics)]
+        self.shard = keras.Variable(weights, name=SHARD)
+        self.optimizer = type(optimizer).from_config(optimizer.get_config())
+        self.optimizer.build([self.shard])
+        self._load_optimizer(optimizer_arrays)
+        self._apply = tf.function(lambda gradient: self.optimizer.apply([gradient], [self.shard]))
+        self._columns = np.cumsum([0] + [layout.part(u) for u in range(count)])
+        self._gathers, self._scatters = stream_of(comm), stream_of(comm)  # a gather never waits behind a scatter
+        self._clock = StepClock(
+            f"fully sharded rank {comm.rank} of {comm.size}", ("compute", "gather", "reduce_scatter", "update")
+        )
+        self._steps = 0
+        self._held: np.ndarray = self.shard.numpy()  # the shard the gathers send (refreshed after each update)
+
+    @classmethod
+    def from_part(
+        cls,
+        plan: StagePlan,
+        layout: ShardLayout,
+        comm: Communicator,
+        part: dict[str, np.ndarray],
+        compile_config: dict,
+        **options: Any,
+    ) -> FullyShardedReplica:
+        """This rank's replica from its part of the model (``state.rank_part``'s arrays): the units built deferred,
+        the last one compiled with the whole model's ``compile_config`` (its loss, metrics and optimizer)."""
+        unit_models = [deferred.build(functools.partial(build_stage, plan, u)) for u in range(plan.num_stages)]
+        last = unit_models[-1]
+        last.compile(**keras.saving.deserialize_keras_object(compile_config))  # no optimizer variable is built
+        statistics = [
+            [part[f"{state.STATISTIC}{u}:{k}"] for k in range(len(units.statistics(units.own_layers(model))))]
+            for u, model in enumerate(unit_models)
+        ]
+        optimizer_arrays = {name: value for name, value in part.items() if name.startswith((state.SLOT, "global:"))}
+        return cls(
+            unit_models,
+            layout,
+            comm,
+            weights=part[state.WEIGHTS],
+            statistics=statistics,
+            optimizer=last.optimizer,
+            optimizer_arrays=optimizer_arrays,
+            loss=last.loss,
+            **options,
+        )
+
+    @property
+    def model(self) -> keras.Model:
+        """The last unit's model (its compiled loss and metrics)."""
+        return self.units[-1].model
+
+    def train_step(self, x: np.ndarray, y: np.ndarray, *, micro_batches: int = 1) -> float:
+        """One step on this rank's batch; this rank's loss on it (the compiled loss plus every penalty)."""
+        labels = tf.convert_to_tensor(y)
+        entering, before, kept, share = self._forward(tf.convert_to_tensor(x), labels, y)
+        gradient = self._backward(entering, before, kept, labels, self._next_scale())
+        with self._clock.timing("update"):
+            self._apply(tf.convert_to_tensor(gradient * np.float32(1.0 / self.comm.size)))
+            self._held = self.shard.numpy()
+        self._steps += 1
+        return share
+
+    def _forward(self, x: tf.Tensor, labels: tf.Tensor, y: np.ndarray) -> tuple[list, list, list, float]:
+        """The activation entering each unit, each unit's non-trainable values before its call, the last unit's
+        weights (its backward pass uses them again) and this rank's loss."""
+        entering, before, kept, share = [x], [], [], 0.0
+        pending: _Pending = self._start_gather(0)
+        for u, unit in enumerate(self.units):
+            weights = self._finish_gather(u, pending)
+            pending = self._start_gather(u + 1) if u + 1 < len(self.units) else None
+            with self._clock.timing("compute"):
+                before.append(self.statistics[u])
+                outputs, statistics, penalty, loss = unit.forward(
+                    entering[-1], weights, self.statistics[u], labels if unit.last else None, True
+                )
+                self.statistics[u] = list(statistics)
+                share += sum(float(term) for term in (penalty, loss) if term is not None)
+            if unit.last:
+                kept = weights
+                if self.observe is not None:
+                    self.observe(y, outputs)
+            else:
+                entering.append(outputs)
+        return entering, before, kept, share
+
+    def _backward(self, entering: list, before: list, kept: list, labels: tf.Tensor, scale: float) -> np.ndarray:
+        """This rank's part of the sum over ranks of every unit's (scaled) gradient, in shard order."""
+        count = len(self.units)
+        upstream, scatters = None, {}
+        pending: _Pending = self._start_gather(count - 2) if count > 1 else None
+        for u in range(count - 1, -1, -1):
+            unit = self.units[u]
+            if unit.last:
+                weights = kept
+            else:
+                weights = self._finish_gather(u, pending)
+                pending = self._start_gather(u - 1) if u > 0 else None
+            with self._clock.timing("compute"):
+                gradients = unit.backward(entering[u], weights, before[u], upstream, labels if unit.last else None)
+                del weights, kept[:]  # the unit's whole weights are dropped before the next unit's are used
+                upstream = None if unit.first else gradients[len(unit.shapes)]
+                flat = _flat(gradients[: len(unit.shapes)], self.layout.padded(u)) * np.float32(scale)
+            scatters[u] = self._start_scatter(u, flat)
+            entering.pop()
+        return np.concatenate([self._finish_scatter(u, scatters[u]) for u in range(count)])
+
+    def evaluate_step(self, x: np.ndarray, y: np.ndarray, *, micro_batches: int = 1) -> float:
+        """The forward pass alone, on held-out rows: the batch's mean loss (without penalties, as Keras's)."""
+        activation, labels, loss = tf.convert_to_tensor(x), tf.convert_to_tensor(y), None
+        pending: _Pending = self._start_gather(0)
+        for u, unit in enumerate(self.units):
+            weights = self._finish_gather(u, pending)
+            pending = self._start_gather(u + 1) if u + 1 < len(self.units) else None
+            with self._clock.timing("compute"):
+                activation, _, _, loss = unit.forward(
+                    activation, weights, self.statistics[u], labels if unit.last else None, False
+                )
+        if self.observe is not None:
+            self.observe(y, activation)
+        return float(loss)  # type: ignore[arg-type]  # the last unit's: never None
+
+    def evaluate_nothing(self) -> None:
+        """An evaluation step with no rows of this rank's: it gathers every unit's weights for the ranks that have."""
+        for u in range(len(self.units)):
+            work, _ = self._start_gather(u)
+            self._wait(work, f"gathering unit {u}'s weights", "gather")
+
+    def average_statistics(self) -> None:
+        """Collective: the float non-trainable values (BatchNorm's moving statistics) averaged over the ranks, as
+        sync mode does after each epoch's last step (a seed generator's state stays each rank's own)."""
+        places = [
+            (u, k)
+            for u, unit in enumerate(self.units)
+            for k in unit.statistic_places
+            if self.statistics[u][k].dtype.is_floating
+        ]
+        if not places:
+            return
+        parts = [np.asarray(self.statistics[u][k], np.float64).reshape(-1) for u, k in places]
+        mean = self.comm.allreduce(np.concatenate(parts), ReduceOp.MEAN)
+        position = 0
+        for (u, k), part in zip(places, parts):
+            value = self.statistics[u][k]
+            self.statistics[u][k] = tf.constant(mean[position : position + part.size].reshape(value.shape), value.dtype)
+            position += part.size
+
+    def gather_state(self) -> tuple[list[np.ndarray], dict, list[list]] | None:
+        """Collective: the whole trainable weights (chain order), the optimizer's arrays over them and each unit's
+        non-trainable weights (rank 0's), at rank 0; None elsewhere."""
+        slots = [v for v in self.optimizer.variables if v.name.startswith(SHARD + "_")]
+        own = np.concatenate([self.shard.numpy(), *(np.asarray(v.numpy(), np.float32) for v in slots)])
+        gathered = self.comm.gather(own, root=0)
+        if gathered is None:
+            return None
+        layout = self.layout
+        stacked = np.stack(gathered).reshape(self.comm.size, 1 + len(slots), layout.shard_size)
+        flat = np.empty(sum(layout.sizes), np.float32)
+
+        shapes = [shape for unit in self.units for shape in unit.shapes]
+
+        def whole(k: int) -> list[np.ndarray]:
+            by_index = layout.split(layout.unshard(stacked[:, k], flat))
+            return [by_index[i].reshape(shape).copy() for i, shape in enumerate(shapes)]
+
+        weights = whole(0)
+        optimizer: dict[str, np.ndarray] = {}
+        for k, slot in enumerate(slots, start=1):
+            name = slot.name[len(SHARD) + 1 :]
+            optimizer.update({f"slot:{i}:{name}": value for i, value in enumerate(whole(k))})
+        for variable in self.optimizer.variables:
+            if not variable.name.startswith(SHARD + "_"):
+                optimizer[f"global:{variable.name}"] = np.asarray(variable.numpy())
+        statistics = [
+            [np.asarray(values[k]) for k in unit.statistic_places] for unit, values in zip(self.units, self.statistics)
+        ]
+        return weights, optimizer, statistics
+
+    def held_bytes(self) -> dict[str, int]:
+        """The bytes this rank holds between steps: its shard of the weights, its optimizer state, the non-trainable
+        values; and the most it holds whole at once during a step (two units' weights: one used, one gathered)."""
+        largest = sorted((self.layout.padded(u) * 4 for u in range(len(self.units))), reverse=True)
+        return {
+            "weight_bytes": int(self.shard.numpy().nbytes),
+            "optimizer_bytes": sum(int(np.asarray(v.numpy()).nbytes) for v in self.optimizer.variables),
+            "statistics_bytes": sum(int(np.asarray(v).nbytes) for values in self.statistics for v in values),
+            "gathered_peak_bytes": sum(largest[:2]),
+            "whole_weight_bytes": 4 * sum(self.layout.sizes),
+        }
+
+    def summary(self) -> dict[str, float | int]:
+        """Seconds computing, waiting on gathers and reduce-scatters and updating, over the steps so far."""
+        return {"steps": self._steps, **{f"{kind}_seconds": seconds for kind, seconds in self._clock.seconds.items()}}
+
+    def close(self) -> None:
+        for stream in (self._gathers, self._scatters):
+            stream.close()
+
+    def _load_optimizer(self, arrays: dict[str, np.ndarray]) -> None:
+        for variable in self.optimizer.variables:
+            if variable.name.startswith(SHARD + "_"):
+                key = "slot:" + variable.name[len(SHARD) + 1 :]
+            else:
+                key = f"global:{variable.name}"
+            if key in arrays:
+                variable.assign(arrays[key])
+
+    def _next_scale(self) -> float:
+        scale = 1.0 if self._scales is None else float(self._scales[self._step % len(self._scales)])
+        self._step += 1
+        return scale
+
+    def _start_gather(self, u: int) -> tuple[Work, np.ndarray]:
+        part = self.layout.part(u)
+        rows = adopted.aligned_empty(self.layout.padded(u), np.float32).reshape(self.comm.size, part)
+        work = self._gathers.allgather_async(self._held[self._columns[u] : self._columns[u] + part], out=rows)
+        if not self.overlap:
+            self._wait(work, f"gathering unit {u}'s weights", "gather")
+        return work, rows
+
+    def _finish_gather(self, u: int, pending: tuple[Work, np.ndarray] | None) -> list[tf.Tensor]:
+        assert pending is not None  # each unit's gather was started before it is needed
+        work, rows = pending
+        self._wait(work, f"gathering unit {u}'s weights", "gather")
+        flat = tf.convert_to_tensor(rows.reshape(-1)[: self.layout.length(u)])
+        shapes = self.units[u].shapes
+        sizes = [int(np.prod(shape)) for shape in shapes]
+        return [tf.reshape(part, shape) for part, shape in zip(tf.split(flat, sizes), shapes)]
+
+    def _start_scatter(self, u: int, flat: np.ndarray) -> Work:
+        wire = flat if self._compression is None else compressions.narrow(flat, self._compression)
+        out = np.empty(self.layout.part(u), self._wire)
+        work = self._scatters.reduce_scatter_async(wire, ReduceOp.SUM, out=out)
+        if not self.overlap:
+            self._wait(work, f"reduce-scattering unit {u}'s gradient", "reduce_scatter")
+        return work
+
+    def _finish_scatter(self, u: int, work: Work) -> np.ndarray:
+        part = self._wait(work, f"reduce-scattering unit {u}'s gradient", "reduce_scatter")
+        return compressions.widen(part) if self._compression is not None else part
+
+    def _wait(self, work: Work, what: str, kind: str) -> Any:
+        return self._clock.wait(work, what, kind, self.timeout)
+
+
+def _flat(gradients: Sequence[tf.Tensor], padded: int) -> np.ndarray:
+    """The gradients as one float32 vector, zero-padded to ``padded`` values (a multiple of the ranks)."""
+    flat = np.zeros(padded, np.float32)
+    position = 0
+    for gradient in gradients:
+        values = np.asarray(gradient, np.float32).reshape(-1)
+        flat[position : position + values.size] = values
+        position += values.size
+    return flat

@@ -1,0 +1,64 @@
+"""Gossip mode's driver side: its options, one barrier stage of ``num_workers`` tasks, rank 0's averaged model back."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+
+from sparkdl.launch.session import encrypts_traffic
+from sparkdl.modes import whole_replicas
+from sparkdl.modes.base import Job, Mode, ModeResult, Option
+from sparkdl.modes.gossip import peers
+from sparkdl.modes.gossip.task import GossipTask, run_gossip_task
+
+GOSSIP_EVERY = Option(
+    "gossip_every", "local steps between two averagings of a worker's weights with its peers", default=1
+)
+PEERS = Option(
+    "peers",
+    "whom a worker averages with: 'ring' (its two ring neighbours, 1/3 each) or 'random' (one peer per round, "
+    "from a seeded pairing of the workers)",
+    kind=str,
+    default=peers.RING,
+    choices=peers.PEERS,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GossipOptions:
+    gossip_every: int = 1  # local steps between two rounds
+    peers: str = peers.RING  # "ring" or "random" (``peers``)
+
+
+class GossipMode(Mode):
+    """Decentralized data parallelism (D-PSGD): every worker trains its own replica with the model's own optimizer
+    and, every ``gossip_every`` steps, averages its weights with its peers' only; no server, no global allreduce
+    per step. The result is the average of the replicas.
+
+    Rank 0 reports progress (the metrics are combined over ranks at each epoch end) and writes the
+    checkpoints, of the replicas' average, from inside the stage, so that a stage Spark retries after
+    losing a task resumes from what the failed attempt saved.
+    """
+
+    names = ("gossip",)
+    saves_checkpoints = "tasks"
+
+    def options(self, name: str) -> tuple[Option, ...]:
+        return (GOSSIP_EVERY, PEERS)
+
+    def configure(self, name: str, model, values: dict) -> GossipOptions:
+        if model.optimizer is None:
+            raise ValueError("Expected a compiled model: mode='gossip' trains with the model's own optimizer.")
+        return GossipOptions(values["gossip_every"], values["peers"])
+
+    def run(self, job: Job) -> ModeResult:
+        task = GossipTask(
+            settings=job.settings,
+            secret=secrets.token_bytes(32),
+            gossip_every=job.options.gossip_every,
+            peers=job.options.peers,
+            start_history=job.start.history,
+            checkpoints=job.checkpoints,
+            encrypt=encrypts_traffic(job.training.frame.sparkSession),
+        )
+        return whole_replicas.run_stage(job, lambda batches, reporter: run_gossip_task(batches, reporter, task))
