@@ -1,13 +1,17 @@
 """The async parameter-server step against one process's step, on an 8.4M-parameter model, in one run.
 
     python benchmarks/ps_step.py [--repeats 3] [--variants single async async-bf16] [--workload mlp8m]
+                                 [--placement driver executors] [--num-servers 1]
 
 The workload is ``WORKLOADS["mlp8m"]`` (``benchmarks/workloads.py``): Dense 2048-2048-1024-10 on
 1024 inputs, 8,192 rows, 2 epochs. One process trains with batch 64 on all the machine's cores;
 sparkdl trains ``mode="async"`` with 2 workers of batch 32 (one core each) against the parameter
 server on the driver, with float32 pushes (``async``) and with ``compression="bf16"``
-(``async-bf16``). The Spark session starts, and one untimed async fit warms its Python workers,
-before anything is timed. The runs are interleaved (every repeat runs every variant, the order
+(``async-bf16``). With ``--placement driver executors`` every async variant runs in both server
+placements side by side: the server threads on the driver (``@driver``), and ``--num-servers``
+server tasks beside the workers in one barrier stage (``@executors``, ``server_placement="executors"``;
+the session then has a slot for each). The Spark session starts, and one untimed async fit per
+placement warms its Python workers, before anything is timed. The runs are interleaved (every repeat runs every variant, the order
 rotated by one each repeat, so that the load of a shared machine hits every variant alike); the
 tables give the median and the spread [min-max] over the repeats of:
 
@@ -17,7 +21,8 @@ tables give the median and the spread [min-max] over the repeats of:
   process's second epoch, the step cost the issue's goal is about;
 - ``epoch 2 CPU``: the CPU seconds the epoch cost: one process's own; for sparkdl the workers'
   and the driver's (the parameter server) over that epoch (Spark's JVM is left out: it idles
-  while the workers train). On a shared machine other jobs' load stretches the wall times,
+  while the workers train). Under ``@executors`` the server runs in a task process that is not
+  sampled: there the column holds the workers' and the (idle) driver's CPU only. On a shared machine other jobs' load stretches the wall times,
   sparkdl's three processes more than one process's two threads (each exchange waits for the
   scheduler to run the server, then the worker), while the CPU a run costs holds still: each
   repeat prints the load average it ended at.
@@ -120,18 +125,29 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", nargs="+", default=["single", "async", "async-bf16"], choices=list(VARIANTS))
     parser.add_argument("--workload", default="mlp8m", choices=list(WORKLOADS))
+    parser.add_argument("--placement", nargs="+", default=["driver"], choices=["driver", "executors"])
+    parser.add_argument("--num-servers", type=int, default=1)
     args = parser.parse_args(argv)
 
     import sparkdl
 
     workload = WORKLOADS[args.workload]
-    spark = local_session(WORKERS)
+    placements = list(dict.fromkeys(args.placement))
+    # Each async variant once per placement; one placement keeps the variant's plain name.
+    variants = [
+        v if v == "single" or len(placements) == 1 else f"{v}@{p}"
+        for v in args.variants
+        for p in (placements if v != "single" else ["driver"])
+    ]
+    spark = local_session(WORKERS + (args.num_servers if "executors" in placements else 0))
     x, y = workload.arrays()
     scratch = tempfile.mkdtemp(prefix="sparkdl-ps-step-")
     df = spark.read.parquet(workload.parquet(scratch)).cache()
     df.count()
 
-    def run(variant: str) -> dict:
+    def run(name: str) -> dict:
+        variant, _, where = name.partition("@")
+        placement = where or placements[0]
         clocks = tempfile.mkdtemp(dir=scratch)
         model = workload.model()
         started = time.perf_counter()
@@ -145,20 +161,22 @@ def main(argv=None) -> None:
             result = sparkdl.fit(
                 df, model, num_workers=WORKERS, mode="async", epochs=workload.epochs,
                 batch_size=workload.batch_size, seed=0, progress=False, callbacks=[epoch_clock(clocks)],
+                num_servers=args.num_servers, server_placement=placement,
                 **({"compression": VARIANTS[variant]} if VARIANTS[variant] else {}),
             )  # fmt: skip
         fit = time.perf_counter() - started
         return {"fit": fit, **timings(clocks, driver), "stats": result.stats}
 
-    run("async")  # the first fit of a session starts the Python workers and imports TensorFlow in them
-    runs: dict[str, list[dict]] = {variant: [] for variant in args.variants}
+    for placement in placements:  # the first fit of a session starts the Python workers, importing TensorFlow
+        run(f"async@{placement}")
+    runs: dict[str, list[dict]] = {variant: [] for variant in variants}
     for repeat in range(args.repeats):
-        shift = repeat % len(args.variants)
-        for variant in args.variants[shift:] + args.variants[:shift]:
+        shift = repeat % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
             runs[variant].append(run(variant))
             figures = runs[variant][-1]
             print(
-                f"repeat {repeat + 1}: {variant:<11} fit {figures['fit']:.2f}s  epoch 2 {figures['epoch2']:.2f}s "
+                f"repeat {repeat + 1}: {variant:<18} fit {figures['fit']:.2f}s  epoch 2 {figures['epoch2']:.2f}s "
                 f"(CPU {figures['cpu2']:.2f}s)  load average {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
@@ -167,7 +185,8 @@ def main(argv=None) -> None:
     print(
         f"\n{workload.name}: {parameters:,} parameters, {workload.rows:,} rows, {workload.epochs} epochs; one "
         f"process: batch {WORKERS * workload.batch_size} on {os.cpu_count()} cores; sparkdl async: {WORKERS} "
-        f"workers x {workload.batch_size}; median [min-max] of {args.repeats} interleaved repeats"
+        f"workers x {workload.batch_size}, {args.num_servers} server shard(s) ({' and '.join(placements)}); "
+        f"median [min-max] of {args.repeats} interleaved repeats"
     )
     one = {key: [r[key] for r in runs["single"]] for key in ("epoch2", "cpu2")} if "single" in runs else None
     print("| run | fit s | epoch 2 s | epoch 2 x one | epoch 2 CPU s | CPU x one |")

@@ -1,6 +1,7 @@
 """sparkdl: train Keras 3 models on data that lives in Apache Spark.
 
-Public API: :func:`fit` and :class:`FitResult` (training on a DataFrame), :func:`run` (any
+Public API: :func:`fit` and :class:`FitResult` (training on a DataFrame), :func:`plan` (which mode, batch
+size and number of workers, predicted from a short probe on the cluster), :func:`run` (any
 function on N barrier tasks, with sparkdl's ring or Horovod) and :class:`WorkerError`
 (a worker's exception, re-raised on the driver); ``sparkdl.collective`` inside ``run``;
 ``sparkdl.ml`` (the Spark ML stages). For jobs and notebooks that check early: :data:`MODES`
@@ -20,10 +21,12 @@ from sparkdl.launch import WorkerError
 from sparkdl.launch.probe import WorkerEnvironmentError, check_executors
 from sparkdl.launch.runner import run
 from sparkdl.launch.worker_python import WORKER_DAEMON
+from sparkdl.planner.plan import plan
 
 __all__ = [
     "fit",
     "FitResult",
+    "plan",
     "run",
     "WorkerError",
     "MODES",

@@ -102,6 +102,9 @@ def fit(
         ``"hogwild"``: as async, without the lock.
         ``"ssp"``: as async, but a worker more than ``max_staleness`` pushes
         ahead of the slowest one waits.
+        ``"sync_ps"``: the parameter server, synchronous: each step it waits for
+        every worker's gradient, applies their mean once, and every worker pulls
+        the same weights; sync's training without a barrier stage.
         ``"average"``: no server: every ``sync_every`` local steps the driver
         averages the workers' weights (Spark broadcast + accumulators).
 

@@ -104,6 +104,11 @@ class CheckpointStore:
                 logger.warning("sparkdl: skipping unreadable checkpoint %s/epoch-%06d: %s", self.uri, epoch, exc)
         return None
 
+    def read(self, epoch: int) -> Checkpoint:
+        """Checkpoint ``epoch``, which another task found complete (an ``OSError`` if it is gone)."""
+        filesystem, path = self._filesystem()
+        return self._read(filesystem, path, epoch)
+
     def save(self, checkpoint: Checkpoint) -> None:
         """Writes ``checkpoint`` (temporary names, then moves; the ``.json`` last) and prunes old ones."""
         filesystem, path = self._filesystem()
@@ -258,7 +263,12 @@ class Checkpointer:
         self._mode = mode
         self._history = {name: list(values) for name, values in start.history.items()}
 
-    def record(self, logs: dict[str, float]) -> None:
+    def record(self, logs: dict[str, float], *, epoch: int | None = None) -> None:
+        """Adds a finished epoch's ``logs``; with ``epoch`` (from 0) they are that epoch's, and whatever was recorded
+        for it or later before (by a stage attempt that failed and was retried from an earlier epoch) is dropped."""
+        if epoch is not None:
+            for values in self._history.values():
+                del values[epoch:]
         for name, value in logs.items():
             self._history.setdefault(name, []).append(value)
 

@@ -43,7 +43,8 @@ def small_model(width=2):
         ({"epochs": 1.5}, r"Expected `epochs` to be a positive integer"),
         (
             {"mode": "bogus"},
-            r"Expected `mode` to be one of \['sync', 'sharded', 'async', 'hogwild', 'ssp', 'average', 'pipeline'\]. Received: mode='bogus'",
+            r"Expected `mode` to be one of \['sync', 'sharded', 'async', 'hogwild', 'ssp', 'sync_ps', 'average', "
+            r"'pipeline', 'gossip'\]. Received: mode='bogus'",
         ),
         ({"timeout": 0}, r"Expected `timeout` to be a positive number of seconds"),
         ({"seed": -1}, r"Expected `seed` to be a non-negative integer"),

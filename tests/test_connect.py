@@ -33,7 +33,7 @@ except ImportError as missing:
     )
 
 _CLIENT_SECONDS = 540
-_MODES = ("sync", "sharded", "async", "hogwild", "ssp", "average", "pipeline", "gossip", "sharded-weights")
+_MODES = ("sync", "sharded", "async", "hogwild", "ssp", "average", "pipeline", "gossip", "sharded-weights", "sync_ps")
 _ROWS, _WORKERS, _EPOCHS, _BATCH = 320, 2, 2, 32
 _STEPS = -(-_ROWS // (_WORKERS * _BATCH))  # per epoch
 

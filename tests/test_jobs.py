@@ -300,7 +300,10 @@ def test_mode_settings_are_checked_before_spark_starts_naming_the_flags(tmp_path
             ["--push-every", "2"],
             "--push-every applies to --mode async or hogwild or ssp only. Received: --push-every 2 with --mode sync",
         ),
-        (["--mode", "average", "--num-servers", "2"], "--num-servers applies to --mode async or hogwild or ssp only"),
+        (
+            ["--mode", "average", "--num-servers", "2"],
+            "--num-servers applies to --mode async or hogwild or ssp or sync_ps only",
+        ),
         (
             ["--mode", "ssp", "--max-staleness", "-1"],
             "Expected --max-staleness to be a non-negative integer. Received: --max-staleness -1",

@@ -15,9 +15,13 @@ from sparkdl.modes.registry import MODES, check_mode_options
 
 
 def test_every_mode_name_has_one_mode_object_and_fit_accepts_exactly_those():
-    assert api.MODES == tuple(MODES) == ("sync", "sharded", "async", "hogwild", "ssp", "average", "pipeline", "gossip")
+    assert (
+        api.MODES
+        == tuple(MODES)
+        == ("sync", "sharded", "async", "hogwild", "ssp", "sync_ps", "average", "pipeline", "gossip")
+    )
     assert all(isinstance(mode, Mode) and name in mode.names for name, mode in MODES.items())
-    assert MODES["async"] is MODES["ssp"] is MODES["hogwild"]  # one mode, three variants
+    assert MODES["async"] is MODES["ssp"] is MODES["hogwild"] is MODES["sync_ps"]  # one mode, four variants
     assert MODES["sync"] is MODES["sharded"]  # sharded: sync's training, the optimizer split over the ranks
     assert [name for name, mode in MODES.items() if not mode.runs_callbacks] == ["average", "pipeline"]
 
@@ -65,6 +69,7 @@ def test_options_are_checked_against_the_mode_that_takes_them():
         "push_every": 1,  # left out: the option's declared default
         "num_servers": 1,
         "compression": None,
+        "server_placement": "driver",
         "max_staleness": 0,
     }
     with pytest.raises(ValueError, match=r"`max_staleness` applies to mode='ssp' only"):

@@ -76,7 +76,7 @@ def test_a_gradient_beyond_float16s_range_fails_the_fit_naming_the_setting(spark
         ),
         (
             {"mode": "average", "compression": "bf16"},
-            r"`compression` applies to mode='sync' or 'sharded' or 'async' or 'hogwild' or 'ssp' only\. "
+            r"`compression` applies to mode='sync' or 'sharded' or 'async' or 'hogwild' or 'ssp' or 'sync_ps' only\. "
             r"Received: compression='bf16' with mode='average'",
         ),
     ],

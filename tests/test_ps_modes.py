@@ -198,7 +198,10 @@ def test_server_is_stopped_when_fit_raises_and_next_fit_works(spark, digits):
         ({"mode": "ssp"}, r"mode='ssp' needs `max_staleness`"),
         ({"mode": "async", "max_staleness": 2}, r"`max_staleness` applies to mode='ssp' only.*mode='async'"),
         ({"mode": "sync", "push_every": 2}, r"`push_every` applies to mode='async' or 'hogwild' or 'ssp' only"),
-        ({"mode": "average", "num_servers": 2}, r"`num_servers` applies to mode='async' or 'hogwild' or 'ssp' only"),
+        (
+            {"mode": "average", "num_servers": 2},
+            r"`num_servers` applies to mode='async' or 'hogwild' or 'ssp' or 'sync_ps' only",
+        ),
         ({"mode": "async", "sync_every": 5}, r"`sync_every` applies to mode='average' only"),
         ({"mode": "hogwild", "push_every": 0}, r"Expected `push_every` to be a positive integer"),
         ({"mode": "ssp", "max_staleness": -1}, r"Expected `max_staleness` to be a non-negative integer"),

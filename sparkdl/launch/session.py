@@ -62,6 +62,23 @@ def encrypts_traffic(spark: SparkSession) -> bool:
     return str(value).strip().lower() == "true"
 
 
+#: Spark's setting for dynamic allocation, under which it refuses barrier stages (never in local mode).
+DYNAMIC_ALLOCATION_SETTING = "spark.dynamicAllocation.enabled"
+
+
+def dynamic_allocation(spark: SparkSession) -> bool:
+    """Whether Spark allocates executors dynamically here, and so refuses barrier stages (local mode never does);
+    a Connect server that does not say counts as off."""
+    if is_local_mode(master(spark)):
+        return False
+    try:
+        conf = spark.conf if is_connect(spark) else spark.sparkContext.getConf()
+        value = conf.get(DYNAMIC_ALLOCATION_SETTING, "false")
+    except Exception:  # noqa: BLE001 - a Connect server may refuse to show core settings
+        return False
+    return str(value).strip().lower() == "true"
+
+
 def master(spark: SparkSession) -> str:
     """The cluster manager URL (``local[2]``, ``yarn``, ``spark://...``); "" when the server does not say."""
     if not is_connect(spark):

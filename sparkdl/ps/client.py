@@ -13,7 +13,18 @@ and its push. With ``compression`` ("bf16" or "fp16", the server's too) pushes
 travel at half the bytes: a gradient already of that dtype is sent as it is, a
 float32 one is narrowed here (``sparkdl.collective.compression``, which refuses a
 value beyond float16's range); pulls always return float32 weights, into the
-caller's buffers when it passes them.
+caller's buffers when it passes them. A synchronous server (``mode="sync_ps"``)
+takes each push with its step and rows, is joined once before the first push
+(:meth:`ParameterClient.join`), and holds a pull until the step's update is
+applied; ``wait_grace`` lets such a pull (or join) wait that much longer than
+``timeout``, so that the server's own timeout, whose answer names the workers
+it waited for, comes first. Where the shards run in servers of their own
+(``server_placement="executors"``: one Spark task each), each keeps its own
+clocks and roster, so a client made with ``separate_servers`` joins and says
+DONE to every shard, not to shard 0 alone.
+
+:func:`fetch_state` is the controller's side (the driver's): one shard's whole
+state, for a checkpoint, of exactly the size the driver computes itself.
 
 Idle connections: the server closes a connection that has sent no request for
 its ``timeout``; a connection idle for more than half of this client's
@@ -95,11 +106,12 @@ class _Conn:
             self.channel = None
 
     def request(self, msg: Msg, payload: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray | None:
-        """Send one request and read its response; a pull's weights are returned (in ``out`` when given)."""
+        """Send one request and read its response; a pull's weights are returned (in ``out`` when given), a join's row
+        counts in ``out``."""
         self.send(msg, payload)
         return self.receive(msg, out)
 
-    def send(self, msg: Msg, payload: np.ndarray | None = None) -> None:
+    def send(self, msg: Msg, payload: np.ndarray | None = None, step: int = 0, rows: int = 0) -> None:
         """First half of a request: the frame goes out, the response is left for :meth:`receive`."""
         if self.channel is None:
             raise CollectiveError(f"{self.where()}: the connection is closed")
@@ -113,6 +125,8 @@ class _Conn:
             op=msg,
             dtype=protocol.request_dtype(msg, self.client.push_dtype),
             seq=self.seq,
+            value=step,  # a synchronous push's step and rows; 0 otherwise
+            tag=rows,
             nbytes=len(body),
         ).pack()
         self._send_error = None
@@ -125,22 +139,34 @@ class _Conn:
                 self.channel.sock.settimeout(min(1.0, self.client.timeout))
 
     def receive(self, msg: Msg, out: np.ndarray | None = None) -> np.ndarray | None:
-        """Second half of a request: read and check its response; a pull's weights land in ``out`` when given."""
+        """Second half of a request: read and check its response; a pull's weights land in ``out`` when given, a join's
+        row counts in ``out`` (int64, one per worker)."""
         op = protocol.msg_name(msg)
+        held = msg in (Msg.PULL, Msg.JOIN) and self.client.wait_grace > 0 and self._send_error is None
         with self._errors(msg):
             try:
+                if held and self.channel is not None:  # the server may hold it for its timeout, then say why
+                    self.channel.sock.settimeout(self.client.timeout + self.client.wait_grace)
                 self._recv_exact(memoryview(self._header), op)
             except (OSError, CollectiveError):
                 if self._send_error is not None:
                     raise self._send_error from None
                 raise
+            finally:
+                if held and self.channel is not None:
+                    self.channel.sock.settimeout(self.client.timeout)
             response = self._check_header(op, msg)
             status, length = response.status, response.nbytes
             if status != Status.OK:
                 self._raise_status(op, status, length)
             if self._send_error is not None:
                 raise self._send_error
-            expected = protocol.expected_response_payload(msg, self.size)
+            expected = protocol.expected_response_payload(msg, self.size, 0 if out is None else out.size)
+            if msg == Msg.JOIN and length != expected:
+                raise CollectiveError(
+                    f"{self.where()}: join response has {length} payload bytes, expected {expected}: the row counts "
+                    f"of {0 if out is None else out.size} workers; check that the server runs this job's num_workers"
+                )
             if length != expected:
                 raise CollectiveError(
                     f"{self.where()}: {op} response has {length} payload bytes, expected "
@@ -150,6 +176,9 @@ class _Conn:
             result = None
             if msg == Msg.PULL:
                 result = np.empty(self.size, dtype=FLOAT) if out is None else out
+                self._recv_exact(result.view(np.uint8).data, op)
+            elif msg == Msg.JOIN and out is not None:
+                result = out
                 self._recv_exact(result.view(np.uint8).data, op)
             self.version = response.value
             self.last_used = time.monotonic()
@@ -213,6 +242,10 @@ class _Conn:
         message = text.decode("utf-8", "replace")
         if status == Status.STALENESS_TIMEOUT:
             raise CollectiveTimeout(f"{self.where()}: {op} refused under mode='ssp': {message}")
+        if status == Status.ROUND_TIMEOUT:
+            raise CollectiveTimeout(
+                f"{self.where()}: {op} gave up waiting for other workers under mode='sync_ps': {message}"
+            )
         if status == Status.BAD_REQUEST and message.startswith(protocol.NON_FINITE):
             raise NonFiniteGradientError(
                 f"worker {self.client.worker}: push #{self.client.pushes + 1} (this worker's step that sent it) "
@@ -248,6 +281,8 @@ class ParameterClient:
         timeout: float = 600.0,
         encrypt: bool = False,
         compression: str | None = None,
+        wait_grace: float = 0.0,
+        separate_servers: bool = False,
     ):
         if len(addresses) != len(shard_sizes):
             raise ValueError(f"{len(addresses)} shard addresses but {len(shard_sizes)} shard_sizes")
@@ -262,6 +297,8 @@ class ParameterClient:
         self.compression = compressions.check(compression)  # the server's: what its pushes must carry
         self.push_dtype = wire.push_dtype(compression)
         self.shard_sizes = [int(s) for s in shard_sizes]
+        self.wait_grace = float(wait_grace)  # how much longer than timeout a pull or join may be held (sync_ps)
+        self.separate_servers = separate_servers  # each shard its own server: join and DONE go to every shard
         self._conns = [_Conn(self, i, a, s) for i, (a, s) in enumerate(zip(addresses, self.shard_sizes))]
         self._pool = (
             ThreadPoolExecutor(len(self._conns), thread_name_prefix=f"ps-worker{worker}")
@@ -295,11 +332,29 @@ class ParameterClient:
                     )
         return self._exchange(Msg.PULL, None, out)
 
-    def push(self, gradients: list[np.ndarray]) -> None:
+    def join(self, rows: int, num_workers: int) -> list[int]:
+        """sync_ps, before the first push: tells the server this worker's training rows and returns every worker's
+        (``num_workers`` of them), once all have joined."""
+        if self.separate_servers:  # every shard's roster: each answers with the same counts
+            request = np.array([rows], protocol.ROWS)
+            answers = [np.empty(num_workers, protocol.ROWS) for _ in self._conns]
+            self._exchange(Msg.JOIN, [request] * len(self._conns), answers)
+            if any(not np.array_equal(answer, answers[0]) for answer in answers):
+                raise CollectiveError(
+                    f"worker {self.worker}: the shards answered its join with different row counts "
+                    f"{[a.tolist() for a in answers]}: they are not the servers of one job"
+                )
+            return [int(n) for n in answers[0]]
+        counts = np.empty(num_workers, protocol.ROWS)
+        self._run(self._conns[0], lambda conn: conn.request(Msg.JOIN, np.array([rows], protocol.ROWS), counts))
+        return [int(n) for n in counts]
+
+    def push(self, gradients: list[np.ndarray], *, step: int = 0, rows: int = 0) -> None:
         """Send one gradient per shard (concurrently); advances this worker's clock by one.
 
         Each is sent as the server's push dtype: one already of that dtype as it is, any other
-        converted to float32 and, under ``compression``, narrowed.
+        converted to float32 and, under ``compression``, narrowed. A synchronous server (sync_ps)
+        takes it as this worker's part of global step ``step``, weighed by its ``rows`` training rows.
         """
         if len(gradients) != len(self._conns):
             raise ValueError(f"worker {self.worker}: push got {len(gradients)} gradients for {len(self._conns)} shards")
@@ -316,11 +371,14 @@ class ParameterClient:
                     f"worker {self.worker}: gradient for shard {i} has {array.size} values, shard_sizes[{i}] is {size}"
                 )
             flat.append(array)
-        self._exchange(Msg.PUSH, flat)
+        self._exchange(Msg.PUSH, flat, step=step, rows=rows)
         self.pushes += 1
 
     def done(self) -> None:
         """This worker has finished; under ssp it no longer holds back the others."""
+        if self.separate_servers:  # each server's own clocks, and each server task waits for every worker's DONE
+            self._exchange(Msg.DONE, None)
+            return
         # Clocks live in one tracker shared by all shards of the server; shard 0 owns them.
         self._run(self._conns[0], lambda conn: conn.request(Msg.DONE))
 
@@ -348,7 +406,15 @@ class ParameterClient:
             self._failed = exc
             raise
 
-    def _exchange(self, msg: Msg, payloads: list[np.ndarray] | None, out: list[np.ndarray] | None = None) -> list:
+    def _exchange(
+        self,
+        msg: Msg,
+        payloads: list[np.ndarray] | None,
+        out: list[np.ndarray] | None = None,
+        *,
+        step: int = 0,
+        rows: int = 0,
+    ) -> list:
         """One request to every shard, all shards working at once.
 
         Small messages are pipelined from this thread: every request goes out
@@ -365,18 +431,23 @@ class ParameterClient:
             return None if out is None else out[conn.index]
 
         if self._pool is not None and max(self.shard_sizes) * FLOAT.itemsize > THREADED_BYTES:
-            return self._each(lambda conn: conn.request(msg, payload(conn), buffer(conn)))
+            return self._each(lambda conn: self._request(conn, msg, payload(conn), buffer(conn), step, rows))
         if self._failed is not None:
             raise CollectiveError(
                 f"worker {self.worker}: this ParameterClient failed earlier ({self._failed}); create a new one"
             )
         try:
             for conn in self._conns:
-                conn.send(msg, payload(conn))
+                conn.send(msg, payload(conn), step, rows)
             return [conn.receive(msg, buffer(conn)) for conn in self._conns]
         except (CollectiveError, NonFiniteGradientError) as exc:
             self._failed = exc
             raise
+
+    @staticmethod
+    def _request(conn: _Conn, msg: Msg, payload, out, step: int, rows: int):
+        conn.send(msg, payload, step, rows)
+        return conn.receive(msg, out)
 
     def _each(self, fn) -> list:
         """Run ``fn`` on every shard's connection concurrently; first error wins."""
@@ -398,3 +469,72 @@ class ParameterClient:
                 self._failed = error
             raise error
         return results
+
+
+def fetch_state(
+    address: str,
+    *,
+    shard: int,
+    controller: int,
+    secret: bytes,
+    nbytes: int,
+    epochs: int = 0,
+    timeout: float = 600.0,
+    encrypt: bool = False,
+) -> bytearray:
+    """The controller's request (the driver's): shard ``shard``'s whole state at ``address``, its variables and its
+    optimizer's end to end (``OptimizerShard.state``), exactly ``nbytes`` bytes, which the caller computes from its
+    own copy of the shard; ``controller``: the rank the server takes it as (its ``num_workers``). ``epochs``: the
+    complete epochs the state is after (a synchronous server then runs the next epoch's rounds)."""
+    where = f"the driver: shard {shard} at {address}"
+    try:
+        channel = connect_channel(
+            address,
+            controller,
+            shard,
+            secret,
+            timeout,
+            encrypt=encrypt,
+            peer_name=f"parameter server shard {shard}",
+            refused_is_final=True,  # it was serving: a refusal means its task has ended
+        )
+    except ConnectGaveUp as exc:
+        raise CollectiveTimeout(
+            f"{where}: could not connect and authenticate within timeout={timeout}s to read its state for a "
+            f"checkpoint (last error: {exc.last_error}); with server_placement='executors' the driver must reach the "
+            "executors' addresses"
+        ) from None
+    try:
+        channel.sock.settimeout(timeout)
+        header = Header(kind=Kind.REQUEST, op=Msg.STATE, seq=1, value=epochs, nbytes=0).pack()
+        channel.send([header, b""])
+        raw = bytearray(HEADER.size)
+        if channel.recv_into(memoryview(raw)) < len(raw):
+            raise CollectiveError(f"{where}: the server closed the connection before answering the state request")
+        try:
+            response = Header.unpack(raw, source=f"parameter server shard {shard} at {address}")
+        except FrameError as exc:
+            raise CollectiveError(f"{where}: a malformed answer to the state request ({exc})") from None
+        if response.kind != Kind.RESPONSE or response.op != Msg.STATE or response.seq != 1 or response.dtype:
+            raise CollectiveError(f"{where}: an answer that is not the state request's ({response})")
+        if response.status != Status.OK:
+            if response.nbytes > protocol.MAX_MESSAGE_BYTES:
+                raise CollectiveError(f"{where}: status {response.status} and an oversized error message")
+            text = bytearray(response.nbytes)
+            channel.recv_into(memoryview(text))
+            raise CollectiveError(f"{where}: the state request failed: {text.decode('utf-8', 'replace')}")
+        if response.nbytes != nbytes:
+            raise CollectiveError(
+                f"{where}: the state answer announced {response.nbytes} bytes, but the shard's variables and its "
+                f"optimizer's hold exactly {nbytes}: the server holds another model or optimizer"
+            )
+        state = bytearray(nbytes)
+        if channel.recv_into(memoryview(state)) < nbytes:
+            raise CollectiveError(f"{where}: the server closed the connection while sending the state")
+        return state
+    except TimeoutError:
+        raise CollectiveTimeout(f"{where}: the state request timed out after timeout={timeout}s") from None
+    except OSError as exc:
+        raise CollectiveError(f"{where}: the state request failed: {exc}") from exc
+    finally:
+        shutdown_and_close(channel.sock)

@@ -12,7 +12,11 @@ response = ``Header(kind=RESPONSE, op=Msg, status=Status, dtype, seq, value=shar
 
 ``seq`` counts a connection's requests (from 1, wrapping at 2**32); a response
 repeats its request's ``op`` and ``seq``.  Every other header field
-(``status`` of a request, ``group``, ``tag``, ``value`` of a request) is 0.
+(``status`` of a request, ``group``, ``tag``, ``value`` of a request) is 0,
+except a push to a synchronous server (``mode="sync_ps"``, :mod:`sparkdl.ps.rules`):
+its ``value`` is the global step the gradient belongs to and its ``tag`` the
+training rows behind it (0 for a filler step), which weigh it in the step's mean;
+and a state request, whose ``value`` is the complete epochs the state is taken after.
 Payloads are raw array bytes in native (little-endian on every supported
 platform) order, never pickled objects. A push carries the server's push dtype:
 float32, or the half-width dtype of its ``compression`` (bfloat16 or float16,
@@ -26,7 +30,23 @@ PULL      none (0)                                      the shard's weights, exa
 PUSH      one gradient, exactly itemsize*size bytes     none (0)
           (``dtype_code(push dtype)``)
 DONE      none (0)                                      none (0)
+JOIN      this worker's training rows, exactly 8 bytes  every worker's training rows, exactly
+          (``dtype_code(int64)``; sync_ps only, to      8*num_workers bytes (``dtype_code(int64)``), once
+          shard 0, or to every shard of servers that    every worker has joined
+          run apart)
+STATE     none (0); from the controller only            the shard's weights, then its optimizer's
+                                                        variables, each in its own dtype, end to end:
+                                                        exactly the size both sides compute from the
+                                                        shard's variables (raw bytes, 0)
 ========  ============================================  =================================================
+
+STATE is how the driver checkpoints shards that run in Spark tasks of their own
+(``server_placement="executors"``): it connects as the *controller*, an extra
+client rank (``num_workers``) that a server takes only when it was started with
+``controller=True``; the controller sends STATE only and a worker never does. The
+state is read under the shard's lock (as it is under hogwild), and where the
+server holds its synchronous rounds for checkpoints (``epoch_steps``) the answer
+also opens the rounds of the epoch after the request's ``value``.
 
 The server knows the exact header and payload size of every request type in
 advance and closes the connection on any other header without allocating from
@@ -60,12 +80,19 @@ MAX_MESSAGE_BYTES = 1024
 FLOAT = np.dtype("<f4")
 #: The frame dtype code of a float32 payload (pulled weights; pushed gradients without compression).
 FLOAT_CODE = dtype_code(np.float32)
+#: Row counts (a join's request and response).
+ROWS = np.dtype("<i8")
+ROWS_CODE = dtype_code(np.int64)
 
 
 class Msg(enum.IntEnum):
     PULL = 1
     PUSH = 2
     DONE = 3
+    #: sync_ps: a worker's training rows in, every worker's out once all have joined (their common schedule)
+    JOIN = 4
+    #: the controller (the driver, for checkpoints of shards served by executors): the shard's whole state out
+    STATE = 5
 
 
 class Status(enum.IntEnum):
@@ -78,6 +105,9 @@ class Status(enum.IntEnum):
     SHARD_ERROR = 3
     #: the server is stopping
     STOPPING = 4
+    #: sync_ps: a pull (or a join) waited ``timeout`` seconds for other workers' pushes (or joins); the message
+    #: names them
+    ROUND_TIMEOUT = 5
 
 
 def msg_name(code: int) -> str:
@@ -91,21 +121,34 @@ def expected_request_payload(msg: int, shard_size: int, push_dtype: np.dtype = F
     """Exact payload bytes of a request, or None if ``msg`` is not a request type."""
     if msg == Msg.PUSH:
         return np.dtype(push_dtype).itemsize * shard_size
-    if msg in (Msg.PULL, Msg.DONE):
+    if msg in (Msg.PULL, Msg.DONE, Msg.STATE):
         return 0
+    if msg == Msg.JOIN:
+        return ROWS.itemsize
     return None
 
 
 def request_dtype(msg: int, push_dtype: np.dtype = FLOAT) -> int:
-    """The dtype code a request of type ``msg`` carries: the push dtype's for a push's gradient, else 0."""
-    return dtype_code(push_dtype) if msg == Msg.PUSH else 0
+    """The dtype code a request of type ``msg`` carries: the push dtype's for a push's gradient, int64's for a
+    join's rows, else 0."""
+    if msg == Msg.PUSH:
+        return dtype_code(push_dtype)
+    return ROWS_CODE if msg == Msg.JOIN else 0
 
 
 def response_dtype(msg: int, status: int) -> int:
-    """The dtype code of a response: float32's for a pull's weights, 0 for no payload or an error message."""
-    return FLOAT_CODE if msg == Msg.PULL and status == Status.OK else 0
+    """The dtype code of a response: float32's for a pull's weights, int64's for a join's rows, 0 for no payload or
+    an error message."""
+    if status != Status.OK:
+        return 0
+    return FLOAT_CODE if msg == Msg.PULL else ROWS_CODE if msg == Msg.JOIN else 0
 
 
-def expected_response_payload(msg: int, shard_size: int) -> int:
-    """Exact payload bytes of an OK response to ``msg``."""
-    return FLOAT.itemsize * shard_size if msg == Msg.PULL else 0
+def expected_response_payload(msg: int, shard_size: int, num_workers: int = 0, state_nbytes: int = 0) -> int:
+    """Exact payload bytes of an OK response to ``msg`` (a join's: ``num_workers`` row counts; a state's:
+    ``state_nbytes``, which the controller computes from its own copy of the shard's variables)."""
+    if msg == Msg.PULL:
+        return FLOAT.itemsize * shard_size
+    if msg == Msg.STATE:
+        return state_nbytes
+    return ROWS.itemsize * num_workers if msg == Msg.JOIN else 0

@@ -22,6 +22,7 @@ write while a view of it lives).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -66,6 +67,35 @@ class OptimizerShard:
     @property
     def optimizer_variables(self) -> list:
         return _compat.optimizer_variables(self._optimizer)
+
+    def state_layout(self) -> list[tuple[np.dtype, tuple[int, ...]]]:
+        """The dtype and shape of each part of :meth:`state`: the shard's variables, then its optimizer's."""
+        return [(np.dtype(v.dtype.name if hasattr(v.dtype, "name") else v.dtype), tuple(v.shape)) for v in self._state]
+
+    @property
+    def state_nbytes(self) -> int:
+        """The bytes of :meth:`state` end to end: what a STATE answer carries (``sparkdl.ps.protocol``)."""
+        return sum(dtype.itemsize * int(np.prod(shape)) for dtype, shape in self.state_layout())
+
+    def state(self) -> list[np.ndarray]:
+        """The shard's variables and its optimizer's, as copies of this moment (the caller holds the shard's lock)."""
+        return [np.array(v.numpy(), copy=True) for v in self._state]
+
+    def load_state(self, data) -> None:
+        """Sets every variable from ``data``: :meth:`state`'s parts end to end, exactly :attr:`state_nbytes` bytes
+        (of this shard's layout: the sender's is checked against it, never trusted)."""
+        view = memoryview(data).cast("B")
+        if len(view) != self.state_nbytes:
+            raise ValueError(f"Expected {self.state_nbytes} bytes of shard state. Received: {len(view)} bytes")
+        offset = 0
+        for variable, (dtype, shape) in zip(self._state, self.state_layout()):
+            size = dtype.itemsize * int(np.prod(shape))
+            variable.assign(np.frombuffer(view[offset : offset + size], dtype).reshape(shape))
+            offset += size
+
+    @property
+    def _state(self) -> list:
+        return [*self._variables, *self.optimizer_variables]
 
     def apply(self, gradient: np.ndarray) -> None:
         import tensorflow as tf
@@ -115,36 +145,52 @@ class OptimizerShard:
 
 
 class ServerModel:
-    """The model whose trainable variables the server shards hold; ``compiled``: see the module's doc."""
+    """The model whose trainable variables the server shards hold; ``compiled``: see the module's doc.
 
-    def __init__(self, model, num_servers: int, *, compiled: bool):
+    ``hosted``: the shards this process serves (default: all). A server task of ``server_placement="executors"``
+    hosts one; its ``shards`` then hold that one only, and ``optimizer_arrays``/``restore_optimizers`` name the
+    shards by their index in the whole layout all the same.
+    """
+
+    def __init__(self, model, num_servers: int, *, compiled: bool, hosted: Sequence[int] | None = None):
         variables = list(model.trainable_variables)
         shapes = [tuple(v.shape) for v in variables]
         self.model = model
         self.layout = ShardLayout(shapes, assign_shards([int(np.prod(s)) for s in shapes], num_servers))
+        self.hosted = list(range(num_servers)) if hosted is None else list(hosted)
         optimizer = model.optimizer
         self.shards = [
-            OptimizerShard([variables[i] for i in shard], type(optimizer), optimizer.get_config(), compiled=compiled)
-            for shard in self.layout.shards
+            OptimizerShard(
+                [variables[i] for i in self.layout.shards[index]],
+                type(optimizer),
+                optimizer.get_config(),
+                compiled=compiled,
+            )
+            for index in self.hosted
         ]
 
     def optimizer_arrays(self) -> dict[str, np.ndarray]:
-        """Every shard's optimizer state (moments, step counts), for a checkpoint."""
+        """Every hosted shard's optimizer state (moments, step counts), for a checkpoint."""
         return {
             f"shard{i}/{j}": np.array(v.numpy(), copy=True)
-            for i, shard in enumerate(self.shards)
+            for i, shard in zip(self.hosted, self.shards)
             for j, v in enumerate(shard.optimizer_variables)
         }
 
     def restore_optimizers(self, arrays: dict[str, np.ndarray]) -> bool:
-        """Sets the shards' optimizer state from ``optimizer_arrays`` of a server of the same layout.
+        """Sets the hosted shards' optimizer state from ``optimizer_arrays`` of a server of the same layout.
 
         Returns False, changing nothing, when ``arrays`` do not fit (another number of shards, a
-        checkpoint of sync or average mode, whose optimizer state is in the model itself).
+        checkpoint of sync or average mode, whose optimizer state is in the model itself). Where this
+        process hosts some shards only, the arrays of the others are left out of the comparison.
         """
         variables = {
-            f"shard{i}/{j}": v for i, shard in enumerate(self.shards) for j, v in enumerate(shard.optimizer_variables)
+            f"shard{i}/{j}": v
+            for i, shard in zip(self.hosted, self.shards)
+            for j, v in enumerate(shard.optimizer_variables)
         }
+        if len(self.hosted) < len(self.layout.shards):
+            arrays = {k: a for k, a in arrays.items() if k.split("/", 1)[0] in {f"shard{i}" for i in self.hosted}}
         if set(arrays) != set(variables) or any(arrays[k].shape != tuple(v.shape) for k, v in variables.items()):
             return False
         for name, variable in variables.items():

@@ -4,9 +4,12 @@ Every authenticated connection (a plain or sealed :class:`~sparkdl.net.secure.Ch
 gets a thread that answers its requests in order (:mod:`sparkdl.ps.protocol`): a push's
 gradient is read into the connection's own buffer of this shard's size and push dtype
 (:mod:`sparkdl.ps.wire`: float32, or half-width under compression), refused with
-``BAD_REQUEST`` if it holds NaN or infinity, else applied; a pull under ``ssp`` waits at
-the staleness gate first.  A connection that breaks the protocol is closed, after a
-``BAD_REQUEST`` answer where one can still be read.
+``BAD_REQUEST`` if it holds NaN or infinity, else handed to the shard's update rule
+(:mod:`sparkdl.ps.rules`: applied at once, or kept for its synchronous round); a pull waits
+for what its rule says first (a synchronous round, ``ssp``'s staleness gate).  A connection
+that breaks the protocol is closed, after a ``BAD_REQUEST`` answer where one can still be read.
+The controller's connection (the driver's, where the server takes one) asks for the shard's state
+only: its variables and its optimizer's, copied under the shard's lock and sent end to end.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ from sparkdl.net.io import ReadTimeout
 from sparkdl.net.listener import ServingListener
 from sparkdl.net.secure import Channel, IntegrityError
 from sparkdl.ps import protocol, wire
-from sparkdl.ps.protocol import FLOAT, Msg, Status
+from sparkdl.ps.protocol import FLOAT, ROWS, Msg, Status
+from sparkdl.ps.rules import Immediate, PushRefused, RoundFailed, Rounds, RoundTimeout
 from sparkdl.ps.staleness import ServerStopping, StalenessTimeout
 
 if typing.TYPE_CHECKING:
-    from sparkdl.ps.server import ParameterServer, Shard
+    from sparkdl.ps.server import ParameterServer, Shard, StatefulShard
 
 _log = logging.getLogger(__name__)
 
@@ -60,6 +64,8 @@ class ShardServer:
         self.version = 0
         self.listener: ServingListener | None = None
         self.address = ""
+        # What a push does and when a pull may read (sparkdl.ps.rules).
+        self.rule: Immediate | Rounds = Immediate(self) if server.roster is None else Rounds(self, server.roster)
 
     def start(self) -> str:
         server = self.server
@@ -67,7 +73,7 @@ class ShardServer:
             server.host,
             server.secret,
             self.index,
-            range(server.num_workers),
+            range(server.num_workers + (server.controller is not None)),
             self.serve,
             name=f"ps-shard{self.index}",
             encrypt=server.encrypt,
@@ -118,6 +124,7 @@ class ShardServer:
                 raise _ProtocolViolation(str(exc)) from None
             msg, seq, length = request.op, request.seq, request.nbytes
             reply = (msg, seq)
+            server.last_request = time.monotonic()
             if request.kind != Kind.REQUEST:
                 raise _ProtocolViolation(
                     f"a {Kind(request.kind).name} frame where a parameter-server request belongs", reply=reply
@@ -134,9 +141,30 @@ class ShardServer:
                     f"server's)",
                     reply=reply,
                 )
-            if request.status or request.group or request.tag or request.value:
+            controlling = worker == server.controller
+            if controlling != (msg == Msg.STATE):
                 raise _ProtocolViolation(
-                    "non-zero reserved header fields (a request's status, group, tag and value are 0)", reply=reply
+                    f"a {protocol.msg_name(msg)} request from the controller, which asks for the state only"
+                    if controlling
+                    else f"a state request from worker {worker}: only the controller (the driver) asks for a shard's state",
+                    reply=reply,
+                )
+            numbered = msg == Msg.PUSH and self.rule.numbered  # a synchronous push: its step and rows
+            if (
+                request.status
+                or request.group
+                or (not numbered and (request.tag or (msg != Msg.STATE and request.value)))
+            ):
+                raise _ProtocolViolation(
+                    "non-zero reserved header fields (a request's status, group, tag and value are 0, but for a "
+                    "push's step and rows under mode='sync_ps' and a state request's epochs)",
+                    reply=reply,
+                )
+            if msg == Msg.JOIN and (server.roster is None or self.index != server.first_shard):
+                raise _ProtocolViolation(
+                    f"a join, which only shard {server.first_shard} of a mode='sync_ps' server takes (its first; "
+                    f"this is shard {self.index} of a mode={server.mode!r} server)",
+                    reply=reply,
                 )
             if length != expected:
                 raise _ProtocolViolation(
@@ -147,16 +175,21 @@ class ShardServer:
                 )
             server._count(bytes_in=HEADER.size + length)
             if msg == Msg.PUSH:
-                if gradient is None:
+                if gradient is None or self.rule.holds(gradient):  # a synchronous round still reads the old one
                     gradient = adopted.aligned_empty(self.size, self.push_dtype)
-                self._push(channel, worker, seq, gradient)
+                self._push(channel, worker, seq, gradient, request.value, request.tag)
             elif msg == Msg.PULL:
                 self._pull(channel, worker, seq)
+            elif msg == Msg.JOIN:
+                self._join(channel, worker, seq)
+            elif msg == Msg.STATE:
+                self._state(channel, seq, request.value)
             else:
                 server.tracker.finish(worker)
                 self._send(channel, msg, Status.OK, seq, self.version)
+                server._finished_worker(worker)  # answered first: a server task stops once every worker is
 
-    def _push(self, channel: Channel, worker: int, seq: int, gradient: np.ndarray) -> None:
+    def _push(self, channel: Channel, worker: int, seq: int, gradient: np.ndarray, step: int, rows: int) -> None:
         server = self.server
         # The size is this shard's own, never the peer's announcement.
         if not _recv_exact(channel, gradient.view(np.uint8).data, at_boundary=False):
@@ -182,38 +215,96 @@ class ShardServer:
             )
             return
         try:
-            with self._locked():
-                started = time.perf_counter()
-                self.shard.apply(gradient)
-                applied = time.perf_counter() - started
+            version = self.rule.push(worker, gradient, step, rows)
+        except PushRefused as exc:
+            self._send_error(channel, Msg.PUSH, seq, Status.BAD_REQUEST, str(exc))
+            return
+        except RoundFailed as exc:
+            self._send_error(channel, Msg.PUSH, seq, Status.SHARD_ERROR, str(exc))
+            return
         except Exception as exc:
             _log.exception("parameter server shard %d: apply failed", self.index)
             self._send_error(
                 channel, Msg.PUSH, seq, Status.SHARD_ERROR, f"shard {self.index} failed to apply the gradient: {exc!r}"
             )
             return
-        server._time("apply_seconds", applied)
-        with server._lock:
-            self.version += 1
-            version = self.version
-            if self.index == 0:  # a worker's push counts once (it goes to every shard)
+        if self.index == server.first_shard:  # a worker's push counts once (it goes to every shard)
+            with server._lock:
                 server._counters["pushes"] += 1
-        if self.index == 0:
             server.tracker.advance(worker)
         self._send(channel, Msg.PUSH, Status.OK, seq, version)
+
+    def _join(self, channel: Channel, worker: int, seq: int) -> None:
+        """sync_ps: this worker's training rows in; every worker's out, once all have joined."""
+        server = self.server
+        assert server.roster is not None
+        rows = np.empty(1, ROWS)
+        if not _recv_exact(channel, rows.view(np.uint8).data, at_boundary=False):
+            raise _Closed()
+        if rows[0] < 0:
+            raise _ProtocolViolation(f"a join with {int(rows[0])} training rows", reply=(Msg.JOIN, seq))
+        try:
+            counts = server.roster.join(worker, int(rows[0]), server.timeout)
+        except RoundTimeout as exc:
+            self._send_error(channel, Msg.JOIN, seq, Status.ROUND_TIMEOUT, str(exc))
+            return
+        except PushRefused as exc:
+            self._send_error(channel, Msg.JOIN, seq, Status.BAD_REQUEST, str(exc))
+            return
+        except ServerStopping:
+            self._send_error(channel, Msg.JOIN, seq, Status.STOPPING, "the parameter server is stopping")
+            return
+        self._send(channel, Msg.JOIN, Status.OK, seq, self.version, [np.asarray(counts, ROWS)])
+
+    def _state(self, channel: Channel, seq: int, epochs: int) -> None:
+        """The controller's request: the shard's variables and its optimizer's, copied under its lock (as they are
+        under hogwild), sent end to end. ``epochs``: the complete epochs the state is after; where the server holds
+        its synchronous rounds for checkpoints, those of the next epoch may run once the state is read."""
+        server = self.server
+        shard = typing.cast("StatefulShard", self.shard)  # one without state fails here, answered SHARD_ERROR
+        try:
+            nbytes = int(shard.state_nbytes)
+            with self.locked():
+                parts = [np.ascontiguousarray(part).reshape(-1) for part in shard.state()]
+            if sum(part.nbytes for part in parts) != nbytes:
+                raise ValueError(f"state() returned {sum(p.nbytes for p in parts)} bytes, state_nbytes is {nbytes}")
+        except Exception as exc:
+            _log.exception("parameter server shard %d: reading its state failed", self.index)
+            self._send_error(
+                channel, Msg.STATE, seq, Status.SHARD_ERROR, f"shard {self.index} failed to read its state: {exc!r}"
+            )
+            return
+        if epochs > 0:
+            server.epoch_saved(epochs - 1)  # sync_ps: the rounds of the epoch after it may run
+        self._send(channel, Msg.STATE, Status.OK, seq, self.version, parts)
+
+    def applied(self, seconds: float) -> int:
+        """Counts one update of this shard (which took ``seconds``); returns the shard's version after it."""
+        server = self.server
+        server._time("apply_seconds", seconds)
+        with server._lock:
+            self.version += 1
+            return self.version
 
     def _pull(self, channel: Channel, worker: int, seq: int) -> None:
         server = self.server
         try:
+            self.rule.admit_pull(worker, server.timeout)
             server.tracker.admit_pull(worker, server.timeout)
         except StalenessTimeout as exc:
             self._send_error(channel, Msg.PULL, seq, Status.STALENESS_TIMEOUT, str(exc))
+            return
+        except RoundTimeout as exc:
+            self._send_error(channel, Msg.PULL, seq, Status.ROUND_TIMEOUT, str(exc))
+            return
+        except RoundFailed as exc:
+            self._send_error(channel, Msg.PULL, seq, Status.SHARD_ERROR, str(exc))
             return
         except ServerStopping:
             self._send_error(channel, Msg.PULL, seq, Status.STOPPING, "the parameter server is stopping")
             return
         try:
-            with self._locked():
+            with self.locked():
                 started = time.perf_counter()
                 weights = self.shard.read()
                 version = self.version
@@ -229,12 +320,12 @@ class ShardServer:
                 channel, Msg.PULL, seq, Status.SHARD_ERROR, f"shard {self.index} failed to read its weights: {exc!r}"
             )
             return
-        if self.index == 0:
+        if self.index == server.first_shard:
             with server._lock:
                 server._counters["pulls"] += 1
         self._send(channel, Msg.PULL, Status.OK, seq, version, parts)
 
-    def _locked(self) -> contextlib.AbstractContextManager:
+    def locked(self) -> contextlib.AbstractContextManager:
         """The shard's lock (async, ssp); nothing under hogwild, whose pushes and pulls never wait for each other."""
         return self.lock if self.lock is not None else contextlib.nullcontext()
 
@@ -285,6 +376,7 @@ class ShardServer:
             pass
 
     def close_listener(self, join_timeout: float) -> None:
+        self.rule.stop()
         if self.listener is not None:
             self.listener.close(join_timeout)
 

@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from sparkdl.collective import compression as compressions
 from sparkdl.collective.api import Communicator, ReduceOp, Work
-from sparkdl.keras import adopted, deferred
+from sparkdl.keras import adopted, compiled_update, deferred
 from sparkdl.keras.deferred import initial_value, is_deferred
 from sparkdl.modes.fully_sharded import state, units
 from sparkdl.modes.pipeline.cut import StagePlan, build_stage
@@ -145,7 +145,14 @@ class FullyShardedReplica:
         self.optimizer = type(optimizer).from_config(optimizer.get_config())
         self.optimizer.build([self.shard])
         self._load_optimizer(optimizer_arrays)
-        self._apply = tf.function(lambda gradient: self.optimizer.apply([gradient], [self.shard]))
+
+        def apply(gradient):
+            self.optimizer.apply([gradient], [self.shard])
+
+        # one XLA function for a large shard, as sync mode's update (``sparkdl.keras.compiled_update``)
+        self._apply = (compiled_update.compiled if compiled_update.pays(self.optimizer, [self.shard]) else tf.function)(
+            apply
+        )
         self._columns = np.cumsum([0] + [layout.part(u) for u in range(count)])
         self._gathers, self._scatters = stream_of(comm), stream_of(comm)  # a gather never waits behind a scatter
         self._clock = StepClock(

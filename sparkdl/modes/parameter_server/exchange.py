@@ -19,10 +19,15 @@ fresh one (whose pages the kernel first faults in and zeroes: 5% of the step's C
 With ``push_every=k`` the step adds its float32 gradient to a sum kept in the graph instead,
 and every k-th step pushes the mean (narrowed once, then); until then the model keeps the
 weights it pulled, as the k steps must be taken at the same weights.
+
+Under ``mode="sync_ps"`` each push names its global step and the worker's rows in it
+(:class:`SyncSteps`), which weigh it in the server's mean of the step; the pull that follows
+returns once the server has applied that mean (``sparkdl.ps.rules.Rounds``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -37,13 +42,30 @@ from sparkdl.ps.sharding import ShardLayout
 POOLED_BUFFERS = 3
 
 
+@dataclasses.dataclass(frozen=True)
+class SyncSteps:
+    """sync_ps: the global step of a worker's first push, and its training rows at each step of an epoch (0 at a
+    filler step), from the schedule (``sparkdl.schedule.step_sizes``)."""
+
+    first: int
+    rows: np.ndarray
+
+    def at(self, push: int) -> tuple[int, int]:
+        """The global step of the worker's ``push``-th push (from 0) and the rows behind it."""
+        step = self.first + push
+        return step, int(self.rows[step % len(self.rows)])
+
+
 class Exchange:
     """The numpy side of a push: the fused gradient's spans pushed to their shards, then the server's weights."""
 
-    def __init__(self, client: ParameterClient, layout: ShardLayout, compression: str | None):
+    def __init__(
+        self, client: ParameterClient, layout: ShardLayout, compression: str | None, steps: SyncSteps | None = None
+    ):
         self._client = client
         self._layout = layout
         self._compression = compression
+        self._steps = steps  # sync_ps: each push's step and rows
         self._buffers = adopted.BufferPool(layout.size, np.float32, keep=POOLED_BUFFERS)
         self.pushes = self.pulls = 0
         self.push_seconds = self.pull_seconds = 0.0  # waiting for the server: sending, applying, receiving
@@ -53,8 +75,9 @@ class Exchange:
         float16's range under ``compression="fp16"``), then returns the server's weights."""
         if self._compression == "fp16":
             compressions.check_fits_float16(largest)
+        step, rows = self._steps.at(self.pushes) if self._steps is not None else (0, 0)
         started = time.perf_counter()
-        self._client.push([fused[start:stop] for start, stop in self._layout.bounds])
+        self._client.push([fused[start:stop] for start, stop in self._layout.bounds], step=step, rows=rows)
         self.push_seconds += time.perf_counter() - started
         self.pushes += 1
         return self.pull()

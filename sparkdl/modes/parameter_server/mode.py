@@ -1,5 +1,9 @@
 """The parameter-server mode's driver side: serve the shards while the worker tasks train.
 
+This module is the driver placement (``server_placement="driver"``, the default): the shards are
+threads of the driver. With ``server_placement="executors"`` they are Spark tasks beside the
+workers instead (``placement``, ``executors``, ``server_task``).
+
 The job (server addresses, secret, settings) reaches the tasks in the task closure. The
 model to start from is offered on the driver's relay and every task fetches it there
 (``launch.payloads``), as sync mode's rank 0 does, so it never passes through a JVM's
@@ -19,13 +23,20 @@ import json
 import logging
 import secrets
 
-from sparkdl import launch
+from sparkdl import launch, schedule
 from sparkdl.checkpoint import Checkpointer
 from sparkdl.keras import serialization
 from sparkdl.launch import session
-from sparkdl.metrics import combine_logs
+from sparkdl.launch.layout import TaskLayout
 from sparkdl.modes.base import Job, Mode, ModeResult, Option
-from sparkdl.modes.parameter_server.task import COUNTERS, MODEL, ParameterServerTask, run_parameter_server_task
+from sparkdl.modes.parameter_server import executors, placement
+from sparkdl.modes.parameter_server.task import (
+    COUNTERS,
+    MODEL,
+    ParameterServerTask,
+    combine_histories,
+    run_parameter_server_task,
+)
 from sparkdl.modes.shared_options import COMPRESSION
 from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.server_model import ServerModel
@@ -38,6 +49,14 @@ NUM_SERVERS = Option("num_servers", "parameter-server shards, balanced by size",
 MAX_STALENESS = Option(
     "max_staleness", "how many pushes a worker may run ahead of the slowest", minimum=0, required=True
 )
+SERVER_PLACEMENT = Option(
+    "server_placement",
+    "where the server shards run: 'driver' (threads of the driver) or 'executors' (a Spark task each, beside the "
+    "workers in one barrier stage: num_workers + num_servers task slots)",
+    kind=str,
+    default="driver",
+    choices=placement.PLACEMENTS,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,19 +65,26 @@ class ParameterServerOptions:
     num_servers: int = 1  # server shards, balanced by size
     max_staleness: int = 0  # ssp: pushes a worker may run ahead of the slowest
     compression: str | None = None  # pushes as "bf16"/"fp16" (``sparkdl.collective.compression``)
+    placement: str = "driver"  # where the shards run: threads of the driver, or Spark tasks beside the workers
 
 
 class ParameterServerMode(Mode):
-    """async (updates applied as they arrive, under a lock), hogwild (without the lock), ssp (bounded staleness).
+    """async (updates applied as they arrive, under a lock), hogwild (without the lock), ssp (bounded staleness),
+    sync_ps (synchronous rounds: every worker's gradient of a step in, their mean applied once, the same weights out).
 
     Every worker reports progress (an epoch is complete once all have finished it); the driver
     writes the checkpoints, of the server's state, when they have.
+
+    sync_ps takes no ``push_every``: its rounds already average every worker's gradient of a step, and a
+    larger ``batch_size`` is the way to fewer, larger updates.
     """
 
-    names = ("async", "hogwild", "ssp")
+    names = ("async", "hogwild", "ssp", "sync_ps")
 
     def options(self, name: str) -> tuple[Option, ...]:
-        return (PUSH_EVERY, NUM_SERVERS, COMPRESSION, *((MAX_STALENESS,) if name == "ssp" else ()))
+        if name == "sync_ps":
+            return (NUM_SERVERS, COMPRESSION, SERVER_PLACEMENT)
+        return (PUSH_EVERY, NUM_SERVERS, COMPRESSION, SERVER_PLACEMENT, *((MAX_STALENESS,) if name == "ssp" else ()))
 
     def configure(self, name: str, model, values: dict) -> ParameterServerOptions:
         num_servers = values["num_servers"]
@@ -69,8 +95,18 @@ class ParameterServerMode(Mode):
                 f"whole variables). Received: num_servers={num_servers}"
             )
         return ParameterServerOptions(
-            values["push_every"], num_servers, values.get("max_staleness", 0), values["compression"]
+            values.get("push_every", 1),
+            num_servers,
+            values.get("max_staleness", 0),
+            values["compression"],
+            values["server_placement"],
         )
+
+    def layout(self, name: str, num_workers: int, options: ParameterServerOptions) -> TaskLayout:
+        """A worker per shard of the rows; with ``server_placement="executors"`` the server tasks after them."""
+        if options.placement == "executors":
+            return placement.layout(num_workers, options.num_servers)
+        return TaskLayout.data_parallel(num_workers)
 
     def reporting_ranks(self, num_workers: int) -> int:
         return num_workers
@@ -78,15 +114,20 @@ class ParameterServerMode(Mode):
     def why_all_at_once(self, name: str, slots: int) -> str:
         return (
             f"In mode={name!r} every worker trains against the parameter server at the same time: workers "
-            "beyond the free slots would wait for one while the server waits for them, until `timeout`"
+            "beyond the free slots would wait for one while the server waits for them, until `timeout`; with "
+            "server_placement='executors' the num_servers server tasks run in the workers' barrier stage too, so "
+            "the fit needs num_workers + num_servers slots (the count above), or server_placement='driver'"
         )
 
     def run(self, job: Job) -> ModeResult:
         """Trains against a server started from ``job.start``: its weights, and its shards' optimizer state when
         it was saved by a server of the same layout. With ``job.checkpoints`` the server's state is saved each
-        time every worker has finished an epoch (the weights then include whatever faster workers pushed since).
+        time every worker has finished an epoch (the weights then include whatever faster workers pushed since;
+        under sync_ps none: the next epoch's first update waits for the save).
         """
         settings, options = job.settings, job.options
+        if options.placement == "executors":
+            return executors.run(job)
         spark = job.training.frame.sparkSession
         server_model = ServerModel(
             serialization.model_from_bytes(job.start.model_bytes, settings.custom_objects),
@@ -101,6 +142,8 @@ class ParameterServerMode(Mode):
             )
         secret = secrets.token_bytes(32)
         encrypt = session.encrypts_traffic(spark)
+        synchronous = job.mode == "sync_ps"
+        saving = job.checkpointer is not None
         with ParameterServer(
             server_model.shards,
             host=session.driver_host(spark),
@@ -111,6 +154,9 @@ class ParameterServerMode(Mode):
             timeout=settings.timeout,
             encrypt=encrypt,
             compression=options.compression,
+            epoch_steps=(
+                (lambda rows: schedule.steps_per_epoch(rows, settings.batch_size)) if synchronous and saving else None
+            ),
         ) as server:
             task = ParameterServerTask(
                 settings=settings,
@@ -120,6 +166,7 @@ class ParameterServerMode(Mode):
                 push_every=options.push_every,
                 encrypt=encrypt,
                 compression=options.compression,
+                synchronous=synchronous,
             )
             if job.checkpointer is not None:
                 job.monitor.add_listener(_ServerCheckpoints(job.checkpointer, server, server_model))
@@ -149,6 +196,7 @@ class ParameterServerMode(Mode):
                     "read_seconds",
                 )
             },
+            **{name: server_stats[name] for name in ("rounds", "replayed_pushes") if name in server_stats},
         }
         return ModeResult(server_model.model, combine_histories(outcomes), stats, job.start.epoch)
 
@@ -162,29 +210,14 @@ class _ServerCheckpoints:
         self._server_model = server_model
 
     def on_epoch(self, epoch: int, logs: dict[str, float], samples_per_second: float) -> None:
-        self._checkpointer.record(logs)
-        with self._server.holding_updates():  # weights and optimizer state of one moment
-            model_bytes = serialization.model_to_bytes(self._server_model.model)
-            arrays = self._server_model.optimizer_arrays()
-        self._checkpointer.save(epoch + 1, model_bytes, arrays)
+        try:
+            self._checkpointer.record(logs)
+            with self._server.holding_updates():  # weights and optimizer state of one moment
+                model_bytes = serialization.model_to_bytes(self._server_model.model)
+                arrays = self._server_model.optimizer_arrays()
+            self._checkpointer.save(epoch + 1, model_bytes, arrays)
+        finally:
+            self._server.epoch_saved(epoch)  # sync_ps: the next epoch's rounds may run (also after a failed save)
 
     def close(self) -> None:
         """The checkpointer is closed by ``ParameterServerMode.run``, which raises its errors."""
-
-
-def combine_histories(results: list[dict]) -> dict[str, list[float]]:
-    """One history from the workers' ``{"history": ..., "samples": n, "validation_rows": n}`` results.
-
-    By the one rule (``metrics.combine_logs``): training metrics weighted by the samples each worker
-    trained per epoch, ``val_*`` metrics by its held-out rows, so they are the metrics over all
-    held-out rows (workers without held-out rows report none and weigh nothing).
-    """
-    epochs = max((len(values) for result in results for values in result["history"].values()), default=0)
-    history: dict[str, list[float]] = {}
-    for epoch in range(epochs):
-        logs = [{name: values[epoch] for name, values in r["history"].items() if epoch < len(values)} for r in results]
-        for name, value in combine_logs(
-            logs, [r["samples"] for r in results], [r["validation_rows"] for r in results]
-        ).items():
-            history.setdefault(name, []).append(value)
-    return history

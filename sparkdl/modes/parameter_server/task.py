@@ -1,4 +1,4 @@
-"""What one Spark task does in the parameter-server mode (async, hogwild, ssp).
+"""What one Spark task does in the parameter-server mode (async, hogwild, ssp, sync_ps).
 
 Keras's ``fit`` runs unchanged; the optimizer hook replaces "apply the
 gradients locally" by "push them to the server shards and take the weights
@@ -8,11 +8,23 @@ fewer round trips, a k times larger effective batch per update). With
 ``compression`` the pushes travel at half the bytes; the pulled weights are
 float32.
 
+Under ``sync_ps`` a worker first joins the server, which answers with every
+worker's training rows once all have joined: all then follow one schedule, the
+same steps per epoch (the largest partition's, as sync mode's ranks), each
+step's rows and order as sync mode's rank of the same partition trains them;
+each push names its step and rows (``exchange.SyncSteps``), and each pull
+returns the weights after the step's one update, the same for every worker.
+
 Validation (``validation_col``/``validation_split``): a worker evaluates its
 own held-out rows at every epoch end with the weights it holds then (the
 server's, as of its last pull), through Keras's ``validation_data``; it
 returns its held-out row count with its history, and the driver weighs the
-workers' ``val_*`` metrics by it (``mode.combine_histories``).
+workers' ``val_*`` metrics by it (:func:`combine_histories`).
+
+Under ``server_placement="executors"`` the servers are tasks of the worker's own
+barrier stage: the worker learns the epoch they start from and, once they listen,
+their addresses at the stage's rendezvous (``placement``), and joins (sync_ps) and
+finishes with every shard, each a server of its own.
 """
 
 from __future__ import annotations
@@ -32,13 +44,19 @@ from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_bac
 from sparkdl.launch import payloads
 from sparkdl.launch.forward import TaskReporter
 from sparkdl.launch.task_context import partition_id
+from sparkdl.metrics import combine_logs
 from sparkdl.modes.base import Settings
-from sparkdl.modes.parameter_server.exchange import Exchange, StepHook
+from sparkdl.modes.parameter_server import placement
+from sparkdl.modes.parameter_server.exchange import Exchange, StepHook, SyncSteps
 from sparkdl.ps import wire
 from sparkdl.ps.client import ParameterClient
 from sparkdl.ps.sharding import ShardLayout
 
 MODEL = "model"  # the name the driver offers the model to start from
+
+#: sync_ps: how much longer than ``timeout`` a worker waits for a pull (or its join) that the server holds, so that
+#: the server's own timeout, whose message names the workers it waited for, answers first.
+WAIT_GRACE_SECONDS = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +69,17 @@ class ParameterServerTask:
 
     settings: Settings
     secret: bytes
-    addresses: list[str]
+    addresses: list[str] | None  # None: server tasks of the same stage, met at its rendezvous ("executors")
     shards: list[list[int]]
     push_every: int
     encrypt: bool = False  # seal the connections: the session runs with spark.network.crypto.enabled
     compression: str | None = None  # pushes as "bf16"/"fp16" (``sparkdl.collective.compression``)
+    synchronous: bool = False  # sync_ps: join, one schedule for all workers, pushes of numbered steps
+
+    @property
+    def beside_servers(self) -> bool:
+        """server_placement="executors": the shards are server tasks of this stage, each a server of its own."""
+        return self.addresses is None
 
 
 # What each task counts and returns in its payload; the driver sums them into the fit's stats. The seconds
@@ -79,24 +103,43 @@ def run_parameter_server_task(
     rank = partition_id()
     rows, held_out = read_partition(settings.layout, batches)
     schedule.require_rows({rank: len(rows)})
-    settings = settings.for_rows([len(rows)])  # no lockstep: a worker's epoch is its own rows, in its own steps
     limit_threads_to_task_cpus()
+    if task.beside_servers:  # where the servers start from (a retried stage: the newest checkpoint), then train from
+        epoch = placement.start_epoch(placement.meet(reporter, {}, settings.timeout), settings.num_workers)
+        settings = dataclasses.replace(settings, initial_epoch=epoch)
     model = serialization.model_from_bytes(payloads.fetch(reporter, MODEL), settings.custom_objects)
     model.jit_compile = False  # the exchange runs through tf.numpy_function, which XLA cannot compile
     variables = model.trainable_variables
     layout = ShardLayout([tuple(v.shape) for v in variables], task.shards)
     samples = len(rows)  # every row once per epoch
+    addresses = task.addresses
+    if addresses is None:  # the servers listen by now: their addresses
+        addresses = placement.server_addresses(placement.meet(reporter, {}, settings.timeout), settings.num_workers)
 
     with ParameterClient(
-        task.addresses,
+        addresses,
         worker=rank,
         secret=task.secret,
         shard_sizes=layout.shard_sizes,
         timeout=settings.timeout,
         encrypt=task.encrypt,
         compression=task.compression,
+        wait_grace=WAIT_GRACE_SECONDS if task.synchronous else 0.0,
+        separate_servers=task.beside_servers,
     ) as client:
-        exchange = Exchange(client, layout, task.compression)
+        steps = None
+        if task.synchronous:  # every worker's rows: one schedule, the same steps per epoch (as sync mode's ranks)
+            counts = client.join(len(rows), settings.num_workers)
+            settings = settings.for_rows(counts)
+            if rank == 0:
+                schedule.warn_fillers(counts, settings.steps_per_epoch)
+            steps = SyncSteps(
+                settings.initial_epoch * settings.steps_per_epoch,
+                schedule.step_sizes(len(rows), settings.steps_per_epoch),
+            )
+        else:
+            settings = settings.for_rows([len(rows)])  # no lockstep: a worker's epoch is its own rows, in its own steps
+        exchange = Exchange(client, layout, task.compression, steps)
         hook = StepHook(model, layout, exchange, task.push_every, task.compression)
         hook.assign(variables, exchange.pull())
         stream = settings.batches(rows, rank)
@@ -144,3 +187,21 @@ def run_parameter_server_task(
             "counters": counters,
         }
     ).encode()
+
+
+def combine_histories(results: list[dict]) -> dict[str, list[float]]:
+    """One history from the workers' ``{"history": ..., "samples": n, "validation_rows": n}`` results.
+
+    By the one rule (``metrics.combine_logs``): training metrics weighted by the samples each worker
+    trained per epoch, ``val_*`` metrics by its held-out rows, so they are the metrics over all
+    held-out rows (workers without held-out rows report none and weigh nothing).
+    """
+    epochs = max((len(values) for result in results for values in result["history"].values()), default=0)
+    history: dict[str, list[float]] = {}
+    for epoch in range(epochs):
+        logs = [{name: values[epoch] for name, values in r["history"].items() if epoch < len(values)} for r in results]
+        for name, value in combine_logs(
+            logs, [r["samples"] for r in results], [r["validation_rows"] for r in results]
+        ).items():
+            history.setdefault(name, []).append(value)
+    return history

@@ -1,0 +1,252 @@
+"""The driver's side of ``server_placement="executors"``: the stage of workers and server tasks, the result
+assembled, and the checkpoints.
+
+The driver builds the same ``ServerModel`` as in the driver placement (the model, cut into the same
+shards, each with its optimizer), but serves nothing: it offers the model (and, resuming, each shard's
+optimizer state) on its relay, runs one barrier stage of ``num_workers`` workers and ``num_servers``
+server tasks (``placement.layout``), and sets its shards from the state the server tasks return, so
+that the trained model is assembled exactly as the driver's own server would have left it.
+
+Checkpoints (``checkpoint_dir``) are still the driver's: when every worker has finished an epoch (counted
+here per stage attempt, so that an epoch a retried stage trains again is saved again), the driver
+connects to each server task as the controller and reads its shard's state (``sparkdl.ps.client.fetch_state``:
+authenticated with the job's secret, of exactly the size its own copy of the shard says), then saves
+the whole model and the shards' optimizer state in the driver placement's format: a checkpoint of one
+placement resumes in the other. The last epoch's checkpoint is saved from the state the server tasks
+return. When Spark retries the stage after a lost task, every task of the new attempt starts from the
+newest of these checkpoints (``server_task``): "retry and rejoin" here means the whole stage restarts
+from the last epoch saved, as sync mode's does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+
+from sparkdl import launch
+from sparkdl.keras import serialization
+from sparkdl.launch import session
+from sparkdl.launch.task_context import partition_id
+from sparkdl.metrics import combine_logs
+from sparkdl.modes.base import Job, ModeResult
+from sparkdl.modes.parameter_server import placement, server_task
+from sparkdl.modes.parameter_server.task import (
+    COUNTERS,
+    MODEL,
+    ParameterServerTask,
+    combine_histories,
+    run_parameter_server_task,
+)
+from sparkdl.ps.client import fetch_state
+from sparkdl.ps.server_model import ServerModel
+
+logger = logging.getLogger(__name__)
+
+
+def run(job: Job) -> ModeResult:
+    """Trains ``job`` (``server_placement="executors"``) against server tasks of its own stage."""
+    settings, options = job.settings, job.options
+    spark = job.training.frame.sparkSession
+    if session.dynamic_allocation(spark):
+        raise ValueError(
+            f"Expected server_placement='driver' under {session.DYNAMIC_ALLOCATION_SETTING}=true. Received: "
+            "server_placement='executors', whose server tasks run beside the workers in one barrier stage, which "
+            "Spark refuses under dynamic allocation. Use server_placement='driver' (plain tasks), or turn dynamic "
+            "allocation off."
+        )
+    server_model = ServerModel(
+        serialization.model_from_bytes(job.start.model_bytes, settings.custom_objects),
+        options.num_servers,
+        compiled=False,  # the driver applies nothing: its shards only hold the state it checkpoints and returns
+    )
+    restored = bool(job.start.epoch) and server_model.restore_optimizers(job.start.arrays)
+    if job.start.epoch and not restored:
+        logger.info(
+            "sparkdl: the checkpoint holds no optimizer state for %d server shard(s) of this model: the "
+            "shards' optimizers start afresh",
+            options.num_servers,
+        )
+    offered = {MODEL: job.start.model_bytes}
+    if restored:
+        arrays = server_model.optimizer_arrays()
+        for k in range(options.num_servers):
+            mine = {name: array for name, array in arrays.items() if name.split("/", 1)[0] == f"shard{k}"}
+            offered[placement.optimizer_payload(k)] = placement.arrays_to_bytes(mine)
+    secret = secrets.token_bytes(32)
+    encrypt = session.encrypts_traffic(spark)
+    saving = job.checkpointer is not None
+    worker = ParameterServerTask(
+        settings=settings,
+        secret=secret,
+        addresses=None,  # the server tasks': met at the stage's rendezvous
+        shards=server_model.layout.shards,
+        push_every=options.push_every,
+        encrypt=encrypt,
+        compression=options.compression,
+        synchronous=job.mode == "sync_ps",
+    )
+    server = server_task.ServerTask(
+        settings=settings,
+        secret=secret,
+        mode=job.mode,
+        num_servers=options.num_servers,
+        max_staleness=options.max_staleness,
+        compression=options.compression,
+        encrypt=encrypt,
+        restored=restored,
+        checkpoints=job.checkpoints if saving else None,
+    )
+    controller = Controller(job, server_model, secret, encrypt)
+    num_workers = settings.num_workers
+
+    def run_task(batches, reporter):
+        if partition_id() < num_workers:
+            return run_parameter_server_task(batches, reporter, worker)
+        return server_task.run_server_task(batches, reporter, server)
+
+    results = launch.run_tasks(
+        job.training.frame,
+        job.layout,
+        run_task,
+        barrier=True,
+        timeout=settings.timeout,
+        on_progress=controller.on_event,
+        offered=offered,
+    )
+    outcomes = [json.loads(results[rank]) for rank in range(num_workers)]
+    reports = []
+    for k, shard in enumerate(server_model.shards):
+        state, report = server_task.read_result(results[num_workers + k])
+        shard.load_state(state)  # exactly the driver's own shard's size, or an error
+        reports.append(report)
+    history = combine_histories(outcomes)
+    controller.save_last(history)
+    stats = {
+        **{name: sum(outcome["counters"][name] for outcome in outcomes) for name in COUNTERS},
+        "max_staleness": max(report["max_staleness"] for report in reports),
+        "versions": [report["versions"][0] for report in reports],
+        **{
+            name: sum(report[name] for report in reports)
+            for name in server_task.SERVER_STATS
+            if name != "max_staleness"
+        },
+        **{
+            name: [report[name][0] for report in reports]
+            for name in ("rounds", "replayed_pushes")
+            if name in reports[0]
+        },
+        "servers": [{"shard": r["shard"], "address": r["address"], "pid": r["pid"]} for r in reports],
+    }
+    first = reports[0]
+    return ModeResult(server_model.model, history, stats, first["initial_epoch"], first["resumed_history"])
+
+
+class Controller:
+    """The driver's side of the stage while it runs: progress to the monitor, and the checkpoints.
+
+    Knows each server task's address (its progress event, the newest task attempt's) and, per stage attempt,
+    which workers have finished which epoch: a worker's ``start`` event (a retried stage's task starts again)
+    forgets what the worker's earlier attempt reported.
+    """
+
+    def __init__(self, job: Job, server_model: ServerModel, secret: bytes, encrypt: bool):
+        self._monitor = job.monitor
+        self._checkpointer = job.checkpointer
+        self._server_model = server_model
+        self._secret = secret
+        self._encrypt = encrypt
+        self._num_workers = job.settings.num_workers
+        self._epochs = job.settings.epochs
+        self._timeout = job.settings.timeout
+        self._lock = threading.Lock()
+        self._saving = threading.Lock()  # one epoch's state read and save at a time
+        self._servers: dict[int, tuple[int, str]] = {}  # shard -> (task attempt id, address)
+        self._reports: dict[int, dict[int, dict]] = {}  # epoch -> worker -> its epoch event
+        self._last: tuple[int, dict[str, float]] | None = None  # the final epoch's logs (its state: the results)
+
+    def on_event(self, rank: int, event: dict) -> None:
+        """A task's progress event (from a relay thread)."""
+        self._monitor.on_event(rank, event)
+        kind = event.get("event")
+        if rank >= self._num_workers:
+            if kind == placement.SERVER_EVENT:
+                self.server_started(int(event["shard"]), str(event["address"]), int(event["task"]))
+            return
+        if kind == "start":
+            with self._lock:
+                for epoch, reports in self._reports.items():
+                    if epoch >= int(event["initial_epoch"]):
+                        reports.pop(rank, None)
+        elif kind == "epoch":
+            epoch = int(event["epoch"])
+            with self._lock:
+                reports = self._reports.setdefault(epoch, {})
+                reports[rank] = event
+                if len(reports) < self._num_workers:
+                    return
+                del self._reports[epoch]
+            logs = combine_logs(
+                [r["logs"] for r in reports.values()],
+                [r.get("samples", 1) for r in reports.values()],
+                [r.get("validation_rows", 0) for r in reports.values()],
+            )
+            self._epoch_done(epoch, logs)
+
+    def server_started(self, shard: int, address: str, task: int) -> None:
+        """Server task ``task`` (a task attempt id) serves ``shard`` at ``address``."""
+        with self._lock:
+            if task >= self._servers.get(shard, (-1, ""))[0]:
+                self._servers[shard] = (task, address)
+
+    def save_last(self, history: dict[str, list[float]]) -> None:
+        """After the stage: the last epoch's checkpoint, of the state the server tasks returned (they stop once every
+        worker is done, so the driver cannot ask them); ``history``: the workers', for its logs if no event had them."""
+        if self._checkpointer is None:
+            return
+        last = self._epochs - 1
+        logs = self._last[1] if self._last is not None else {name: values[-1] for name, values in history.items()}
+        with self._saving:
+            self._checkpointer.record(logs, epoch=last)
+            self._save(last + 1)
+
+    def _epoch_done(self, epoch: int, logs: dict[str, float]) -> None:
+        if self._checkpointer is None:
+            return
+        if epoch + 1 >= self._epochs:
+            self._last = (epoch, logs)
+            return
+        with self._saving:
+            self._checkpointer.record(logs, epoch=epoch)
+            with self._lock:
+                servers = dict(self._servers)
+            try:
+                for k, shard in enumerate(self._server_model.shards):
+                    if k not in servers:
+                        raise RuntimeError(f"server task {k} has not said where it serves")
+                    shard.load_state(
+                        fetch_state(
+                            servers[k][1],
+                            shard=k,
+                            controller=self._num_workers,
+                            secret=self._secret,
+                            nbytes=shard.state_nbytes,
+                            epochs=epoch + 1,
+                            timeout=self._timeout,
+                            encrypt=self._encrypt,
+                        )
+                    )
+            except Exception as exc:  # the stage is failing (Spark retries it from the last checkpoint saved)
+                logger.warning(
+                    "sparkdl: no checkpoint after epoch %d: the driver could not read the server tasks' state (%s)",
+                    epoch + 1,
+                    exc,
+                )
+                return
+            self._save(epoch + 1)
+
+    def _save(self, epochs: int) -> None:
+        assert self._checkpointer is not None
+        model_bytes = serialization.model_to_bytes(self._server_model.model)
+        self._checkpointer.save(epochs, model_bytes, self._server_model.optimizer_arrays())

@@ -1,0 +1,138 @@
+"""``sparkdl.plan``: the predicted time of an epoch for every mode, number of workers and batch size, and the pick.
+
+From the probe (``probe.measure``: one worker's step time by batch size, the links' latency and
+bandwidth) and the cost model of each mode's communication (``sparkdl.collective.cost``), a step of
+mode m on N workers of B rows each is predicted to take
+
+    compute(B) [x 4/3 for sharded weights: every layer's forward runs again] + communication(m, N, K)
+
+with K the model's gradient bytes, and an epoch ``ceil(rows / (N B))`` such steps. The communication
+is counted in full, as if nothing of it overlapped the compute (sync's buckets hide part of it behind
+backprop, so its figure is an upper bound). Scaling efficiency is one worker's epoch over N times the
+N workers' epoch. Memory per worker counts the weights, the optimizer's slots and the gradients, as
+each mode splits them; a mode that does not fit ``worker_memory`` is shown but not picked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from sparkdl.collective import cost
+from sparkdl.planner.probe import Probe
+
+#: The modes the planner compares: label -> (its ``fit`` keywords, its pattern in ``cost.PATTERNS``).
+MODES: dict[str, tuple[dict, str]] = {
+    "sync": ({"mode": "sync"}, "sync"),
+    "sharded": ({"mode": "sharded"}, "zero1"),
+    "sharded, shard_weights=True": ({"mode": "sharded", "shard_weights": True}, "zero3"),
+    "async": ({"mode": "async"}, "parameter_server"),
+    "sync_ps": ({"mode": "sync_ps"}, "parameter_server"),
+    "gossip": ({"mode": "gossip"}, "gossip"),
+}
+_RECOMPUTE = 4.0 / 3.0  # a step with every forward pass run twice: forward + backward (twice a forward) + forward
+_TIE = 0.05  # epoch times within 5% of the best: the fewest workers among them is picked
+#: The least scaling efficiency a batch size must reach to be picked over a larger one.
+EFFICIENT = 0.8
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One configuration and what the model predicts for it."""
+
+    mode: str  # a label of :data:`MODES`
+    num_workers: int
+    batch_size: int  # rows per worker per step
+    step_seconds: float
+    epoch_seconds: float
+    efficiency: float  # one worker's epoch / (N x this epoch)
+    memory_bytes: int  # a worker's weights, optimizer state and gradients
+    fits: bool  # within the worker memory given (True when none was)
+
+    @property
+    def fit_arguments(self) -> dict:
+        """The ``sparkdl.fit`` keywords of this choice."""
+        return {**MODES[self.mode][0], "num_workers": self.num_workers, "batch_size": self.batch_size}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """``sparkdl.plan``'s answer: the :attr:`recommended` choice, every choice it weighed, and the probe."""
+
+    recommended: Choice
+    choices: tuple[Choice, ...]
+    probe: Probe
+    rows: int
+
+    def __str__(self) -> str:
+        link = self.probe.link
+        lines = [
+            f"sparkdl.plan: {self.rows} rows, {self.probe.gradient_bytes / 1e6:.1f} MB of gradients; one worker's step "
+            + ", ".join(f"{s * 1000:.1f} ms at {b} rows" for b, s in sorted(self.probe.step_seconds.items()))
+            + (f"; links: {link.alpha * 1e6:.0f} us a message, {link.bandwidth / 1e9:.2f} GB/s" if link.beta else ""),
+            f"{'mode':<30}{'workers':>8}{'batch':>7}{'step ms':>10}{'epoch s':>10}{'efficiency':>12}{'MB/worker':>11}",
+        ]
+        for c in sorted(self.choices, key=lambda c: (c.mode, c.num_workers, c.batch_size)):
+            mark = " <- recommended" if c == self.recommended else ("" if c.fits else "  (does not fit)")
+            lines.append(
+                f"{c.mode:<30}{c.num_workers:>8}{c.batch_size:>7}{c.step_seconds * 1000:>10.1f}"
+                f"{c.epoch_seconds:>10.2f}{c.efficiency:>12.2f}{c.memory_bytes / 1e6:>11.1f}{mark}"
+            )
+        return "\n".join(lines)
+
+
+def weigh(
+    probe: Probe,
+    *,
+    rows: int,
+    worker_counts: Sequence[int],
+    batch_sizes: Sequence[int],
+    optimizer_slots: int,
+    largest_layers_bytes: int,
+    worker_memory: int | None = None,
+    modes: Sequence[str] = tuple(MODES),
+) -> Plan:
+    """Every mode x workers x batch size, predicted from ``probe``, and the recommended one.
+
+    For each mode and number of workers, the batch is the smallest of ``batch_sizes`` whose scaling efficiency
+    reaches :data:`EFFICIENT` (communication under a fifth of the step; the largest where none does): a larger
+    batch is faster per epoch but changes the training itself, which the planner does not predict. Among
+    those, the recommendation is the least epoch time of the modes that fit (the fewest workers within 5%).
+    """
+    choices = []
+    for mode in modes:
+        _, pattern = MODES[mode]
+        for n in worker_counts:
+            for batch in batch_sizes:
+                compute = probe.compute_seconds(batch) * (_RECOMPUTE if pattern == "zero3" else 1.0)
+                communication = cost.predict(pattern, n, probe.gradient_bytes, probe.link) if n > 1 else 0.0
+                step = compute + communication
+                epoch = math.ceil(rows / (n * batch)) * step
+                alone = math.ceil(rows / batch) * probe.compute_seconds(batch)
+                memory = _memory(pattern, n, probe.gradient_bytes, optimizer_slots, largest_layers_bytes)
+                fits = worker_memory is None or memory <= worker_memory
+                choices.append(Choice(mode, n, batch, step, epoch, alone / (n * epoch) if epoch else 1.0, memory, fits))
+    fitting = [c for c in choices if c.fits]
+    if not fitting:
+        raise ValueError(
+            f"Expected some mode to fit worker_memory={worker_memory} bytes. Received: the least a worker needs is "
+            f"{min(c.memory_bytes for c in choices)} bytes; use mode='pipeline', more workers or larger workers"
+        )
+    picked = []
+    for mode, n in {(c.mode, c.num_workers) for c in fitting}:
+        options = sorted((c for c in fitting if (c.mode, c.num_workers) == (mode, n)), key=lambda c: c.batch_size)
+        picked.append(next((c for c in options if c.efficiency >= EFFICIENT), options[-1]))
+    best = min(c.epoch_seconds for c in picked)
+    near = [c for c in picked if c.epoch_seconds <= best * (1 + _TIE)]
+    recommended = min(near, key=lambda c: (c.num_workers, c.epoch_seconds))
+    return Plan(recommended, tuple(choices), probe, rows)
+
+
+def _memory(pattern: str, n: int, weights: int, slots: int, largest_layers: int) -> int:
+    """A worker's bytes of weights, optimizer slots and gradients under ``pattern`` (activations left out)."""
+    if pattern == "zero1":
+        return weights + slots * weights // n + weights
+    if pattern == "zero3":
+        return weights // n + slots * weights // n + largest_layers + weights // n
+    return weights + slots * weights + weights

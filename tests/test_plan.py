@@ -1,0 +1,94 @@
+"""sparkdl.plan: a probe measured on the cluster (a worker's step, the tasks' links) and the predictions and pick it
+makes from it, which follow the cost model: slow links favour fewer workers and larger batches, memory rules out
+modes."""
+
+import keras
+import pytest
+from frames import digits_frame
+from models import make_mlp
+
+import sparkdl
+from sparkdl.collective import cost
+from sparkdl.planner.planner import EFFICIENT, MODES, weigh
+from sparkdl.planner.probe import Probe
+
+MB = 1 << 20
+
+
+def _probe(alpha, beta, gradient_bytes=4 * MB):
+    return Probe({32: 0.010, 128: 0.034}, cost.Params(alpha, beta), (), gradient_bytes)
+
+
+def _weigh(probe, **settings):
+    defaults = dict(rows=64_000, worker_counts=(1, 2, 4, 8), batch_sizes=(32, 64, 128), optimizer_slots=2)
+    return weigh(probe, largest_layers_bytes=MB, **{**defaults, **settings})
+
+
+def test_a_step_is_linear_in_the_batch_between_and_beyond_the_measured_sizes():
+    probe = _probe(0, 0)
+    assert probe.compute_seconds(32) == pytest.approx(0.010)
+    assert probe.compute_seconds(64) == pytest.approx(0.018)
+    assert probe.compute_seconds(256) == pytest.approx(0.066)
+
+
+def test_free_links_recommend_every_worker_and_the_smallest_batch():
+    plan = _weigh(_probe(0, 0))
+    assert plan.recommended.num_workers == 8 and plan.recommended.batch_size == 32
+    assert plan.recommended.efficiency == pytest.approx(1.0)
+    assert len(plan.choices) == len(MODES) * 4 * 3
+
+
+def test_slow_links_recommend_fewer_workers_or_larger_batches():
+    """1 GB/s and 1 ms a message: 4 MB of gradients cost ~8 ms a step on the ring, close to the 10 ms of compute."""
+    slow = _weigh(_probe(1e-3, 1e-9)).recommended
+    fast = _weigh(_probe(1e-6, 1e-11)).recommended
+    assert (slow.num_workers, -slow.batch_size) < (fast.num_workers, -fast.batch_size)
+    assert slow.efficiency >= EFFICIENT or slow.batch_size == 128
+    # the predictions are the cost model's: compute plus the pattern's communication, steps times an epoch's count
+    for choice in _weigh(_probe(1e-3, 1e-9)).choices:
+        if choice.mode == "sync" and choice.num_workers == 4 and choice.batch_size == 64:
+            communication = cost.predict("sync", 4, 4 * MB, cost.Params(1e-3, 1e-9))
+            assert choice.step_seconds == pytest.approx(0.018 + communication)
+            assert choice.epoch_seconds == pytest.approx(250 * choice.step_seconds)
+
+
+def test_memory_rules_out_what_does_not_fit_and_sharding_fits_more():
+    # 4 MB of weights with Adam: sync needs weights + 2 slots + gradients = 16 MB a worker; sharded weights ~1/N
+    plan = _weigh(_probe(0, 0), worker_memory=8 * MB)
+    assert not any(c.fits for c in plan.choices if c.mode in ("sync", "async", "gossip"))
+    assert plan.recommended.mode.startswith("sharded") and plan.recommended.fits
+    with pytest.raises(ValueError, match="worker_memory"):
+        _weigh(_probe(0, 0), worker_memory=MB // 2)
+
+
+def test_plan_probes_the_cluster_and_prints_its_table(spark, digits, capsys):
+    x_train, _, y_train, _ = digits
+    df = digits_frame(spark, x_train[:640], y_train[:640]).cache()
+    model = make_mlp(hidden=(32,))
+    weights = [w.copy() for w in model.get_weights()]
+    plan = sparkdl.plan(df, model, num_workers=2, batch_size=16, modes=["sync", "sharded"])
+    printed = capsys.readouterr().out
+    assert "recommended" in printed and "sparkdl.plan: 640 rows" in printed
+    probe = plan.probe
+    assert set(probe.step_seconds) == {16, 64} and all(s > 0 for s in probe.step_seconds.values())
+    assert [m.nbytes for m in probe.measurements] == [4096, 1 << 18, MB]  # measured between two tasks
+    assert probe.link.beta > 0 and probe.gradient_bytes == 4 * (64 * 32 + 32 + 32 * 10 + 10)
+    assert {c.mode for c in plan.choices} == {"sync", "sharded"} and plan.rows == 640
+    assert plan.recommended.fit_arguments["num_workers"] in (1, 2)
+    for got, want in zip(model.get_weights(), weights):  # the probe trained copies
+        assert (got == want).all()
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"num_workers": 0}, "num_workers"),
+        ({"batch_size": 2.5}, "batch_size"),
+        ({"modes": ["fast"]}, "modes"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_probe(settings, message):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    with pytest.raises(ValueError, match=message):
+        sparkdl.plan(None, model, **{"num_workers": 2, **settings})
