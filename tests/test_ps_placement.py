@@ -317,7 +317,6 @@ def test_a_fit_resumed_from_an_executor_servers_checkpoint_trains_the_uninterrup
     assert int(final["shard0/0"]) == 4 * straight.steps_per_epoch  # the shard's optimizer ran on from epoch 2
 
 
-@pytest.mark.slow  # the retried stage starts its Python workers and TensorFlow anew
 @pytest.mark.parametrize("mode", ["sync_ps", "async"])
 def test_a_killed_worker_restarts_the_stage_from_the_last_checkpoint(digits_df, digits, tmp_path, mode):
     """The worker's Python dies hard in its third epoch: Spark retries the barrier stage, whose server task starts

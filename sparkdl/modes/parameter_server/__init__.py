@@ -2,4 +2,6 @@
 
 ``mode.py`` (the driver: the server in ``sparkdl.ps`` up, the tasks launched, checkpoints of the
 server's state), ``task.py`` (a task: Keras ``fit`` whose hooked optimizer pushes and pulls).
+With ``server_placement="executors"`` the shards are tasks beside the workers: ``placement.py`` (their
+layout and rendezvous), ``server_task.py`` (a server task), ``executors.py`` (the driver's side).
 """

@@ -237,9 +237,11 @@ class Controller:
                             encrypt=self._encrypt,
                         )
                     )
-            except Exception as exc:  # the stage is failing (Spark retries it from the last checkpoint saved)
+            except Exception as exc:  # their tasks have ended: the stage failed, or the workers finished meanwhile
                 logger.warning(
-                    "sparkdl: no checkpoint after epoch %d: the driver could not read the server tasks' state (%s)",
+                    "sparkdl: no checkpoint after epoch %d: the driver could not read the server tasks' state (%s); "
+                    "the stage failed (Spark retries it from the last checkpoint), or the workers finished training "
+                    "before the read (the last epoch's checkpoint is written from the server tasks' results)",
                     epoch + 1,
                     exc,
                 )

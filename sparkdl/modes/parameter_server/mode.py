@@ -75,6 +75,9 @@ class ParameterServerMode(Mode):
     Every worker reports progress (an epoch is complete once all have finished it); the driver
     writes the checkpoints, of the server's state, when they have.
 
+    ``server_placement`` says where the shards run: threads of the driver (here), or Spark tasks beside the
+    workers in one barrier stage (``executors``), whose state the driver reads for its checkpoints.
+
     sync_ps takes no ``push_every``: its rounds already average every worker's gradient of a step, and a
     larger ``batch_size`` is the way to fewer, larger updates.
     """
