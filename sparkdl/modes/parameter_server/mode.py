@@ -118,8 +118,8 @@ class ParameterServerMode(Mode):
         return (
             f"In mode={name!r} every worker trains against the parameter server at the same time: workers "
             "beyond the free slots would wait for one while the server waits for them, until `timeout`; with "
-            "server_placement='executors' the num_servers server tasks run in the workers' barrier stage too, so "
-            "the fit needs num_workers + num_servers slots (the count above), or server_placement='driver'"
+            "server_placement='executors' the num_servers server tasks run beside the workers, at the same time too, "
+            "so the fit needs num_workers + num_servers slots (the count above), or server_placement='driver'"
         )
 
     def run(self, job: Job) -> ModeResult:
