@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sparkdl.collective import Listener, SparkdlCommunicator  # noqa: E402
-from sparkdl.net.io import SOCKET_BUFFER_BYTES  # noqa: E402
+from sparkdl.net.io import tune  # noqa: E402
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 #: (label, algorithm, shared memory, sealed)
@@ -68,11 +68,9 @@ def label(nbytes: int) -> str:
 
 
 def _tuned_socket() -> socket.socket:
-    """A socket configured like sparkdl's links, so the comparison is fair."""
+    """A TCP socket tuned as sparkdl's links are (``sparkdl.net.io.tune``), so the comparison is fair."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    tune(sock)
     return sock
 
 

@@ -1,4 +1,4 @@
-"""A plain-SGD parameter-server shard that the server and attack tests share."""
+"""Plain-SGD parameter-server shards that the server, placement and attack tests share."""
 
 import numpy as np
 
@@ -17,3 +17,9 @@ class SGDShard:
 
     def apply(self, gradient):  # float32, or bfloat16/float16 under compression: widened here
         self.w -= LR * np.asarray(gradient, np.float32)
+
+
+def make_shards(sizes, seed=0):
+    """One SGDShard of each size, its weights drawn from a standard normal (``seed``'s generator, in order)."""
+    rng = np.random.default_rng(seed)
+    return [SGDShard(rng.standard_normal(size)) for size in sizes]

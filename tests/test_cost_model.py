@@ -68,6 +68,20 @@ def test_the_parameter_server_link_carries_n_pushes_and_pulls():
         cost.cost("parameter_server", 8, K, servers=2, server_hosts=3)
 
 
+def test_the_synchronous_server_pushes_then_pulls_and_spread_servers_carry_the_rings_bytes():
+    sync_ps = cost.cost("sync_ps", 8, K)
+    ps = cost.cost("parameter_server", 8, K)
+    assert sync_ps.link_bytes == 2 * ps.link_bytes  # the pulls wait for the last push: no full duplex
+    assert sync_ps.rank_sent == sync_ps.rank_received == 8 * K and sync_ps.steps == 2
+    with pytest.raises(ValueError, match="server_hosts"):
+        cost.cost("sync_ps", 8, K, servers=1, server_hosts=2)
+    for n in (2, 4, 1024):  # a shard on every worker's host: each link 2(N-1)K/N each way, as the ring's
+        spread = cost.cost("spread_ps", n, K)
+        assert spread.link_bytes == pytest.approx(cost.cost("ring_allreduce", n, K).rank_sent)
+        assert spread.messages == 2 * n and spread.memory_bytes == K
+    assert cost.cost("spread_ps", 1, K).link_bytes == 0
+
+
 def test_hierarchical_crosses_hosts_with_2_h_minus_1_over_h_k():
     hierarchical = cost.cost("hierarchical_allreduce", 16, K, local=8)
     assert hierarchical.link_bytes == pytest.approx(K)  # two hosts: 2(2-1)/2 K on each host's link

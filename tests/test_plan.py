@@ -52,6 +52,21 @@ def test_slow_links_recommend_fewer_workers_or_larger_batches():
             assert choice.epoch_seconds == pytest.approx(250 * choice.step_seconds)
 
 
+def test_servers_beside_the_workers_scale_where_the_drivers_link_does_not():
+    """On slow links the driver's one server link carries N pushes and pulls; a shard beside each worker spreads them."""
+    choices = {(c.mode, c.num_workers, c.batch_size): c for c in _weigh(_probe(1e-4, 1e-9)).choices}
+    driver, spread = choices[("async", 8, 32)], choices[("async, servers on executors", 8, 32)]
+    assert spread.step_seconds < driver.step_seconds
+    assert choices[("sync_ps", 8, 32)].step_seconds > driver.step_seconds  # its pulls wait for the last push
+    assert spread.fit_arguments == {
+        "mode": "async",
+        "server_placement": "executors",
+        "num_servers": 8,
+        "num_workers": 8,
+        "batch_size": 32,
+    }
+
+
 def test_memory_rules_out_what_does_not_fit_and_sharding_fits_more():
     # 4 MB of weights with Adam: sync needs weights + 2 slots + gradients = 16 MB a worker; sharded weights ~1/N
     plan = _weigh(_probe(0, 0), worker_memory=8 * MB)

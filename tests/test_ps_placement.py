@@ -13,17 +13,19 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
 import keras
 import numpy as np
+import ps_servers
 import pytest
 from attackers import OTHER_HOST, Hog, ps_request, ps_response, recv_exactly
 from frames import digits_frame
 from models import CrashOnFirstAttempt, make_mlp
-from shards import LR, SGDShard
+from ps_servers import SECRET, client, in_thread
+from shards import LR, SGDShard, make_shards
+from weights import assert_same_weights
 
 import sparkdl
 from sparkdl.checkpoint import CheckpointStore
@@ -31,12 +33,8 @@ from sparkdl.modes.parameter_server import executors
 from sparkdl.net.auth import connect_authenticated
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout
 from sparkdl.ps import protocol
-from sparkdl.ps.client import ParameterClient, fetch_state
-from sparkdl.ps.server import ParameterServer
+from sparkdl.ps.client import fetch_state
 from sparkdl.ps.server_model import ServerModel
-
-HOST = "127.0.0.1"
-SECRET = b"placement-test-secret"
 
 
 class StateShard(SGDShard):
@@ -53,9 +51,7 @@ class StateShard(SGDShard):
 def apart(shards, mode="async", num_workers=2, **kwargs):
     """One server per shard, as server tasks run them: shard k in a server of its own, under its index k."""
     return [
-        ParameterServer(
-            [shard], host=HOST, secret=SECRET, mode=mode, num_workers=num_workers, first_shard=k, **kwargs
-        ).__enter__()
+        ps_servers.server([shard], mode=mode, num_workers=num_workers, first_shard=k, **kwargs).__enter__()
         for k, shard in enumerate(shards)
     ]
 
@@ -65,27 +61,6 @@ def stop(servers):
         server.stop()
 
 
-def client(servers, worker, sizes, timeout=10.0):
-    addresses = [server.addresses[0] for server in servers]
-    return ParameterClient(
-        addresses, worker=worker, secret=SECRET, shard_sizes=sizes, timeout=timeout, separate_servers=True
-    )
-
-
-def in_thread(fn):
-    out: list = []
-
-    def run():
-        try:
-            out.append(fn())
-        except BaseException as exc:  # handed to the test
-            out.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, out
-
-
 # -- servers that run apart, no Spark ------------------------------------------------------------------------------
 
 
@@ -93,8 +68,7 @@ def test_servers_apart_each_bound_staleness_and_wait_for_every_workers_done():
     """ssp over two servers of one shard each: each keeps its own clocks (every push reaches every shard), so each
     holds a fast worker's pull within max_staleness of the slow one; each ends once every worker said DONE."""
     sizes = [10, 3]
-    rng = np.random.default_rng(0)
-    servers = apart([SGDShard(rng.standard_normal(n)) for n in sizes], mode="ssp", num_workers=3, max_staleness=1)
+    servers = apart(make_shards(sizes), mode="ssp", num_workers=3, max_staleness=1)
     finished = [in_thread(server.wait_finished) for server in servers]
     try:
 
@@ -151,13 +125,8 @@ def test_sync_ps_servers_apart_train_what_one_server_of_both_shards_trains():
         rounds = [server.stats()["rounds"] for server in servers]
     finally:
         stop(servers)
-    with ParameterServer(
-        [SGDShard(w) for w in start], host=HOST, secret=SECRET, mode="sync_ps", num_workers=2
-    ) as together:
-        clients = [
-            ParameterClient(together.addresses, worker=w, secret=SECRET, shard_sizes=sizes, timeout=10.0)
-            for w in range(2)
-        ]
+    with ps_servers.server([SGDShard(w) for w in start], mode="sync_ps") as together:
+        clients = [client(together, w, sizes) for w in range(2)]
         want = train(clients)
         for c in clients:
             c.close()
@@ -213,9 +182,7 @@ def test_the_driver_assembles_the_shards_of_server_tasks_from_their_exact_state(
     driver = ServerModel(_model(), 2, compiled=False)
     hosted = [ServerModel(_model(), 2, compiled=True, hosted=[k]) for k in range(2)]
     servers = [
-        ParameterServer(
-            m.shards, host=HOST, secret=SECRET, mode="async", num_workers=1, first_shard=k, controller=True
-        ).__enter__()
+        ps_servers.server(m.shards, num_workers=1, first_shard=k, controller=True).__enter__()
         for k, m in enumerate(hosted)
     ]
     try:
@@ -248,10 +215,8 @@ def test_only_the_controller_asks_for_a_state_and_it_asks_for_nothing_else(caplo
     """A worker's STATE, the controller's PULL, a controller where the server takes none, a state of another size:
     each refused, and the server goes on serving."""
     shard = StateShard(np.arange(4, dtype=np.float32))
-    with ParameterServer(
-        [shard], host=HOST, secret=SECRET, mode="async", num_workers=2, first_shard=3, controller=True
-    ) as server:
-        address = server.addresses[0]
+    with ps_servers.server([shard], first_shard=3, controller=True) as served:
+        address = served.addresses[0]
         for rank, msg, why in (
             (0, protocol.Msg.STATE, "a state request from worker 0: only the controller"),
             (2, protocol.Msg.PULL, "a pull request from the controller, which asks for the state only"),
@@ -278,7 +243,7 @@ def test_only_the_controller_asks_for_a_state_and_it_asks_for_nothing_else(caplo
         assert response.status == protocol.Status.OK
         np.testing.assert_array_equal(np.frombuffer(recv_exactly(sock, response.nbytes), np.float32), np.arange(4))
         sock.close()
-    with ParameterServer([shard], host=HOST, secret=SECRET, mode="async", num_workers=2) as plain:
+    with ps_servers.server([shard]) as plain:
         with pytest.raises(CollectiveTimeout, match="could not connect and authenticate"):
             fetch_state(plain.addresses[0], shard=0, controller=2, secret=SECRET, nbytes=16, timeout=1)
         assert plain.stats()["refused_connections"] >= 1
@@ -289,11 +254,6 @@ def test_only_the_controller_asks_for_a_state_and_it_asks_for_nothing_else(caplo
 
 def _sgd_mlp():
     return make_mlp(hidden=(32,), optimizer=keras.optimizers.SGD(0.05, momentum=0.9), seed=3)
-
-
-def _same_weights(got, want, rtol=1e-5, atol=1e-6):
-    for a, b in zip(got.get_weights(), want.get_weights(), strict=True):
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
 
 
 def test_a_fit_resumed_from_an_executor_servers_checkpoint_trains_the_uninterrupted_weights(spark, digits, tmp_path):
@@ -311,7 +271,7 @@ def test_a_fit_resumed_from_an_executor_servers_checkpoint_trains_the_uninterrup
     straight = sparkdl.fit(df, _sgd_mlp(), epochs=4, **common)  # the driver placement, uninterrupted
     assert resumed.initial_epoch == 2 and len(resumed.history["loss"]) == 4
     assert resumed.history["loss"][:2] == pytest.approx(first.history["loss"])
-    _same_weights(resumed.model, straight.model)
+    assert_same_weights(resumed.model, straight.model)
     np.testing.assert_allclose(resumed.history["loss"], straight.history["loss"], rtol=1e-4)
     final = np.load(tmp_path / "ckpt" / "epoch-000004.npz", allow_pickle=False)
     assert int(final["shard0/0"]) == 4 * straight.steps_per_epoch  # the shard's optimizer ran on from epoch 2
@@ -365,7 +325,7 @@ def test_a_killed_worker_restarts_the_stage_from_the_last_checkpoint(digits_df, 
     assert json.loads((tmp_path / "ckpt" / "epoch-000004.json").read_text())["epoch"] == 4
     np.testing.assert_allclose(faulty.history["loss"][:2], clean.history["loss"][:2], rtol=1e-5)
     if mode == "sync_ps":
-        _same_weights(faulty.model, clean.model)
+        assert_same_weights(faulty.model, clean.model)
         np.testing.assert_allclose(faulty.history["loss"], clean.history["loss"], rtol=1e-5)
     accuracy = float(np.mean(faulty.model.predict(x_test, verbose=0).argmax(axis=1) == y_test))
     assert accuracy >= 0.85, accuracy  # 4 epochs of a small model at Adam's 1e-3
@@ -404,7 +364,7 @@ def test_an_executor_hosted_shard_keeps_its_flood_protection(spark, digits, monk
         for hog in hogs:
             hog.close()
     reference.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0)
-    _same_weights(result.model, reference, rtol=1e-4, atol=1e-5)
+    assert_same_weights(result.model, reference, rtol=1e-4, atol=1e-5)
     assert result.stats["pushes"] == 3
     assert result.stats["refused_connections"] > 8
 

@@ -7,18 +7,21 @@ Keras models on the shared local[2,2] session.
 
 from __future__ import annotations
 
-import threading
+import functools
 import time
 
 import keras
 import ml_dtypes
 import numpy as np
+import ps_servers
 import pytest
 from attackers import ps_request, ps_response, recv_exactly
 from frames import digits_frame
 from models import CrashOnFirstAttempt, make_mlp
 from partitions import partitions_as_fit_sees_them
-from shards import LR, SGDShard
+from ps_servers import SECRET, client, in_thread
+from shards import LR, SGDShard, make_shards
+from weights import assert_same_weights
 
 import sparkdl
 from sparkdl import data
@@ -26,39 +29,8 @@ from sparkdl.checkpoint import Checkpointer
 from sparkdl.net.auth import connect_authenticated
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout
 from sparkdl.ps import protocol
-from sparkdl.ps.client import ParameterClient
-from sparkdl.ps.server import ParameterServer
 
-HOST = "127.0.0.1"
-SECRET = b"sync-ps-test-secret"
-
-
-def make_shards(sizes, seed=0):
-    rng = np.random.default_rng(seed)
-    return [SGDShard(rng.standard_normal(size)) for size in sizes]
-
-
-def server(shards, num_workers=2, **kwargs):
-    return ParameterServer(shards, host=HOST, secret=SECRET, mode="sync_ps", num_workers=num_workers, **kwargs)
-
-
-def client(ps, worker, sizes, timeout=10.0, **kwargs):
-    return ParameterClient(ps.addresses, worker=worker, secret=SECRET, shard_sizes=sizes, timeout=timeout, **kwargs)
-
-
-def in_thread(fn):
-    """Runs ``fn`` in a thread; returns the thread and a list that receives its result (or exception)."""
-    out: list = []
-
-    def run():
-        try:
-            out.append(fn())
-        except BaseException as exc:  # handed to the test
-            out.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, out
+server = functools.partial(ps_servers.server, mode="sync_ps")  # unless a test says another mode
 
 
 def gradients(sizes, value):
@@ -270,7 +242,7 @@ def test_a_push_ahead_of_the_round_is_refused_and_only_sync_ps_servers_take_a_jo
                 with pytest.raises(CollectiveError, match="pushed step 5, but shard 0 collects step 3"):
                     ahead.push(gradients(sizes, 1.0), step=5, rows=1)
     shard = SGDShard(np.zeros(4))
-    with ParameterServer([shard], host=HOST, secret=SECRET, mode="async", num_workers=1) as ps:
+    with server([shard], mode="async", num_workers=1) as ps:
         sock = connect_authenticated(ps.addresses[0], 0, 0, SECRET, 5.0)
         sock.settimeout(5.0)
         sock.sendall(ps_request(protocol.Msg.JOIN, 1, 8) + np.array([5], np.int64).tobytes())
@@ -292,11 +264,6 @@ def _uneven_digits(spark, digits, rows=101):
     ).repartition(rows)
 
 
-def _assert_same_weights(got, want, rtol=1e-5, atol=1e-6):
-    for a, b in zip(got.get_weights(), want.get_weights(), strict=True):
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
-
-
 def test_plain_sgd_on_uneven_partitions_trains_sync_modes_weights_with_one_update_per_step(spark, digits):
     """The core equivalence: the same rows, in the same order per step, weighed by rows, one update per step."""
     df = _uneven_digits(spark, digits).cache()
@@ -311,7 +278,7 @@ def test_plain_sgd_on_uneven_partitions_trains_sync_modes_weights_with_one_updat
 
     steps = -(-max(len(p[0]) for p in parts) // b)  # the largest partition's steps, for both workers
     assert sync_ps.steps_per_epoch == sync.steps_per_epoch == steps
-    _assert_same_weights(sync_ps.model, sync.model)
+    assert_same_weights(sync_ps.model, sync.model)
     assert not np.allclose(sync_ps.model.get_weights()[0], make().get_weights()[0], atol=1e-3)
     np.testing.assert_allclose(sync_ps.history["loss"], sync.history["loss"], rtol=1e-4)
     stats = sync_ps.stats
@@ -330,7 +297,7 @@ def test_adam_on_two_server_shards_trains_sync_modes_weights(digits_df):
     sync = sparkdl.fit(digits_df, make(), mode="sync", **common)
     sync_ps = sparkdl.fit(digits_df, make(), mode="sync_ps", num_servers=2, **common)
 
-    _assert_same_weights(sync_ps.model, sync.model, rtol=1e-4, atol=1e-5)
+    assert_same_weights(sync_ps.model, sync.model, rtol=1e-4, atol=1e-5)
     steps = sync_ps.steps_per_epoch
     assert sync_ps.stats["rounds"] == sync_ps.stats["versions"] == [2 * steps, 2 * steps]
 
@@ -358,7 +325,7 @@ def test_a_fit_resumed_from_a_mid_run_checkpoint_trains_the_uninterrupted_weight
 
     assert resumed.initial_epoch == 1 and len(resumed.history["loss"]) == 3
     assert resumed.history["loss"][0] == whole.history["loss"][0]
-    _assert_same_weights(resumed.model, whole.model)
+    assert_same_weights(resumed.model, whole.model)
     np.testing.assert_allclose(resumed.history["loss"], whole.history["loss"], rtol=1e-5)
     assert resumed.stats["rounds"] == [2 * whole.steps_per_epoch]  # the resumed fit's two epochs
     df.unpersist()
@@ -391,7 +358,7 @@ def test_a_worker_killed_mid_epoch_is_retried_alone_and_the_weights_are_the_unin
     steady = sparkdl.fit(df, make(at_call=10**9), **common)
     crashed = sparkdl.fit(df, make(at_call=12), **common)
 
-    _assert_same_weights(crashed.model, steady.model)
+    assert_same_weights(crashed.model, steady.model)
     steps = 2 * steady.steps_per_epoch
     assert steady.stats["rounds"] == crashed.stats["rounds"] == [steps]
     assert steady.stats["replayed_pushes"] == [0] and crashed.stats["replayed_pushes"] == [11]

@@ -63,6 +63,7 @@ class SparkdlCommunicator(BaseCommunicator):
         self._subgroups: dict[str, SparkdlCommunicator] = {}
         # Received segments land here; one per communicator, as a subgroup's operations run beside the parent's.
         self._scratch = np.empty(0, np.uint8)
+        self._work = np.empty(0, np.uint8)
 
     @classmethod
     def connect(
@@ -171,9 +172,17 @@ class SparkdlCommunicator(BaseCommunicator):
         return result
 
     def _scratch_of(self, nbytes: int) -> np.ndarray:
+        """At least ``nbytes`` for receiving into, kept between calls (operations run one at a time)."""
         if self._scratch.nbytes < nbytes:
             self._scratch = np.empty(nbytes, np.uint8)
         return self._scratch
+
+    def _work_of(self, nbytes: int) -> np.ndarray:
+        """At least ``nbytes`` for a reduce-scatter's partial sums, kept between calls: no allocation, and no page
+        faults, per call."""
+        if self._work.nbytes < nbytes:
+            self._work = np.empty(nbytes, np.uint8)
+        return self._work
 
     def _shared_memory(self) -> bool:
         return self._job.shared is not None and self.group == 0
@@ -278,8 +287,10 @@ class SparkdlCommunicator(BaseCommunicator):
             assert self._job.shared is not None  # chosen only where the segment holds every rank
             self._job.shared.reduce_scatter(flat, _SHARED_OP[op], result.reshape(-1), [b * row for b in bounds])
         else:
-            work = np.array(flat, copy=True)
+            work = flat  # one rank: its own chunk is the result
             if self.size > 1:
+                # every region of ``work`` is written before it is read or sent: partial sums, then this rank's chunk
+                work = self._work_of(flat.nbytes)[: flat.nbytes].view(flat.dtype)
                 ex = self._exchange("reduce_scatter")
                 ring.reduce_scatter(ex, flat, work, rows, _COMBINE[op], self._scratch_of(ring.SEGMENT_BYTES))
                 ex.flush()

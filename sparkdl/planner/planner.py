@@ -22,13 +22,19 @@ from collections.abc import Sequence
 from sparkdl.collective import cost
 from sparkdl.planner.probe import Probe
 
+#: A ``fit`` keyword whose value is the number of workers of the choice (a server shard on each worker's host).
+PER_WORKER = "<num_workers>"
 #: The modes the planner compares: label -> (its ``fit`` keywords, its pattern in ``cost.PATTERNS``).
 MODES: dict[str, tuple[dict, str]] = {
     "sync": ({"mode": "sync"}, "sync"),
     "sharded": ({"mode": "sharded"}, "zero1"),
     "sharded, shard_weights=True": ({"mode": "sharded", "shard_weights": True}, "zero3"),
     "async": ({"mode": "async"}, "parameter_server"),
-    "sync_ps": ({"mode": "sync_ps"}, "parameter_server"),
+    "async, servers on executors": (
+        {"mode": "async", "server_placement": "executors", "num_servers": PER_WORKER},
+        "spread_ps",
+    ),
+    "sync_ps": ({"mode": "sync_ps"}, "sync_ps"),
     "gossip": ({"mode": "gossip"}, "gossip"),
 }
 _RECOMPUTE = 4.0 / 3.0  # a step with every forward pass run twice: forward + backward (twice a forward) + forward
@@ -53,7 +59,8 @@ class Choice:
     @property
     def fit_arguments(self) -> dict:
         """The ``sparkdl.fit`` keywords of this choice."""
-        return {**MODES[self.mode][0], "num_workers": self.num_workers, "batch_size": self.batch_size}
+        keywords = {k: self.num_workers if v == PER_WORKER else v for k, v in MODES[self.mode][0].items()}
+        return {**keywords, "num_workers": self.num_workers, "batch_size": self.batch_size}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,20 @@ if typing.TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
+#: What a request that its rule refuses is answered with: the status for the exception the rule raised, and the
+#: message, the exception's own where None.
+_REFUSALS: dict[type[Exception], tuple[Status, str | None]] = {
+    PushRefused: (Status.BAD_REQUEST, None),
+    StalenessTimeout: (Status.STALENESS_TIMEOUT, None),
+    RoundTimeout: (Status.ROUND_TIMEOUT, None),
+    RoundFailed: (Status.SHARD_ERROR, None),
+    ServerStopping: (Status.STOPPING, "the parameter server is stopping"),
+}
+# The refusals each request may meet; a push's other exceptions are the shard's own failure to apply it.
+_PUSH_REFUSALS = (PushRefused, RoundFailed)
+_JOIN_REFUSALS = (RoundTimeout, PushRefused, ServerStopping)
+_PULL_REFUSALS = (StalenessTimeout, RoundTimeout, RoundFailed, ServerStopping)
+
 
 class _ProtocolViolation(Exception):
     """The peer broke the protocol; the connection is closed (after an error response if possible)."""
@@ -216,11 +230,8 @@ class ShardServer:
             return
         try:
             version = self.rule.push(worker, gradient, step, rows)
-        except PushRefused as exc:
-            self._send_error(channel, Msg.PUSH, seq, Status.BAD_REQUEST, str(exc))
-            return
-        except RoundFailed as exc:
-            self._send_error(channel, Msg.PUSH, seq, Status.SHARD_ERROR, str(exc))
+        except _PUSH_REFUSALS as exc:
+            self._refuse(channel, Msg.PUSH, seq, exc)
             return
         except Exception as exc:
             _log.exception("parameter server shard %d: apply failed", self.index)
@@ -245,14 +256,8 @@ class ShardServer:
             raise _ProtocolViolation(f"a join with {int(rows[0])} training rows", reply=(Msg.JOIN, seq))
         try:
             counts = server.roster.join(worker, int(rows[0]), server.timeout)
-        except RoundTimeout as exc:
-            self._send_error(channel, Msg.JOIN, seq, Status.ROUND_TIMEOUT, str(exc))
-            return
-        except PushRefused as exc:
-            self._send_error(channel, Msg.JOIN, seq, Status.BAD_REQUEST, str(exc))
-            return
-        except ServerStopping:
-            self._send_error(channel, Msg.JOIN, seq, Status.STOPPING, "the parameter server is stopping")
+        except _JOIN_REFUSALS as exc:
+            self._refuse(channel, Msg.JOIN, seq, exc)
             return
         self._send(channel, Msg.JOIN, Status.OK, seq, self.version, [np.asarray(counts, ROWS)])
 
@@ -291,17 +296,8 @@ class ShardServer:
         try:
             self.rule.admit_pull(worker, server.timeout)
             server.tracker.admit_pull(worker, server.timeout)
-        except StalenessTimeout as exc:
-            self._send_error(channel, Msg.PULL, seq, Status.STALENESS_TIMEOUT, str(exc))
-            return
-        except RoundTimeout as exc:
-            self._send_error(channel, Msg.PULL, seq, Status.ROUND_TIMEOUT, str(exc))
-            return
-        except RoundFailed as exc:
-            self._send_error(channel, Msg.PULL, seq, Status.SHARD_ERROR, str(exc))
-            return
-        except ServerStopping:
-            self._send_error(channel, Msg.PULL, seq, Status.STOPPING, "the parameter server is stopping")
+        except _PULL_REFUSALS as exc:
+            self._refuse(channel, Msg.PULL, seq, exc)
             return
         try:
             with self.locked():
@@ -356,6 +352,11 @@ class ShardServer:
     def _send_error(self, channel: Channel, msg: int, seq: int, status: Status, text: str) -> None:
         body = text.encode("utf-8", "replace")[: protocol.MAX_MESSAGE_BYTES]
         self._send(channel, msg, status, seq, self.version, body)
+
+    def _refuse(self, channel: Channel, msg: int, seq: int, exc: Exception) -> None:
+        """Answers a request its rule refused with ``exc``, as :data:`_REFUSALS` says."""
+        status, text = next(answer for refusal, answer in _REFUSALS.items() if isinstance(exc, refusal))
+        self._send_error(channel, msg, seq, status, str(exc) if text is None else text)
 
     def _try_error(self, channel: Channel, msg: int, seq: int, status: Status, text: str) -> None:
         """Best effort: answer a bad request, then let the client read the answer.

@@ -105,19 +105,28 @@ class Gossip:
 
     def finish(self) -> np.ndarray:
         """Waits for the round in flight; returns ``sum_j w_j * (x_j - snapshot)``, the change that makes the
-        snapshot the neighbourhood's weighted average (zeros for a rank without neighbours this round)."""
+        snapshot the neighbourhood's weighted average (zeros for a rank without neighbours this round).
+
+        The change is computed in place in the neighbours' receive buffers (no temporary the size of the
+        model): the array returned is one of them, valid until the next round starts.
+        """
         current = self._take()
         started = time.monotonic()
-        correction = np.zeros_like(current.snapshot)
+        correction = None
         for neighbour, work in current.receives:
             theirs = self._wait(work, current.number, f"receive the weights of rank {neighbour.rank}")
-            correction += np.float32(neighbour.weight) * (theirs - current.snapshot)
+            np.subtract(theirs, current.snapshot, out=theirs)
+            theirs *= np.float32(neighbour.weight)
+            if correction is None:
+                correction = theirs
+            else:
+                correction += theirs
         for neighbour, work in current.sends:
             self._wait(work, current.number, f"send its weights to rank {neighbour.rank}")
         self.wait_seconds += time.monotonic() - started
         self.rounds += 1
         self.bytes_sent += current.snapshot.nbytes * len(current.sends)
-        return correction
+        return np.zeros_like(current.snapshot) if correction is None else correction
 
     def drain(self) -> None:
         """Completes a round still in flight without using it (training stopped before the step it was for)."""

@@ -1,0 +1,1 @@
+"""The parts of ``benchmarks/network_patterns.py``: the emulated network, its probes, the ranks' runs, the report."""
