@@ -20,7 +20,9 @@ def _probe(alpha, beta, gradient_bytes=4 * MB):
 
 
 def _weigh(probe, **settings):
-    defaults = dict(rows=64_000, worker_counts=(1, 2, 4, 8), batch_sizes=(32, 64, 128), optimizer_slots=2)
+    defaults = dict(
+        rows=64_000, worker_counts=(1, 2, 4, 8), batch_sizes=(32, 64, 128), optimizer_slots=2, trainable_variables=8
+    )
     return weigh(probe, largest_layers_bytes=MB, **{**defaults, **settings})
 
 
@@ -65,6 +67,14 @@ def test_servers_beside_the_workers_scale_where_the_drivers_link_does_not():
         "num_workers": 8,
         "batch_size": 32,
     }
+
+
+def test_servers_beside_the_workers_are_not_weighed_beyond_one_shard_per_variable():
+    """fit refuses more server shards than the model has trainable variables: such a choice is never offered."""
+    choices = _weigh(_probe(1e-4, 1e-9), trainable_variables=3).choices
+    spread = {c.num_workers for c in choices if c.mode == "async, servers on executors"}
+    assert spread == {1, 2}
+    assert {c.num_workers for c in choices if c.mode == "async"} == {1, 2, 4, 8}  # one server on the driver: any N
 
 
 def test_memory_rules_out_what_does_not_fit_and_sharding_fits_more():

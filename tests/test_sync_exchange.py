@@ -216,6 +216,23 @@ def test_an_update_xla_cannot_compile_runs_op_by_op_with_a_warning(caplog):
     assert large[0].numpy().max() == 0  # the trial touched stand-ins only
 
 
+def test_the_trial_compile_runs_once_per_optimizer_kind_in_a_process(caplog):
+    large = [keras.Variable(np.zeros((1100, 1000), np.float32))]
+    with caplog.at_level("WARNING", logger="sparkdl.keras.compiled_update"):
+        assert not compiled_update.pays(_HostCallingSGD(0.5), large)
+        assert not compiled_update.pays(_HostCallingSGD(0.5), large)  # a later fit's optimizer, named anew by Keras
+    assert caplog.text.count("XLA cannot compile") == 1  # the verdict was kept: no second trial
+    caplog.clear()
+
+    class _HostCallingSGD2(_HostCallingSGD):  # another class: tried anew, whatever it is called
+        pass
+
+    with caplog.at_level("WARNING", logger="sparkdl.keras.compiled_update"):
+        assert not compiled_update.pays(_HostCallingSGD2(0.5), large)
+        assert not compiled_update.pays(_HostCallingSGD(0.25), large)  # another configuration: tried anew
+    assert caplog.text.count("XLA cannot compile") == 2
+
+
 def test_bf16_compression_trains_digits_as_well_as_float32(digits_df, digits):
     _, x_test, _, y_test = digits
     accuracy = {}

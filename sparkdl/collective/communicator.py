@@ -61,9 +61,9 @@ class SparkdlCommunicator(BaseCommunicator):
         self._seq = 0
         self._splits = 0
         self._subgroups: dict[str, SparkdlCommunicator] = {}
-        # Received segments land here; one per communicator, as a subgroup's operations run beside the parent's.
-        self._scratch = np.empty(0, np.uint8)
-        self._work = np.empty(0, np.uint8)
+        # One of each per communicator, as a subgroup's operations run beside the parent's:
+        self._scratch = _KeptBuffer()  # received segments land here
+        self._work = _KeptBuffer()  # a reduce-scatter's partial sums
 
     @classmethod
     def connect(
@@ -171,19 +171,6 @@ class SparkdlCommunicator(BaseCommunicator):
         ex.flush()
         return result
 
-    def _scratch_of(self, nbytes: int) -> np.ndarray:
-        """At least ``nbytes`` for receiving into, kept between calls (operations run one at a time)."""
-        if self._scratch.nbytes < nbytes:
-            self._scratch = np.empty(nbytes, np.uint8)
-        return self._scratch
-
-    def _work_of(self, nbytes: int) -> np.ndarray:
-        """At least ``nbytes`` for a reduce-scatter's partial sums, kept between calls: no allocation, and no page
-        faults, per call."""
-        if self._work.nbytes < nbytes:
-            self._work = np.empty(nbytes, np.uint8)
-        return self._work
-
     def _shared_memory(self) -> bool:
         return self._job.shared is not None and self.group == 0
 
@@ -219,7 +206,7 @@ class SparkdlCommunicator(BaseCommunicator):
         else:
             ex = self._exchange("allreduce")
             module = {"ring": ring, "tree": tree, "naive": naive}[chosen]
-            scratch = self._scratch_of(ring.SEGMENT_BYTES if chosen == "ring" else source.nbytes)
+            scratch = self._scratch.at_least(ring.SEGMENT_BYTES if chosen == "ring" else source.nbytes)
             module.allreduce(ex, flat, out_flat, _COMBINE[op], scratch)
             ex.flush()
         if op is ReduceOp.MEAN:
@@ -236,7 +223,7 @@ class SparkdlCommunicator(BaseCommunicator):
         else:
             ex = self._exchange("reduce")
             module = tree if self._choose("reduce", algorithm, source.nbytes) == "tree" else naive
-            module.reduce(ex, flat, out, root, _COMBINE[op], self._scratch_of(source.nbytes))
+            module.reduce(ex, flat, out, root, _COMBINE[op], self._scratch.at_least(source.nbytes))
             ex.flush()
         if self.rank != root:
             return None
@@ -290,9 +277,9 @@ class SparkdlCommunicator(BaseCommunicator):
             work = flat  # one rank: its own chunk is the result
             if self.size > 1:
                 # every region of ``work`` is written before it is read or sent: partial sums, then this rank's chunk
-                work = self._work_of(flat.nbytes)[: flat.nbytes].view(flat.dtype)
+                work = self._work.at_least(flat.nbytes)[: flat.nbytes].view(flat.dtype)
                 ex = self._exchange("reduce_scatter")
-                ring.reduce_scatter(ex, flat, work, rows, _COMBINE[op], self._scratch_of(ring.SEGMENT_BYTES))
+                ring.reduce_scatter(ex, flat, work, rows, _COMBINE[op], self._scratch.at_least(ring.SEGMENT_BYTES))
                 ex.flush()
             result.reshape(-1)[...] = work[lo:hi]
         if op is ReduceOp.MEAN:
@@ -337,7 +324,7 @@ class SparkdlCommunicator(BaseCommunicator):
         if self.size > 1:
             flag = np.zeros(1, np.uint8)
             ex = self._exchange("barrier")
-            tree.allreduce(ex, flag, np.empty_like(flag), np.maximum, self._scratch_of(flag.nbytes))
+            tree.allreduce(ex, flag, np.empty_like(flag), np.maximum, self._scratch.at_least(flag.nbytes))
             ex.flush()
 
     def _send(self, array, dest, tag) -> None:
@@ -390,3 +377,16 @@ def _group_id(parent: int, name: str) -> int:
 def _open_shared(local: list[int], rank: int, secret: bytes, host: str, timeout: float) -> shm.SharedMemoryGroup:
     name = hashlib.sha256(secret + b" shared memory " + host.encode()).hexdigest()[:32]
     return shm.SharedMemoryGroup.open(local.index(rank), local, name=name, secret=secret, timeout=timeout)
+
+
+class _KeptBuffer:
+    """Bytes kept between a communicator's calls (its operations run one at a time), grown to the largest size
+    asked for: no allocation, and no page faults, per call."""
+
+    def __init__(self) -> None:
+        self._bytes = np.empty(0, np.uint8)
+
+    def at_least(self, nbytes: int) -> np.ndarray:
+        if self._bytes.nbytes < nbytes:
+            self._bytes = np.empty(nbytes, np.uint8)
+        return self._bytes

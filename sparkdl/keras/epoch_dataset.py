@@ -3,10 +3,12 @@
 Two costs of a small model's step are Python's, not TensorFlow's: a Python generator handing
 Keras one batch at a time, and one call of the compiled train function per step. Here the
 rows arrive as *chunks* (many consecutive steps' rows and each step's span of them,
-``sparkdl.data.read_ahead.Chunk``), which TensorFlow slices into the steps' batches itself;
-and the dataset holds exactly one epoch's steps, iterated anew for each epoch, so that Keras
-can run ``steps_per_execution`` steps per call (it stops a call at the end of the data) without
-a call ever taking the next epoch's batches: every epoch stays exact.
+``sparkdl.data.read_ahead.Chunk``); a chunk's run of equal-sized steps goes to TensorFlow as one
+``(steps, rows, ...)`` view, which ``unbatch`` cuts into the steps' batches in C++ (no function
+called per step, none to build when an epoch's iterator is made). The dataset holds exactly one
+epoch's steps, iterated anew for each epoch, so that Keras can run ``steps_per_execution`` steps
+per call (it stops a call at the end of the data) without a call ever taking the next epoch's
+batches: every epoch stays exact.
 
     >>> dataset = epoch_dataset(lambda epoch: settings.chunks(rows, rank, epoch * steps, (epoch + 1) * steps),
     ...                         example=rows.read(np.arange(1)), to_keras=layout.keras_batch,
@@ -20,9 +22,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from sparkdl.data.read_ahead import Chunk
+
 
 def epoch_dataset(
-    chunks_of_epoch: Callable[[int], Iterator],
+    chunks_of_epoch: Callable[[int], Iterator[Chunk]],
     *,
     example: dict[str, np.ndarray],
     to_keras: Callable[[dict], tuple],
@@ -40,24 +44,39 @@ def epoch_dataset(
 
     epochs = itertools.count(first_epoch)
     names = sorted(example)
-    signature = (tuple(_spec(example[name]) for name in names), tf.TensorSpec([None, 2], tf.int64))
+    signature = tuple(_spec(example[name]) for name in names)
 
     def one_epoch():
         for chunk in chunks_of_epoch(next(epochs)):
-            yield tuple(chunk.arrays[name] for name in names), np.asarray(chunk.steps, np.int64)
+            yield from stacked_runs(chunk, names)
 
-    def steps_of(arrays, spans):
-        def step(span):
-            return to_keras({name: array[span[0] : span[1]] for name, array in zip(names, arrays)})
+    def keras_batch(*arrays):
+        return to_keras(dict(zip(names, arrays)))
 
-        return tf.data.Dataset.from_tensor_slices(spans).map(step)
-
-    dataset = tf.data.Dataset.from_generator(one_epoch, output_signature=signature).flat_map(steps_of)
+    dataset = tf.data.Dataset.from_generator(one_epoch, output_signature=signature).unbatch().map(keras_batch)
     return dataset.apply(tf.data.experimental.assert_cardinality(steps))
+
+
+def stacked_runs(chunk: Chunk, names: list[str]) -> Iterator[tuple[np.ndarray, ...]]:
+    """The chunk's steps as runs of consecutive steps of equal size: per run, the ``names`` fields' rows as
+    ``(steps, rows, ...)`` arrays (views of the chunk's), whose items are the run's steps in order."""
+    spans = chunk.steps
+    first = 0
+    while first < len(spans):
+        start, stop = spans[first]
+        size, last = stop - start, first + 1
+        while last < len(spans) and spans[last][0] == spans[last - 1][1] and spans[last][1] - spans[last][0] == size:
+            last += 1
+        count = last - first
+        yield tuple(
+            chunk.arrays[name][start : start + count * size].reshape(count, size, *chunk.arrays[name].shape[1:])
+            for name in names
+        )
+        first = last
 
 
 def _spec(array: np.ndarray):
     import tensorflow as tf
 
     dtype = tf.string if array.dtype.kind in "OUS" else tf.as_dtype(array.dtype)
-    return tf.TensorSpec((None, *array.shape[1:]), dtype)
+    return tf.TensorSpec((None, None, *array.shape[1:]), dtype)

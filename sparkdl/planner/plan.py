@@ -57,6 +57,7 @@ def plan(
         batch_sizes=(batch_size, 2 * batch_size, 4 * batch_size),
         optimizer_slots=_slots(model),
         largest_layers_bytes=_largest_layers(model),
+        trainable_variables=len(model.trainable_variables),
         worker_memory=worker_memory,
         modes=tuple(modes) if modes is not None else tuple(MODES),
     )

@@ -22,20 +22,35 @@ from collections.abc import Sequence
 from sparkdl.collective import cost
 from sparkdl.planner.probe import Probe
 
-#: A ``fit`` keyword whose value is the number of workers of the choice (a server shard on each worker's host).
-PER_WORKER = "<num_workers>"
-#: The modes the planner compares: label -> (its ``fit`` keywords, its pattern in ``cost.PATTERNS``).
-MODES: dict[str, tuple[dict, str]] = {
-    "sync": ({"mode": "sync"}, "sync"),
-    "sharded": ({"mode": "sharded"}, "zero1"),
-    "sharded, shard_weights=True": ({"mode": "sharded", "shard_weights": True}, "zero3"),
-    "async": ({"mode": "async"}, "parameter_server"),
-    "async, servers on executors": (
-        {"mode": "async", "server_placement": "executors", "num_servers": PER_WORKER},
-        "spread_ps",
+
+@dataclasses.dataclass(frozen=True)
+class PlannedMode:
+    """A mode the planner weighs: its ``fit`` keywords and its pattern in ``cost.PATTERNS``."""
+
+    keywords: dict
+    pattern: str
+    shard_per_worker: bool = False  # one parameter-server shard beside each worker: num_servers = num_workers
+
+    def fit_keywords(self, num_workers: int) -> dict:
+        """The ``fit`` keywords of this mode on ``num_workers`` workers."""
+        return {**self.keywords, "num_servers": num_workers} if self.shard_per_worker else dict(self.keywords)
+
+    def runs(self, num_workers: int, trainable_variables: int) -> bool:
+        """Whether ``fit`` takes it for a model of ``trainable_variables``: a server shard holds whole variables."""
+        return not self.shard_per_worker or num_workers <= trainable_variables
+
+
+#: The modes the planner compares, by label.
+MODES: dict[str, PlannedMode] = {
+    "sync": PlannedMode({"mode": "sync"}, "sync"),
+    "sharded": PlannedMode({"mode": "sharded"}, "zero1"),
+    "sharded, shard_weights=True": PlannedMode({"mode": "sharded", "shard_weights": True}, "zero3"),
+    "async": PlannedMode({"mode": "async"}, "parameter_server"),
+    "async, servers on executors": PlannedMode(
+        {"mode": "async", "server_placement": "executors"}, "spread_ps", shard_per_worker=True
     ),
-    "sync_ps": ({"mode": "sync_ps"}, "sync_ps"),
-    "gossip": ({"mode": "gossip"}, "gossip"),
+    "sync_ps": PlannedMode({"mode": "sync_ps"}, "sync_ps"),
+    "gossip": PlannedMode({"mode": "gossip"}, "gossip"),
 }
 _RECOMPUTE = 4.0 / 3.0  # a step with every forward pass run twice: forward + backward (twice a forward) + forward
 _TIE = 0.05  # epoch times within 5% of the best: the fewest workers among them is picked
@@ -59,7 +74,7 @@ class Choice:
     @property
     def fit_arguments(self) -> dict:
         """The ``sparkdl.fit`` keywords of this choice."""
-        keywords = {k: self.num_workers if v == PER_WORKER else v for k, v in MODES[self.mode][0].items()}
+        keywords = MODES[self.mode].fit_keywords(self.num_workers)
         return {**keywords, "num_workers": self.num_workers, "batch_size": self.batch_size}
 
 
@@ -97,6 +112,7 @@ def weigh(
     batch_sizes: Sequence[int],
     optimizer_slots: int,
     largest_layers_bytes: int,
+    trainable_variables: int,
     worker_memory: int | None = None,
     modes: Sequence[str] = tuple(MODES),
 ) -> Plan:
@@ -106,11 +122,13 @@ def weigh(
     reaches :data:`EFFICIENT` (communication under a fifth of the step; the largest where none does): a larger
     batch is faster per epoch but changes the training itself, which the planner does not predict. Among
     those, the recommendation is the least epoch time of the modes that fit (the fewest workers within 5%).
+    A mode ``fit`` would refuse for a model of ``trainable_variables`` (more server shards than variables) is
+    not weighed.
     """
     choices = []
     for mode in modes:
-        _, pattern = MODES[mode]
-        for n in worker_counts:
+        pattern = MODES[mode].pattern
+        for n in (n for n in worker_counts if MODES[mode].runs(n, trainable_variables)):
             for batch in batch_sizes:
                 compute = probe.compute_seconds(batch) * (_RECOMPUTE if pattern == "zero3" else 1.0)
                 communication = cost.predict(pattern, n, probe.gradient_bytes, probe.link) if n > 1 else 0.0
