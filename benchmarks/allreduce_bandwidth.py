@@ -40,10 +40,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from netbench.common import UNITS, label, parse_size  # noqa: E402  (sizes as text, as the network benchmark's)
+
 from sparkdl.collective import Listener, SparkdlCommunicator  # noqa: E402
 from sparkdl.net.io import tune  # noqa: E402
 
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 #: (label, algorithm, shared memory, sealed)
 VARIANTS = {
     "ring": ("ring", False, False),
@@ -51,20 +52,6 @@ VARIANTS = {
     "shm": ("hierarchical", True, False),
     "sealed": ("ring", False, True),
 }
-
-
-def parse_size(text: str) -> int:
-    match = re.fullmatch(r"(\d+)([KMG]?)B?", text.upper())
-    if not match:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; expected e.g. 4K, 16M, 1G")
-    return int(match.group(1)) * UNITS.get(match.group(2), 1)
-
-
-def label(nbytes: int) -> str:
-    for unit in ("G", "M", "K"):
-        if nbytes >= UNITS[unit] and nbytes % UNITS[unit] == 0:
-            return f"{nbytes // UNITS[unit]}{unit}"
-    return str(nbytes)
 
 
 def _tuned_socket() -> socket.socket:

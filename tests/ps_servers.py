@@ -15,14 +15,17 @@ def server(shards, mode="async", num_workers=2, **kwargs):
     return ParameterServer(shards, host=HOST, secret=SECRET, mode=mode, num_workers=num_workers, **kwargs)
 
 
-def client(ps, worker, sizes, timeout=10.0, **kwargs):
+def client(ps, worker, sizes, timeout=10.0, secret=SECRET, addresses=None, **kwargs):
     """Worker ``worker``'s client of ``ps``: one server of every shard, or a list of servers that run apart (shard k
-    the only one of server k, as server tasks run them), which it joins and says DONE to each."""
+    the only one of server k, as server tasks run them), which it joins and says DONE to each. ``secret`` and
+    ``addresses`` (the shards', in order) may be given wrong on purpose."""
     if isinstance(ps, list):
-        addresses, kwargs = [one.addresses[0] for one in ps], {"separate_servers": True, **kwargs}
+        found, kwargs = [one.addresses[0] for one in ps], {"separate_servers": True, **kwargs}
     else:
-        addresses = ps.addresses
-    return ParameterClient(addresses, worker=worker, secret=SECRET, shard_sizes=sizes, timeout=timeout, **kwargs)
+        found = ps.addresses
+    return ParameterClient(
+        addresses or found, worker=worker, secret=secret, shard_sizes=sizes, timeout=timeout, **kwargs
+    )
 
 
 def in_thread(fn):

@@ -136,9 +136,11 @@ def test_bad_data_is_reported_before_training(spark, rows, schema, features, mes
     assert raised.type is ValueError  # the driver's check, not a worker's error (WorkerError can be a ValueError)
 
 
-def test_vector_column_with_nan(spark):
-    from pyspark.ml.linalg import Vectors
+@pytest.mark.parametrize("package", ["pyspark.ml.linalg", "pyspark.mllib.linalg"])
+def test_vector_column_with_nan(spark, package):
+    import importlib
 
+    Vectors = importlib.import_module(package).Vectors  # Spark ML's Vector, and the RDD-era MLlib one
     df = spark.createDataFrame(
         [(Vectors.dense([0.1, float("nan")]), 1), (Vectors.sparse(2, [0], [1.0]), 0)], ["vec", "label"]
     )

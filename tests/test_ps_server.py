@@ -12,7 +12,8 @@ import pytest
 from attackers import ps_request, ps_response, recv_exactly
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from shards import LR, SGDShard
+from ps_servers import HOST, SECRET, client, server
+from shards import LR, SGDShard, make_shards
 
 from sparkdl.net.auth import connect_authenticated
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout
@@ -23,9 +24,6 @@ from sparkdl.ps import client as client_module
 from sparkdl.ps import protocol
 from sparkdl.ps.client import ParameterClient
 from sparkdl.ps.server import ParameterServer
-
-HOST = "127.0.0.1"
-SECRET = b"ps-test-secret"
 
 
 class OverlapShard(SGDShard):
@@ -48,19 +46,6 @@ class OverlapShard(SGDShard):
         super().apply(gradient)
         with self._guard:
             self.active -= 1
-
-
-def make_shards(sizes, seed=0):
-    rng = np.random.default_rng(seed)
-    return [SGDShard(rng.standard_normal(size)) for size in sizes]
-
-
-def server(shards, mode="async", num_workers=2, **kwargs):
-    return ParameterServer(shards, host=HOST, secret=SECRET, mode=mode, num_workers=num_workers, **kwargs)
-
-
-def client(ps, worker, sizes, timeout=10.0, secret=SECRET, addresses=None):
-    return ParameterClient(addresses or ps.addresses, worker=worker, secret=secret, shard_sizes=sizes, timeout=timeout)
 
 
 def run_threads(fn, count):

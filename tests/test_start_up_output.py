@@ -4,6 +4,7 @@ TensorFlow 2.21 writes absl's preamble and its oneDNN notice (twice each) at imp
 says; a bare ``import keras`` on this machine shows them, ``import sparkdl, keras`` must not.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -63,3 +64,13 @@ def test_tensorflows_own_verbose_level_shows_them(fake_tensorflow):
         "import sparkdl, tensorflow", fake_tensorflow, PYTHONPATH=str(fake_tensorflow), TF_CPP_MIN_LOG_LEVEL="0"
     )
     assert len(_start_up_lines(stderr)) == 2, stderr
+
+
+def test_import_sparkdl_loads_neither_tensorflow_nor_spark_ml(tmp_path):
+    """What the import spares: the driver's ``import sparkdl`` and every worker daemon's start, before the model."""
+    code = "import json, sys, sparkdl; print(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    loaded = set(json.loads(done.stdout))
+    assert "pyspark.sql" in loaded, "sparkdl stopped importing PySpark: this check would prove nothing"
+    assert not loaded & {"tensorflow", "keras", "pyspark.ml", "pandas", "scipy"}, sorted(loaded)

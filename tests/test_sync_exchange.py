@@ -216,7 +216,9 @@ def test_an_update_xla_cannot_compile_runs_op_by_op_with_a_warning(caplog):
     assert large[0].numpy().max() == 0  # the trial touched stand-ins only
 
 
-def test_the_trial_compile_runs_once_per_optimizer_kind_in_a_process(caplog):
+def test_the_trial_compile_runs_once_per_optimizer_kind_in_a_process(caplog, monkeypatch):
+    monkeypatch.setattr(compiled_update, "_verdicts", compiled_update._verdicts.__class__())
+    monkeypatch.setattr(compiled_update, "_KEPT_VERDICTS", 2)
     large = [keras.Variable(np.zeros((1100, 1000), np.float32))]
     with caplog.at_level("WARNING", logger="sparkdl.keras.compiled_update"):
         assert not compiled_update.pays(_HostCallingSGD(0.5), large)
@@ -231,6 +233,12 @@ def test_the_trial_compile_runs_once_per_optimizer_kind_in_a_process(caplog):
         assert not compiled_update.pays(_HostCallingSGD2(0.5), large)
         assert not compiled_update.pays(_HostCallingSGD(0.25), large)  # another configuration: tried anew
     assert caplog.text.count("XLA cannot compile") == 2
+    caplog.clear()
+
+    with caplog.at_level("WARNING", logger="sparkdl.keras.compiled_update"):  # two verdicts kept, the oldest dropped
+        assert not compiled_update.pays(_HostCallingSGD(0.25), large)
+        assert not compiled_update.pays(_HostCallingSGD(0.5), large)
+    assert caplog.text.count("XLA cannot compile") == 1, "the first optimizer's verdict should have been dropped"
 
 
 def test_bf16_compression_trains_digits_as_well_as_float32(digits_df, digits):

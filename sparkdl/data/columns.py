@@ -12,9 +12,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from pyspark.ml.functions import vector_to_array
-from pyspark.ml.linalg import VectorUDT
-from pyspark.mllib.linalg import VectorUDT as MLlibVectorUDT
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -25,6 +22,10 @@ SCALAR, VECTOR, ARRAY, IMAGE = "scalar", "vector", "array", "image"
 # images it writes: CV_8UC1, CV_8UC3 (BGR), CV_8UC4 (BGRA).
 IMAGE_FIELDS = {"origin", "height", "width", "nChannels", "mode", "data"}
 IMAGE_MODES = {0: 1, 16: 3, 24: 4}
+# Spark's Vector types (pyspark.ml's, and pyspark.mllib's before it), known by their JVM classes: importing
+# pyspark.ml to compare with its classes would load all of Spark ML, pandas and SciPy (most of a second) with
+# sparkdl, in the driver and in every executor's Python. A DataFrame with a Vector column has loaded them.
+VECTOR_UDTS = {"org.apache.spark.ml.linalg.VectorUDT", "org.apache.spark.mllib.linalg.VectorUDT"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,8 @@ class SourceColumn:
         if self.kind == IMAGE:
             return column.getField("data")
         if self.kind == VECTOR:
+            from pyspark.ml.functions import vector_to_array  # Spark ML, loaded only where a Vector is read
+
             return vector_to_array(column, "float64" if element == "double" else "float32")
         if self.kind == SCALAR:
             return F.array(column.cast(element))
@@ -80,7 +83,7 @@ def inspect(df: DataFrame, name: str, setting: str) -> SourceColumn:
         )
     data_type = df.schema[name].dataType
     type_name = data_type.simpleString()
-    if isinstance(data_type, (VectorUDT, MLlibVectorUDT)):
+    if isinstance(data_type, T.UserDefinedType) and data_type.scalaUDT() in VECTOR_UDTS:
         return SourceColumn(name, VECTOR, 1, False, type_name, _vector_size(df.schema[name]))
     if isinstance(data_type, T.StructType) and {f.name for f in data_type.fields} >= IMAGE_FIELDS:
         return SourceColumn(name, IMAGE, 3, True, type_name)

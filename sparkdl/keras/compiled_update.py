@@ -13,11 +13,13 @@ custom optimizer or schedule may use an op XLA lacks. :func:`pays` first compile
 optimizer's update on stand-in variables of one element each (so that no weight or slot of the
 model's is touched), and keeps the update op by op, with a warning, where that fails. The verdict is
 kept for the process's later fits of the same optimizer (class and config) on variables of the same
-ranks and dtypes: a Python worker that Spark reuses pays the trial (0.4-0.6 s) once.
+ranks and dtypes: a Python worker that Spark reuses pays the trial (0.4-0.6 s) once. The 64 verdicts
+used last are kept.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -33,22 +35,29 @@ logger = logging.getLogger(__name__)
 #: Trainable parameters from which the update is compiled (4 MB of float32 weights).
 MIN_PARAMETERS = 1 << 20
 
-_verdicts: dict[tuple, bool] = {}  # what the trial compile found, by what it depends on (see _trial_key)
+#: What the trial compile found, by what it depends on (see _trial_key), the most recently used last.
+_verdicts: collections.OrderedDict[tuple, bool] = collections.OrderedDict()
+_KEPT_VERDICTS = 64  # a tuning run tries many learning rates: each is an entry, the oldest dropped first
 
 
 def pays(optimizer, variables: Sequence) -> bool:
     """Whether ``optimizer``'s update of ``variables`` should run compiled: large enough, and XLA compiles it."""
     if _compat.keras_major() < 3 or sum(int(np.prod(v.shape)) for v in variables) < MIN_PARAMETERS:
         return False
-    key = _trial_key(optimizer, variables)
-    if key not in _verdicts:
-        _verdicts[key] = _compiles(optimizer, variables)
+    config = optimizer.get_config()
+    key = _trial_key(optimizer, config, variables)
+    if key in _verdicts:
+        _verdicts.move_to_end(key)
+    else:
+        _verdicts[key] = _compiles(optimizer, config, variables)
+        if len(_verdicts) > _KEPT_VERDICTS:
+            _verdicts.popitem(last=False)
     return _verdicts[key]
 
 
-def _compiles(optimizer, variables: Sequence) -> bool:
+def _compiles(optimizer, config: dict, variables: Sequence) -> bool:
     try:
-        _compile_on_stand_ins(optimizer, variables)
+        _compile_on_stand_ins(optimizer, config, variables)
     except Exception as exc:  # any failure of the trial keeps the update as Keras runs it
         logger.warning(
             "sparkdl: XLA cannot compile the update of %s (%s); it runs op by op",
@@ -59,13 +68,13 @@ def _compiles(optimizer, variables: Sequence) -> bool:
     return True
 
 
-def _trial_key(optimizer, variables: Sequence) -> tuple:
+def _trial_key(optimizer, config: dict, variables: Sequence) -> tuple:
     """What the trial's outcome depends on: the optimizer's class (the class itself, so that one redefined under
     the same name is tried anew) and configuration but its name (Keras numbers each new optimizer's), and the
     variables' ranks and dtypes (not their sizes: the stand-ins have one element each)."""
-    config = {key: value for key, value in optimizer.get_config().items() if key != "name"}
+    unnamed = {key: value for key, value in config.items() if key != "name"}
     ranks_and_dtypes = tuple((len(v.shape), str(v.dtype)) for v in variables)
-    return (_optimizer_class(optimizer), json.dumps(config, sort_keys=True, default=repr), ranks_and_dtypes)
+    return (_optimizer_class(optimizer), json.dumps(unnamed, sort_keys=True, default=repr), ranks_and_dtypes)
 
 
 def _optimizer_class(optimizer) -> Any:
@@ -82,7 +91,7 @@ def compiled(fn: Callable) -> Callable:
     return tf.function(functools.partial(fn), jit_compile=True)
 
 
-def _compile_on_stand_ins(optimizer, variables: Sequence) -> None:
+def _compile_on_stand_ins(optimizer, config: dict, variables: Sequence) -> None:
     import keras
     import tensorflow as tf
 
@@ -90,6 +99,6 @@ def _compile_on_stand_ins(optimizer, variables: Sequence) -> None:
         stand_ins = [
             keras.Variable(np.zeros([1] * len(v.shape)), dtype=v.dtype, name=v.name.split("/")[-1]) for v in variables
         ]
-        trial = _optimizer_class(optimizer).from_config(optimizer.get_config())
+        trial = _optimizer_class(optimizer).from_config(config)
         trial.build(stand_ins)
         compiled(lambda grads: trial.apply(grads, stand_ins))([tf.zeros_like(v) for v in stand_ins])

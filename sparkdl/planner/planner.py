@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from sparkdl.collective import cost
 from sparkdl.planner.probe import Probe
+from sparkdl.ps import sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +38,7 @@ class PlannedMode:
 
     def runs(self, num_workers: int, trainable_variables: int) -> bool:
         """Whether ``fit`` takes it for a model of ``trainable_variables``: a server shard holds whole variables."""
-        return not self.shard_per_worker or num_workers <= trainable_variables
+        return not self.shard_per_worker or sharding.holds_whole_variables(num_workers, trainable_variables)
 
 
 #: The modes the planner compares, by label.

@@ -9,6 +9,11 @@ from __future__ import annotations
 import numpy as np
 
 
+def holds_whole_variables(num_servers: int, num_variables: int) -> bool:
+    """Whether ``num_servers`` shards can each hold at least one of ``num_variables`` whole variables."""
+    return num_servers <= num_variables
+
+
 def assign_shards(sizes: list[int], num_servers: int) -> list[list[int]]:
     """Variable indices per shard: the largest variables first, each onto the lightest shard so far."""
     loads = [0] * num_servers

@@ -38,6 +38,7 @@ from sparkdl.modes.parameter_server.task import (
     run_parameter_server_task,
 )
 from sparkdl.modes.shared_options import COMPRESSION
+from sparkdl.ps import sharding
 from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.server_model import ServerModel
 
@@ -92,7 +93,7 @@ class ParameterServerMode(Mode):
     def configure(self, name: str, model, values: dict) -> ParameterServerOptions:
         num_servers = values["num_servers"]
         variables = len(model.trainable_variables)
-        if num_servers > variables:
+        if not sharding.holds_whole_variables(num_servers, variables):
             raise ValueError(
                 f"Expected `num_servers` <= the model's {variables} trainable variables (a shard holds "
                 f"whole variables). Received: num_servers={num_servers}"
