@@ -1,0 +1,81 @@
+"""One unit of a fully sharded model as TensorFlow functions of weights it is given: the unit itself holds none.
+
+The engine (``engine``) gathers a unit's weights, calls :attr:`Unit.forward` on them and drops them; for
+the backward pass it gathers them again and :attr:`Unit.backward` runs the forward again under a tape
+from the activation kept at the unit's entry. The unit's Keras model is deferred
+(``sparkdl.keras.deferred``): its variables hold no memory, and ``stateless_call`` runs it on the
+weights passed in, in the chain order of ``units``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from sparkdl.keras.deferred import initial_value, is_deferred
+from sparkdl.modes.fully_sharded import units
+from sparkdl.modes.pipeline.engine import batch_loss
+
+
+class Unit:
+    """One unit: its deferred Keras model, run on given weights (chain order) and non-trainable values."""
+
+    def __init__(self, model: keras.Model, loss: Any, *, last: bool, first: bool):
+        self.model, self.last, self.first = model, last, first
+        self._loss = keras.losses.get(loss) if isinstance(loss, str) else loss
+        canonical = units.trainables(units.own_layers(model))
+        position = {id(variable): k for k, variable in enumerate(canonical)}
+        self._order = [position[id(variable)] for variable in model.trainable_variables]
+        self.shapes = [tuple(int(d) for d in variable.shape) for variable in canonical]
+        held = {id(variable): k for k, variable in enumerate(model.non_trainable_variables)}
+        # where the non-trainable weights (chain order) sit among the values a call takes (seed states too)
+        self.statistic_places = [held[id(v)] for v in units.statistics(units.own_layers(model))]
+        undeferred = [variable.path for variable in model.variables if not is_deferred(variable)]
+        if undeferred:
+            raise RuntimeError(f"A fully sharded unit's variables must hold no memory; these do: {undeferred[:5]}")
+
+        def forward(x, weights, statistics, y, training: bool):
+            """The unit's outputs, its non-trainable values after the call, its penalties (training), the loss (last)."""
+            return self._run(x, weights, statistics, y, training)
+
+        # Functions of this unit's own (not one method's for all units: TensorFlow would take them for retraces)
+        self.forward = tf.function(forward, reduce_retracing=True)
+        self.backward = tf.function(functools.partial(Unit._backward, self), reduce_retracing=True)
+
+    def starting_statistics(self, weights: Sequence[np.ndarray]) -> list[tf.Tensor]:
+        """The non-trainable values a call takes: the unit's non-trainable ``weights`` (chain order) where they go,
+        a seed generator's state from its initializer (this process's: each rank draws its own dropout masks)."""
+        values = [tf.convert_to_tensor(initial_value(v)) for v in self.model.non_trainable_variables]
+        if len(weights) != len(self.statistic_places):
+            raise ValueError(f"Expected {len(self.statistic_places)} non-trainable weights. Received: {len(weights)}")
+        for place, value in zip(self.statistic_places, weights):
+            values[place] = tf.convert_to_tensor(value)
+        return values
+
+    def _run(self, x, weights: Sequence, statistics: Sequence, y, training: bool):
+        outputs, statistics, losses = self.model.stateless_call(
+            [weights[k] for k in self._order], list(statistics), x, training=training, return_losses=True
+        )
+        penalty = tf.add_n(losses) if training and losses else None
+        loss = batch_loss(self._loss, y, outputs) if y is not None else None
+        return outputs, statistics, penalty, loss
+
+    def _backward(self, x, weights, statistics, upstream, y):
+        """The gradients of the loss (the last unit's, plus the unit's penalties, plus ``upstream`` through its
+        outputs) with respect to ``weights`` and, but on the first unit, ``x``: the forward pass run again."""
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            if not self.first:
+                tape.watch(x)
+            outputs, _, penalty, loss = self._run(x, weights, statistics, y, True)
+            terms = [term for term in (loss, penalty) if term is not None]
+            if upstream is not None:
+                terms.append(tf.reduce_sum(outputs * tf.cast(upstream, outputs.dtype)))
+            total = tf.add_n(terms)
+        sources = [*weights] + ([] if self.first else [x])
+        return tape.gradient(total, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
