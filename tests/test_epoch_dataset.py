@@ -66,3 +66,18 @@ def test_runs_of_equal_consecutive_steps_are_views_stacked_by_step():
     steps = [step[:, 0].tolist() for run in runs for step in run[0]]
     assert steps == [[0.0, 2.0], [4.0, 6.0], [8.0], [10.0], [10.0], [12.0]]
     assert all(np.shares_memory(run[0], arrays["v"]) for run in runs)  # no copy before TensorFlow's own
+
+
+def test_the_dataset_runs_without_autotuning():
+    """Nothing here is tuned (no parallel map, no prefetch), and under TensorFlow 2.21 a tuned iterator dropped in a
+    Python worker that already ran a fit waits for its tuning thread, up to a minute (ps_step.py: a warm async
+    fit 84 s where training took 49 s). The options are what Keras's iterator is built with."""
+    dataset = epoch_dataset(
+        _chunks_of,
+        example={name: array[:1] for name, array in _fields().items()},
+        to_keras=lambda arrays: (arrays["x"], arrays["y"]),
+        first_epoch=0,
+        steps=STEPS,
+    )
+    assert dataset.options().autotune.enabled is False
+    assert [y.numpy().tolist() for _, y in dataset] == _expected(0)  # and it still serves the epoch

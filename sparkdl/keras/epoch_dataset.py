@@ -10,6 +10,12 @@ epoch's steps, iterated anew for each epoch, so that Keras can run ``steps_per_e
 per call (it stops a call at the end of the data) without a call ever taking the next epoch's
 batches: every epoch stays exact.
 
+The dataset runs without ``tf.data``'s autotuning: it has nothing to tune (no parallel map, no
+prefetch), and its thread costs time. Under TensorFlow 2.21, in a Python worker that has already
+run a fit (Spark reuses its workers), dropping an iterator that was read for a while waits for that
+iterator's autotuning thread to wake on its own, up to its optimization period (a minute at most):
+an epoch of 21 s took 41 s, in plain Keras too.
+
     >>> dataset = epoch_dataset(lambda epoch: settings.chunks(rows, rank, epoch * steps, (epoch + 1) * steps),
     ...                         example=rows.read(np.arange(1)), to_keras=layout.keras_batch,
     ...                         first_epoch=0, steps=steps)
@@ -54,7 +60,9 @@ def epoch_dataset(
         return to_keras(dict(zip(names, arrays)))
 
     dataset = tf.data.Dataset.from_generator(one_epoch, output_signature=signature).unbatch().map(keras_batch)
-    return dataset.apply(tf.data.experimental.assert_cardinality(steps))
+    untuned = tf.data.Options()
+    untuned.autotune.enabled = False
+    return dataset.apply(tf.data.experimental.assert_cardinality(steps)).with_options(untuned)
 
 
 def stacked_runs(chunk: Chunk, names: list[str]) -> Iterator[tuple[np.ndarray, ...]]:

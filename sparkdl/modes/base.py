@@ -19,6 +19,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from sparkdl import data, schedule
 from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore
 from sparkdl.data.fields import Layout
@@ -83,6 +85,21 @@ class Settings:
     def chunks(self, rows: data.Rows, rank: int, start: int, stop: int):
         """The same steps as :meth:`batches` (fillers included), as chunks of consecutive steps' rows."""
         return rows.chunks(self._parts(rows, rank, start, stop, True))
+
+    def epoch_stream(self, rows: data.Rows, rank: int, initial_epoch: int):
+        """Rank ``rank``'s training batches for Keras's ``fit``, epoch after epoch from ``initial_epoch``: the steps
+        of :meth:`chunks`, as a ``tf.data.Dataset`` of one epoch that each iteration moves on by an epoch
+        (``sparkdl.keras.epoch_dataset``; give ``fit`` no ``steps_per_epoch``)."""
+        from sparkdl.keras.epoch_dataset import epoch_dataset
+
+        steps = self.steps_per_epoch
+        return epoch_dataset(
+            lambda epoch: self.chunks(rows, rank, start=epoch * steps, stop=(epoch + 1) * steps),
+            example=rows.read(np.arange(1)),
+            to_keras=rows.layout.keras_batch,
+            first_epoch=initial_epoch,
+            steps=steps,
+        )
 
     def _parts(self, rows: data.Rows, rank: int, start: int | None, stop: int | None, fillers: bool):
         return schedule.epoch_steps(

@@ -62,21 +62,6 @@ class Validation:
         return in_batches(self.rows, batch_size) if len(self.rows) else training.take(np.arange(1))
 
 
-def epoch_stream(rows: Rows, settings: Settings, rank: int, initial_epoch: int):
-    """This rank's training batches for Keras's ``fit``, epoch after epoch from ``initial_epoch``, on the schedule
-    every mode follows (``Settings.chunks``: each row once an epoch, the ranks' common steps)."""
-    from sparkdl.keras.epoch_dataset import epoch_dataset
-
-    steps = settings.steps_per_epoch
-    return epoch_dataset(
-        lambda epoch: settings.chunks(rows, rank, start=epoch * steps, stop=(epoch + 1) * steps),
-        example=rows.read(np.arange(1)),
-        to_keras=rows.layout.keras_batch,
-        first_epoch=initial_epoch,
-        steps=steps,
-    )
-
-
 def run_steps_per_call(model, callbacks: Sequence) -> None:
     """Lets Keras run up to :data:`STEPS_PER_CALL` steps per call of its train function.
 

@@ -142,7 +142,7 @@ def run_parameter_server_task(
         exchange = Exchange(client, layout, task.compression, steps)
         hook = StepHook(model, layout, exchange, task.push_every, task.compression)
         hook.assign(variables, exchange.pull())
-        stream = settings.batches(rows, rank)
+        stream = settings.epoch_stream(rows, rank, settings.initial_epoch)
         keras.utils.set_random_seed(settings.seed + rank)  # dropout and the like differ per worker, by design
         reporter.progress(
             {"event": "start", "initial_epoch": settings.initial_epoch, "steps_per_epoch": settings.steps_per_epoch}
@@ -158,7 +158,6 @@ def run_parameter_server_task(
                 stream,
                 epochs=settings.epochs,
                 initial_epoch=settings.initial_epoch,
-                steps_per_epoch=settings.steps_per_epoch,
                 shuffle=False,
                 verbose=0,
                 validation_data=in_batches(held_out, settings.batch_size) if len(held_out) else None,
