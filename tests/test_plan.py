@@ -77,6 +77,21 @@ def test_servers_beside_the_workers_are_not_weighed_beyond_one_shard_per_variabl
     assert {c.num_workers for c in choices if c.mode == "async"} == {1, 2, 4, 8}  # one server on the driver: any N
 
 
+def test_servers_beside_the_workers_are_not_recommended_beyond_the_clusters_slots():
+    """A server task beside each worker doubles the slots a fit claims: on 8 slots, 8 workers with 8 servers cannot
+    run, so the plan shows that choice, marked, and recommends one that can."""
+    unbounded, on_eight = _weigh(_probe(1e-4, 1e-9)), _weigh(_probe(1e-4, 1e-9), cluster_slots=8)
+    assert (unbounded.recommended.mode, unbounded.recommended.num_workers) == ("async, servers on executors", 8)
+    assert on_eight.recommended.task_slots <= 8 and on_eight.recommended.on_cluster
+    spread = {c.num_workers: c for c in on_eight.choices if c.mode == "async, servers on executors"}
+    assert {n: c.task_slots for n, c in spread.items()} == {1: 2, 2: 4, 4: 8, 8: 16}
+    assert [n for n, c in spread.items() if not c.on_cluster] == [8]
+    assert all(c.on_cluster for c in on_eight.choices if c.mode == "async")  # its one server runs on the driver
+    assert "(needs 16 task slots)" in str(on_eight)
+    with pytest.raises(ValueError, match="1 task slots"):
+        _weigh(_probe(1e-4, 1e-9), cluster_slots=1, modes=["async, servers on executors"])
+
+
 def test_memory_rules_out_what_does_not_fit_and_sharding_fits_more():
     # 4 MB of weights with Adam: sync needs weights + 2 slots + gradients = 16 MB a worker; sharded weights ~1/N
     plan = _weigh(_probe(0, 0), worker_memory=8 * MB)
@@ -91,14 +106,17 @@ def test_plan_probes_the_cluster_and_prints_its_table(spark, digits, capsys):
     df = digits_frame(spark, x_train[:640], y_train[:640]).cache()
     model = make_mlp(hidden=(32,))
     weights = [w.copy() for w in model.get_weights()]
-    plan = sparkdl.plan(df, model, num_workers=2, batch_size=16, modes=["sync", "sharded"])
+    modes = ["sync", "sharded", "async, servers on executors"]
+    plan = sparkdl.plan(df, model, num_workers=2, batch_size=16, modes=modes)
     printed = capsys.readouterr().out
     assert "recommended" in printed and "sparkdl.plan: 640 rows" in printed
+    # two workers with a server task beside each claim 4 slots, which local[2] does not have
+    assert "(needs 4 task slots)" in printed and plan.recommended.task_slots <= 2
     probe = plan.probe
     assert set(probe.step_seconds) == {16, 64} and all(s > 0 for s in probe.step_seconds.values())
     assert [m.nbytes for m in probe.measurements] == [4096, 1 << 18, MB]  # measured between two tasks
     assert probe.link.beta > 0 and probe.gradient_bytes == 4 * (64 * 32 + 32 + 32 * 10 + 10)
-    assert {c.mode for c in plan.choices} == {"sync", "sharded"} and plan.rows == 640
+    assert {c.mode for c in plan.choices} == set(modes) and plan.rows == 640
     assert plan.recommended.fit_arguments["num_workers"] in (1, 2)
     for got, want in zip(model.get_weights(), weights):  # the probe trained copies
         assert (got == want).all()

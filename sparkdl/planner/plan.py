@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from sparkdl.launch import session
 from sparkdl.planner import probe
 from sparkdl.planner.planner import MODES, Plan, weigh
 
@@ -32,8 +33,9 @@ def plan(
     every mode (``modes``: labels of ``sparkdl.planner.planner.MODES``, default all) on 1, 2, 4, ...,
     ``num_workers`` workers with ``batch_size``, 2x and 4x rows per worker, from the cost model of each mode's
     communication (``sparkdl.collective.cost``). ``worker_memory``: bytes a worker may hold for the model (its
-    weights, optimizer state and gradients); modes beyond it are shown but not recommended. With ``show``, the
-    table is printed. Returns the :class:`~sparkdl.planner.planner.Plan` (``plan.recommended.fit_arguments``).
+    weights, optimizer state and gradients); modes beyond it are shown but not recommended, as are those that would
+    claim more task slots than the cluster has (servers beside the workers). With ``show``, the table is printed.
+    Returns the :class:`~sparkdl.planner.planner.Plan` (``plan.recommended.fit_arguments``).
 
     Example:
         >>> chosen = sparkdl.plan(df, model, num_workers=4, batch_size=32)
@@ -59,6 +61,7 @@ def plan(
         largest_layers_bytes=_largest_layers(model),
         trainable_variables=len(model.trainable_variables),
         worker_memory=worker_memory,
+        cluster_slots=session.task_slots(df.sparkSession),
         modes=tuple(modes) if modes is not None else tuple(MODES),
     )
     if show:

@@ -10,7 +10,8 @@ with K the model's gradient bytes, and an epoch ``ceil(rows / (N B))`` such step
 is counted in full, as if nothing of it overlapped the compute (sync's buckets hide part of it behind
 backprop, so its figure is an upper bound). Scaling efficiency is one worker's epoch over N times the
 N workers' epoch. Memory per worker counts the weights, the optimizer's slots and the gradients, as
-each mode splits them; a mode that does not fit ``worker_memory`` is shown but not picked.
+each mode splits them; a mode that does not fit ``worker_memory`` is shown but not picked, and so is one
+whose fit would claim more task slots than the cluster has (servers beside the workers: two a worker).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ class PlannedMode:
     def runs(self, num_workers: int, trainable_variables: int) -> bool:
         """Whether ``fit`` takes it for a model of ``trainable_variables``: a server shard holds whole variables."""
         return not self.shard_per_worker or sharding.holds_whole_variables(num_workers, trainable_variables)
+
+    def task_slots(self, num_workers: int) -> int:
+        """The task slots its ``fit`` claims on ``num_workers`` workers: a server task beside each one as well."""
+        return 2 * num_workers if self.shard_per_worker else num_workers
 
 
 #: The modes the planner compares, by label.
@@ -71,6 +76,8 @@ class Choice:
     efficiency: float  # one worker's epoch / (N x this epoch)
     memory_bytes: int  # a worker's weights, optimizer state and gradients
     fits: bool  # within the worker memory given (True when none was)
+    task_slots: int  # the task slots its fit claims
+    on_cluster: bool  # the cluster has that many slots (True where its slots cannot be read)
 
     @property
     def fit_arguments(self) -> dict:
@@ -97,12 +104,19 @@ class Plan:
             f"{'mode':<30}{'workers':>8}{'batch':>7}{'step ms':>10}{'epoch s':>10}{'efficiency':>12}{'MB/worker':>11}",
         ]
         for c in sorted(self.choices, key=lambda c: (c.mode, c.num_workers, c.batch_size)):
-            mark = " <- recommended" if c == self.recommended else ("" if c.fits else "  (does not fit)")
+            mark = " <- recommended" if c == self.recommended else _unfit(c)
             lines.append(
                 f"{c.mode:<30}{c.num_workers:>8}{c.batch_size:>7}{c.step_seconds * 1000:>10.1f}"
                 f"{c.epoch_seconds:>10.2f}{c.efficiency:>12.2f}{c.memory_bytes / 1e6:>11.1f}{mark}"
             )
         return "\n".join(lines)
+
+
+def _unfit(choice: Choice) -> str:
+    """Why the table's line of a choice that cannot be recommended is not: "" where it could be."""
+    if not choice.fits:
+        return "  (does not fit)"
+    return "" if choice.on_cluster else f"  (needs {choice.task_slots} task slots)"
 
 
 def weigh(
@@ -115,6 +129,7 @@ def weigh(
     largest_layers_bytes: int,
     trainable_variables: int,
     worker_memory: int | None = None,
+    cluster_slots: int | None = None,
     modes: Sequence[str] = tuple(MODES),
 ) -> Plan:
     """Every mode x workers x batch size, predicted from ``probe``, and the recommended one.
@@ -122,14 +137,15 @@ def weigh(
     For each mode and number of workers, the batch is the smallest of ``batch_sizes`` whose scaling efficiency
     reaches :data:`EFFICIENT` (communication under a fifth of the step; the largest where none does): a larger
     batch is faster per epoch but changes the training itself, which the planner does not predict. Among
-    those, the recommendation is the least epoch time of the modes that fit (the fewest workers within 5%).
-    A mode ``fit`` would refuse for a model of ``trainable_variables`` (more server shards than variables) is
-    not weighed.
+    those, the recommendation is the least epoch time of the modes that fit ``worker_memory`` and claim at most
+    ``cluster_slots`` task slots (None: unknown, any) (the fewest workers within 5%). A mode ``fit`` would refuse
+    for a model of ``trainable_variables`` (more server shards than variables) is not weighed.
     """
     choices = []
     for mode in modes:
-        pattern = MODES[mode].pattern
-        for n in (n for n in worker_counts if MODES[mode].runs(n, trainable_variables)):
+        planned = MODES[mode]
+        pattern = planned.pattern
+        for n in (n for n in worker_counts if planned.runs(n, trainable_variables)):
             for batch in batch_sizes:
                 compute = probe.compute_seconds(batch) * (_RECOMPUTE if pattern == "zero3" else 1.0)
                 communication = cost.predict(pattern, n, probe.gradient_bytes, probe.link) if n > 1 else 0.0
@@ -138,13 +154,13 @@ def weigh(
                 alone = math.ceil(rows / batch) * probe.compute_seconds(batch)
                 memory = _memory(pattern, n, probe.gradient_bytes, optimizer_slots, largest_layers_bytes)
                 fits = worker_memory is None or memory <= worker_memory
-                choices.append(Choice(mode, n, batch, step, epoch, alone / (n * epoch) if epoch else 1.0, memory, fits))
-    fitting = [c for c in choices if c.fits]
+                slots = planned.task_slots(n)
+                on_cluster = cluster_slots is None or slots <= cluster_slots
+                efficiency = alone / (n * epoch) if epoch else 1.0
+                choices.append(Choice(mode, n, batch, step, epoch, efficiency, memory, fits, slots, on_cluster))
+    fitting = [c for c in choices if c.fits and c.on_cluster]
     if not fitting:
-        raise ValueError(
-            f"Expected some mode to fit worker_memory={worker_memory} bytes. Received: the least a worker needs is "
-            f"{min(c.memory_bytes for c in choices)} bytes; use mode='pipeline', more workers or larger workers"
-        )
+        raise ValueError(_nothing_fits(choices, worker_memory, cluster_slots))
     picked = []
     for mode, n in {(c.mode, c.num_workers) for c in fitting}:
         options = sorted((c for c in fitting if (c.mode, c.num_workers) == (mode, n)), key=lambda c: c.batch_size)
@@ -153,6 +169,20 @@ def weigh(
     near = [c for c in picked if c.epoch_seconds <= best * (1 + _TIE)]
     recommended = min(near, key=lambda c: (c.num_workers, c.epoch_seconds))
     return Plan(recommended, tuple(choices), probe, rows)
+
+
+def _nothing_fits(choices: list[Choice], worker_memory: int | None, cluster_slots: int | None) -> str:
+    """The error of a plan none of whose choices could be recommended."""
+    on_cluster = [c for c in choices if c.on_cluster]
+    if not on_cluster:
+        return (
+            f"Expected some mode to run on the cluster's {cluster_slots} task slots. Received: the modes weighed "
+            f"claim at least {min(c.task_slots for c in choices)}; weigh other `modes` or add executors/cores"
+        )
+    return (
+        f"Expected some mode to fit worker_memory={worker_memory} bytes. Received: the least a worker needs is "
+        f"{min(c.memory_bytes for c in on_cluster)} bytes; use mode='pipeline', more workers or larger workers"
+    )
 
 
 def _memory(pattern: str, n: int, weights: int, slots: int, largest_layers: int) -> int:
