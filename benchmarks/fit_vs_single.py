@@ -6,7 +6,7 @@ timing; the first sparkdl.fit (which also starts the Python workers and
 imports TensorFlow in them) is reported separately as the cold start.
 
     python benchmarks/fit_vs_single.py [--modes sync async hogwild ssp average] [--repeats 3] [--checkpoints]
-    python benchmarks/fit_vs_single.py --phases [--repeats 3] [--daemon] [--baseline DIR]
+    python benchmarks/fit_vs_single.py --phases [--repeats 3] [--daemon] [--baseline DIR] [--check-early]
 
 ``--checkpoints`` adds each mode again with ``checkpoint_dir`` (a fresh local directory per run):
 what saving the model and optimizer state after every epoch costs.
@@ -20,7 +20,10 @@ both warm fits of every repeat) with its range, in seconds and as a fraction of 
 fit (the fractions add up to the fit's ratio). ``--daemon`` starts the sessions with
 ``spark.python.daemon.module=sparkdl.WORKER_DAEMON`` (Python workers forked with TensorFlow loaded).
 ``--baseline DIR`` measures another source tree of sparkdl (a checkout of an earlier commit) as well,
-its repeats alternating with this tree's, side by side in one table.
+its repeats alternating with this tree's, side by side in one table. ``--check-early`` adds this tree
+again, its sessions calling ``sparkdl.check_executors(spark, workers, wait=False)`` right after they start,
+as ``jobs/train.py`` does: the executors' TensorFlow import then overlaps building the data and one
+process's fit instead of the first sparkdl fit.
 """
 
 from __future__ import annotations
@@ -79,15 +82,20 @@ def main(argv=None) -> None:
     parser.add_argument("--phases", action="store_true", help="sync mode's phases, first and warm fit (see above)")
     parser.add_argument("--daemon", action="store_true", help="--phases: sessions with sparkdl's worker daemon")
     parser.add_argument("--baseline", help="--phases: also another source tree of sparkdl, repeats alternating")
+    parser.add_argument(
+        "--check-early", action="store_true", help="--phases: also sessions that check their executors at once"
+    )
     parser.add_argument("--phases-child", action="store_true", help=argparse.SUPPRESS)  # one repeat of --phases
     args = parser.parse_args(argv)
     if args.phases:
-        trees = {"before": args.baseline} if args.baseline else {}
-        trees["this tree"] = ROOT
+        trees = {"before": (args.baseline, False)} if args.baseline else {}
+        trees["this tree"] = (ROOT, False)
+        if args.check_early:
+            trees["checked early"] = (ROOT, True)
         variants: dict[str, list[dict]] = {name: [] for name in trees}
         for _ in range(args.repeats):  # the variants alternate, so load on this shared machine hits both alike
-            for name, tree in trees.items():
-                variants[name].append(phases_repeat(args, tree))
+            for name, (tree, check_early) in trees.items():
+                variants[name].append(phases_repeat(args, tree, check_early))
         print_phases(variants, args)
         return
     if args.phases_child:
@@ -186,12 +194,13 @@ PHASES = {
 }
 
 
-def phases_repeat(args, tree: str) -> dict:
+def phases_repeat(args, tree: str, check_early: bool) -> dict:
     """One repeat of ``--phases`` in a fresh Python process (a fresh JVM and Spark session) importing sparkdl
-    from ``tree``."""
+    from ``tree``, its session checking the executors at once where ``check_early``."""
     command = [sys.executable, os.path.abspath(__file__), "--phases-child", "--epochs", str(args.epochs)]
     command += ["--workers", str(args.workers), "--global-batch", str(args.global_batch)]
     command += ["--daemon"] if args.daemon else []
+    command += ["--check-early"] if check_early else []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")])))
     # From the tree's root: `python -m pyspark.daemon` puts its working directory first on the workers' path.
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env, cwd=tree)
@@ -204,7 +213,7 @@ def phases_repeat(args, tree: str) -> dict:
         raise RuntimeError(f"{' '.join(command)} failed (its output: {log.name}):\n" + "\n".join(python_lines[-60:]))
     outcome = json.loads(line.split(" ", 1)[1])
     print(
-        f"{tree}: one process {[round(s, 2) for s in outcome['single']]}, first fit {outcome['first']['wall']:.2f}s, "
+        f"{tree}{' (checked early)' if check_early else ''}: one process {[round(s, 2) for s in outcome['single']]}, first fit {outcome['first']['wall']:.2f}s, "
         f"warm fits {[round(fit['wall'], 2) for fit in outcome['warm']]}",
         flush=True,
     )
@@ -219,6 +228,8 @@ def phases_child(args) -> dict:
 
     config = {"spark.python.daemon.module": sparkdl.WORKER_DAEMON} if args.daemon else {}
     spark = local_session(args.workers, **config)
+    if args.check_early:
+        sparkdl.check_executors(spark, args.workers, wait=False)  # as jobs/train.py does; the first fit waits for it
     x_train, _, y_train, _ = digits_split()
     df = spark.createDataFrame(
         [(r.tolist(), int(l)) for r, l in zip(x_train, y_train)], "features array<float>, label int"
