@@ -206,6 +206,7 @@ def fit(
             seed=seed,
         )  # the columns, matched to the model's inputs and outputs: no Spark job yet
         # The executors' Python is checked (and TensorFlow loaded into it) while the driver checks the rows.
+        asked = time.perf_counter()
         workers = probe.start_check(df.sparkSession, layout.slots, timeout)
         phases.end("slots")
         try:
@@ -292,7 +293,7 @@ def fit(
             )
         seconds = time.perf_counter() - started
         phases.end("result")
-        logger.info("sparkdl: phases %s; %s", phases, workers.summary(waited))
+        logger.info("sparkdl: phases %s; %s", phases, workers.summary(waited, asked))
         return _result(
             result,
             start,

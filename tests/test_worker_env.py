@@ -8,6 +8,7 @@ so the event log shows whether anything failed or was retried, and whether a tra
 import glob
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -41,12 +42,16 @@ _SCRIPT = textwrap.dedent("""
     spark.sparkContext.setLogLevel("ERROR")
     outcome = {}
     try:
-        if what == "fit":
-            import keras
+        if what in ("fit", "fit-twice"):
+            import keras, logging
+            if what == "fit-twice":  # fit's phase lines, on stderr
+                logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+                logging.getLogger("sparkdl").setLevel(logging.INFO)
             model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
             model.compile(optimizer="sgd", loss="mse")
             df = spark.createDataFrame([([float(i), 1.0], float(i)) for i in range(8)], "features array<float>, label float")
-            sparkdl.fit(df, model, num_workers=2, epochs=1, batch_size=4, progress=False)
+            for _ in range(2 if what == "fit-twice" else 1):
+                sparkdl.fit(df, model, num_workers=2, epochs=1, batch_size=4, progress=False)
             outcome["result"] = "trained"
         else:
             def where():
@@ -65,7 +70,8 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_script(tmp_path, what, *, env_python=None, conf_python=None, daemon=None):
+def _run_script(tmp_path, what, *, env_python=None, conf_python=None, daemon=None, path_python=sys.executable):
+    """Runs ``_SCRIPT`` in a fresh Python with ``path_python`` as the ``python3`` of its ``PATH``."""
     script = tmp_path / "job.py"
     script.write_text(_SCRIPT)
     events = tmp_path / "events"
@@ -73,6 +79,11 @@ def _run_script(tmp_path, what, *, env_python=None, conf_python=None, daemon=Non
     env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
     if env_python is not None:
         env["PYSPARK_PYTHON"] = env_python
+    on_path = tmp_path / "path"
+    on_path.mkdir()
+    (on_path / "python3").write_text(f'#!/bin/sh\nexec "{path_python}" "$@"\n')  # a link would lose a venv
+    (on_path / "python3").chmod(0o755)
+    env["PATH"] = f"{on_path}{os.pathsep}{env.get('PATH', '')}"
     done = subprocess.run(
         [sys.executable, str(script), what, f"file://{events}", conf_python or "", daemon or ""],
         env=env,
@@ -208,6 +219,35 @@ def test_sparkdls_worker_daemon_forks_workers_with_tensorflow_loaded(tmp_path):
     assert tensorflow_loaded
     assert events["probe_tasks"] == [1, 1] and events["failed_tasks"] == []
     assert "found in sys.modules" not in output  # runpy's warning when the daemon module was imported before it ran
+
+
+def test_rows_made_before_the_first_fit_under_another_python3_train_without_the_worker_daemon(
+    tmp_path, python_without_packages
+):
+    """The DataFrame of local rows is made while the session's workers are still PySpark's default, the ``python3`` of
+    the PATH (here one without sparkdl), and reading it starts that Python. sparkdl's worker daemon cannot start
+    there, so the fit does not name it for the session: the rows are read as PySpark reads them, and the fit trains
+    on the driver's Python, with TensorFlow loaded by the probe in every worker."""
+    outcome, events, output = _run_script(tmp_path, "fit-twice", path_python=python_without_packages)
+
+    assert outcome.get("result") == "trained", outcome
+    assert "python3, which Python code of this session may start, cannot import sparkdl" in output
+    assert f"fork from {worker_python.WORKER_DAEMON}" not in output.replace("do not fork from", "")
+    assert events["probe_tasks"] == [2] and events["failed_tasks"] == [] and len(events["barrier_stages"]) == 2
+
+
+def test_a_fit_that_started_the_check_says_how_to_start_it_earlier(tmp_path):
+    """A session's first fit starts the check of its executors' Python (which imports TensorFlow there) and waits
+    for it; its phase line says how to run that beside the driver's work. The session's second fit, which finds
+    the check passed, does not."""
+    outcome, _, output = _run_script(tmp_path, "fit-twice")
+
+    assert outcome.get("result") == "trained", outcome
+    first, second = [line for line in output.splitlines() if line.startswith("sparkdl.api: sparkdl: phases ")]
+    checked = float(re.search(r"worker check ([0-9.]+)s", first).group(1))
+    assert checked >= probe._HINT_SECONDS, first  # TensorFlow's import alone takes longer
+    assert "sparkdl.check_executors(spark, num_workers, wait=False) right after the session starts" in first
+    assert "waited for 0.00s" in second and "check_executors" not in second, second
 
 
 def test_probe_passes_once_per_session_on_the_shared_session(spark):

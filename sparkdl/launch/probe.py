@@ -47,6 +47,7 @@ _log = logging.getLogger(__name__)
 LAUNCH_MODULES = ("numpy", "pyarrow", "sparkdl")
 TRAINING_MODULES = ("numpy", "pyarrow", "keras", "tensorflow", "sparkdl")
 _SUBMIT_WAIT_SECONDS = 10.0  # the longest start_check waits for the probe's job to be on its way
+_HINT_SECONDS = 1.0  # a fit that started a check this long is told how to start it earlier
 _checks: dict = {}  # (session, interpreter, modules) -> its PendingCheck, running or passed
 _checks_lock = threading.Lock()
 
@@ -112,6 +113,7 @@ class PendingCheck:
         self._reports: list[dict] = []
         self._failure: BaseException | None = None
         self._submitting = threading.Event()  # the probe's job is about to be submitted (or the probe ended)
+        self.started = time.perf_counter()
         self.seconds = 0.0  # the probe job's duration
 
     def start(self, num_workers: int, modules: tuple) -> None:
@@ -171,13 +173,20 @@ class PendingCheck:
         )
         return waited
 
-    def summary(self, waited: float) -> str:
-        """What the check cost a caller that ``waited`` for it, in words (for ``fit``'s phase line)."""
+    def summary(self, waited: float, asked: float) -> str:
+        """What the check cost a caller that asked for it at ``asked`` (``time.perf_counter()``) and ``waited`` for
+        it, in words (for ``fit``'s phase line); where that caller started it, how to start it earlier."""
         warmed = sum(bool(r.get("warmed")) for r in self._reports or ())
         slowest = max((r["seconds"] for r in self._reports or ()), default=0.0)
+        hint = (
+            "; sparkdl.check_executors(spark, num_workers, wait=False) right after the session starts would have "
+            "run it beside the driver's own work"
+            if self.started >= asked and self.seconds >= _HINT_SECONDS
+            else ""
+        )
         return (
             f"worker check {self.seconds:.2f}s in the background, waited for {waited:.2f}s (imports "
-            f"{slowest:.2f}s" + (f", TensorFlow loaded in {warmed} Python worker(s)" if warmed else "") + ")"
+            f"{slowest:.2f}s" + (f", TensorFlow loaded in {warmed} Python worker(s)" if warmed else "") + ")" + hint
         )
 
 

@@ -5,8 +5,8 @@ In local modes the executors are threads of the driver's JVM, on this machine: w
 ``PATH``; :func:`use_driver_python` makes it the driver's own interpreter instead (classic
 sessions: ``SparkContext.pythonExec``, which PySpark reads whenever it builds a Python UDF or
 ``mapInArrow`` function). In ``local[...]`` mode the workers also fork from :data:`WORKER_DAEMON`,
-which imports TensorFlow once, unless the session names a daemon of its own
-(:func:`use_worker_daemon`).
+which imports TensorFlow once, unless the session names a daemon of its own, or an interpreter its
+Python code may start cannot import sparkdl (:func:`use_worker_daemon`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import weakref
 
 from sparkdl.launch import session
 
@@ -27,6 +28,10 @@ _DEFAULT_PYTHON = "python3"  # what PySpark starts on the executors when nothing
 # make ``python -m`` run a module that is already imported).
 WORKER_DAEMON = "sparkdl.launch.worker_daemon"
 _DAEMON_SETTING = "spark.python.daemon.module"
+# The SparkContexts whose workers use_driver_python moved off ``python3``: Python code the session made before
+# (a DataFrame of local rows, a UDF) keeps the interpreter it was made with, and still starts ``python3``.
+_moved_off_default: weakref.WeakSet = weakref.WeakSet()
+_declined: weakref.WeakSet = weakref.WeakSet()  # the SparkContexts whose workers cannot fork from WORKER_DAEMON
 
 
 def classic_context(spark):
@@ -58,6 +63,7 @@ def use_driver_python(spark) -> None:
             "spark.pyspark.python" if configured else "the driver's Python; local mode",
         )
         sc.pythonExec = wanted
+        _moved_off_default.add(sc)
 
 
 def use_worker_daemon(spark) -> None:
@@ -66,17 +72,31 @@ def use_worker_daemon(spark) -> None:
 
     Spark reads that setting whenever it starts Python code for a task (``BasePythonRunner``), from the
     configuration the local executors share with the driver: set here, it applies from the next Python
-    worker on (workers already started stay as they are). Executors of other masters (``local-cluster``
-    too) read their own copy when they start: there it must be given where the session is built.
+    worker on (workers already started stay as they are), for every interpreter the session's Python code
+    starts: so only where each of them imports sparkdl (``python3`` too, where :func:`use_driver_python` moved
+    the workers off it). Executors of other masters (``local-cluster`` too) read their own copy when they
+    start: there it must be given where the session is built.
     """
     sc = classic_context(spark)
     if sc is None or not session.is_local_mode(sc.master):
         return
     live = sc._conf  # the SparkContext's own configuration (``getConf()`` returns a copy)
     forks = (live.get("spark.python.use.daemon", "true") or "true").strip().lower() != "false"
-    if forks and live.get(_DAEMON_SETTING, None) is None and _finds_sparkdl(sc.pythonExec):
-        _log.info("sparkdl: local Python workers fork from %s, which imports TensorFlow once", WORKER_DAEMON)
-        live.set(_DAEMON_SETTING, WORKER_DAEMON)
+    if not forks or live.get(_DAEMON_SETTING, None) is not None or sc in _declined:
+        return
+    pythons = [sc.pythonExec] + ([_DEFAULT_PYTHON] if sc in _moved_off_default else [])
+    lacking = [python for python in pythons if not _finds_sparkdl(python)]
+    if lacking:
+        _declined.add(sc)
+        _log.info(
+            "sparkdl: local Python workers do not fork from %s: %s, which Python code of this session may start, "
+            "cannot import sparkdl",
+            WORKER_DAEMON,
+            lacking[0],
+        )
+        return
+    _log.info("sparkdl: local Python workers fork from %s, which imports TensorFlow once", WORKER_DAEMON)
+    live.set(_DAEMON_SETTING, WORKER_DAEMON)
 
 
 @functools.cache
