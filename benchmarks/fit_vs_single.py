@@ -212,9 +212,10 @@ def phases_repeat(args, tree: str, check_early: bool) -> dict:
         python_lines = [line for line in done.stderr.splitlines() if not line.startswith("\tat ")]
         raise RuntimeError(f"{' '.join(command)} failed (its output: {log.name}):\n" + "\n".join(python_lines[-60:]))
     outcome = json.loads(line.split(" ", 1)[1])
+    variant = f"{tree} (checked early)" if check_early else tree
     print(
-        f"{tree}{' (checked early)' if check_early else ''}: one process {[round(s, 2) for s in outcome['single']]}, first fit {outcome['first']['wall']:.2f}s, "
-        f"warm fits {[round(fit['wall'], 2) for fit in outcome['warm']]}",
+        f"{variant}: one process {[round(s, 2) for s in outcome['single']]}, "
+        f"first fit {outcome['first']['wall']:.2f}s, warm fits {[round(fit['wall'], 2) for fit in outcome['warm']]}",
         flush=True,
     )
     return outcome

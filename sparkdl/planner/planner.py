@@ -21,6 +21,8 @@ import math
 from collections.abc import Sequence
 
 from sparkdl.collective import cost
+from sparkdl.launch.layout import TaskLayout
+from sparkdl.modes.parameter_server import placement
 from sparkdl.planner.probe import Probe
 from sparkdl.ps import sharding
 
@@ -42,8 +44,11 @@ class PlannedMode:
         return not self.shard_per_worker or sharding.holds_whole_variables(num_workers, trainable_variables)
 
     def task_slots(self, num_workers: int) -> int:
-        """The task slots its ``fit`` claims on ``num_workers`` workers: a server task beside each one as well."""
-        return 2 * num_workers if self.shard_per_worker else num_workers
+        """The task slots its ``fit`` claims on ``num_workers`` workers: the fit's own task layout (with a shard per
+        worker, a server task beside each one)."""
+        if self.shard_per_worker:
+            return placement.layout(num_workers, num_workers).slots
+        return TaskLayout.data_parallel(num_workers).slots
 
 
 #: The modes the planner compares, by label.
