@@ -1,10 +1,10 @@
 """.ci/run fails when any of its steps fails, and runs nothing after it.
 
-The script runs unchanged in a scratch repository: its ``python3.11 -m venv`` makes virtualenvs whose ``ruff`` and
-``python`` are this machine's real ruff and Python (so a real lint error and a real failing test fail them), and
-whose ``pip`` records its arguments and fails when asked to (a failed install, without touching the network).
-``conf/horovod/install.sh`` is a stand-in that fails when asked to. Every step writes a line to a log, so a test
-sees which steps ran.
+The script runs unchanged in a scratch repository: its ``python3.11 -m venv`` makes virtualenvs whose ``python`` is
+this machine's real Python (so a real failing test or job fails it), and whose ``pip``, ``ruff`` and ``mypy`` record
+their arguments and fail when asked to (a failed install or lint, without touching the network or needing the lint
+tools in the README's virtualenv). ``conf/horovod/install.sh`` is a stand-in that fails when asked to. Every step
+writes a line to a log, so a test sees which steps ran.
 """
 
 import os
@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 
-# A virtualenv's tools as `python3.11 -m venv DIR` makes them here: each logs its arguments, then runs the real tool
-# (ruff, python) or, for pip and the Horovod installer, succeeds unless its command line holds $FAIL_WHEN.
+# A virtualenv's tools as `python3.11 -m venv DIR` makes them here: each logs its arguments, then runs the real Python
+# or, for pip, ruff, mypy and the Horovod installer, succeeds unless its command line holds $FAIL_WHEN.
 _LOGGED = """#!/bin/sh
 echo "{name} $*" >> "$STEPS_LOG"
 case "{name} $*" in *"$FAIL_WHEN"*) [ -n "$FAIL_WHEN" ] && exit 1;; esac
@@ -30,14 +29,14 @@ _VENV = """#!/bin/sh
 echo "python3.11 $*" >> "$STEPS_LOG"
 [ "$1 $2" = "-m venv" ] || exit 97
 mkdir -p "$3/bin"
-for tool in pip mypy; do
+for tool in pip ruff mypy; do
   printf '%s' "$PIP" | sed "s/{name}/$tool/g" > "$3/bin/$tool"
 done
-printf '%s' "$RUFF" > "$3/bin/ruff"
 printf '%s' "$PYTHON" > "$3/bin/python"
 chmod +x "$3"/bin/*
 """
 
+_JOB = "raise SystemExit({exit_code})\n"
 _SLOW_TEST = "import pytest\n\n\n@pytest.mark.slow\ndef test_slow():\n    assert {outcome}\n"
 
 
@@ -61,6 +60,8 @@ def scratch(tmp_path):
         "[tool.ruff]\nline-length = 120\n[tool.pytest.ini_options]\naddopts = \"-p no:cacheprovider -m 'not slow'\"\n"
         'markers = ["slow: the slow command"]\n'
     )
+    (repo / "jobs").mkdir()
+    (repo / "jobs" / "train.py").write_text(_JOB.format(exit_code=0))
     (repo / "tests").mkdir()
     (repo / "tests" / "test_ok.py").write_text("def test_ok():\n    assert 1 + 1 == 2\n")
     (repo / "tests" / "test_slow.py").write_text(_SLOW_TEST.format(outcome="True"))
@@ -74,7 +75,6 @@ def scratch(tmp_path):
         "STEPS_LOG": str(tmp_path / "steps.log"),
         "FAIL_WHEN": "",
         "PIP": _tool("{name}", "exit 0"),
-        "RUFF": _tool("ruff", f'exec "{BIN / "ruff"}" "$@"'),
         # the scratch tests must not pick up this suite's conftest or a PYTHONPATH of ours
         "PYTHON": _tool("python", f'cd "{repo}" && exec "{sys.executable}" "$@"'),
     }
@@ -100,6 +100,9 @@ def test_every_step_runs_in_order_when_all_pass(scratch):
         "python3.11",
         "pip",
         "python",
+        "python3.11",
+        "pip",
+        "python",
         "python",
         "install.sh",
         "horovod-python",
@@ -109,11 +112,13 @@ def test_every_step_runs_in_order_when_all_pass(scratch):
 @pytest.mark.parametrize(
     "break_it, failing_step",
     [
-        ("lint", "ruff check"),  # a real lint error, found by the real ruff
-        ("format", "ruff format --check"),  # a file the real formatter would rewrite
-        ("install", "pip install -q -e"),  # the lint stack's install fails
-        ("default install", "pip install -e"),  # the default stack's install fails: the suite must not be skipped
+        ("lint", "ruff check"),
+        ("format", "ruff format --check"),
+        ("install", "pip install -q -e"),  # the lint tools' install fails
         ("type check", "mypy"),
+        ("job install", "pip install -e .[cpu,examples]"),  # the README's first command
+        ("job", "python jobs/train.py"),  # the main job fails, for real
+        ("default install", "pip install -e .[cpu,test,tracking]"),  # the suite must not be skipped
         ("test", "python -m pytest -q tests"),  # a real failing test, run by the real pytest
         ("slow test", "python -m pytest -q -m slow tests"),
         ("horovod install", "install.sh"),
@@ -121,10 +126,8 @@ def test_every_step_runs_in_order_when_all_pass(scratch):
 )
 def test_a_failing_step_fails_the_script_and_nothing_after_it_runs(scratch, break_it, failing_step):
     repo, env = scratch
-    if break_it == "lint":
-        (repo / "tests" / "lint_error.py").write_text("import os\n")  # F401: imported but unused
-    elif break_it == "format":
-        (repo / "tests" / "unformatted.py").write_text("x = [1,2 , 3]\n")
+    if break_it == "job":
+        (repo / "jobs" / "train.py").write_text(_JOB.format(exit_code=1))
     elif break_it == "test":
         (repo / "tests" / "test_ok.py").write_text("def test_ok():\n    assert 1 + 1 == 3\n")
     elif break_it == "slow test":
@@ -134,3 +137,4 @@ def test_a_failing_step_fails_the_script_and_nothing_after_it_runs(scratch, brea
     code, steps = _run(repo, env)
     assert code != 0, f"{break_it}: .ci/run exited 0 although {failing_step!r} failed; steps: {steps}"
     assert steps and failing_step in steps[-1], f"{break_it}: steps ran after the failing one: {steps}"
+

@@ -121,6 +121,7 @@ def test_readme_opens_with_the_two_commands_ci_runs():
     assert job.startswith("python3.11 -m venv .venv && ") and job.endswith("jobs/train.py"), job
     assert tests.startswith("python3.11 -m venv .venv && ") and "pytest" in tests, tests
     ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert ci_runs(job, ci), f".ci/run does not run the README's job command, one command a line: {job}"
     assert ci_runs(tests, ci), f".ci/run does not run the README's test command, one command a line: {tests}"
     slow = [
         code.strip()
