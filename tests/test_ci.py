@@ -138,3 +138,57 @@ def test_a_failing_step_fails_the_script_and_nothing_after_it_runs(scratch, brea
     assert code != 0, f"{break_it}: .ci/run exited 0 although {failing_step!r} failed; steps: {steps}"
     assert steps and failing_step in steps[-1], f"{break_it}: steps ran after the failing one: {steps}"
 
+
+_SKIPS = """import pytest
+
+
+def test_skipped_by_a_call():
+    pytest.skip("a dependency is missing")
+
+
+@pytest.mark.skipif(True, reason="a condition holds")
+def test_skipped_by_a_mark():
+    pass
+
+
+@pytest.mark.xfail(reason="known")
+def test_expected_to_fail():
+    assert False
+
+
+def test_passes():
+    pass
+"""
+
+
+@pytest.mark.parametrize("ci", [False, True])
+def test_a_skip_fails_the_suite_under_ci_and_an_expected_failure_does_not(tmp_path, ci):
+    """tests/conftest.py's rule: with SPARKDL_CI set (.ci/run), a skip outside its allow-list is a failure."""
+    (tmp_path / "test_skips.py").write_text(_SKIPS)
+    env = {key: value for key, value in os.environ.items() if key != "SPARKDL_CI"}
+    env["PYTHONPATH"] = str(REPO / "tests")
+    if ci:
+        env["SPARKDL_CI"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "conftest", "-p", "no:cacheprovider", "test_skips.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    summary = done.stdout.strip().splitlines()[-1]
+    if ci:
+        assert done.returncode == 1 and "1 failed, 1 passed, 1 xfailed, 1 error" in summary, done.stdout
+        assert done.stdout.count("skipped under SPARKDL_CI") >= 2, done.stdout
+    else:
+        assert done.returncode == 0 and "1 passed, 2 skipped, 1 xfailed" in summary, done.stdout
+
+
+def test_the_allowed_skips_name_tests_that_exist():
+    from conftest import ALLOWED_SKIPS
+
+    for nodeid in ALLOWED_SKIPS:
+        path, _, name = nodeid.partition("::")
+        assert (REPO / path).is_file(), nodeid
+        assert not name or f"def {name}(" in (REPO / path).read_text(), nodeid

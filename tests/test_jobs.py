@@ -1,7 +1,6 @@
 """The jobs, run the way users run them: through the real spark-submit (on a cluster of separate executor processes,
 and on too few slots), with plain python, and with their TOML config files; their checks before Spark starts."""
 
-import importlib.util
 import json
 import os
 import re
@@ -682,10 +681,6 @@ def connect_server(tmp_path):
         yield server["url"]
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("sparkdl.launch.session") is None,
-    reason="sparkdl.fit over Spark Connect arrives with sparkdl/launch/session.py (issue 13, point 3)",
-)
 def test_train_job_over_spark_connect(tmp_path, connect_server):
     """--remote makes the job a Spark Connect client: it trains on the server's executors and never starts a JVM."""
     out = run_job(

@@ -35,9 +35,7 @@ def memory_cgroup():
     except memory_cgroups.Unavailable as missing:
         group, message = None, f"needs a memory cgroup it can write, v1 or v2, as root: {missing}"
     if group is None:
-        if os.environ.get("SPARKDL_CI"):  # CI runs every test: one that cannot run here fails
-            pytest.fail(f"{message} (SPARKDL_CI is set: run CI as root on a machine with a memory cgroup)")
-        pytest.skip(message)
+        pytest.skip(message)  # a failure under CI (tests/conftest.py): CI runs as root with a memory cgroup
     try:
         yield group
     finally:
