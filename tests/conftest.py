@@ -40,6 +40,17 @@ def _fail_a_skip_under_ci(report) -> None:
     report.longrepr = f"skipped under SPARKDL_CI, which runs every test ({reason}); see ALLOWED_SKIPS in conftest.py"
 
 
+#: pytest-timeout's limit for tests marked slow (each starts a Spark, kernel or Connect server of its own) that set
+#: none of their own; every other test has pyproject.toml's.
+SLOW_TIMEOUT = 600
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
