@@ -24,13 +24,13 @@ import numpy as np
 
 from sparkdl.collective import algorithms, shm
 from sparkdl.collective.algorithms import hierarchical, naive, ring, tree
-from sparkdl.collective.api import OP_CODES, OPERATION_NAMES, Capabilities, ReduceOp
+from sparkdl.collective.api import OP_CODES, OPERATION_NAMES, Capabilities, ReduceOp, operation_name
 from sparkdl.collective.base import BaseCommunicator, check_reduce_op, output_array
 from sparkdl.collective.exchange import Exchange
 from sparkdl.collective.links import Links, Listener
 from sparkdl.collective.topology import Topology
 from sparkdl.net.errors import CollectiveError
-from sparkdl.net.frames import Kind, dtype_code
+from sparkdl.net.frames import Kind, dtype_code, dtype_name
 
 _COMBINE = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
 _SHARED_OP = {ReduceOp.SUM: "sum", ReduceOp.MEAN: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
@@ -112,6 +112,19 @@ class SparkdlCommunicator(BaseCommunicator):
     def traffic(self) -> dict[int, tuple[int, int]]:
         """Payload bytes (sent, received) so far between this rank and each linked peer (global ranks), over TCP."""
         return self._job.links.traffic()
+
+    def bytes_sent(self) -> dict[str, dict[str, dict[str, int]]]:
+        """The payload bytes this rank has sent so far, subgroups included, by transport, operation and dtype:
+        ``{"tcp": {"allreduce": {"float32": n}}, "shm": {...}}``. ``tcp``: the frames' bytes over its links;
+        ``shm``: the bytes it wrote into its host's segment for its peers, once per peer reading them
+        (:attr:`shm.SharedMemoryGroup.delivered`). ``send`` and ``recv`` count under ``send``."""
+        by_transport: dict[str, dict[str, dict[str, int]]] = {"tcp": {}, "shm": {}}
+        for (op, dtype), nbytes in self._job.links.sent_by_operation().items():
+            by_transport["tcp"].setdefault(operation_name(op), {})[dtype_name(dtype)] = nbytes
+        shared = self._job.shared
+        for (name, dtype_text), nbytes in (shared.delivered if shared is not None else {}).items():
+            by_transport["shm"].setdefault(name, {})[dtype_text] = nbytes
+        return by_transport
 
     def _ring_neighbour(self, step: int) -> int:
         position = self._ring.index(self.rank)

@@ -47,6 +47,8 @@ class Link:
         self._state = threading.Condition()  # guards ``kept`` and ``_reading``
         self._reading = False  # a thread is reading the socket
         self.bytes_sent = self.bytes_received = 0  # payload bytes, for benchmarks and tests of the algorithms
+        # payload bytes sent by (operation code, dtype code) of the frames: a fit's ``stats["wire_bytes"]``
+        self.sent_by_operation: collections.Counter[tuple[int, int]] = collections.Counter()
 
     def send(self, header: Header, payload: memoryview | bytes) -> Future:
         """Queues one frame; the future fails with a CollectiveError."""
@@ -57,6 +59,7 @@ class Link:
             with self._send_lock:
                 self.channel.send([header.pack(), payload])
                 self.bytes_sent += header.nbytes
+                self.sent_by_operation[header.op, header.dtype] += header.nbytes
         except OSError as exc:
             raise self._error(header.op, "send to", exc) from exc
 

@@ -9,6 +9,7 @@ them).
 
 from __future__ import annotations
 
+import collections
 import select
 import socket
 import threading
@@ -197,6 +198,13 @@ class Links:
     def traffic(self) -> dict[int, tuple[int, int]]:
         """Payload bytes (sent, received) so far on each open link, by peer rank."""
         return {peer: (link.bytes_sent, link.bytes_received) for peer, link in self._links.items()}
+
+    def sent_by_operation(self) -> collections.Counter[tuple[int, int]]:
+        """Payload bytes sent so far over all open links, by (operation code, dtype code) of the frames."""
+        total: collections.Counter[tuple[int, int]] = collections.Counter()
+        for link in list(self._links.values()):
+            total.update(dict(link.sent_by_operation))  # a copy: a sender thread may add a key
+        return total
 
     def close(self, reason: str | None = None) -> None:
         """Closes every link (telling each peer ``reason`` first, if given) and stops accepting."""

@@ -18,10 +18,15 @@ say: no extra round trip.  reduce_scatter is allreduce's A and B over a segment
 of every rank's range per piece; allgather, each rank's piece into its slot, then
 copied out by the others.  broadcast: the root copies into one of two halves
 of the data segment, the others copy out.  barrier: counters only.
+
+:attr:`SharedMemoryGroup.delivered` counts, per operation and dtype, the bytes each rank wrote into the
+segment for its peers, once per peer that reads them: what this rank would have sent them over links
+(a ring allreduce's 2(N-1)K/N, a reduce-scatter's or allgather's (N-1)K/N).
 """
 
 from __future__ import annotations
 
+import collections
 import platform
 import re
 import time
@@ -64,6 +69,8 @@ class SharedMemoryGroup:
         # The counter value every peer must reach before a set of slots, of results, or a broadcast half is rewritten.
         self._free_slots, self._free_results, self._free_halves = [0, 0], [0, 0], [0, 0]
         self._set = self._half = 0  # the set of slots and results, and the broadcast half, used next
+        # bytes written for peers by (operation, dtype name), once per peer that reads them (module docstring)
+        self.delivered: collections.Counter[tuple[str, str]] = collections.Counter()
         if links is not None:
             self._progress = seg.Progress(links, local_rank, self.ranks, timeout)
             self._bytes: np.ndarray | None = np.frombuffer(links.data.map, np.uint8)
@@ -119,6 +126,7 @@ class SharedMemoryGroup:
                 wait(max(self._free_slots[set_], *self._free_halves), peers, "allreduce")
                 slot[:a] = src[start : start + a]
                 slot[b:end] = src[start + b : start + end]
+                self.delivered["allreduce", flat.dtype.name] += a + end - b  # each chunk for its one reducer
                 progress.publish(progress.value + 1)
                 written[k] = progress.value
 
@@ -144,6 +152,7 @@ class SharedMemoryGroup:
                             out=mine,
                         )
                     slots[size * stride + a : size * stride + b] = dst[start + a : start + b]
+                    self.delivered["allreduce", flat.dtype.name] += (b - a) * len(peers)  # every peer copies it out
                 progress.publish(progress.value + 1)
                 reduced = self._free_slots[set_] = progress.value
                 if k + 1 < len(pieces):
@@ -195,6 +204,7 @@ class SharedMemoryGroup:
                 for q in peers:
                     a, b = segment(q, k)
                     slot[q * step * item : (q * step + b - a) * item] = src[a * item : b * item]
+                    self.delivered["reduce_scatter", flat.dtype.name] += (b - a) * item
                 progress.publish(progress.value + 1)
                 written[k] = progress.value
 
@@ -245,6 +255,7 @@ class SharedMemoryGroup:
                 start = (sets[k] * (size + 1) + rank) * stride
                 wait(max(self._free_slots[sets[k]], *self._free_halves), peers, "allgather")
                 data[start : start + b - a] = table[rank, a:b]
+                self.delivered["allgather", rows.dtype.name] += (b - a) * len(peers)
                 progress.publish(progress.value + 1)
                 written[k] = progress.value
 
@@ -283,6 +294,7 @@ class SharedMemoryGroup:
                     ready = max(self._free_halves[half], *self._free_slots, *self._free_results)
                     progress.wait(ready, self._peers, "broadcast")
                     area[:] = src[first:end]
+                    self.delivered["broadcast", flat.dtype.name] += (end - first) * len(self._peers)
                     progress.publish(value + 2)
                     if not same:
                         dst[first:end] = src[first:end]

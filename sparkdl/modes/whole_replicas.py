@@ -1,5 +1,5 @@
 """What the barrier modes whose every rank trains a whole replica share: the ranks' row counts, the model they start
-from, and the driver side that takes rank 0's trained model back (sync, sharded, gossip).
+from, the driver side that takes rank 0's trained model back (sync, sharded, gossip), and the bytes each rank sent.
 
 Rank 0 speaks for all of them: it fetches the model to start from (or a newer checkpoint, when Spark
 retried the stage after a failed attempt saved one), reports progress, writes the checkpoints and
@@ -9,6 +9,7 @@ returns the whole trained model with the history (``serialization.result_to_byte
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -110,6 +111,18 @@ def starting_point(
     header = comm.broadcast(np.array([start.epoch, len(start.model_bytes)] if start else [0, 0], np.int64))
     model = comm.broadcast(np.frombuffer(start.model_bytes, np.uint8) if start else np.empty(int(header[1]), np.uint8))
     return start or Checkpoint(int(header[0]), model.tobytes(), {}, mode)
+
+
+def wire_bytes(comm) -> list[dict] | None:
+    """Collective, at a barrier task's end: ``FitResult.stats["wire_bytes"]``, every rank's payload bytes sent
+    since it connected, by transport, operation and dtype (``SparkdlCommunicator.bytes_sent``), on rank 0; None
+    on the other ranks, and on a backend without these counters (Horovod's). Counted before this gather."""
+    bytes_sent = getattr(comm, "bytes_sent", None)  # sparkdl's communicator counts them; Horovod's does not
+    if bytes_sent is None:
+        return None
+    own = np.frombuffer(json.dumps(bytes_sent()).encode(), np.uint8)
+    gathered = comm.gather(own, root=0)
+    return [json.loads(row.tobytes()) for row in gathered] if gathered is not None else None
 
 
 def run_stage(job: Job, run_task: Callable, offered: dict[str, bytes] | None = None) -> ModeResult:

@@ -125,8 +125,9 @@ def run_fully_sharded_task(batches: Iterable[pa.RecordBatch], reporter: TaskRepo
                         whole = _assembled(whole, task, reporter, start, gathered)
                         checkpointer.record(logs)
                         checkpointer.save(epoch + 1, serialization.model_to_bytes(whole))
-        stats = {"fully_sharded": _stats(replica, comm)}
+        stats: dict = {"fully_sharded": _stats(replica, comm)}
         gathered = replica.gather_state()
+        stats["wire_bytes"] = whole_replicas.wire_bytes(comm)
         replica.close()
         reporter.phase("train")
         if not writer:

@@ -96,6 +96,7 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
             )
         if profile is not None:
             stats["step_profile"] = profile.summary(comm)
+        stats["wire_bytes"] = whole_replicas.wire_bytes(comm)
         reporter.phase("train")
         if comm.rank != 0:
             return None
