@@ -1,14 +1,17 @@
 """The cost model of communication patterns (:mod:`sparkdl.collective.cost`): the textbook byte counts, a fit that
-recovers known constants, predictions that move the way they must, and the communicator's own byte counters on
-loopback against the formulas. Fast: no namespaces, no Spark (benchmarks/network_patterns.py measures the rest)."""
+recovers known constants, predictions that move the way they must, and, for every pattern it prices, the bytes and
+messages it predicts against what the pattern's implementation moves on loopback (threads as ranks, real sockets,
+real parameter servers), as the communicator's links and the parameter-server clients and servers count them.
+No namespaces, no Spark (benchmarks/network_patterns.py measures the times)."""
 
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from collective_ranks import run_ranks
+from collective_ranks import SentFrames, run_ranks
 
 from sparkdl.collective import cost
 
@@ -172,34 +175,344 @@ def test_efficiency():
     assert math.isinf(cost.Params(1e-4, 0.0).bandwidth)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-@pytest.mark.parametrize("algorithm", ["ring", "naive", "tree"])
-def test_the_communicators_byte_counters_match_the_formulas(n, algorithm):
-    """One allreduce of K bytes on loopback threads: the payload each rank sent and received, as counted by its
-    links, is what the pattern's formula says (the root's for naive and tree, every rank's for the ring)."""
-    nbytes = 6 * 2**16 * 4  # float32 elements divisible by 2, 3 and 4
-    pattern = f"{algorithm}_allreduce"
+# -- every pattern against what its implementation moves -----------------------------------------------------------
+
+
+class Moved:
+    """Per rank of a run, what it moved in the measured call: payload bytes sent and received (its links'
+    counters) and the frames it sent (``SentFrames``)."""
+
+    def __init__(self, sent, received, messages):
+        self.sent, self.received, self.messages = list(sent), list(received), list(messages)
+
+    def busiest(self):
+        """(most sent, most received, most messages): what the model's ``rank_*`` and ``messages`` count."""
+        return max(self.sent), max(self.received), max(self.messages)
+
+
+def _on_ranks(n, frames, prepare, call, **connect):
+    """Runs ``prepare(comm)`` (its state, links opened) then ``call(comm, state)`` on ``n`` loopback ranks: the
+    bytes and frames each rank moved in ``call`` alone."""
 
     def body(comm):
-        data = np.ones(nbytes // 4, np.float32)
-        comm.allreduce(data, algorithm=algorithm)  # opens the links this algorithm uses
-        before = comm.traffic()
-        comm.allreduce(data, algorithm=algorithm)
-        after = comm.traffic()
+        state = prepare(comm)
+        call(comm, state)  # every link the call uses is open, every buffer allocated
+        comm.barrier()
+        before, sent_before = comm.traffic(), _frames_of(frames, comm.rank)
+        call(comm, state)
+        after, sent_after = comm.traffic(), _frames_of(frames, comm.rank)
+        comm.barrier()
         sent = sum(after[p][0] - before.get(p, (0, 0))[0] for p in after)
         received = sum(after[p][1] - before.get(p, (0, 0))[1] for p in after)
-        return sent, received
+        return sent, received, sent_after - sent_before
 
-    counted = run_ranks(n, body, timeout=30.0)
-    formula = cost.cost(pattern, n, nbytes)
-    if algorithm == "ring":
-        assert set(counted) == {(formula.rank_sent, formula.rank_received)}
-    else:
-        busiest = max(counted, key=sum)
-        assert busiest == counted[0]  # the root
-        assert busiest == (formula.rank_sent, formula.rank_received)
-    if algorithm == "naive":
-        assert all(c == (nbytes, nbytes) for c in counted[1:])  # each other rank: K up, K down
+    counted = run_ranks(n, body, timeout=30.0, **connect)
+    return Moved(*zip(*counted))
+
+
+def _frames_of(frames, rank):
+    with frames._lock:
+        return sum(1 for sender, _, _ in frames.frames if sender == rank)
+
+
+def _floats(nbytes):
+    return np.ones(nbytes // 4, np.float32)
+
+
+def _collective(operation, algorithm, per_rank_bytes=lambda n, k: k):
+    """A collective's call on K bytes (``per_rank_bytes``: what each rank passes in, e.g. K/N for an allgather)."""
+
+    def measure(frames, n, k):
+        def call(comm, data):
+            getattr(comm, operation)(data, algorithm=algorithm)
+
+        return _on_ranks(n, frames, lambda comm: _floats(int(per_rank_bytes(n, k))), call)
+
+    return measure
+
+
+def _sync(frames, n, k):
+    """Sync mode's reducer (``modes/sync/reducer.py``) on one step's gradients, run eagerly."""
+    import tensorflow as tf
+
+    from sparkdl.modes.sync.reducer import GradientReducer
+
+    def prepare(comm):
+        return GradientReducer(comm, timeout=30.0), [tf.constant(_floats(k))]
+
+    def call(comm, state):
+        reducer, gradients = state
+        reducer(lambda grads, variables: None, gradients, [None])
+
+    return _on_ranks(n, frames, prepare, call)
+
+
+def _dense_chain(width, layers, optimizer="sgd"):
+    """A chain of ``layers`` Dense layers of ``width`` on ``width`` inputs: (width + 1) * width floats each."""
+    import keras
+
+    model = keras.Sequential([keras.Input((width,)), *(keras.layers.Dense(width) for _ in range(layers))])
+    model.compile(optimizer, "mse")
+    return model
+
+
+def _zero1(frames, n, k):
+    """Sharded mode's optimizer (``modes/sync/sharded.py``, ZeRO-1) applying one step's gradients, run eagerly: the
+    gradients reduce-scattered, the shards all-gathered."""
+    import contextlib
+
+    from sparkdl.modes.sync.sharded import sharded_optimizer
+
+    width = 11  # one Dense(11) on 11 inputs: 132 floats, a multiple of 2, 3 and 4 (no padding)
+    assert k == (width + 1) * width * 4
+
+    def prepare(comm):
+        model = _dense_chain(width, 1)
+        stack = contextlib.ExitStack()
+        state = stack.enter_context(sharded_optimizer(model, comm, timeout=30.0))
+        gradients = [np.ones(v.shape, np.float32) for v in model.trainable_variables]
+        return stack, state, model, gradients
+
+    def call(comm, prepared):
+        _, state, model, gradients = prepared
+        state.optimizer.apply(gradients, model.trainable_variables)
+
+    return _on_ranks(n, frames, prepare, call)
+
+
+def _zero3(frames, n, k, units):
+    """Fully sharded mode's engine (``modes/fully_sharded/engine.py``, ZeRO-3): one training step of a model of
+    ``units`` equal units."""
+    from sparkdl.modes.fully_sharded import state
+    from sparkdl.modes.fully_sharded import units as unit_plans
+    from sparkdl.modes.fully_sharded.engine import FullyShardedReplica
+
+    width = 5  # Dense(5) on 5 inputs: 30 floats a unit, a multiple of 2 and 3 (no padding)
+    assert k == units * (width + 1) * width * 4
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((4, width)).astype(np.float32), rng.standard_normal((4, width)).astype(np.float32)
+
+    def prepare(comm):
+        model = _dense_chain(width, units)
+        plan = unit_plans.plan_units(model)
+        layout = unit_plans.shard_layout(model, plan, comm.size)
+        part = state.read_part(state.rank_part(model, plan, layout, comm.rank))
+        return FullyShardedReplica.from_part(plan, layout, comm, part, model.get_compile_config(), timeout=30)
+
+    return _on_ranks(n, frames, prepare, lambda comm, replica: replica.train_step(x, y))
+
+
+def _gossip(frames, n, k):
+    """Gossip mode's round (``modes/gossip/exchange.py``) with ring peers."""
+    from sparkdl.modes.gossip.exchange import Gossip
+
+    def call(comm, gossip):
+        gossip.start(_floats(k), gossip.rounds)
+        gossip.finish()
+
+    return _on_ranks(n, frames, lambda comm: Gossip(comm, "ring", seed=0, timeout=30.0), call)
+
+
+def _pipeline(frames, n, k, micro_batches):
+    """Pipeline mode's stages (``modes/pipeline/engine.py``): one GPipe step of a chain cut into ``n`` stages, each
+    cut carrying micro-batches of ``k`` bytes of activations (gradients back)."""
+    import keras
+
+    from sparkdl.modes.pipeline.cut import build_stage, plan_stages, stage_weights
+    from sparkdl.modes.pipeline.engine import PipelineStage
+
+    width = 4
+    rows = k // 4 // width * micro_batches
+    model = _dense_chain(width, n)
+    plan = plan_stages(model, n)
+    weights = [stage_weights(model, plan, s) for s in range(n)]
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((rows, width)).astype(np.float32), rng.standard_normal((rows, width)).astype(np.float32)
+
+    def prepare(comm):
+        stage = build_stage(plan, comm.rank, weights[comm.rank])
+        return PipelineStage(stage, comm, micro_batches, "mse", keras.optimizers.SGD(0.1), timeout=30.0)
+
+    def call(comm, engine):
+        engine.train_step(x if comm.rank == 0 else None, y if comm.rank == n - 1 else None)
+
+    return _on_ranks(n, frames, prepare, call)
+
+
+def _hierarchical(frames, n, k, local):
+    """The hierarchical allreduce on ``n`` ranks, ``local`` to a host (fake host names, one real segment each)."""
+    hosts = [f"host{rank // local}" for rank in range(n)]
+
+    def call(comm, data):
+        comm.allreduce(data, algorithm="hierarchical")
+
+    return _on_ranks(n, frames, lambda comm: _floats(k), call, shared_memory=True, hosts=hosts)
+
+
+COLLECTIVE_MEASURES = {
+    "ring_allreduce": _collective("allreduce", "ring"),
+    "naive_allreduce": _collective("allreduce", "naive"),
+    "tree_allreduce": _collective("allreduce", "tree"),
+    "hierarchical_allreduce": _hierarchical,
+    "ring_reduce_scatter": _collective("reduce_scatter", "ring"),
+    "ring_allgather": _collective("allgather", "ring", lambda n, k: k / n),
+    "naive_allgather": _collective("allgather", "naive", lambda n, k: k / n),
+    "ring_broadcast": _collective("broadcast", "ring"),
+    "tree_broadcast": _collective("broadcast", "tree"),
+    "naive_broadcast": _collective("broadcast", "naive"),
+    "sync": _sync,
+    "zero1": _zero1,
+    "zero3": _zero3,
+    "gossip": _gossip,
+    "pipeline": _pipeline,
+}
+#: Each collective pattern's measured case: ranks, bytes and the pattern's options. Sizes are exact multiples of
+#: the ranks (no padding) and, for the ring, span several segments of ``SEGMENT_BYTES`` where that is cheap.
+COLLECTIVE_CASES = {
+    "ring_allreduce": [(2, 6 * 2**16 * 4, {}), (3, 6 * 2**20 + 3 * 2**16 * 4, {}), (4, 6 * 2**16 * 4, {})],
+    "naive_allreduce": [(3, 6 * 2**16 * 4, {}), (4, 6 * 2**16 * 4, {})],
+    "tree_allreduce": [(3, 6 * 2**16 * 4, {}), (4, 6 * 2**16 * 4, {})],
+    "hierarchical_allreduce": [(4, 6 * 2**16 * 4, {"local": 2})],
+    "ring_reduce_scatter": [(3, 6 * 2**16 * 4, {})],
+    "ring_allgather": [(3, 6 * 2**16 * 4, {})],
+    "naive_allgather": [(3, 6 * 2**16 * 4, {})],
+    "ring_broadcast": [(3, 2 * 2**20 + 4096, {})],  # two segments
+    "tree_broadcast": [(4, 6 * 2**16 * 4, {})],
+    "naive_broadcast": [(3, 6 * 2**16 * 4, {})],
+    "sync": [(3, 6 * 2**16 * 4, {})],
+    "zero1": [(3, 12 * 11 * 4, {})],
+    "zero3": [(3, 3 * 30 * 4, {"units": 3})],
+    "gossip": [(2, 6 * 2**10 * 4, {}), (3, 6 * 2**10 * 4, {})],
+    "pipeline": [(2, 2 * 4 * 4, {"micro_batches": 2}), (3, 2 * 4 * 4, {"micro_batches": 3})],
+}
+#: Point-to-point messages (gossip's weights, the pipeline's activations) go as ``send_array``: a frame of the
+#: array's shape (8 bytes a dimension, plus one for the count) before the array's own. The model counts arrays.
+SHAPE_FRAMES = {"gossip": 2 * 8, "pipeline": 3 * 8}
+
+PS_PATTERNS = ("parameter_server", "sharded_ps", "sync_ps", "spread_ps")
+
+
+def test_every_pattern_the_cost_model_prices_is_measured_on_its_implementation():
+    """A pattern added to ``cost.PATTERNS`` fails here until a test measures it against what its implementation moves."""
+    assert set(COLLECTIVE_MEASURES) | set(PS_PATTERNS) == set(cost.PATTERNS)
+    assert set(COLLECTIVE_CASES) == set(COLLECTIVE_MEASURES)
+
+
+@pytest.mark.parametrize(
+    "pattern, n, nbytes, options",
+    [(pattern, *case) for pattern in sorted(COLLECTIVE_CASES) for case in COLLECTIVE_CASES[pattern]],
+)
+def test_the_bytes_and_messages_a_pattern_predicts_are_what_its_implementation_moves(
+    monkeypatch, pattern, n, nbytes, options
+):
+    """One call (or training step) of the pattern's implementation on loopback ranks (threads): the busiest rank's
+    payload bytes sent and received (its links' counters) and frames sent, and the bytes all ranks sent, are the
+    model's ``rank_sent``, ``rank_received``, ``messages`` and ``total_bytes``."""
+    frames = SentFrames(monkeypatch)
+    moved = COLLECTIVE_MEASURES[pattern](frames, n, nbytes, **options)
+    formula = cost.cost(pattern, n, nbytes, **options)
+    shape = SHAPE_FRAMES.get(pattern, 0)
+    per_message = 1 if not shape else 2  # a shape frame with every array
+    expected = (
+        formula.rank_sent + formula.messages * shape,
+        formula.rank_received + formula.messages * shape,
+        formula.messages * per_message,
+    )
+    assert moved.busiest() == expected, (pattern, moved.sent, moved.received, moved.messages)
+    messages_in_all = sum(moved.messages) // per_message
+    assert sum(moved.sent) == formula.total_bytes + messages_in_all * shape
+
+
+def _ps_step(pattern, n, k, options):
+    """One step of every one of ``n`` workers through the parameter-server mode's exchange
+    (``modes/parameter_server/exchange.py``: a push of the shards' gradients, then a pull of their weights), on
+    real servers on loopback: each worker's bytes and requests to each shard (its client's counters) and each
+    server's counters (``ParameterServer.stats``)."""
+    from ps_servers import client, server
+    from shards import make_shards
+
+    from sparkdl.modes.parameter_server.exchange import Exchange, SyncSteps
+    from sparkdl.net.frames import HEADER
+    from sparkdl.ps.sharding import ShardLayout, assign_shards
+
+    servers = n if pattern == "spread_ps" else options.get("servers", 1)
+    mode = "sync_ps" if pattern == "sync_ps" else "async"
+    sizes = [k // 4 // servers] * servers
+    layout = ShardLayout([(size,) for size in sizes], assign_shards(sizes, servers))
+    apart = pattern == "spread_ps"  # a server of one shard beside each worker, as server tasks run them
+    running = (
+        [server([shard], mode=mode, num_workers=n, first_shard=k) for k, shard in enumerate(make_shards(sizes))]
+        if apart
+        else [server(make_shards(sizes), mode=mode, num_workers=n)]
+    )
+    for one in running:
+        one.start()
+    try:
+        clients = [client(running if apart else running[0], w, sizes) for w in range(n)]
+        steps = SyncSteps(0, np.array([8])) if mode == "sync_ps" else None
+        exchanges = [Exchange(c, layout, None, steps) for c in clients]
+        gradient = np.ones(layout.size, np.float32)
+        with ThreadPoolExecutor(n) as pool:
+            if mode == "sync_ps":
+                list(pool.map(lambda c: c.join(8, n), clients))
+            before = [c.traffic() for c in clients]
+            list(pool.map(lambda e: e.push(gradient, np.float32(1.0)), exchanges))  # a round: every worker once
+        per_shard = [
+            [tuple(a - b for a, b in zip(now, then)) for now, then in zip(c.traffic(), was)]
+            for c, was in zip(clients, before)
+        ]
+        totals = [c.traffic() for c in clients]
+        for c in clients:
+            c.close()
+    finally:
+        for one in running:
+            one.stop()  # its connections' threads joined: every response counted
+    for s, one in enumerate(running):  # the servers' own counters (headers included) agree with the clients'
+        shards = [s] if apart else range(servers)
+        requests = sum(totals[w][i][2] for w in range(n) for i in shards)
+        stats = one.stats()
+        assert stats["bytes_in"] == sum(totals[w][i][0] for w in range(n) for i in shards) + requests * HEADER.size
+        assert stats["bytes_out"] == sum(totals[w][i][1] for w in range(n) for i in shards) + requests * HEADER.size
+    return per_shard
+
+
+@pytest.mark.parametrize(
+    "pattern, n, options",
+    [
+        ("parameter_server", 3, {}),
+        ("sharded_ps", 3, {"servers": 4}),
+        ("sync_ps", 3, {}),
+        ("spread_ps", 3, {}),
+        ("spread_ps", 4, {}),
+    ],
+)
+def test_the_parameter_servers_links_carry_what_the_model_says(pattern, n, options):
+    """A round (every worker's one step) through real servers and clients: the bytes on the busiest host's link each
+    way, the requests of a worker's step and the bytes all of them sent, as the model counts them. The driver's
+    servers share one host: its link carries every worker's traffic; spread servers' host h carries its worker's
+    traffic to the other hosts' shards and its shard's to the other hosts' workers."""
+    k = 4 * 4 * 3 * 5 * 2**8  # shards of equal size for 1, 3 and 4 servers
+    per_shard = _ps_step(pattern, n, k, options)
+    formula = cost.cost(pattern, n, k, **options)
+    if pattern == "spread_ps":  # worker w and shard w share host w
+        # sent by host h: its worker's pushes to the others' shards and its shard's answers to the others' workers
+        out_of_host = [
+            sum(per_shard[h][i][0] for i in range(n) if i != h) + sum(per_shard[w][h][1] for w in range(n) if w != h)
+            for h in range(n)
+        ]
+        into_host = [
+            sum(per_shard[h][i][1] for i in range(n) if i != h) + sum(per_shard[w][h][0] for w in range(n) if w != h)
+            for h in range(n)
+        ]
+        assert max(out_of_host) == pytest.approx(formula.rank_sent)
+        assert max(into_host) == pytest.approx(formula.rank_received)
+        assert sum(out_of_host) == pytest.approx(formula.total_bytes)
+    else:  # every shard on the server's one host
+        into_server = sum(sent for worker in per_shard for sent, _, _ in worker)
+        out_of_server = sum(received for worker in per_shard for _, received, _ in worker)
+        assert (out_of_server, into_server) == (formula.rank_sent, formula.rank_received)
+        assert into_server + out_of_server == formula.total_bytes
+    assert {sum(requests for _, _, requests in worker) for worker in per_shard} == {formula.messages}
 
 
 def test_a_term_can_be_pinned_to_a_measured_value():

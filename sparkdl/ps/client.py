@@ -101,6 +101,10 @@ class ParameterClient:
         """Per-shard update counts as of this client's last response from each shard."""
         return [conn.version for conn in self._conns]
 
+    def traffic(self) -> list[tuple[int, int, int]]:
+        """(payload bytes sent, payload bytes received, requests) so far on each shard's connection, by shard."""
+        return [(conn.bytes_sent, conn.bytes_received, conn.requests) for conn in self._conns]
+
     def pull(self, out: list[np.ndarray] | None = None) -> list[np.ndarray]:
         """Current float32 weights of every shard (fetched concurrently), received into ``out``'s arrays when given
         (one writable, C-contiguous float32 array of each shard's size)."""

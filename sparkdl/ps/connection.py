@@ -48,6 +48,8 @@ class ShardConnection:
         self.seq = 0
         self.last_used = 0.0
         self.version = 0
+        # requests sent and payload bytes (headers excluded) each way, for benchmarks and tests of the patterns
+        self.requests = self.bytes_sent = self.bytes_received = 0
         self._header = bytearray(HEADER.size)
         self._send_error: OSError | None = None
 
@@ -111,6 +113,7 @@ class ShardConnection:
         with self._errors(msg):
             try:
                 self.channel.send([header, body])
+                self.requests, self.bytes_sent = self.requests + 1, self.bytes_sent + len(body)
             except OSError as exc:
                 # The server may have refused the request and said why: receive() reads that first.
                 self._send_error = exc
@@ -158,6 +161,7 @@ class ShardConnection:
             elif msg == Msg.JOIN and out is not None:
                 result = out
                 self._recv_exact(result.view(np.uint8).data, op)
+            self.bytes_received += length
             self.version = response.value
             self.last_used = time.monotonic()
             return result

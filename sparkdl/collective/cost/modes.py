@@ -111,9 +111,12 @@ def pipeline(n: int, k: float, micro_batches: int = 1) -> Cost:
     """``mode="pipeline"`` on N stages, K the bytes of one micro-batch's activations at a cut (GPipe, Huang et al.,
     NeurIPS'19). Each boundary carries M·K forward and M·K of gradients back per step (opposite directions of a
     full-duplex link); what the step cannot hide behind compute is the fill and the drain: 2(N-1) transfers of K,
-    one after another. ``link_bytes`` counts those; ``rank_sent`` the M·K a stage's link carries, which must
-    stay under a stage's compute time for the transfers of the other micro-batches to hide."""
+    one after another. ``link_bytes`` counts those; ``rank_sent`` what the busiest stage sends a step (M·K to one
+    neighbour with two stages, M·K to each of two from a middle stage), which must stay under a stage's compute
+    time for the transfers of the other micro-batches to hide."""
     if n < 2:
         return Cost(0, 0)
-    m = micro_batches
-    return Cost(2 * (n - 1), 2 * (n - 1) * k, 0.0, 2 * m, m * k, m * k, 2 * (n - 1) * m * k)
+    m, neighbours = micro_batches, 1 if n == 2 else 2
+    return Cost(
+        2 * (n - 1), 2 * (n - 1) * k, 0.0, neighbours * m, neighbours * m * k, neighbours * m * k, 2 * (n - 1) * m * k
+    )
