@@ -65,9 +65,18 @@ def check_validation(validation_col, validation_split) -> None:
 
 
 def check_settings(df, model, *, num_workers, epochs, batch_size, timeout, seed) -> None:
-    """The data frame, the model (compiled, TensorFlow backend, supported) and fit's numeric settings."""
+    """The data frame (a batch one: a stream cannot be trained on epoch after epoch), the model (compiled,
+    TensorFlow backend, supported) and fit's numeric settings."""
     if not isinstance(df, DataFrame):
         raise ValueError(f"Expected `df` to be a pyspark.sql.DataFrame. Received: {type(df).__name__}")
+    if df.isStreaming:
+        raise ValueError(
+            "Expected `df` to be a batch DataFrame: sparkdl.fit trains on a fixed set of rows, epoch after epoch, "
+            "and `df` is a streaming DataFrame (df.isStreaming is True). Train on a batch DataFrame (spark.read "
+            "instead of spark.readStream, e.g. over the stream's sink), or on each micro-batch with "
+            "df.writeStream.foreachBatch(lambda batch, batch_id: sparkdl.fit(batch, ...)). To score a stream, use "
+            "KerasModel.transform: it works on streaming DataFrames."
+        )
     use_tensorflow_backend()
     import keras
 

@@ -3,9 +3,11 @@
 import keras
 import pytest
 from models import make_mlp
+from pyspark.sql import functions as F
 from spark_jobs import no_spark_job
 
 import sparkdl
+from sparkdl.ml import KerasEstimator
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +71,18 @@ def test_not_a_keras_model(spark, frame):
 def test_not_a_dataframe():
     with pytest.raises(ValueError, match=r"Expected `df` to be a pyspark.sql.DataFrame. Received: list"):
         sparkdl.fit([[1.0, 2.0]], small_model())
+
+
+def test_a_streaming_dataframe_is_refused_before_any_job_by_fit_and_the_estimator(spark):
+    ticks = spark.readStream.format("rate").option("rowsPerSecond", 10).load()
+    stream = ticks.select(
+        F.array(F.col("value").cast("double"), F.lit(1.0)).alias("features"), (F.col("value") % 2).alias("label")
+    )
+    message = r"Expected `df` to be a batch DataFrame.*streaming.*foreachBatch.*KerasModel.transform"
+    with no_spark_job(spark), pytest.raises(ValueError, match=message):
+        sparkdl.fit(stream, small_model())
+    with no_spark_job(spark), pytest.raises(ValueError, match=message):
+        KerasEstimator(model=small_model(), numWorkers=2).fit(stream)
 
 
 @pytest.mark.parametrize(

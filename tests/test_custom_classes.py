@@ -62,28 +62,36 @@ def main_loss(y_true, y_pred):
 DEFINED = ("MainScale", "MainShift", "main_loss")
 
 
-def local_layer_class():
-    """A layer class defined inside a function (no import path at all)."""
+def local_layer_classes(package):
+    """Two layer classes defined inside a function (no import path at all): ``Halve``, and ``Triple``, registered with
+    Keras under ``package``."""
 
     class Halve(keras.layers.Layer):
         def call(self, x):
             return x * 0.5
 
-    return Halve
+    @keras.saving.register_keras_serializable(package=package)
+    class Triple(keras.layers.Layer):
+        def call(self, x):
+            return x * 3.0
+
+    return Halve, Triple
 
 
 @pytest.fixture
 def in_main(monkeypatch):
     """Runs SCRIPT in ``__main__`` (MainShift registered with Keras at run time, under a fresh package name) and gives
-    its namespace; undone after the test."""
+    its namespace and that package; undone after the test, with what the test registered under the package."""
     main = sys.modules["__main__"]
     package = f"sparkdl_main_{uuid.uuid4().hex[:8]}"
     for name in (*DEFINED, "PACKAGE"):
         monkeypatch.setattr(main, name, None, raising=False)
     main.PACKAGE = package
     exec(SCRIPT, vars(main))
-    yield types.SimpleNamespace(**{name: getattr(main, name) for name in DEFINED})
-    keras.saving.get_custom_objects().pop(f"{package}>MainShift", None)
+    yield types.SimpleNamespace(package=package, **{name: getattr(main, name) for name in DEFINED})
+    registered = keras.saving.get_custom_objects()
+    for key in [key for key in registered if key.startswith(f"{package}>")]:
+        del registered[key]
 
 
 def _model(script, log_dir, extra_layers=(), loss=None, width=4, seed=0):
@@ -117,14 +125,18 @@ def _loaded_in(log_dir) -> set[int]:
 
 @pytest.mark.parametrize("mode", ["sync", "async", "average"])
 def test_classes_and_functions_of_the_drivers_script_train_without_custom_objects(in_main, small_df, tmp_path, mode):
-    """No custom_objects: the __main__ layer, the run-time registration, a class defined in a function and a custom loss
-    reach the workers (which load the model: their pids are in the log) and come back in the trained model."""
-    model = _model(in_main, tmp_path, extra_layers=[local_layer_class()()])
+    """No custom_objects: the __main__ layer, the run-time registration, classes defined in a function (one registered
+    with Keras) and a custom loss reach the workers (which load the model: their pids are in the log) and come back in
+    the trained model."""
+    halve, triple = local_layer_classes(in_main.package)
+    model = _model(in_main, tmp_path, extra_layers=[halve(), triple()])
     result = sparkdl.fit(small_df, model, num_workers=2, mode=mode, epochs=2, batch_size=8, seed=0)
     workers = _loaded_in(tmp_path) - {os.getpid()}
     assert workers, "no worker process loaded the model"
     names = [type(layer).__name__ for layer in result.model.layers]
-    assert names[:3] == ["MainScale", "MainShift", "Halve"] and result.model.layers[1].shift == 0.25, names
+    assert names[:4] == ["MainScale", "MainShift", "Halve", "Triple"] and result.model.layers[1].shift == 0.25, names
+    assert type(result.model.layers[3]) is triple  # the driver's class, found under the name it was registered with
+    assert np.array_equal(keras.ops.convert_to_numpy(result.model.layers[3](np.ones((1, 4)))), np.full((1, 4), 3.0))
     assert result.model.loss is in_main.main_loss and np.isfinite(result.history["loss"]).all()
 
 

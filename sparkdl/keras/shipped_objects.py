@@ -9,8 +9,9 @@ object it names that is not Keras's own, and looks each one up on the driver: in
 given, in Keras's registry, in the module that defines it (``__main__`` for a script or notebook) and
 among the model's own layers (classes defined inside a function). What it finds travels in the job's
 closure keyed as Keras looks it up (:class:`ShippedObjects`), pickled by cloudpickle, by value where the
-workers could not import it. What it cannot find is refused on the driver, before any Spark job, naming
-the object and the fix.
+workers could not import it, and registered there under the name it was registered with on the driver (so that
+the models the workers save name it as the driver does). What it cannot find is refused on the driver, before
+any Spark job, naming the object and the fix.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import sysconfig
 import threading
 import zipfile
 from collections.abc import Iterator, Mapping
-from types import ModuleType
+from types import FunctionType, ModuleType
 
 from sparkdl import _compat
 
@@ -207,7 +208,26 @@ def _pickled(objects: dict) -> bytes:
 def _unpickled(data: bytes) -> ShippedObjects:
     from pyspark import cloudpickle
 
-    return ShippedObjects(cloudpickle.loads(data))
+    objects = ShippedObjects(cloudpickle.loads(data))
+    _register_shipped_names(objects)
+    return objects
+
+
+def _register_shipped_names(objects: Mapping) -> None:
+    """Registers with this process's Keras each class or function shipped under a registered name (``package>name``).
+
+    A class pickled by value is a new class in the process that unpickles it, unknown to Keras's registry there, so a
+    model the worker saves would name it by its bare ``__name__``: the driver, loading that model, could not find a
+    class defined inside a function by that name (it has no module to look in). Registered again here, it is saved
+    under the name the driver registered it with.
+    """
+    import keras
+
+    for key, obj in objects.items():
+        package, _, name = key.rpartition(">")
+        shippable = isinstance(obj, FunctionType) or (isinstance(obj, type) and hasattr(obj, "get_config"))
+        if package and shippable and keras.saving.get_registered_name(obj) != key:
+            keras.saving.register_keras_serializable(package, name)(obj)
 
 
 def _installed(module: ModuleType) -> bool:
