@@ -164,8 +164,9 @@ def _report(workload, args, reads, trains, walls, profiles) -> None:
     for phase in phases:
         cells = ["/".join(f"{v:.2f}" for v in profile[phase]) for profile in profiles.values()]
         print(f"{phase:<20}" + "".join(f"{cell:>26}" for cell in cells))
+    counts = ("buckets_done_early", "steps_overlapped")  # per rank, but not milliseconds
     totals = [
-        "/".join(f"{sum(p[ph][r] for ph in phases if ph != 'buckets_done_early'):.2f}" for r in range(args.workers))
+        "/".join(f"{sum(p[ph][r] for ph in phases if ph not in counts):.2f}" for r in range(args.workers))
         for p in profiles.values()
     ]
     print(f"{'total':<20}" + "".join(f"{cell:>26}" for cell in totals))

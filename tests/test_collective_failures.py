@@ -34,16 +34,20 @@ def test_mismatched_dtypes_are_out_of_step_naming_both():
     assert any("out of step" in m and "float32" in m and "float64" in m for m in messages), messages
 
 
+#: A communicator timeout no test outlives: a wait that ends was ended by the failure it detected, not by the clock.
+FOREVER = 3600.0
+
+
 @pytest.mark.parametrize("other", ["broadcast", "allgather", "allreduce of another size"])
 def test_a_rank_calling_another_operation_fails_every_rank_fast(other):
     """Rank 3 of 4 calls another collective over the same (ring) links: every rank, its ring neighbours and rank 1
-    alike, fails well within the 30 s timeout, its message naming the allreduce and rank 3, where it started.
+    alike, fails without waiting for its timeout (an hour), its message naming the allreduce and rank 3, where it
+    started.
 
     (An operation whose frames would travel links the others never open, such as a tree barrier facing a ring
     allreduce, ends in the timeout instead: no frame ever meets the wrong receiver.)"""
 
     def body(comm):
-        started = time.monotonic()
         with pytest.raises(CollectiveError) as info:
             if comm.rank == 3 and other == "broadcast":
                 comm.broadcast(np.zeros(1000), algorithm="ring")
@@ -51,16 +55,15 @@ def test_a_rank_calling_another_operation_fails_every_rank_fast(other):
                 comm.allgather(np.zeros(1000), algorithm="ring")
             else:
                 comm.allreduce(np.zeros(1000 if comm.rank < 3 else 1001), algorithm="ring")
-        return info.value, time.monotonic() - started
+        return info.value
 
-    outcomes = run_ranks(4, body, timeout=30.0)
-    assert any("out of step" in str(error) for error, _ in outcomes)
-    for rank, (error, elapsed) in enumerate(outcomes):
+    errors = run_ranks(4, body, timeout=FOREVER)
+    for rank, error in enumerate(errors):
         message = str(error)
-        assert not isinstance(error, CollectiveTimeout), (rank, message)
-        assert elapsed < 10, (rank, elapsed, message)
+        assert not isinstance(error, CollectiveTimeout) and "timed out" not in message, (rank, message)
         assert message.startswith(f"rank {rank}:"), message
         assert "allreduce" in message and "rank 3" in message, (rank, message)
+        assert "out of step" in message, (rank, message)  # what ended every rank's wait, passed on from rank to rank
 
 
 WORKER = r"""
@@ -147,12 +150,12 @@ def test_ranks_as_separate_processes(tmp_path):
 @pytest.mark.parametrize("death", ["exit", "kill"])
 def test_a_process_dying_mid_allreduce_fails_every_survivor_fast(tmp_path, death):
     """Rank 3 of 4 (a process) dies inside an allreduce, by os._exit or SIGKILL: ranks 0..2, rank 1 not even linked
-    to it, fail well within the 30 s timeout, each naming the allreduce and rank 3."""
+    to it, fail without waiting for their timeout (an hour), each naming the allreduce and rank 3."""
     secret = secrets.token_bytes(32)
     procs, worker_addresses = start_workers([3])
     listeners = [Listener() for _ in range(3)]
     addresses = [listener.address for listener in listeners] + [worker_addresses[3]]
-    send_job(procs[3], 3, addresses, secret, death, tmp_path, timeout=30.0)
+    send_job(procs[3], 3, addresses, secret, death, tmp_path, timeout=FOREVER)
     in_allreduce = threading.Event()
 
     def kill_when_inside():
@@ -167,26 +170,25 @@ def test_a_process_dying_mid_allreduce_fails_every_survivor_fast(tmp_path, death
 
     def survivor(rank):
         with SparkdlCommunicator.connect(
-            rank, addresses, listeners[rank], secret, timeout=30, shared_memory=False
+            rank, addresses, listeners[rank], secret, timeout=FOREVER, shared_memory=False
         ) as comm:
-            started = time.monotonic()
             try:
                 comm.allreduce(np.ones(1_000_000, dtype=np.float32), algorithm="ring")
             except CollectiveError as exc:
-                return exc, time.monotonic() - started
-        return None, time.monotonic() - started
+                return exc
+        return None
 
     with ThreadPoolExecutor(max_workers=3) as pool:
-        outcomes = list(pool.map(survivor, range(3)))
+        errors = list(pool.map(survivor, range(3)))
     killer.join(timeout=30)
     assert in_allreduce.is_set()
     assert procs[3].wait(timeout=10) == (1 if death == "exit" else -signal.SIGKILL)
-    for rank, (error, elapsed) in enumerate(outcomes):
-        # Failed because the peer's connection broke (and the others said so), not by waiting out the timeout.
+    for rank, error in enumerate(errors):
+        # Failed because the peer's connection broke (and the others said so): the hour's timeout cannot end it.
         assert isinstance(error, CollectiveError) and not isinstance(error, CollectiveTimeout), (rank, error)
-        assert elapsed < 10, (rank, elapsed, error)
         message = str(error)
-        assert message.startswith(f"rank {rank}:") and "allreduce" in message and "rank 3" in message, message
+        assert message.startswith(f"rank {rank}:") and "rank 3 closed the connection during allreduce" in message
+        assert "timed out" not in message, message
 
 
 def test_silent_peer_times_out_with_descriptive_message():

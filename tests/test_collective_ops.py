@@ -142,9 +142,7 @@ def test_every_operation_dtype_and_reduce_op_matches_numpy(size, algorithm):
     connect = {}
     if algorithm == "hierarchical":
         connect = {"shared_memory": True, "hosts": ["a", "a", "b", "b"] if size == 4 else ["a"] * size}
-    started = time.monotonic()
     assert run_ranks(size, body, algorithm=None, **connect) == [True] * size
-    assert time.monotonic() - started < 30
 
 
 @pytest.mark.parametrize("shared_memory", [False, True])

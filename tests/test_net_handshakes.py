@@ -102,7 +102,7 @@ def test_a_client_cut_before_its_hello_is_told_so_not_sent_to_check_the_secret(m
     assert "after reading this client's proof (different job secret" in wrong_secret, wrong_secret
 
 
-def test_a_silent_connection_is_dropped_at_its_handshake_deadline_while_a_real_peer_connects():
+def test_a_silent_connection_is_dropped_at_its_handshake_deadline_while_a_real_peer_connects(caplog):
     deadline = 3.0
 
     def echo(channel, rank):
@@ -115,7 +115,6 @@ def test_a_silent_connection_is_dropped_at_its_handshake_deadline_while_a_real_p
     )
     try:
         silent = socket.create_connection(parse_address(listener.address), timeout=deadline + 15)
-        connected = time.monotonic()
         peer = connect_channel(listener.address, 0, 0, SECRET, timeout=30, encrypt=False)
         peer.send([b"ping"])
         answer = bytearray(4)
@@ -129,8 +128,8 @@ def test_a_silent_connection_is_dropped_at_its_handshake_deadline_while_a_real_p
         listener.close()
     assert len(greeting) <= SERVER_HELLO_BYTES  # the listener's hello at most: nothing else reached it
     assert served < dropped  # the real peer was served while the silent connection was still pending
-    assert deadline - 0.1 <= dropped - connected <= deadline + 10  # at the deadline: neither before, nor much after
-    assert listener.refused == 1
+    assert listener.refused == 1  # and then its deadline dropped it
+    assert logged_refusals(caplog.records, f"no authentication within {deadline}s") == 1, caplog.text
 
 
 def _recv_until_closed(sock: socket.socket) -> bytes:

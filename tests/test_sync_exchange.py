@@ -131,20 +131,21 @@ def _wide_model():
 
 
 def test_buckets_overlap_a_running_backward_pass_on_the_workers(spark):
+    rows, workers, batch_size, epochs = 1536, 2, 128, 2
     rng = np.random.default_rng(0)
-    rows = [
-        (rng.standard_normal(2048).astype(np.float32).tolist(), rng.standard_normal(4).tolist()) for _ in range(1536)
+    data = [
+        (rng.standard_normal(2048).astype(np.float32).tolist(), rng.standard_normal(4).tolist()) for _ in range(rows)
     ]
-    df = spark.createDataFrame(rows, "features array<float>, label array<double>").cache()
+    df = spark.createDataFrame(data, "features array<float>, label array<double>").cache()
 
     profiles = {}
     for overlap in (True, False):
         result = sparkdl.fit(
             df,
             _wide_model(),
-            num_workers=2,
-            epochs=2,
-            batch_size=128,
+            num_workers=workers,
+            epochs=epochs,
+            batch_size=batch_size,
             seed=0,
             overlap=overlap,
             profile=True,
@@ -155,19 +156,20 @@ def test_buckets_overlap_a_running_backward_pass_on_the_workers(spark):
     overlapped, blocking = profiles[True], profiles[False]
     assert overlapped["buckets"] == 2 and blocking["buckets"] == 1
     assert overlapped["compiled_update"] and blocking["compiled_update"]  # 3.2M parameters: XLA's update
-    assert overlapped["steps"] >= 2
-    # When backprop ended (the first layer's weight gradient computed), the last layers' bucket had already been
-    # averaged on every rank in some steps: communication ran while backprop was still computing (without
-    # buckets, never). How often is a matter of the cores free for it, not of the mechanism.
-    assert min(overlapped["buckets_done_early"]) > 0, overlapped
-    assert blocking["buckets_done_early"] == [0.0, 0.0]
+    steps = epochs * rows // workers // batch_size - 3  # the first three steps trace the graph: not counted
+    assert overlapped["steps"] == blocking["steps"] == steps
+    # In some step, when backprop ended (the first layer's weight gradient computed), the last layers' bucket had
+    # already been averaged: communication ran while backprop was still computing. Without buckets, in no step:
+    # the one bucket starts after backprop. How often is a matter of the cores free for it, not of the mechanism.
+    assert sum(overlapped["steps_overlapped"]) > 0, overlapped
+    assert blocking["steps_overlapped"] == [0, 0] and blocking["buckets_done_early"] == [0.0, 0.0]
     for profile in profiles.values():
         assert set(PHASES) <= set(profile)
         for phase in PHASES:
             assert len(profile[phase]) == 2 and min(profile[phase]) >= 0.0, (phase, profile)
-        assert min(profile["forward_backward"]) > 0.5  # a 2048x1024 layer's backward pass: milliseconds
-    assert max(overlapped["wait_for_peers"]) < 0.1  # with buckets in flight there is no separate wait
-    assert min(blocking["collective"]) > 0.0
+        assert min(profile["forward_backward"]) > 0.0
+    assert overlapped["wait_for_peers"] == [0.0, 0.0]  # with buckets in flight no rank waits for the others first
+    assert min(blocking["wait_for_peers"]) > 0.0 and min(blocking["collective"]) > 0.0  # a barrier, then the exchange
 
 
 def test_the_compiled_update_applies_what_keras_applies_op_by_op():

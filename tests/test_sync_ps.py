@@ -118,17 +118,15 @@ def test_half_width_pushes_are_widened_and_weighted_as_float32_ones():
 def test_a_worker_that_never_pushes_fails_the_others_with_a_timeout_naming_it():
     sizes = [4]
     with server(make_shards(sizes), num_workers=3, timeout=1.0) as ps:
-        with client(ps, 0, sizes) as c0, client(ps, 1, sizes) as c1:
+        # worker 0's socket waits an hour: only the server's wait, giving up after its timeout=1.0, can end the pull
+        with client(ps, 0, sizes, timeout=3600.0) as c0, client(ps, 1, sizes) as c1:
             for c in (c0, c1):
                 c.pull()
                 c.push(gradients(sizes, 1.0), step=7, rows=4)
-            started = time.monotonic()
             with pytest.raises(CollectiveTimeout) as info:
                 c0.pull()
-            waited = time.monotonic() - started
     message = str(info.value)
-    # The server's wait gave up after its timeout=1.0 and said why (not the client's 10 s socket timeout).
-    assert waited < 5, waited
+    # the server's message: the step, the worker that never pushed, and that its wait timed out
     assert "mode='sync_ps'" in message and "worker 0" in message and ps.addresses[0] in message
     assert "step 7" in message and "worker(s) [2]" in message and "pushed: [0, 1]" in message
     assert "timeout" in message

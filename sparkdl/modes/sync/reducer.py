@@ -185,7 +185,7 @@ class GradientReducer:
     def _reduce_now(self, wire: np.ndarray, largest=None) -> np.ndarray:
         self._check(largest)
         if self._profile is not None:
-            self._profile.gradients_ready(buckets=1, done=0, nbytes=wire.nbytes)
+            self._profile.gradients_ready(done=[False], nbytes=wire.nbytes)
             self._profile.peers_ready(self._comm)
         result = self._collective(wire, 0, now=True)
         self._parity ^= 1
@@ -205,10 +205,9 @@ class GradientReducer:
     def _finish(self, *started: np.int32) -> list[np.ndarray]:
         pending = [self._pending.pop(int(bucket)) for bucket in started]
         works = [work for work, _ in pending]
-        if self._profile is not None:  # backprop is over: how many buckets have already crossed?
+        if self._profile is not None:  # backprop is over: which buckets have already crossed? (no wait for peers)
             nbytes = sum(wire.nbytes for _, wire in pending)
-            self._profile.gradients_ready(buckets=len(works), done=sum(work.done() for work in works), nbytes=nbytes)
-            self._profile.peers_ready(None)
+            self._profile.gradients_ready(done=[work.done() for work in works], nbytes=nbytes)
         results = [work.wait(self._timeout) for work in works]
         self._parity ^= 1
         if self._profile is not None:

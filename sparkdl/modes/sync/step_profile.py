@@ -2,16 +2,17 @@
 
 A step is cut by clock readings taken in order: Keras starts the step (a callback, first of
 all), the step's data reaches the compiled step (a stamp in the graph, on the data), the
-gradients are ready (the reducer's call), every rank has reached the exchange (a barrier,
-taken only while profiling so that waiting for a slower peer is not counted as communication),
-the averaged gradients are back, the optimizer has applied them (a stamp after its updates),
+gradients are ready (the reducer's call, which also notes whether the first bucket, the last
+layers', has already been averaged), every rank has reached a blocking exchange (a barrier, taken
+only while profiling so that waiting for a slower peer is not counted as communication; with
+buckets in flight there is no such wait), the averaged gradients are back, the optimizer has applied them (a stamp after its updates),
 Keras hands the step back to Python, and the next step starts (the same callback):
 
 | phase              | from                      | to                                      |
 |--------------------|---------------------------|-----------------------------------------|
 | ``input``          | Keras starts the step     | the data reaches the step               |
 | ``forward_backward``| the data                 | all gradients ready                     |
-| ``wait_for_peers`` | the gradients             | every rank ready (0 with overlap)       |
+| ``wait_for_peers`` | the gradients             | every rank ready (no stamp with overlap: 0) |
 | ``collective``     | every rank ready          | averages back (with overlap: the part not hidden behind backprop) |
 | ``optimizer``      | averages back             | the updates applied (sharded: this rank's shard's) |
 | ``allgather``      | the shard's update        | the weights gathered from every rank (sharded mode; 0 in sync) |
@@ -22,7 +23,7 @@ Each stamp charges the time since the previous one to the phase it ends, so the 
 to the wall time of the steps, also when Keras runs several steps per call (``steps_per_execution``:
 ``input`` then holds the next step's wait for data, ``keras`` and ``callbacks`` are paid once per
 call). The stamps are Python calls inside the compiled step, so profiling costs a little (tens of
-microseconds a stamp, one barrier a step). The first steps (tracing) and epoch boundaries
+microseconds a stamp, one barrier a blocking exchange). The first steps (tracing) and epoch boundaries
 (validation, epoch-end callbacks) are left out.
 """
 
@@ -57,6 +58,7 @@ class StepProfile:
         self._applied = 0  # steps done, warm-up included
         self._buckets = 0  # a step's gradient buckets
         self._buckets_done = 0  # buckets averaged before backprop ended, over the counted steps
+        self._first_bucket_early: list[bool] = []  # per counted step: the last layers' bucket averaged by then
         self._nbytes = 0  # a step's gradient bytes, at their width on the wire
         self.compiled_update = False  # the optimizer's update runs XLA-compiled (``keras.compiled_update``)
 
@@ -75,17 +77,17 @@ class StepProfile:
         self._stamp("data")
         return np.int32(0)
 
-    def gradients_ready(self, *, buckets: int, done: int, nbytes: int) -> None:
-        """Backprop is over; ``done`` of the step's ``buckets`` (``nbytes`` to average, as they go on the wire)
-        have already been averaged (overlap at work)."""
+    def gradients_ready(self, *, done: list[bool], nbytes: int) -> None:
+        """Backprop is over; ``done[b]``: whether the step's bucket ``b`` (the last layers' first; ``nbytes`` to
+        average, as they go on the wire) has already been averaged (overlap at work)."""
         self._stamp("gradients")
         if self._applied >= _WARMUP_STEPS:
-            self._buckets, self._nbytes, self._buckets_done = buckets, nbytes, self._buckets_done + done
+            self._buckets, self._nbytes, self._buckets_done = len(done), nbytes, self._buckets_done + sum(done)
+            self._first_bucket_early.append(done[0])
 
     def peers_ready(self, comm) -> None:
-        """With ``comm``, waits for every rank first (blocking exchange); without, the exchange overlapped."""
-        if comm is not None:
-            comm.barrier()
+        """Waits for every rank (a barrier on ``comm``) before a blocking exchange, charged to ``wait_for_peers``."""
+        comm.barrier()
         self._stamp("peers")
 
     def exchange_done(self) -> None:
@@ -115,14 +117,14 @@ class StepProfile:
     # -- results -----------------------------------------------------------------------------------
 
     def summary(self, comm) -> dict:
-        """Every rank's mean milliseconds per phase, and its mean buckets per step already averaged when
-        backprop ended: ``{"steps": n, "buckets": b, "gradient_bytes": g, "compiled_update": c,
-        phase: [rank 0, rank 1, ...], "buckets_done_early": [...]}`` (``g``: a step's gradients as they go on
-        the wire, before the allreduce's 2(N-1)/N; ``c``: the optimizer's update ran XLA-compiled).
-        Collective: every rank calls it."""
+        """Every rank's mean milliseconds per phase, its mean buckets per step already averaged when backprop
+        ended, and its steps whose first bucket (the last layers') was: ``{"steps": n, "buckets": b,
+        "gradient_bytes": g, "compiled_update": c, phase: [rank 0, rank 1, ...], "buckets_done_early": [...],
+        "steps_overlapped": [...]}`` (``g``: a step's gradients as they go on the wire, before the allreduce's
+        2(N-1)/N; ``c``: the optimizer's update ran XLA-compiled). Collective: every rank calls it."""
         steps = max(self._steps, 1)
         mine = [1000.0 * self._totals[phase] / steps for phase in PHASES]
-        mine += [self._buckets_done / steps, self._steps, self._buckets, self._nbytes]
+        mine += [self._buckets_done / steps, sum(self._first_bucket_early), self._steps, self._buckets, self._nbytes]
         everyone = comm.allgather(np.array(mine, np.float64))
         summary: dict[str, Any] = {
             "steps": int(everyone[:, -3].min()),
@@ -132,6 +134,7 @@ class StepProfile:
         }
         summary.update({phase: [round(float(v), 3) for v in everyone[:, i]] for i, phase in enumerate(PHASES)})
         summary["buckets_done_early"] = [round(float(v), 3) for v in everyone[:, len(PHASES)]]
+        summary["steps_overlapped"] = [int(v) for v in everyone[:, len(PHASES) + 1]]
         return summary
 
     # -- what Keras runs ---------------------------------------------------------------------------
