@@ -209,9 +209,10 @@ def _pipeline(model, stages, micro_batches, batches_by_replica):
     return trained.get_weights(), results
 
 
-@pytest.mark.parametrize("stages, micro_batches", [(2, 1), (2, 2), (2, 4), (3, 1), (3, 2), (3, 4), (2, 3)])
+@pytest.mark.parametrize("stages, micro_batches", [(2, 1), (3, 4), (2, 3)])
 def test_a_pipeline_trains_the_weights_of_one_process(stages, micro_batches):
-    """(2, 3): 8 rows in micro-batches of 3, 3 and 2, weighed by their rows."""
+    """(2, 1): the whole batch at once; (3, 4): a middle stage, micro-batches of 2 rows; (2, 3): 8 rows in
+    micro-batches of 3, 3 and 2, weighed by their rows."""
     model, batches = _mlp(), _batches()
     want_weights, want_losses = _one_process(model, batches)
     got_weights, results = _pipeline(model, stages, micro_batches, [batches])

@@ -12,3 +12,10 @@ COMPRESSION = Option(
     choices=compression.NAMES,
     check=compression.check,  # None means float32 gradients: its error says so
 )
+PROFILE = Option(
+    "profile",
+    "record where each step's time goes on every worker (sync: each step's phases, FitResult.stats['step_profile']; "
+    "pipeline: when each micro-batch's passes start and end on each stage, FitResult.stats['pipeline']['timeline'])",
+    kind=bool,
+    default=False,
+)

@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from sparkdl.collective.api import Communicator, ReduceOp, Work
+from sparkdl.modes.pipeline.timeline import BACKWARD_END, BACKWARD_START, FORWARD_END, FORWARD_START, StageTimeline
 from sparkdl.modes.step_clock import StepClock
 
 
@@ -42,7 +43,8 @@ class PipelineStage:
 
     ``comm``'s ranks are the stages of one replica (collective: every stage constructs its own at once).
     ``loss`` is the full model's compiled loss (``model.loss``: a Loss, a function or its name). Every wait
-    on a message or on the replicas gives up after ``timeout`` seconds.
+    on a message or on the replicas gives up after ``timeout`` seconds. With a ``timeline``, each training step's
+    micro-batches mark when their forward and backward passes start and end (``profile=True``).
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class PipelineStage:
         replicas: Communicator | None = None,
         timeout: float = 300.0,
         observe: Callable[[np.ndarray, tf.Tensor], None] | None = None,
+        timeline: StageTimeline | None = None,
     ):
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(
@@ -63,6 +66,7 @@ class PipelineStage:
             )
         self.model, self.optimizer, self.replicas, self.timeout = model, optimizer, replicas, timeout
         self._observe = observe  # the last stage's: each micro-batch's labels and outputs (metrics)
+        self._timeline = timeline  # profile=True: when each micro-batch's passes start and end
         self.stage, self.stages, self.micro_batches = comm.rank, comm.size, micro_batches
         self._loss = keras.losses.get(loss) if isinstance(loss, str) else loss
         self._loss_weighs_rows = getattr(self._loss, "reduction", None) != "sum"
@@ -92,6 +96,8 @@ class PipelineStage:
         stage's micro-batches is cut into one a row). Returns this stage's share of the step's loss (see the
         module's docstring)."""
         count = self._count(x, y, micro_batches)
+        if self._timeline is not None:
+            self._timeline.begin_step()
         records, sends = self._forward(self._split(x, "x", count), self._split(y, "y", count), count)
         gradients, share = self._backward(records, sends, count)
         for work, what in sends:
@@ -149,6 +155,7 @@ class PipelineStage:
         records, sends = [], []
         for m in range(count):
             entering = xs[m] if xs is not None else self._received(received[m], m)
+            self._mark(FORWARD_START, m)
             with self._clock.timing("compute"):
                 inputs = tf.convert_to_tensor(entering)
                 with tf.GradientTape() as tape:
@@ -160,6 +167,7 @@ class PipelineStage:
                 records.append(dict(tape=tape, inputs=inputs, outputs=outputs, penalty=penalty, loss=loss))
                 if not self.last:
                     activation = self._activation(outputs, m)
+            self._mark(FORWARD_END, m)
             if not self.last:
                 work = self._downstream.send_async(activation, s + 1, tag=2 * m)
                 sends.append((work, f"sending micro-batch {m}'s activation to stage {s + 1}"))
@@ -180,6 +188,7 @@ class PipelineStage:
             if not self.last:
                 upstream = self._wait(received[m], f"receiving micro-batch {m}'s gradient from stage {s + 1}")
                 _check_shape(upstream, record["outputs"].shape, f"stage {s}'s gradient {m} from stage {s + 1}")
+            self._mark(BACKWARD_START, m)
             with self._clock.timing("compute"):
                 row_weight = int(record["outputs"].shape[0]) / rows
                 loss_weight = row_weight if self._loss_weighs_rows else 1.0
@@ -198,8 +207,10 @@ class PipelineStage:
                 )
                 weights = gradients[: len(variables)]
                 accumulated = weights if accumulated is None else [a + g for a, g in zip(accumulated, weights)]
-            if not self.first:
-                work = self._upstream.send_async(gradients[-1].numpy(), s - 1, tag=2 * m + 1)
+                passed_back = None if self.first else gradients[-1].numpy()
+            self._mark(BACKWARD_END, m)
+            if passed_back is not None:
+                work = self._upstream.send_async(passed_back, s - 1, tag=2 * m + 1)
                 sends.append((work, f"sending micro-batch {m}'s gradient to stage {s - 1}"))
         return accumulated or [], share
 
@@ -257,6 +268,10 @@ class PipelineStage:
                 "cut elsewhere with `cut_points`"
             )
         return outputs.numpy().astype(np.float32, copy=False)
+
+    def _mark(self, event: int, m: int) -> None:
+        if self._timeline is not None:
+            self._timeline.mark(event, m)
 
     def _wait(self, work: Work, what: str, clock: str = "wait") -> Any:
         return self._clock.wait(work, what, clock, self.timeout)

@@ -21,6 +21,7 @@ from sparkdl.launch.session import encrypts_traffic
 from sparkdl.modes.base import Job, Mode, ModeResult, Option
 from sparkdl.modes.pipeline import cut, state
 from sparkdl.modes.pipeline.task import MODEL, PipelineTask, read_report, run_pipeline_task, stage_payload
+from sparkdl.modes.shared_options import PROFILE
 
 
 def _check_cut_points(value) -> None:
@@ -47,6 +48,7 @@ class PipelineOptions:
     plan: cut.StagePlan  # the stages: layers, boundary shapes, parameters
     micro_batches: int
     compile_config: dict  # the model's compile settings: each stage's optimizer, the last stage's loss and metrics
+    profile: bool = False  # each stage records its micro-batches' events (FitResult.stats["pipeline"]["timeline"])
 
 
 class PipelineMode(Mode):
@@ -63,7 +65,7 @@ class PipelineMode(Mode):
     saves_checkpoints = "tasks"
 
     def options(self, name: str) -> tuple[Option, ...]:
-        return (NUM_STAGES, MICRO_BATCHES, CUT_POINTS)
+        return (NUM_STAGES, MICRO_BATCHES, CUT_POINTS, PROFILE)
 
     def configure(self, name: str, model, values: dict) -> PipelineOptions:
         points = values["cut_points"]
@@ -72,7 +74,7 @@ class PipelineMode(Mode):
         )
         if model.optimizer is None:
             raise ValueError("Expected a compiled model: mode='pipeline' trains with the model's own optimizer.")
-        return PipelineOptions(plan, values["micro_batches"], model.get_compile_config())
+        return PipelineOptions(plan, values["micro_batches"], model.get_compile_config(), values["profile"])
 
     def check_fit(self, name: str, options: PipelineOptions, *, num_workers: int, batch_size: int, weighted: bool):
         stages = options.plan.num_stages
@@ -111,6 +113,7 @@ class PipelineMode(Mode):
             plan=options.plan,
             micro_batches=options.micro_batches,
             compile_config=options.compile_config,
+            profile=options.profile,
             checkpoints=job.checkpoints,
             start_history=job.start.history,
             encrypt=encrypts_traffic(job.training.frame.sparkSession),

@@ -29,7 +29,7 @@ from sparkdl.launch import payloads
 from sparkdl.launch.forward import TaskReporter
 from sparkdl.launch.stage import connect_collective
 from sparkdl.modes.base import Settings
-from sparkdl.modes.pipeline import state
+from sparkdl.modes.pipeline import state, timeline
 from sparkdl.modes.pipeline.cut import StagePlan, build_stage
 from sparkdl.modes.pipeline.epoch import StageEpochs, StageMetrics, epoch_event
 
@@ -54,6 +54,7 @@ class PipelineTask:
     checkpoints: CheckpointStore | None = None
     start_history: dict = dataclasses.field(default_factory=dict)
     encrypt: bool = False
+    profile: bool = False  # every stage records its micro-batches' events (``timeline``); the writer returns them
 
 
 def read_report(extra: dict[str, np.ndarray]) -> tuple[dict, dict, int, dict | None]:
@@ -87,6 +88,7 @@ def run_pipeline_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter,
         model.compile_from_config(task.compile_config)
         state.restore_optimizer(model.optimizer, model.trainable_variables, optimizer_state)
         metrics = StageMetrics(model) if stage == stages - 1 else None
+        events = timeline.StageTimeline() if task.profile else None
         epochs = StageEpochs(
             PipelineStage(
                 model,
@@ -97,6 +99,7 @@ def run_pipeline_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter,
                 replicas=replicas,
                 timeout=settings.timeout,
                 observe=metrics.update if metrics is not None else None,
+                timeline=events,
             ),
             settings,
             replica=replica,
@@ -130,15 +133,19 @@ def run_pipeline_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter,
                         checkpointer.record(logs)
                         checkpointer.save(epoch + 1, serialization.model_to_bytes(whole))
         rows_of_stats = comm.allgather(epochs.summary_row())
+        timelines = pipeline.gather(events.array(), root=stages - 1) if events is not None else None
         epochs.close()
         reporter.phase("train")
         if replica != 0:
             return None
         extra = {}
         if writer:
+            stats = epochs.stats(task.plan, rows_of_stats[:stages])
+            if timelines is not None:
+                stats["timeline"] = timeline.events(timelines)
             report = {
                 "history": history,
-                "stats": {"pipeline": epochs.stats(task.plan, rows_of_stats[:stages])},
+                "stats": {"pipeline": stats},
                 "initial_epoch": start.epoch,
                 "resumed_history": start.history if start.epoch != task.settings.initial_epoch else None,
             }

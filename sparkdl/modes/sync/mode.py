@@ -10,7 +10,7 @@ from sparkdl.launch.session import encrypts_traffic
 from sparkdl.modes import whole_replicas
 from sparkdl.modes.base import Job, Mode, ModeResult, Option
 from sparkdl.modes.fully_sharded import driver as fully_sharded
-from sparkdl.modes.shared_options import COMPRESSION
+from sparkdl.modes.shared_options import COMPRESSION, PROFILE
 from sparkdl.modes.sync import sharded
 from sparkdl.modes.sync.task import SyncTask, run_sync_task
 
@@ -29,9 +29,6 @@ SHARD_WEIGHTS = Option(
     "just before its forward and its backward pass and dropped after (chain models; no callbacks)",
     kind=bool,
     default=False,
-)
-PROFILE = Option(
-    "profile", "time every step's phases on every rank (FitResult.stats['step_profile'])", kind=bool, default=False
 )
 
 
