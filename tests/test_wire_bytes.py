@@ -3,8 +3,8 @@
 Every rank of a sync or sharded fit reports what it sent (``FitResult.stats["wire_bytes"]``: by transport, operation
 and dtype, counted where the frames leave its links and where it writes into its host's shared-memory segment).
 Here: compressed gradients travel at half the bytes; a sharded step moves a reduce-scatter and an all-gather, the
-cost model's ZeRO figures for the model's size and the steps run; on one host (local[2]) a sync or ZeRO-1 step
-goes through shared memory alone (ZeRO-3's streams do not yet: the strict xfail says why). The model's two layers
+cost model's ZeRO figures for the model's size and the steps run; on one host (local[2]) a sync, ZeRO-1 or ZeRO-3
+step goes through shared memory alone. The model's two layers
 are of one size, so that ZeRO-3's units are as ``cost.zero3`` counts them.
 """
 
@@ -126,10 +126,7 @@ def test_a_fully_sharded_step_moves_zero3s_gathers_and_reduce_scatters(fits):
     assert [g + s for g, s in zip(gathered, scattered)] == [expected] * WORKERS
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the fully sharded engine runs its gathers and reduce-scatters on two split communicators (streams of "
-    "their own), and a subgroup never uses the host's shared-memory segment: on one host they go over TCP",
-)
 def test_a_fully_sharded_step_on_one_host_sends_nothing_over_tcp(fits):
+    """The engine's gathers and reduce-scatters run on two split communicators (streams of their own): on one host
+    each has a segment of its own, so none of a step's operations goes over TCP."""
     assert _step_operations_over_tcp(fits("fully sharded")) == [[]] * WORKERS

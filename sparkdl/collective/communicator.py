@@ -7,6 +7,9 @@ around one shared-memory segment (:mod:`.shm`); each operation then runs the
 algorithm asked for (per call, or per communicator) or chosen by size and
 topology (:mod:`.algorithms`). Subgroups (:meth:`split`, :meth:`local`,
 :meth:`cross`) reuse the job's links; their frames carry their own group id.
+Each communicator whose ranks share hosts in equal numbers opens a segment of its
+own among its ranks of this host (as it is made: collective), since communicators
+run their operations side by side and a segment's counters order one stream.
 
 Any failure poisons the whole communicator, subgroups included: the other
 ranks are now out of step. Each peer is told why (an ABORT frame), so every
@@ -15,6 +18,7 @@ rank's error names the operation and the rank where it started.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import zlib
 from collections.abc import Sequence
@@ -37,12 +41,24 @@ _SHARED_OP = {ReduceOp.SUM: "sum", ReduceOp.MEAN: "sum", ReduceOp.MIN: "min", Re
 
 
 class _Job:
-    """What all communicators of one rank share: the links, the host map, the segment, the first failure."""
+    """What all communicators of one rank share: the links, the host map, the segments, the first failure."""
 
-    def __init__(self, links: Links, topology: Topology, secret: bytes):
-        self.links, self.topology, self.secret = links, topology, secret
-        self.shared: shm.SharedMemoryGroup | None = None  # this host's ranks' segment, once opened
+    def __init__(self, links: Links, topology: Topology, secret: bytes, timeout: float, shared_memory: bool):
+        self.links, self.topology, self.secret, self.timeout = links, topology, secret, timeout
+        self.shared_memory = shared_memory and shm.available()  # whether ranks of one host may share segments
+        # every communicator's segment, closed ones too: their counters make up bytes_sent's "shm"
+        self.segments: list[shm.SharedMemoryGroup] = []
         self.failure: BaseException | None = None
+
+    def fail(self, exc: BaseException, why: str) -> None:
+        """Poisons every communicator of this rank: its peers are told ``why``, every segment is closed."""
+        self.failure = exc
+        self.links.close(reason=f"rank {self.links.rank} failed in {why}: {exc}")
+        self.close_segments()
+
+    def close_segments(self) -> None:
+        for segment in self.segments:
+            segment.close()
 
 
 class SparkdlCommunicator(BaseCommunicator):
@@ -58,6 +74,7 @@ class SparkdlCommunicator(BaseCommunicator):
         self.size = len(self.members)
         self.rank = self.members.index(job.links.rank)
         self._ring = job.topology.ring(self.members)
+        self._shared: shm.SharedMemoryGroup | None = None  # this communicator's segment, see _open_segment
         self._seq = 0
         self._splits = 0
         self._subgroups: dict[str, SparkdlCommunicator] = {}
@@ -94,18 +111,17 @@ class SparkdlCommunicator(BaseCommunicator):
         if len(hosts) != len(addresses):
             raise ValueError(f"Expected one host per address ({len(addresses)}). Received: {len(hosts)} hosts")
         links = Links(rank, addresses, listener, secret, timeout, encrypt=encrypt)
-        job = _Job(links, Topology(tuple(hosts)), secret)
+        job = _Job(links, Topology(tuple(hosts)), secret, timeout, shared_memory)
         try:
             comm = cls(job, range(len(addresses)), 0, algorithm)
             if comm.size > 1:
                 links.open(sorted({comm._ring_neighbour(+1), comm._ring_neighbour(-1)}))
-            local = job.topology.local(comm.members, rank)
-            if shared_memory and len(local) > 1 and job.topology.balanced(comm.members) and shm.available():
-                job.shared = _open_shared(local, rank, secret, hosts[rank], timeout)
+            comm._open_segment()
             if comm.size > 1:  # as NCCL's init: no rank returns (and may leave) before every rank is linked
                 comm.barrier()
         except BaseException:
             links.close()
+            job.close_segments()
             raise
         return comm
 
@@ -121,8 +137,10 @@ class SparkdlCommunicator(BaseCommunicator):
         by_transport: dict[str, dict[str, dict[str, int]]] = {"tcp": {}, "shm": {}}
         for (op, dtype), nbytes in self._job.links.sent_by_operation().items():
             by_transport["tcp"].setdefault(operation_name(op), {})[dtype_name(dtype)] = nbytes
-        shared = self._job.shared
-        for (name, dtype_text), nbytes in (shared.delivered if shared is not None else {}).items():
+        delivered: collections.Counter[tuple[str, str]] = collections.Counter()
+        for segment in self._job.segments:
+            delivered.update(segment.delivered)
+        for (name, dtype_text), nbytes in delivered.items():
             by_transport["shm"].setdefault(name, {})[dtype_text] = nbytes
         return by_transport
 
@@ -141,7 +159,7 @@ class SparkdlCommunicator(BaseCommunicator):
         group = _group_id(self.group, f"split {self._splits} {ranks}")
         if self.rank not in ranks:
             return None
-        return SparkdlCommunicator(self._job, [self.members[r] for r in ranks], group, self.algorithm)
+        return self._subgroup([self.members[r] for r in ranks], group)
 
     def local(self) -> SparkdlCommunicator:
         return self._derived("local", self._job.topology.local(self.members, self._job.links.rank))
@@ -151,9 +169,33 @@ class SparkdlCommunicator(BaseCommunicator):
 
     def _derived(self, name: str, members: list[int]) -> SparkdlCommunicator:
         if name not in self._subgroups:
-            group = _group_id(self.group, f"{name} {members}")
-            self._subgroups[name] = SparkdlCommunicator(self._job, members, group, self.algorithm)
+            self._subgroups[name] = self._subgroup(members, _group_id(self.group, f"{name} {members}"))
         return self._subgroups[name]
+
+    def _subgroup(self, members: list[int], group: int) -> SparkdlCommunicator:
+        """A communicator of ``members`` with its segment open (collective among its ranks on this host)."""
+        job = self._job
+        if job.failure is not None:
+            raise CollectiveError(
+                f"rank {self.rank}: a subgroup of a communicator that already failed: {job.failure}"
+            ) from job.failure
+        subgroup = SparkdlCommunicator(job, members, group, self.algorithm)
+        try:
+            subgroup._open_segment()
+        except BaseException as exc:
+            job.fail(exc, f"the shared memory setup of subgroup {members}")
+            raise
+        return subgroup
+
+    def _open_segment(self) -> None:
+        """Opens this communicator's own segment among its ranks on this host, where every host holds as many of its
+        ranks and this one holds more than one; local rank 0 creates it, the others join (collective among them).
+        Its name is the job secret's, this host's and this communicator's, so no other job's or group's meets it."""
+        job, rank = self._job, self._job.links.rank
+        local = job.topology.local(self.members, rank)
+        if job.shared_memory and len(local) > 1 and job.topology.balanced(self.members):
+            self._shared = _open_shared(local, rank, job.secret, job.topology.hosts[rank], self.group, job.timeout)
+            job.segments.append(self._shared)
 
     # -- running an operation -----------------------------------------------------------------------
 
@@ -168,10 +210,7 @@ class SparkdlCommunicator(BaseCommunicator):
         except (ValueError, TypeError):
             raise  # refused before anything was sent: the ranks are still in step
         except BaseException as exc:
-            job.failure = exc
-            job.links.close(reason=f"rank {job.links.rank} failed in {name}: {exc}")
-            if job.shared is not None:
-                job.shared.close()
+            job.fail(exc, name)
             raise
 
     def _exchange(self, name: str, *, kind: Kind = Kind.COLLECTIVE, tag: int = 0) -> Exchange:
@@ -185,7 +224,7 @@ class SparkdlCommunicator(BaseCommunicator):
         return result
 
     def _shared_memory(self) -> bool:
-        return self._job.shared is not None and self.group == 0
+        return self._shared is not None
 
     def _choose(self, name: str, requested: str | None, nbytes: int) -> str:
         # A communicator of one rank moves nothing, so any algorithm "runs" on it.
@@ -194,9 +233,8 @@ class SparkdlCommunicator(BaseCommunicator):
         )
 
     def _one_host(self) -> bool:
-        """Whether this communicator's ranks are exactly the ranks of this host's segment, in order."""
-        shared = self._job.shared
-        return shared is not None and self.group == 0 and shared.ranks == list(self.members)
+        """Whether this communicator's ranks are exactly the ranks of its segment, in order."""
+        return self._shared is not None and self._shared.ranks == list(self.members)
 
     def _root(self, root: int) -> int:
         if not 0 <= root < self.size:
@@ -215,7 +253,7 @@ class SparkdlCommunicator(BaseCommunicator):
             out_flat[...] = flat
         elif chosen == "hierarchical":
             cross = self.cross()
-            hierarchical.allreduce(self._job.shared, cross, flat, out_flat, _SHARED_OP[op], _sum_if_mean(op))
+            hierarchical.allreduce(self._shared, cross, flat, out_flat, _SHARED_OP[op], _sum_if_mean(op))
         else:
             ex = self._exchange("allreduce")
             module = {"ring": ring, "tree": tree, "naive": naive}[chosen]
@@ -264,8 +302,8 @@ class SparkdlCommunicator(BaseCommunicator):
         rows[self.rank] = source.reshape(-1)
         chosen = self._choose("allgather", algorithm, source.nbytes)
         if self.size > 1 and chosen == "shared_memory":
-            assert self._job.shared is not None  # chosen only where the segment holds every rank
-            self._job.shared.allgather(rows)
+            assert self._shared is not None  # chosen only where the segment holds every rank
+            self._shared.allgather(rows)
         elif self.size > 1:
             ex = self._exchange("allgather")
             (ring if chosen == "ring" else naive).allgather(ex, rows)
@@ -284,8 +322,8 @@ class SparkdlCommunicator(BaseCommunicator):
         lo, hi = bounds[self.rank] * row, bounds[self.rank + 1] * row
         result = output_array(out, (bounds[self.rank + 1] - bounds[self.rank], *source.shape[1:]), source.dtype)
         if self.size > 1 and chosen == "shared_memory":
-            assert self._job.shared is not None  # chosen only where the segment holds every rank
-            self._job.shared.reduce_scatter(flat, _SHARED_OP[op], result.reshape(-1), [b * row for b in bounds])
+            assert self._shared is not None  # chosen only where the segment holds every rank
+            self._shared.reduce_scatter(flat, _SHARED_OP[op], result.reshape(-1), [b * row for b in bounds])
         else:
             work = flat  # one rank: its own chunk is the result
             if self.size > 1:
@@ -359,11 +397,12 @@ class SparkdlCommunicator(BaseCommunicator):
         return peer
 
     def _close(self) -> None:
-        if self.group != 0:
-            return  # a subgroup's links are the job's
+        if self.group != 0:  # a subgroup's links are the job's; its segment is its own
+            if self._shared is not None:
+                self._shared.close()
+            return
         self._job.links.close()
-        if self._job.shared is not None:
-            self._job.shared.close()
+        self._job.close_segments()
 
 
 def _flat(array) -> tuple[np.ndarray, np.ndarray]:
@@ -387,8 +426,10 @@ def _group_id(parent: int, name: str) -> int:
     return zlib.crc32(f"{parent} {name}".encode()) or 1
 
 
-def _open_shared(local: list[int], rank: int, secret: bytes, host: str, timeout: float) -> shm.SharedMemoryGroup:
-    name = hashlib.sha256(secret + b" shared memory " + host.encode()).hexdigest()[:32]
+def _open_shared(
+    local: list[int], rank: int, secret: bytes, host: str, group: int, timeout: float
+) -> shm.SharedMemoryGroup:
+    name = hashlib.sha256(secret + f" shared memory {host} group {group}".encode()).hexdigest()[:32]
     return shm.SharedMemoryGroup.open(local.index(rank), local, name=name, secret=secret, timeout=timeout)
 
 
