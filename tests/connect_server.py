@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -25,6 +26,23 @@ def free_port() -> int:
 def log_tail(path: Path, lines: int = 40) -> str:
     with open(path, errors="replace") as f:
         return "".join(f.readlines()[-lines:])
+
+
+def event_log_conf(directory: Path) -> tuple[str, ...]:
+    """Spark settings that write an application's event log into ``directory`` (made here) as one plain JSON file."""
+    directory.mkdir()
+    return (
+        "spark.eventLog.enabled=true",
+        f"spark.eventLog.dir={directory.as_uri()}",
+        "spark.eventLog.rolling.enabled=false",
+        "spark.eventLog.compress=false",
+    )
+
+
+def read_event_log(directory: Path) -> list[dict]:
+    """The events of the one application that logged into ``directory`` (flushed at each job's end)."""
+    (path,) = directory.iterdir()
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""sparkdl over Spark Connect, against a real Connect server that this module starts (``spark-submit``).
+"""sparkdl over Spark Connect, against a real Connect server (the session's one, tests/conftest.py: ``spark-submit``).
 
 The client runs in a child process: PySpark refuses a Connect session in a process that already
 holds a classic SparkContext (``SESSION_ALREADY_EXIST``, and the suite's shared ``spark`` fixture is
@@ -19,10 +19,10 @@ import traceback
 
 import numpy as np
 import pytest
-from connect_server import spark_connect_server
 
-# A real Spark Connect server and a client process: the slow command.
-pytestmark = pytest.mark.slow
+# A real Spark Connect server and a client process: the slow command. The first test waits for the server (up to
+# connect_server.START_SECONDS) and the client's every scenario (up to _CLIENT_SECONDS).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 try:  # PySpark's Connect client needs gRPC and protobuf: the `cpu`/`gpu` extras bring them (the Horovod stack has none)
     import pyspark.sql.connect  # noqa: F401
@@ -279,13 +279,6 @@ def _client(url: str, out: str) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # The server and the tests (pytest process)
-
-
-@pytest.fixture(scope="module")
-def connect_server(tmp_path_factory):
-    """A Spark Connect server on ``local[2]`` (its own JVM and Python workers), stopped after the module."""
-    with spark_connect_server(tmp_path_factory.mktemp("connect"), conf=("spark.sql.shuffle.partitions=4",)) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

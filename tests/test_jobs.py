@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from connect_server import spark_connect_server
+from connect_server import event_log_conf, read_event_log
 
 # Each test starts its own Spark (spark-submit, local-cluster, a Connect server): the slow command.
 pytestmark = pytest.mark.slow
@@ -76,21 +76,6 @@ def spark_submit(master, job, *job_args, conf=()):
         job,
         *job_args,
     ]
-
-
-def event_log_conf(directory):
-    directory.mkdir()
-    return (
-        "spark.eventLog.enabled=true",
-        f"spark.eventLog.dir={directory.as_uri()}",
-        "spark.eventLog.rolling.enabled=false",
-        "spark.eventLog.compress=false",
-    )  # one plain JSON file
-
-
-def read_event_log(directory):
-    (path,) = directory.iterdir()
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def task_executors(events, *, barrier):
@@ -674,13 +659,6 @@ def test_predict_job_checks_data_model_and_output_before_starting_spark(tmp_path
         assert error.count("\n") == 1 and message in error, error
 
 
-@pytest.fixture
-def connect_server(tmp_path):
-    """A Spark Connect server (local[2]) in its own process, as spark-submit starts one; its log in ``tmp_path``."""
-    with spark_connect_server(tmp_path) as server:
-        yield server["url"]
-
-
 def test_train_job_over_spark_connect(tmp_path, connect_server):
     """--remote makes the job a Spark Connect client: it trains on the server's executors and never starts a JVM."""
     out = run_job(
@@ -688,7 +666,7 @@ def test_train_job_over_spark_connect(tmp_path, connect_server):
             sys.executable,
             TRAIN_JOB,
             "--remote",
-            connect_server,
+            connect_server["url"],
             "--epochs",
             "2",
             "--output",
@@ -701,33 +679,31 @@ def test_train_job_over_spark_connect(tmp_path, connect_server):
     assert "Running Spark version" not in out and "log4j" not in out, out  # no Spark driver in the job's process
 
 
-def test_predict_job_over_spark_connect(tmp_path, digits, digits_model):
+def test_predict_job_over_spark_connect(tmp_path, digits, digits_model, connect_server):
     """--remote makes predict.py a Spark Connect client: the server's application scores the rows (its event log
     has the Arrow UDF's stage, whose tasks ran on its executor) and writes them; the job never starts a JVM."""
     model, model_path = digits_model
     _, x_test, _, _ = digits
     table = write_digit_rows(tmp_path / "rows.parquet", x_test)
-    events = tmp_path / "events"
-    with spark_connect_server(tmp_path, conf=event_log_conf(events)) as server:
-        out = run_job(
-            [
-                sys.executable,
-                PREDICT_JOB,
-                "--remote",
-                server["url"],
-                "--model",
-                str(model_path),
-                "--data",
-                str(tmp_path / "rows.parquet"),
-                "--output",
-                str(tmp_path / "scored.parquet"),
-                "--features-col",
-                ",".join(PIXELS),
-                "--verbose",
-            ],
-            tmp_path,
-        )
-        log = read_event_log(events)  # the server's, flushed at each job's end
+    out = run_job(
+        [
+            sys.executable,
+            PREDICT_JOB,
+            "--remote",
+            connect_server["url"],
+            "--model",
+            str(model_path),
+            "--data",
+            str(tmp_path / "rows.parquet"),
+            "--output",
+            str(tmp_path / "scored.parquet"),
+            "--features-col",
+            ",".join(PIXELS),
+            "--verbose",
+        ],
+        tmp_path,
+    )
+    log = read_event_log(connect_server["events"])  # the server's (shared by the session's Connect tests)
     assert f"scored {len(x_test)} rows" in out, out
     assert "Running Spark version" not in out and "log4j" not in out, out  # no Spark driver in the job's process
     check_scored(tmp_path / "scored.parquet", table, model, x_test)
