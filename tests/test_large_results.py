@@ -1,8 +1,8 @@
 """Large payloads between the driver and the tasks travel over sparkdl's relay or Spark's file server, never
 through a JVM's heap; where Spark's own path must carry them (average mode), a model too large is refused first.
 
-The model tests run their own Spark (this file, run as a script) with a driver JVM
-heap smaller than the model: in local mode that JVM also runs the executor, so
+The model tests run their own Spark (this file, run once as a script for all of them: one child process, one
+JVM) with a driver JVM heap smaller than the model: in local mode that JVM also runs the executor, so
 neither the model going to the task nor the trained model coming back may pass
 through it. The models' weights are random, so that no compression (a broadcast's
 lz4) could shrink them below the heap either.
@@ -17,12 +17,13 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 
 import numpy as np
 import pytest
 
 # A child Spark moving a model larger than its JVM heap: the slow command.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(960)]  # the first test waits for the child (up to 900 s)
 
 import sparkdl
 from sparkdl.launch import payloads, run_tasks
@@ -99,10 +100,10 @@ def _train_large_model(heap: str, mode: str, inputs: int, units: int) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_model_larger_than_the_driver_jvm_heap_goes_to_the_task_and_back_intact(tmp_path, mode):
+def test_a_model_larger_than_the_driver_jvm_heap_goes_to_the_task_and_back_intact(child_reports, mode):
     """sync: the model goes to rank 0 and back over the relay. async: every task fetches it from the relay,
     and the trained model is the parameter server's, on the driver."""
-    report = _child(tmp_path, "train", _HEAP, mode, str(_INPUTS), str(_UNITS))
+    report = _report(child_reports, f"train-{mode}")
     assert report["weight_bytes"] > 1.3 * report["heap_bytes"], report  # the model cannot fit in the JVM's heap
     assert report["kernel_error"] < 1e-5 and report["bias_error"] < 1e-5, report
     assert report["initial_epoch"] == 0 and report["jvm_alive_count"] == 1000, report
@@ -129,9 +130,9 @@ def _score_with_large_model(heap: str, inputs: int, units: int) -> dict:
     }
 
 
-def test_keras_model_transform_scores_with_a_model_larger_than_the_driver_jvm_heap(tmp_path):
+def test_keras_model_transform_scores_with_a_model_larger_than_the_driver_jvm_heap(child_reports):
     """The model reaches the executor as a file Spark's file server streams (no broadcast in the heap)."""
-    report = _child(tmp_path, "score", _HEAP, str(_INPUTS), str(_UNITS))
+    report = _report(child_reports, "score")
     assert report["weight_bytes"] > 1.3 * report["heap_bytes"], report
     assert report["shape"] == [3, _UNITS], report
     assert report["worst_error"] < 1e-5 * report["scale"], report
@@ -169,10 +170,12 @@ def _average_in_a_small_heap(heap: str, inputs: int, units: int) -> dict:
     }
 
 
-def test_average_mode_refuses_a_model_its_driver_heap_cannot_carry_before_its_jobs_and_trains_one_it_can(tmp_path):
+def test_average_mode_refuses_a_model_its_driver_heap_cannot_carry_before_its_jobs_and_trains_one_it_can(
+    child_reports,
+):
     """Average mode's state goes out by broadcast and its deltas come back in task results, through the driver
     JVM's heap: a model too large for it is refused, naming the setting and the size; a small one trains."""
-    report = _child(tmp_path, "average", _HEAP, str(_INPUTS), str(_UNITS))
+    report = _report(child_reports, "average")
     assert report["weight_bytes"] > 1.3 * report["heap_bytes"], report
     assert report["small_rounds"] >= 1 and np.isfinite(report["small_loss"]).all(), report
     needed = re.search(r"spark\.driver\.memory of at least (\d+) MB", report["refusal"] or "")
@@ -182,19 +185,36 @@ def test_average_mode_refuses_a_model_its_driver_heap_cannot_carry_before_its_jo
     assert report["jvm_alive_count"] == 1000, report
 
 
-def _child(tmp_path, scenario: str, *args: str) -> dict:
-    """Runs this file as a script in a fresh process (its own Spark) and returns its JSON report."""
+#: The child's scenarios, in the order it runs them: each one's report, or its traceback.
+_SCENARIOS = {
+    "train-sync": lambda: _train_large_model(_HEAP, "sync", _INPUTS, _UNITS),
+    "train-async": lambda: _train_large_model(_HEAP, "async", _INPUTS, _UNITS),
+    "score": lambda: _score_with_large_model(_HEAP, _INPUTS, _UNITS),
+    "average": lambda: _average_in_a_small_heap(_HEAP, _INPUTS, _UNITS),
+}
+
+
+@pytest.fixture(scope="module")
+def child_reports(tmp_path_factory) -> dict:
+    """Runs this file as a script in a fresh process (its own Spark, one JVM for every scenario) and returns its
+    JSON reports by scenario; a scenario that fails there fails only its own test."""
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1", "TF_CPP_MIN_LOG_LEVEL": "2"}
     child = subprocess.run(
-        [sys.executable, __file__, scenario, *args],
-        cwd=tmp_path,
+        [sys.executable, __file__],
+        cwd=tmp_path_factory.mktemp("large-results"),
         env=env,
         capture_output=True,
         text=True,
-        timeout=540,
+        timeout=900,
     )
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-6000:]
     return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def _report(reports: dict, scenario: str) -> dict:
+    outcome = reports[scenario]
+    assert "report" in outcome, f"scenario {scenario!r} failed in the child:\n{outcome['error']}"
+    return outcome["report"]
 
 
 class _OnRecord(logging.Handler):
@@ -296,11 +316,10 @@ def test_the_relay_keeps_only_results_of_exactly_the_announced_size():
 
 
 if __name__ == "__main__":
-    scenario, heap, *rest = sys.argv[1:]
-    if scenario == "train":
-        report = _train_large_model(heap, rest[0], int(rest[1]), int(rest[2]))
-    elif scenario == "score":
-        report = _score_with_large_model(heap, int(rest[0]), int(rest[1]))
-    else:
-        report = _average_in_a_small_heap(heap, int(rest[0]), int(rest[1]))
-    print(json.dumps(report))
+    reports = {}
+    for name, scenario in _SCENARIOS.items():
+        try:
+            reports[name] = {"report": scenario()}
+        except Exception:
+            reports[name] = {"error": traceback.format_exc()}
+    print(json.dumps(reports))
