@@ -1,10 +1,12 @@
 """The README and docs/ say what is true: their Python snippets run as written, their links resolve,
 and the README's quick start is the command CI runs.
 
-The ```python blocks of one Markdown file run in order in one fresh interpreter (like a doctest
+The ```python blocks of one Markdown file run in order in one namespace of their own (like a doctest
 session: a later block sees what an earlier one defined), from the repository root, as a user
-pasting them into ``python`` would. Files are found when the tests are collected, so a page added
-to docs/ is covered without touching this file.
+pasting them into ``python`` would. The pages share one fresh interpreter (and so one classic Spark session,
+which each page's ``getOrCreate()`` returns), apart from the pages that start a Spark Connect session, which
+PySpark refuses beside a classic one: each of those has an interpreter of its own. Files are found when the tests
+are collected, so a page added to docs/ is covered without touching this file.
 """
 
 import json
@@ -17,25 +19,28 @@ import pytest
 from process_groups import run_in_own_group
 
 REPO = Path(__file__).resolve().parent.parent
-TIMEOUT_PER_FILE = 600  # seconds; a file's snippets together, Spark and TensorFlow start-up included
+TIMEOUT_PER_FILE = 300  # seconds a page's snippets may take, on average, in their interpreter (start-up included)
 PYTHON_FENCES = {"python", "py", "python3"}  # every spelling GitHub highlights as Python runs: no way around the test
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\((?P<target>[^)\s]+)\)")
 
-# Runs in the fresh interpreter: reads [[line, code], ...] from the file named in argv[2] and executes the
-# blocks in one namespace, each compiled at its own lines of the Markdown file, so that tracebacks point there.
+# Runs in a fresh interpreter: reads {page: [[line, code], ...]} from the file named in argv[1] and, page by page,
+# executes a page's blocks in a namespace of the page's own, each compiled at its own lines of the Markdown file so
+# that tracebacks point there; a page stops at its first failing block, and the next page runs all the same.
 RUNNER = """
 import json, sys, traceback
-name, blocks = sys.argv[1], json.load(open(sys.argv[2]))
-namespace = {"__name__": "__main__"}
-for index, (line, code) in enumerate(blocks):
-    print(f"@@ sparkdl-docs: block {index} starts", flush=True)
-    try:
-        exec(compile("\\n" * (line - 1) + code, name, "exec"), namespace)
-    except BaseException:
-        traceback.print_exc()
-        print(f"@@ sparkdl-docs: block {index} failed", flush=True)
-        sys.exit(1)
+for name, blocks in json.load(open(sys.argv[1])).items():
+    namespace = {"__name__": "__main__"}
+    for index, (line, code) in enumerate(blocks):
+        print(f"\\n@@ sparkdl-docs: {name} block {index} starts", flush=True)  # its own line, after Spark's bar
+        try:
+            exec(compile("\\n" * (line - 1) + code, name, "exec"), namespace)
+        except BaseException:
+            traceback.print_exc()
+            print(f"@@ sparkdl-docs: {name} block {index} failed", flush=True)
+            break
+    else:
+        print(f"@@ sparkdl-docs: {name} passed", flush=True)
 """
 
 
@@ -192,32 +197,67 @@ def prose_lines(text: str) -> list[str]:
     return lines
 
 
-@pytest.mark.slow  # its own Python process and Spark: the slow command
-@pytest.mark.parametrize("page", pages_with_python(), ids=lambda page: str(page.relative_to(REPO)))
-def test_python_snippets_run(page, tmp_path):
-    name = str(page.relative_to(REPO))
-    blocks = python_blocks(page.read_text())
-    (tmp_path / "blocks.json").write_text(json.dumps(blocks))
+def starts_spark_connect(page: Path) -> bool:
+    return any(".remote(" in code for _, code in python_blocks(page.read_text()))
+
+
+@pytest.fixture(scope="module")
+def snippet_runs(tmp_path_factory) -> dict[str, str]:
+    """Every page's snippets run as described above; each page's output (Spark's and the blocks'), by page name."""
+    pages = pages_with_python()
+    groups = [[page for page in pages if not starts_spark_connect(page)]]
+    groups += [[page] for page in pages if starts_spark_connect(page)]
     env = dict(
         os.environ,
         PYSPARK_PYTHON=sys.executable,
         SPARK_LOCAL_IP="127.0.0.1",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     )
-    log = tmp_path / "output.txt"
-    returncode = run_in_own_group(
-        [sys.executable, "-c", RUNNER, name, str(tmp_path / "blocks.json")],
-        cwd=REPO,
-        env=env,
-        log=log,
-        timeout=TIMEOUT_PER_FILE,
-    )
-    why = "failed" if returncode is not None else f"did not finish within {TIMEOUT_PER_FILE} s"
-    output = log.read_text()
-    started = re.findall(r"^@@ sparkdl-docs: block (\d+) starts$", output, re.MULTILINE)
-    if returncode == 0 and len(started) == len(blocks):
+    outputs = {}
+    for number, group in enumerate(groups):
+        directory = tmp_path_factory.mktemp(f"snippets-{number}")
+        names = [str(page.relative_to(REPO)) for page in group]
+        blocks = {name: python_blocks(page.read_text()) for name, page in zip(names, group)}
+        (directory / "blocks.json").write_text(json.dumps(blocks))
+        log = directory / "output.txt"
+        returncode = run_in_own_group(
+            [sys.executable, "-c", RUNNER, str(directory / "blocks.json")],
+            cwd=REPO,
+            env=env,
+            log=log,
+            timeout=TIMEOUT_PER_FILE * len(group),
+        )
+        output = log.read_text()
+        for name in names:
+            # a page's output runs from its first block's marker to the next page's (Spark's lines between included)
+            start = output.find(f"@@ sparkdl-docs: {name} block 0 starts")
+            later = [
+                output.find(f"@@ sparkdl-docs: {other} block 0 starts") for other in names[names.index(name) + 1 :]
+            ]
+            end = min([i for i in later if i > start] or [len(output)])
+            outputs[name] = output[start:end] if start >= 0 else ""
+            if returncode is None:
+                outputs[name] += f"\n@@ the interpreter did not finish within {TIMEOUT_PER_FILE * len(group)} s"
+    return outputs
+
+
+@pytest.mark.slow  # a Python process and Spark of their own: the slow command
+@pytest.mark.timeout(TIMEOUT_PER_FILE * len(pages_with_python()))  # the first page's test waits for every page
+@pytest.mark.parametrize("page", pages_with_python(), ids=lambda page: str(page.relative_to(REPO)))
+def test_python_snippets_run(page, snippet_runs):
+    name = str(page.relative_to(REPO))
+    blocks = python_blocks(page.read_text())
+    output = snippet_runs[name]
+    if f"@@ sparkdl-docs: {name} passed" in output:
         return
+    started = re.findall(rf"^@@ sparkdl-docs: {re.escape(name)} block (\d+) starts$", output, re.MULTILINE)
     line, code = blocks[int(started[-1]) if started else 0]
+    if not started:
+        why = "did not run"
+    elif f"@@ sparkdl-docs: {name} block {started[-1]} failed" in output:
+        why = "failed"
+    else:
+        why = "did not finish"
     pytest.fail(
         f"{name}: the ```python block at line {line} ({code.splitlines()[0]!r}) {why}; "
         f"its output (the last 4000 characters):\n{output[-4000:]}",
