@@ -117,6 +117,9 @@ def test_two_ranks_train_the_weights_and_optimizer_state_of_one_process():
     assert held["whole_weight_bytes"] == 4 * (42 + 7 + 7 + 7 + 21 + 3)
     assert held["weight_bytes"] == 4 * (25 + 7 + 12) < 0.5 * held["whole_weight_bytes"] + 4 * 3  # padding only
     assert held["optimizer_bytes"] < 0.6 * 2 * held["whole_weight_bytes"]  # Adam: two slots over half the weights
+    # gathered weights alive at once, counted until let go: the largest unit's (50 values padded), at most twice
+    # (its gathered rows and the tensors made of them), never every unit's
+    assert 4 * 50 <= held["gathered_peak_bytes"] <= 2 * 4 * 50, held
     assert all(np.isfinite(results[r][0]).all() for r in range(2))
 
 

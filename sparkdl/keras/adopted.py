@@ -1,4 +1,5 @@
-"""Numpy buffers that TensorFlow takes over in place: aligned as it needs, reused only once it has let go.
+"""Numpy buffers that TensorFlow takes over in place: aligned as it needs, reused only once it has let go, counted
+while anything holds them.
 
 TensorFlow reads a numpy array that a ``tf.numpy_function`` returns (or that a tensor is made
 from) in place when its first byte is :data:`ALIGNMENT`-aligned, and may go on to adopt that memory
@@ -11,6 +12,8 @@ may still be made of it.
 from __future__ import annotations
 
 import sys
+import threading
+import weakref
 
 import numpy as np
 
@@ -48,3 +51,30 @@ class BufferPool:
         if len(self._buffers) < self._keep:
             self._buffers.append(buffer)
         return buffer
+
+
+class HeldBytes:
+    """Buffers made by :meth:`empty`, and whatever :meth:`track` is given (a tensor made from one), counted from then
+    until their last reference goes, TensorFlow's too (a tensor read in place keeps its array): :attr:`held`, the
+    bytes alive now, and :attr:`peak`, the most at once."""
+
+    def __init__(self):
+        self.held = self.peak = 0
+        self._lock = threading.Lock()  # the last reference may go in any thread
+
+    def empty(self, size: int, dtype) -> np.ndarray:
+        """An :func:`aligned_empty` buffer, counted while the array that owns its memory (every view keeps it) lives."""
+        buffer = aligned_empty(size, dtype)
+        self.track(buffer.base, buffer.nbytes)
+        return buffer
+
+    def track(self, holder, nbytes: int) -> None:
+        """Counts ``nbytes`` while ``holder`` (an object that can be weakly referenced) lives."""
+        with self._lock:
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+        weakref.finalize(holder, self._let_go, nbytes)
+
+    def _let_go(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes

@@ -101,6 +101,7 @@ class FullyShardedReplica:
         )
         self._steps = 0
         self._held: np.ndarray = self.shard.numpy()  # the shard the gathers send (refreshed after each update)
+        self._gathered = adopted.HeldBytes()  # every unit's gathered weights, counted until dropped
 
     @classmethod
     def from_part(
@@ -157,6 +158,7 @@ class FullyShardedReplica:
         pending: _Pending = self._start_gather(0)
         for u, unit in enumerate(self.units):
             weights = self._finish_gather(u, pending)
+            pending = None  # the rows are in the weights now: let go before the next unit's arrive
             pending = self._start_gather(u + 1) if u + 1 < len(self.units) else None
             with self._clock.timing("compute"):
                 before.append(self.statistics[u])
@@ -171,6 +173,7 @@ class FullyShardedReplica:
                     self.observe(y, outputs)
             else:
                 entering.append(outputs)
+            del weights  # before the next unit's are made
         return entering, before, kept, share
 
     def _backward(self, entering: list, before: list, kept: list, labels: tf.Tensor, scale: float) -> np.ndarray:
@@ -184,6 +187,7 @@ class FullyShardedReplica:
                 weights = kept
             else:
                 weights = self._finish_gather(u, pending)
+                pending = None  # the rows are in the weights now: let go before the next unit's arrive
                 pending = self._start_gather(u - 1) if u > 0 else None
             with self._clock.timing("compute"):
                 gradients = unit.backward(entering[u], weights, before[u], upstream, labels if unit.last else None)
@@ -200,11 +204,13 @@ class FullyShardedReplica:
         pending: _Pending = self._start_gather(0)
         for u, unit in enumerate(self.units):
             weights = self._finish_gather(u, pending)
+            pending = None  # the rows are in the weights now: let go before the next unit's arrive
             pending = self._start_gather(u + 1) if u + 1 < len(self.units) else None
             with self._clock.timing("compute"):
                 activation, _, _, loss = unit.forward(
                     activation, weights, self.statistics[u], labels if unit.last else None, False
                 )
+            del weights  # before the next unit's are made
         if self.observe is not None:
             self.observe(y, activation)
         return float(loss)  # type: ignore[arg-type]  # the last unit's: never None
@@ -236,27 +242,25 @@ class FullyShardedReplica:
 
     def gather_state(self) -> tuple[list[np.ndarray], dict, list[list]] | None:
         """Collective: the whole trainable weights (chain order), the optimizer's arrays over them and each unit's
-        non-trainable weights (rank 0's), at rank 0; None elsewhere."""
+        non-trainable weights (rank 0's), at rank 0; None elsewhere. Gathered one array (the weights, each slot) at a
+        time, each variable a view of its bucket's joined parts: rank 0 holds the whole state and one array's shards.
+        """
         slots = [v for v in self.optimizer.variables if v.name.startswith(SHARD + "_")]
-        own = np.concatenate([self.shard.numpy(), *(np.asarray(v.numpy(), np.float32) for v in slots)])
-        gathered = self.comm.gather(own, root=0)
-        if gathered is None:
-            return None
-        layout = self.layout
-        stacked = np.stack(gathered).reshape(self.comm.size, 1 + len(slots), layout.shard_size)
-        flat = np.empty(sum(layout.sizes), np.float32)
-
         shapes = [shape for unit in self.units for shape in unit.shapes]
-
-        def whole(k: int) -> list[np.ndarray]:
-            by_index = layout.split(layout.unshard(stacked[:, k], flat))
-            return [by_index[i].reshape(shape).copy() for i, shape in enumerate(shapes)]
-
-        weights = whole(0)
+        wholes = []
+        for own in (self.shard, *slots):
+            gathered = self.comm.gather(np.asarray(own.numpy(), np.float32), root=0)
+            if gathered is not None:
+                by_index = dict(self.layout.variables_of(gathered))
+                wholes.append([by_index[i].reshape(shape) for i, shape in enumerate(shapes)])
+            del gathered
+        if not wholes:
+            return None
+        weights = wholes[0]
         optimizer: dict[str, np.ndarray] = {}
-        for k, slot in enumerate(slots, start=1):
+        for slot, values in zip(slots, wholes[1:]):
             name = slot.name[len(SHARD) + 1 :]
-            optimizer.update({f"slot:{i}:{name}": value for i, value in enumerate(whole(k))})
+            optimizer.update({f"slot:{i}:{name}": value for i, value in enumerate(values)})
         for variable in self.optimizer.variables:
             if not variable.name.startswith(SHARD + "_"):
                 optimizer[f"global:{variable.name}"] = np.asarray(variable.numpy())
@@ -266,14 +270,14 @@ class FullyShardedReplica:
         return weights, optimizer, statistics
 
     def held_bytes(self) -> dict[str, int]:
-        """The bytes this rank holds between steps: its shard of the weights, its optimizer state, the non-trainable
-        values; and the most it holds whole at once during a step (two units' weights: one used, one gathered)."""
-        largest = sorted((self.layout.padded(u) * 4 for u in range(len(self.units))), reverse=True)
+        """The bytes this rank holds between steps: its shard of the weights, its optimizer's variables, the
+        non-trainable values; and the most gathered weights it held at once (one unit's in use, the next one's
+        arriving), counted until TensorFlow let them go."""
         return {
             "weight_bytes": int(self.shard.numpy().nbytes),
             "optimizer_bytes": sum(int(np.asarray(v.numpy()).nbytes) for v in self.optimizer.variables),
             "statistics_bytes": sum(int(np.asarray(v).nbytes) for values in self.statistics for v in values),
-            "gathered_peak_bytes": sum(largest[:2]),
+            "gathered_peak_bytes": self._gathered.peak,
             "whole_weight_bytes": 4 * sum(self.layout.sizes),
         }
 
@@ -301,7 +305,7 @@ class FullyShardedReplica:
 
     def _start_gather(self, u: int) -> tuple[Work, np.ndarray]:
         part = self.layout.part(u)
-        rows = adopted.aligned_empty(self.layout.padded(u), np.float32).reshape(self.comm.size, part)
+        rows = self._gathered.empty(self.layout.padded(u), np.float32).reshape(self.comm.size, part)
         work = self._gathers.allgather_async(self._held[self._columns[u] : self._columns[u] + part], out=rows)
         if not self.overlap:
             self._wait(work, f"gathering unit {u}'s weights", "gather")
@@ -314,7 +318,10 @@ class FullyShardedReplica:
         flat = tf.convert_to_tensor(rows.reshape(-1)[: self.layout.length(u)])
         shapes = self.units[u].shapes
         sizes = [int(np.prod(shape)) for shape in shapes]
-        return [tf.reshape(part, shape) for part, shape in zip(tf.split(flat, sizes), shapes)]
+        weights = [tf.reshape(part, shape) for part, shape in zip(tf.split(flat, sizes), shapes)]
+        for weight, size in zip(weights, sizes):
+            self._gathered.track(weight, 4 * size)
+        return weights
 
     def _start_scatter(self, u: int, flat: np.ndarray) -> Work:
         wire = flat if self._compression is None else compressions.narrow(flat, self._compression)

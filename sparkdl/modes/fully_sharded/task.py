@@ -33,6 +33,7 @@ from sparkdl.modes.base import Settings
 from sparkdl.modes.fully_sharded import state
 from sparkdl.modes.pipeline.cut import StagePlan
 from sparkdl.modes.pipeline.epoch import StageEpochs, StageMetrics, epoch_event
+from sparkdl.modes.sync import sharded
 from sparkdl.modes.sync.sharded import ShardLayout
 
 MODE = "sharded"  # the mode checkpoints record
@@ -76,6 +77,7 @@ def run_fully_sharded_task(batches: Iterable[pa.RecordBatch], reporter: TaskRepo
         limit_threads_to_task_cpus()
         keras.utils.set_random_seed(settings.seed + comm.rank)  # dropout differs per rank, as in sync mode
         writer = comm.rank == 0
+        sharded.count_optimizers_from_now()  # an earlier fit's in this reused worker are not this one's
         start, part = _starting_point(comm, task, reporter)
         replica = FullyShardedReplica.from_part(
             task.plan,
@@ -170,8 +172,9 @@ def _assembled(whole, task: FullyShardedTask, reporter: TaskReporter, start: Che
 
 
 def _stats(replica, comm) -> dict:
-    """``FitResult.stats["fully_sharded"]``: the bytes every rank held (measured in its task) and its seconds."""
-    held = replica.held_bytes()
+    """``FitResult.stats["fully_sharded"]``: the bytes every rank held (measured in its task: of optimizer state,
+    whatever its process holds) and its seconds."""
+    held = {**replica.held_bytes(), "optimizer_bytes": sharded.held_optimizer_bytes()}
     keys = sorted(held)
     rows = comm.allgather(np.array([held[k] for k in keys], np.int64))
     summary = replica.summary()

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -108,19 +110,17 @@ class ShardLayout:
             parts.append(padded[rank * self.part(b) : (rank + 1) * self.part(b)])
         return np.concatenate(parts)
 
-    def unshard(self, shards: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """The ``(ranks, shard_size)`` shards as one flat vector in :attr:`order` (written into ``out``)."""
-        column = position = 0
-        for b in range(len(self.buckets)):
-            part, length = self.part(b), self.length(b)
-            out[position : position + length] = shards[:, column : column + part].reshape(-1)[:length]
-            column, position = column + part, position + length
-        return out
-
-    def split(self, flat: np.ndarray) -> dict[int, np.ndarray]:
-        """A flat vector in :attr:`order` as one flat array per variable index."""
-        offsets = np.cumsum([0] + [self.sizes[i] for i in self.order])
-        return {i: flat[offsets[k] : offsets[k + 1]] for k, i in enumerate(self.order)}
+    def variables_of(self, shards: Sequence[np.ndarray]) -> Iterator[tuple[int, np.ndarray]]:
+        """Each variable's flat values, by index in :attr:`order`, from every rank's shard (by rank): one bucket
+        joined at a time, so that no more than a bucket is held beside the shards."""
+        column = 0
+        for b, bucket in enumerate(self.buckets):
+            part, offset = self.part(b), 0
+            joined = np.concatenate([shard[column : column + part] for shard in shards])
+            for i in bucket:
+                yield i, joined[offset : offset + self.sizes[i]]
+                offset += self.sizes[i]
+            column += part
 
 
 class ShardedReducer(GradientReducer):
@@ -136,6 +136,12 @@ class ShardedReducer(GradientReducer):
         # the gathered weights: TensorFlow reads them in place, and the variables may keep their memory
         self._gathered = adopted.BufferPool(sum(self.layout.padded(b) for b in range(len(buckets))), np.float32)
         self.shard = None  # the flat variable of this rank's weights, set by ShardedOptimizer
+
+    def release(self) -> None:
+        """Drops the buffers the steps reuse (the gathered weights, the collectives' outputs): training is over.
+        TensorFlow keeps what a variable adopted of them."""
+        self._gathered = adopted.BufferPool(self._gathered.size, self._gathered.dtype)
+        self._buffers.clear()
 
     def __call__(self, apply, grads: Sequence, variables: Sequence):
         missing = [v.path for v, g in zip(variables, grads) if g is None]
@@ -215,27 +221,32 @@ class ShardedOptimizer:
     def __init__(self, model, comm, reducer: ShardedReducer):
         import keras
 
-        self._model, self._comm, self._layout = model, comm, reducer.layout
+        self._model, self._comm, self._reducer, self._layout = model, comm, reducer, reducer.layout
         user = model.optimizer
         self._class, variables = type(user), model.trainable_variables
-        weights = [v.numpy() for v in variables]
-        self.shard = reducer.shard = keras.Variable(self._layout.shard_of(weights, comm.rank), name=SHARD)
+        self.shard = reducer.shard = keras.Variable(
+            self._layout.shard_of([v.numpy() for v in variables], comm.rank), name=SHARD
+        )
         self.optimizer = self._class.from_config(user.get_config())
         self.optimizer.build([self.shard])
         self._slots = [v for v in self.optimizer.variables if v.name.startswith(SHARD + "_")]
         self._others = [v for v in self.optimizer.variables if not v.name.startswith(SHARD + "_")]
         if user.built and user.variables:
             self._load(user)
-        self._full: Any = None  # rank 0's optimizer over the model's variables, once gathered
+        self._full: Any = None  # rank 0's optimizer over the model's variables, from ``consolidate`` to its use
         model.optimizer = self.optimizer
+        # Keras's compile config keeps the optimizer it was compiled with (a loaded model's: built, every slot
+        # whole): it keeps an unbuilt one of the same config instead, so that the whole state is let go.
+        _compiled_with(model, self._class.from_config(user.get_config()))
 
     def summary(self) -> dict:
-        """Collective: the optimizer-state bytes every rank holds, beside what each would hold in sync mode."""
-        held = self._comm.allgather(np.array([self.state_bytes()], np.int64))[:, 0]
+        """Collective: the optimizer-state bytes every rank's process holds (:func:`held_optimizer_bytes`), beside
+        what each would hold in sync mode."""
+        held = self._comm.allgather(np.array([held_optimizer_bytes()], np.int64))[:, 0]
         return {"optimizer_state_bytes": held.tolist(), "replicated_optimizer_state_bytes": self.replicated_bytes()}
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds."""
+        """Bytes of this rank's optimizer over its shard."""
         return sum(_nbytes(v) for v in self.optimizer.variables)
 
     def replicated_bytes(self) -> int:
@@ -244,35 +255,42 @@ class ShardedOptimizer:
         return others + 4 * len(self._slots) * sum(self._layout.sizes)
 
     def consolidate(self) -> None:
-        """Collective: rank 0's full optimizer gets every rank's slots and this step's other variables."""
-        slots = np.concatenate([np.asarray(v.numpy(), np.float32) for v in self._slots]) if self._slots else None
-        gathered = self._comm.gather(slots if slots is not None else np.empty(0, np.float32), root=0)
-        if gathered is None:
-            return
-        if self._full is None:
-            self._full = self._class.from_config(self.optimizer.get_config())
-            self._full.build(self._model.trainable_variables)
-        slot_of, others = self._slot_variables(self._full)
-        for ours, theirs in zip(self._others, others):
-            theirs.assign(ours.numpy())
-        stacked = np.stack(gathered).reshape(self._comm.size, len(self._slots), self._layout.shard_size)
-        flat = np.empty(sum(self._layout.sizes), np.float32)
-        for k, slot in enumerate(self._slots):
-            for i, values in self._layout.split(self._layout.unshard(stacked[:, k], flat)).items():
-                target = slot_of[(i, slot.name[len(SHARD) + 1 :])]
+        """Collective: rank 0 builds a full optimizer holding every rank's slots (gathered one slot at a time) and
+        this step's other variables, kept until :meth:`full` hands it over."""
+        full = None
+        if self._comm.rank == 0:
+            full = self._class.from_config(self.optimizer.get_config())
+            full.build(self._model.trainable_variables)
+            slot_of, others = self._slot_variables(full)
+            for ours, theirs in zip(self._others, others):
+                theirs.assign(ours.numpy())
+        for slot in self._slots:
+            gathered = self._comm.gather(np.asarray(slot.numpy(), np.float32), root=0)
+            if gathered is None:
+                continue
+            suffix = slot.name[len(SHARD) + 1 :]
+            for i, values in self._layout.variables_of(gathered):
+                target = slot_of[(i, suffix)]
                 target.assign(values.reshape(tuple(target.shape)))
+        self._full = full
 
     def full(self):
-        """Rank 0's optimizer over the model's variables, as of the last ``consolidate``."""
+        """Rank 0's optimizer over the model's variables, as of the last ``consolidate``: handed over (a save
+        records it, then lets it go), so that no rank holds the whole state while it trains."""
         if self._full is None:
             raise RuntimeError("The sharded optimizer's state was not gathered (consolidate) before a save")
-        return self._full
+        full, self._full = self._full, None
+        return full
 
     def finish(self) -> None:
-        """Collective, after training: rank 0's model keeps the full optimizer, as the fit's result."""
+        """Collective, after training: rank 0's model keeps the full optimizer, as the fit's result; the steps'
+        buffers are dropped first, so that rank 0 gathers it in their room."""
+        self._reducer.release()
         self.consolidate()
         if self._full is not None:
-            self._model.optimizer = self._full
+            full = self.full()
+            self._model.optimizer = full
+            _compiled_with(self._model, full)
 
     def consolidating_callback(self):
         """A Keras callback that gathers the state at every epoch's end (for rank 0's checkpoint after it)."""
@@ -315,6 +333,42 @@ class ShardedOptimizer:
                 f"{[v.name for v in self._others]}"
             )
         return slot_of, others
+
+
+def _compiled_with(model, optimizer) -> None:
+    """Keras's record of the optimizer ``model`` was compiled with (its ``compile_config``) names ``optimizer``."""
+    compile_config = getattr(model, "_compile_config", None)
+    if compile_config is not None and "optimizer" in compile_config.config:
+        compile_config.config["optimizer"] = optimizer
+
+
+#: The Keras optimizers this Python worker already held when its current task began (:func:`count_optimizers_from_now`):
+#: a reused worker may still hold an earlier fit's, which are not this task's to count.
+_EARLIER_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def count_optimizers_from_now() -> None:
+    """At a task's start, before it loads a model: :func:`held_optimizer_bytes` leaves out the optimizers alive now."""
+    _EARLIER_OPTIMIZERS.clear()
+    _EARLIER_OPTIMIZERS.update(_live_optimizers())
+
+
+def held_optimizer_bytes() -> int:
+    """Bytes of the variables of every Keras optimizer alive in this process (after a garbage collection) that the
+    current task made: what a rank's process holds of optimizer state, whichever object holds it."""
+    return sum(
+        _nbytes(v)
+        for optimizer in _live_optimizers()
+        if optimizer not in _EARLIER_OPTIMIZERS
+        for v in optimizer.variables
+    )
+
+
+def _live_optimizers() -> list:
+    import keras
+
+    gc.collect()
+    return [o for o in gc.get_objects() if isinstance(o, keras.optimizers.Optimizer)]
 
 
 def _nbytes(variable) -> int:

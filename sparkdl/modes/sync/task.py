@@ -16,7 +16,7 @@ from sparkdl.launch.backends import trainer_communicator
 from sparkdl.launch.forward import TaskReporter
 from sparkdl.modes import whole_replicas
 from sparkdl.modes.base import Settings
-from sparkdl.modes.sync import replicas
+from sparkdl.modes.sync import replicas, sharded
 from sparkdl.modes.sync.step_profile import StepProfile
 
 
@@ -60,6 +60,8 @@ def run_sync_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, tas
         start = whole_replicas.starting_point(
             comm, reporter, task.settings, task.checkpoints, task.start_history, task.mode
         )
+        if task.shard:
+            sharded.count_optimizers_from_now()  # an earlier fit's in this reused worker are not this one's
         model = serialization.model_from_bytes(start.model_bytes, settings.custom_objects)
         reporter.phase("model in")
         validation = whole_replicas.Validation(held_out, validation_rows) if settings.validate else None
