@@ -200,6 +200,7 @@ def test_discovery_script_prints_nvidia_smi_indices_as_spark_json(tmp_path):
 # --- a real Spark job with GPU scheduling ------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a local-cluster Spark of its own (tests/gpu_job.py): the slow command
 def test_each_rank_sees_the_gpu_spark_assigned_it(tmp_path):
     """local-cluster with GPU scheduling from a fake discovery script: every rank's CUDA_VISIBLE_DEVICES is its GPU.
 

@@ -73,6 +73,7 @@ def test_pipeline_fits_scores_and_evaluates(fitted, digits_frames, digits):
     assert accuracy >= 0.95, accuracy
 
 
+@pytest.mark.slow  # a fresh process and Spark of their own: the slow command
 def test_pipeline_model_saved_and_loaded_in_a_fresh_session_predicts_the_same(fitted, digits_frames, tmp_path):
     _, test = digits_frames
     path = str(tmp_path / "pipeline")
