@@ -115,6 +115,16 @@ def test_two_async_workers_each_push_is_applied_once_at_full_scale(spark, digits
     assert len(matched) == 1, "the server's weights match no history of two full-scale pushes"
 
 
+def test_the_parameter_server_reaches_95_percent_on_digits(digits_df, digits):
+    """The parameter-server family's accuracy test (average's is in tests/test_average_mode.py, sync's in
+    tests/test_sync_training.py); what each variant counts is checked on fewer rows below."""
+    _, x_test, _, y_test = digits
+    result = sparkdl.fit(digits_df, make_mlp(), num_workers=2, mode="async", epochs=15, batch_size=16, seed=0)
+    accuracy = float(np.mean(result.model.predict(x_test, verbose=0).argmax(axis=1) == y_test))
+    assert accuracy >= 0.95, accuracy
+    assert len(result.history["loss"]) == 15 and result.history["loss"][-1] < result.history["loss"][0]
+
+
 @pytest.mark.parametrize(
     "mode, options",
     [
@@ -125,19 +135,19 @@ def test_two_async_workers_each_push_is_applied_once_at_full_scale(spark, digits
         ("average", {"sync_every": 10}),
     ],
 )
-def test_every_mode_reaches_95_percent_on_digits(digits_df, digits, mode, options):
-    _, x_test, _, y_test = digits
-    result = sparkdl.fit(digits_df, make_mlp(), num_workers=2, mode=mode, epochs=15, batch_size=16, seed=0, **options)
-    accuracy = float(np.mean(result.model.predict(x_test, verbose=0).argmax(axis=1) == y_test))
-    assert accuracy >= 0.95, (mode, options, accuracy)
-    assert len(result.history["loss"]) == 15 and result.history["loss"][-1] < result.history["loss"][0]
-    assert result.stats["samples"] == 15 * len(digits[0])  # every row once per epoch
+def test_every_mode_trains_every_row_once_per_epoch_and_counts_its_pushes(spark, digits, mode, options):
+    x_train, _, y_train, _ = digits
+    rows, epochs = 320, 2
+    df = digits_frame(spark, x_train[:rows], y_train[:rows])
+    result = sparkdl.fit(df, make_mlp(), num_workers=2, mode=mode, epochs=epochs, batch_size=16, seed=0, **options)
+    assert len(result.history["loss"]) == epochs and np.isfinite(result.history["loss"]).all()
+    assert result.stats["samples"] == epochs * rows  # every row once per epoch
     if mode == "ssp":
         # Instrumented on the server: no pull was ever granted to a worker more than s pushes ahead.
         assert result.stats["max_staleness"] <= 2
     if mode != "average":
         # Gradients accumulate across epoch boundaries; the remainder is pushed at the end.
-        pushes = -(-15 * result.steps_per_epoch // options.get("push_every", 1)) * 2
+        pushes = -(-epochs * result.steps_per_epoch // options.get("push_every", 1)) * 2
         assert result.stats["pushes"] == pushes
         assert result.stats["versions"] == [pushes] * options.get("num_servers", 1)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("ps-")], "server threads left running"
