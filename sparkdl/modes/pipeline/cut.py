@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 class StageSpec:
     """One stage: its layers as (class, config) in order, the activation entering it (no batch axis), its size.
 
-    The classes travel by reference (pickle imports them), so custom layers rebuild as themselves.
+    The classes travel as the model's custom objects do (``ShippedObjects``): by reference where the workers can
+    import them, so custom layers rebuild as themselves, and by value where they cannot (a module beside the
+    driver's script).
     """
 
     layers: tuple[tuple[type[keras.layers.Layer], dict[str, Any]], ...]
@@ -38,6 +40,28 @@ class StageSpec:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(config["name"] for _, config in self.layers)
+
+    def __reduce__(self):
+        from sparkdl.keras.shipped_objects import ShippedObjects
+
+        classes = ShippedObjects({str(i): cls for i, (cls, _) in enumerate(self.layers)})
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.name != "layers"}
+        return _shipped_stage, (classes, tuple(config for _, config in self.layers), fields)
+
+
+def _plain(value):
+    """``value`` with Keras's tracked lists and dicts (a StringLookup's vocabulary) as plain ones, which unpickle in
+    a process that never built the layer."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map(_plain, value)) if type(value) in (list, tuple) else list(map(_plain, value))
+    return value
+
+
+def _shipped_stage(classes: dict, configs: tuple[dict[str, Any], ...], fields: dict) -> StageSpec:
+    """A ``StageSpec`` as it was pickled (``StageSpec.__reduce__``)."""
+    return StageSpec(layers=tuple((classes[str(i)], config) for i, config in enumerate(configs)), **fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +117,7 @@ def plan_stages(
         layers = [layer for layer, _ in chain[start:end]]
         stages.append(
             StageSpec(
-                layers=tuple((layer.__class__, layer.get_config()) for layer in layers),
+                layers=tuple((layer.__class__, _plain(layer.get_config())) for layer in layers),
                 input_shape=tuple(entering.shape[1:]),
                 input_dtype=str(entering.dtype),
                 parameters=sum(layer.count_params() for layer in layers),
