@@ -1,7 +1,6 @@
-"""String columns feed string inputs (TextVectorization, StringLookup, pre-tokenised text) exactly, in every mode,
-in ``transform`` and in the ML stages; a string where a number is expected, or the reverse, is refused on the driver."""
-
-import os
+"""String columns feed string inputs (TextVectorization, StringLookup, pre-tokenised text) exactly, in ``transform``
+and in the ML stages; a string where a number is expected, or the reverse, is refused on the driver. (That every mode
+trains on exactly the strings Spark holds is tests/test_every_mode.py's.)"""
 
 import keras
 import numpy as np
@@ -13,9 +12,6 @@ from spark_jobs import no_spark_job
 
 import sparkdl
 from sparkdl.ml import KerasEstimator, KerasModel
-
-# Every kind of string Spark holds: accents, other scripts, emoji, an empty one, control characters, a NUL inside.
-ODD_STRINGS = ["naïve café", "日本語のテキスト", "Москва", "emoji 🎉🚀", "", "tab\tand\nnewline", "nul\x00inside", "  "]
 
 
 def digit_words(x: np.ndarray) -> list[str]:
@@ -70,53 +66,6 @@ def test_a_textvectorization_classifier_reaches_the_single_process_accuracy(text
     scored = KerasModel.from_keras(result.model, featuresCol="text").transform(test_df).toPandas()
     expected = result.model.predict(tf.constant([[t] for t in test]), verbose=0)
     assert np.abs(np.stack(scored["probability"].map(lambda v: v.toArray())) - expected).max() < 1e-6
-
-
-@keras.utils.register_keras_serializable(package="sparkdl_tests")
-class RecordStrings(keras.layers.Layer):
-    """Identity on a string tensor that appends every value it receives in training (hex) to ``<log_dir>/<pid>``."""
-
-    def __init__(self, log_dir, **kwargs):
-        super().__init__(**kwargs)
-        self.log_dir = log_dir
-
-    def _record(self, values):
-        with open(os.path.join(self.log_dir, str(os.getpid())), "a") as f:
-            f.writelines(value.hex() + "\n" for value in values.ravel().tolist())
-        return values
-
-    def call(self, x, training=None):
-        if not training:
-            return x
-        return tf.ensure_shape(tf.numpy_function(self._record, [x], tf.string, stateful=True), x.shape)
-
-    def get_config(self):
-        return {**super().get_config(), "log_dir": self.log_dir}
-
-
-def _recorded(log_dir) -> list[bytes]:
-    found = []
-    for name in os.listdir(log_dir):
-        with open(os.path.join(log_dir, name)) as f:
-            found += [bytes.fromhex(line) for line in f.read().splitlines()]
-    return found
-
-
-@pytest.mark.parametrize("mode", ["sync", "async", "hogwild", "ssp", "average"])
-def test_every_mode_trains_on_exactly_the_strings_spark_holds(spark, tmp_path, mode):
-    """Every row's string reaches the train step byte for byte (UTF-8, NUL, newline, empty), once per epoch."""
-    strings = [f"{odd} {i}" if i % 3 else odd for i, odd in enumerate(ODD_STRINGS * 3)]
-    df = spark.createDataFrame([(s, i % 2) for i, s in enumerate(strings)], "text string, label int")
-    keras.utils.set_random_seed(0)
-    text = keras.Input(shape=(1,), dtype="string")
-    ids = keras.layers.StringLookup(vocabulary=sorted(set(strings)))(RecordStrings(str(tmp_path))(text))
-    hidden = keras.layers.Flatten()(keras.layers.Embedding(len(strings) + 1, 4)(ids))
-    model = keras.Model(text, keras.layers.Dense(2, activation="softmax")(hidden))
-    model.compile("adam", "sparse_categorical_crossentropy")
-    options = {"max_staleness": 1} if mode == "ssp" else {}
-    sparkdl.fit(df, model, features_col="text", num_workers=2, mode=mode, epochs=2, batch_size=4, seed=0, **options)
-    received = _recorded(tmp_path)
-    assert sorted(received) == sorted([s.encode() for s in strings] * 2)
 
 
 def test_non_ascii_text_gives_the_in_process_token_ids_in_transform(spark):
