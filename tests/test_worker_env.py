@@ -55,10 +55,10 @@ _SCRIPT = textwrap.dedent("""
             outcome["result"] = "trained"
         else:
             def where():
-                import os, sys
+                import gc, os, sys
                 with open(f"/proc/{os.getppid()}/cmdline", "rb") as parent:
                     forked_by = parent.read().replace(b"\\0", b" ").decode()
-                return sys.executable, os.getpid(), "tensorflow" in sys.modules, forked_by
+                return sys.executable, os.getpid(), "tensorflow" in sys.modules, forked_by, gc.get_freeze_count()
             if what == "run-after-probe":  # as fit does: check (and load TensorFlow) first
                 from sparkdl.launch import probe
                 probe.check_workers(spark, 2, 120.0)
@@ -181,7 +181,7 @@ def test_local_mode_workers_run_the_driver_python_forked_with_tensorflow_loaded(
 
     ranks = outcome.get("result")
     assert ranks is not None, outcome
-    executable, pid, tensorflow_loaded, forked_by = ranks  # rank 0's
+    executable, pid, tensorflow_loaded, forked_by, _ = ranks  # rank 0's
     assert executable == sys.executable
     assert f"-m {worker_python.WORKER_DAEMON}" in forked_by, forked_by
     assert tensorflow_loaded, "the barrier task's Python worker did not start with TensorFlow loaded"
@@ -197,7 +197,7 @@ def test_a_session_that_names_pysparks_daemon_keeps_it_and_the_probe_warms_every
 
     ranks = outcome.get("result")
     assert ranks is not None, outcome
-    _, _, tensorflow_loaded, forked_by = ranks
+    _, _, tensorflow_loaded, forked_by, _ = ranks
     assert "-m pyspark.daemon" in forked_by, forked_by
     assert tensorflow_loaded, "the barrier task did not run in a Python worker the probe had warmed"
     assert events["probe_tasks"] == [2, 2]
@@ -213,10 +213,12 @@ def test_sparkdls_worker_daemon_forks_workers_with_tensorflow_loaded(tmp_path):
 
     ranks = outcome.get("result")
     assert ranks is not None, outcome
-    executable, _, tensorflow_loaded, forked_by = ranks
+    executable, _, tensorflow_loaded, forked_by, frozen = ranks
     assert executable == sys.executable
     assert f"-m {worker_python.WORKER_DAEMON}" in forked_by, forked_by
     assert tensorflow_loaded
+    # TensorFlow's objects came frozen from the daemon: the collection PySpark runs after every task skips them.
+    assert frozen > 100_000, frozen
     assert events["probe_tasks"] == [1, 1] and events["failed_tasks"] == []
     assert "found in sys.modules" not in output  # runpy's warning when the daemon module was imported before it ran
 
