@@ -48,8 +48,8 @@ def _state(model):
 
 def test_sgd_every_step_equals_sync_mode(spark, digits):
     """Averaging the deltas of one plain-SGD step is averaging the gradients: sync mode's weights."""
-    df = _small_df(spark, digits)
-    b, epochs, seed = 8, 2, 7
+    rows, b, epochs, seed = 64, 8, 2, 7  # 4 steps an epoch: each one round of Spark jobs
+    df = _small_df(spark, digits, rows)
     make = lambda: make_mlp(hidden=(32,), optimizer=keras.optimizers.SGD(0.1), seed=1)
 
     synced = sparkdl.fit(df, make(), num_workers=2, mode="sync", epochs=epochs, batch_size=b, seed=seed)
@@ -68,7 +68,7 @@ def test_sgd_every_step_equals_sync_mode(spark, digits):
     averaged = trained
 
     steps = synced.steps_per_epoch
-    assert steps == 128 // (2 * b)
+    assert steps == rows // (2 * b)
     assert stats["rounds"] == epochs * steps and stats["contributions"] == 2 * epochs * steps
     assert int(averaged.optimizer.iterations.numpy()) == epochs * steps
     initial = make().get_weights()
