@@ -7,6 +7,10 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # workers must see this virtualenv
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # keep every socket on loopback
+# Every Spark JVM the tests start (this session's, spark-submit's, the Connect server's, a child script's) compiles
+# with the JIT's first tier only, as jobs/_jvm.py's do: the suite's many small queries each generate classes that C2
+# would compile again and again (over 20 s of small fits, 5.7 of the JVM's 9.3 CPU seconds), for code run briefly.
+os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1")
 # Workers import test-only Keras layers (tests/models.py) when they load a model.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))
 
@@ -73,9 +77,6 @@ def spark():
         .config("spark.driver.host", "127.0.0.1")
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.ui.enabled", "false")
-        # The JIT's first tier only: the suite's many small queries each generate classes that C2 would compile
-        # again and again (over half the JVM's CPU in a run of small fits); 6% off the default suite's time.
-        .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1")
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")
