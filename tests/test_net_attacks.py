@@ -38,7 +38,7 @@ from sparkdl.launch.forward import TaskReporter, _Forwarder
 from sparkdl.launch.frames import ERROR, HEADER, RELAY_ID, STDOUT, ErrorReport
 from sparkdl.launch.relay import OutputRelay
 from sparkdl.net.acceptor import MAX_PENDING
-from sparkdl.net.auth import ConnectGaveUp, connect_authenticated
+from sparkdl.net.auth import SERVER_HELLO_BYTES, ConnectGaveUp, connect_authenticated
 from sparkdl.net.frames import Header, Kind, dtype_code
 from sparkdl.net.io import parse_address
 from sparkdl.ps import protocol
@@ -107,7 +107,9 @@ def test_hogged_ring_accept_still_takes_the_real_peer(caplog):
 
 def test_hogged_relay_still_takes_a_real_task(caplog):
     out = io.StringIO()
-    with OutputRelay(HOST, SECRET, num_workers=2, stdout=out, handshake_timeout=FOREVER) as relay:
+    # A backlog that queues the whole hog: its connects never wait out a dropped SYN's 1 s retry (the default, four
+    # per task, holds 8 while the relay's accept thread waits for a CPU).
+    with OutputRelay(HOST, SECRET, num_workers=2, stdout=out, handshake_timeout=FOREVER, backlog=128) as relay:
         hog = Hog(relay.address, 80)  # more than the 64 pending slots
         try:
             sock = connect_authenticated(relay.address, 1, RELAY_ID, SECRET, timeout=30)
@@ -397,6 +399,16 @@ def _close_in_thread(close) -> threading.Thread:
     return thread
 
 
+def _greeted_idle_connection(address: str) -> socket.socket:
+    """A connection that the listener at ``address`` has accepted (its greeting arrived) and that never says a word.
+
+    Opening the next one only then keeps a small backlog (the relay's) from dropping a connect, which waits out
+    a 1 s SYN retry."""
+    sock = socket.create_connection(parse_address(address), timeout=10)
+    recv_exactly(sock, SERVER_HELLO_BYTES)
+    return sock
+
+
 def test_relay_and_shard_close_without_waiting_for_200_idle_connections():
     """With a handshake deadline of an hour, close() can only return by dropping the idle connections at once."""
     relay = OutputRelay(HOST, SECRET, num_workers=2, stdout=io.StringIO(), handshake_timeout=FOREVER)
@@ -404,17 +416,14 @@ def test_relay_and_shard_close_without_waiting_for_200_idle_connections():
         [SGDShard(np.zeros(2))], host=HOST, secret=SECRET, mode="async", num_workers=2, handshake_timeout=FOREVER
     )
     ps.start()
-    idle = [
-        socket.create_connection(parse_address(address), timeout=10)
-        for address in (relay.address, ps.addresses[0])
-        for _ in range(100)
-    ]
+    idle = [_greeted_idle_connection(address) for address in (relay.address, ps.addresses[0]) for _ in range(100)]
     # Authenticated but silent tasks too, as many as the relay runs threads for (2 * num_workers + 2); one more is
     # refused before the relay proves itself, so that task's connect retries and gives up.
     tasks = [connect_authenticated(relay.address, i % 2, RELAY_ID, SECRET, timeout=10) for i in range(6)]
     try:
-        with pytest.raises(ConnectGaveUp):
-            connect_authenticated(relay.address, 0, RELAY_ID, SECRET, timeout=1)
+        with pytest.raises(ConnectGaveUp) as refused:
+            connect_authenticated(relay.address, 0, RELAY_ID, SECRET, timeout=0.5)
+        assert "after reading this client's proof" in refused.value.last_error, refused.value.last_error
         assert len(relay._listener.threads()) == 1 + 6
         threads = relay._listener.threads() + ps._shards[0].listener.threads()
         assert not _close_in_thread(relay.close).is_alive()
