@@ -14,12 +14,33 @@ import pytest
 from sparkdl._tf_log import START_UP_LINES
 
 
-def _stderr(code: str, cwd, **env) -> bytes:
+def _stderrs(codes: list[str], cwd, **env) -> list[bytes]:
+    """What each of ``codes`` writes to stderr, each run at the same time in an interpreter of its own."""
     environment = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "PYTHONPATH")}
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=cwd, env={**environment, **env}, capture_output=True, timeout=300, check=True
-    )
-    return done.stderr
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=cwd,
+            env={**environment, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for code in codes
+    ]
+    try:
+        stderrs = [process.communicate(timeout=300)[1] for process in processes]
+    finally:
+        for process in processes:
+            process.kill()  # nothing to those that have exited; ends the others if one timed out
+            process.wait()
+    for process, stderr in zip(processes, stderrs):
+        if process.returncode:
+            raise subprocess.CalledProcessError(process.returncode, process.args, stderr=stderr)
+    return stderrs
+
+
+def _stderr(code: str, cwd, **env) -> bytes:
+    return _stderrs([code], cwd, **env)[0]
 
 
 def _start_up_lines(stderr: bytes) -> list[bytes]:
@@ -27,9 +48,9 @@ def _start_up_lines(stderr: bytes) -> list[bytes]:
 
 
 def test_import_sparkdl_then_keras_prints_none_of_what_a_bare_import_prints(tmp_path):
-    bare = _start_up_lines(_stderr("import keras", tmp_path))
+    bare, sparkdl_first = map(_start_up_lines, _stderrs(["import keras", "import sparkdl, keras"], tmp_path))
     assert bare, "a bare `import keras` printed no start-up lines here: this check would prove nothing"
-    assert _start_up_lines(_stderr("import sparkdl, keras", tmp_path)) == [], bare
+    assert sparkdl_first == [], bare
 
 
 FAKE_TENSORFLOW = b"""
