@@ -10,26 +10,34 @@ import sparkdl
 from sparkdl.net.frames import HEADER
 
 
-def test_async_with_bf16_pushes_trains_as_well_at_half_the_push_bytes(digits_df, digits):
-    """The same fit with float32 and with bfloat16 pushes: the test accuracy within 1 point, the pushes' bytes halved
-    (counted by the server as it read them off its sockets), the pulls' not (weights travel as float32)."""
-    _, x_test, _, y_test = digits
-    results, accuracies = {}, {}
+def test_async_with_bf16_pushes_trains_as_well_at_half_the_push_bytes(spark, digits):
+    """The same fit with float32 and with bfloat16 pushes: the pushes' bytes exactly halved (counted by the server as
+    it read them off its sockets), the pulls' not (weights travel as float32), and the bf16 fit trained as far as the
+    float32 one: its held-out loss within 3% of it, and well below the untrained model's.
+
+    256 rows and 3 epochs suffice: the bytes are exact whatever the number of pushes, and the held-out loss falls
+    from 2.3 to 1.5, where fits of either compression (two workers' pushes interleave as they come) lie within 1.5%
+    of each other; a push that carried other values than the gradient's, or none, would not train that far."""
+    x_train, x_test, y_train, y_test = digits
+    df = digits_frame(spark, x_train[:256], y_train[:256])
+    untrained_loss = make_mlp().evaluate(x_test, y_test, verbose=0)[0]
+    results, losses = {}, {}
     for compression in (None, "bf16"):
         result = sparkdl.fit(
-            digits_df,
+            df,
             make_mlp(),
             num_workers=2,
             mode="async",
-            epochs=15,
+            epochs=3,
             batch_size=16,
             seed=0,
             compression=compression,
+            progress=False,
         )
         results[compression] = result
-        accuracies[compression] = float(np.mean(result.model.predict(x_test, verbose=0).argmax(axis=1) == y_test))
-    assert accuracies["bf16"] >= 0.95, accuracies
-    assert abs(accuracies["bf16"] - accuracies[None]) <= 0.01, accuracies
+        losses[compression] = result.model.evaluate(x_test, y_test, verbose=0)[0]
+    assert losses["bf16"] < 0.75 * untrained_loss, (losses, untrained_loss)
+    assert abs(losses["bf16"] - losses[None]) <= 0.03 * losses[None], losses
     plain, narrowed = results[None].stats, results["bf16"].stats
     assert plain["pushes"] == narrowed["pushes"] and plain["pulls"] == narrowed["pulls"]
     parameters = sum(int(np.prod(w.shape)) for w in results[None].model.trainable_weights)
