@@ -102,18 +102,32 @@ def test_optimizer_params_save_with_the_estimator_and_bad_ones_fail_before_any_j
 # Tuning models saved and loaded -------------------------------------------------------------------
 
 
-def test_cross_validator_over_models_and_learning_rates_saves_and_loads(spark, small_df, digits, tmp_path):
-    models = [make_mlp(hidden=(16,), seed=1), make_mlp(hidden=(32,), seed=2)]
-    estimator = KerasEstimator(model=models[0], numWorkers=1, epochs=2, batchSize=32, seed=0, progress=False)
-    crossed = ParamGridBuilder().addGrid(estimator.model, models).addGrid(estimator.learningRate, [0.01, 0.002]).build()
-    grid = [crossed[0], crossed[-1]]  # two maps that differ in both Params: half the candidates to train
-    fitted = CrossValidator(
+def _cross_validate(estimator, grid, df, parallelism: int) -> CrossValidatorModel:
+    return CrossValidator(
         estimator=estimator,
         estimatorParamMaps=grid,
         evaluator=MulticlassClassificationEvaluator(metricName="accuracy"),
         numFolds=2,
+        parallelism=parallelism,
+        collectSubModels=True,
         seed=0,
-    ).fit(small_df)
+    ).fit(df)
+
+
+@pytest.fixture(scope="module")
+def cross_validated(small_df):
+    """A CrossValidator (two folds, parallelism=1) over two candidates of two workers each, run once for the two
+    tests below: the estimator, its grid (two maps that differ in both Params it sets, the model and the learning
+    rate) and the CrossValidatorModel."""
+    models = [make_mlp(hidden=(16,), seed=1), make_mlp(hidden=(32,), seed=2)]
+    estimator = KerasEstimator(model=models[0], numWorkers=2, epochs=1, batchSize=32, seed=0, progress=False)
+    crossed = ParamGridBuilder().addGrid(estimator.model, models).addGrid(estimator.learningRate, [0.01, 0.002]).build()
+    grid = [crossed[0], crossed[-1]]  # differing in both Params: half the candidates to train
+    return estimator, grid, _cross_validate(estimator, grid, small_df, parallelism=1)
+
+
+def test_cross_validator_over_models_and_learning_rates_saves_and_loads(spark, cross_validated, digits, tmp_path):
+    estimator, grid, fitted = cross_validated
     path = str(tmp_path / "cv")
     fitted.save(path)
     loaded = CrossValidatorModel.load(path)
@@ -134,28 +148,15 @@ def test_cross_validator_over_models_and_learning_rates_saves_and_loads(spark, s
             np.testing.assert_array_equal(a, b)
 
 
-def test_cross_validator_with_parallelism_2_waits_its_turn_and_gives_the_models_of_parallelism_1(small_df, slots_log):
+def test_cross_validator_with_parallelism_2_waits_its_turn_and_gives_the_models_of_parallelism_1(
+    cross_validated, small_df, slots_log
+):
     """Two-worker candidates on local[2]'s two slots: with parallelism=2 one fit of each pair waits for the other's
     slots (and says so) instead of failing, and every model, its weights and the average metrics are those of
     parallelism=1 (seeded training)."""
-    estimator = KerasEstimator(
-        model=make_mlp(hidden=(16,)), numWorkers=2, epochs=1, batchSize=32, seed=0, progress=False
-    )
-
-    def tune(parallelism: int) -> CrossValidatorModel:
-        return CrossValidator(
-            estimator=estimator,
-            estimatorParamMaps=ParamGridBuilder().addGrid(estimator.learningRate, [0.01, 0.002]).build(),
-            evaluator=MulticlassClassificationEvaluator(metricName="accuracy"),
-            numFolds=2,
-            parallelism=parallelism,
-            collectSubModels=True,
-            seed=0,
-        ).fit(small_df)
-
-    one = tune(1)
+    estimator, grid, one = cross_validated
     slots_log.clear()
-    two = tune(2)
+    two = _cross_validate(estimator, grid, small_df, parallelism=2)
     waits = [
         r.getMessage() for r in slots_log.records if "waiting up to 600s for 2 free task slot(s)" in r.getMessage()
     ]
@@ -259,25 +260,51 @@ def test_a_fit_waiting_for_many_slots_is_not_overtaken_by_later_ones(spark, slot
 
 
 def _hold_both_slots(spark, go_on: str, *, as_probe: bool) -> threading.Thread:
-    """A job whose two tasks wait (in the executors' Python) until ``go_on`` exists: a worker probe's or another's."""
+    """A job whose two tasks wait (in the executors' Python) until ``go_on`` exists, a worker probe's or another's;
+    returned once Spark's status tracker shows both running.
 
-    def wait(_):
+    The tracker writes a stage's running tasks at most every 100 ms (spark.ui.liveUpdate.period), and otherwise at
+    the next executor heartbeat, up to 10 s later: two tasks started at once would show as one until then. So a
+    one-task job holds the second slot until the stage has been written, and its second task starts a write later."""
+    group, gate, open_gate = f"hold-both-slots-{time.monotonic_ns()}", go_on + ".gate", go_on + ".open"
+    sc, tracker = spark.sparkContext, spark.sparkContext.statusTracker()
+
+    def wait_for(path):  # in a task or here
         deadline = time.monotonic() + 120
-        while not os.path.exists(go_on) and time.monotonic() < deadline:
+        while not os.path.exists(path):
+            assert time.monotonic() < deadline, f"{path} never appeared"
             time.sleep(0.05)
 
+    def hold_one_slot(_):
+        open(gate, "w").close()
+        wait_for(open_gate)
+
     def run():
+        sc.setJobGroup(group, "holds both task slots")
         tag = session.JobTag(spark, "sparkdl-probe")
         with tag, slots.probing(tag.name) if as_probe else contextlib.nullcontext():
-            spark.sparkContext.parallelize(range(2), 2).foreach(wait)
+            sc.parallelize(range(2), 2).foreach(lambda _: wait_for(go_on))
 
-    thread = threading.Thread(target=run)
-    thread.start()
-    tracker, deadline = spark.sparkContext.statusTracker(), time.monotonic() + 60
-    while sum(tracker.getStageInfo(s).numActiveTasks for s in tracker.getActiveStageIds()) < 2:
+    def running() -> list[int]:
+        stages = [s for job in tracker.getJobIdsForGroup(group) for s in tracker.getJobInfo(job).stageIds]
+        return [info.numActiveTasks for info in map(tracker.getStageInfo, stages) if info is not None]
+
+    gate_keeper = threading.Thread(target=lambda: sc.parallelize([0], 1).foreach(hold_one_slot))
+    gate_keeper.start()
+    wait_for(gate)
+    holder = threading.Thread(target=run)
+    holder.start()
+    deadline = time.monotonic() + 60
+    while not running():  # the stage was submitted, and written, with its first task
+        assert time.monotonic() < deadline, "the holding job's stage did not start"
+        time.sleep(0.05)
+    time.sleep(0.2)  # more than the tracker's update period since that write
+    open(open_gate, "w").close()
+    gate_keeper.join(timeout=60)
+    while sum(running()) < 2:
         assert time.monotonic() < deadline, "the holding job's tasks did not start"
         time.sleep(0.05)
-    return thread
+    return holder
 
 
 @pytest.mark.parametrize("as_probe", [True, False], ids=["a worker probe", "another job"])
@@ -296,13 +323,13 @@ def test_a_running_worker_probe_holds_no_slots_of_a_claim_but_another_jobs_tasks
         else:
             started = time.monotonic()
             with pytest.raises(ValueError) as refused:
-                sparkdl.fit(small_df, make_mlp(hidden=(8,)), num_workers=2, timeout=1.0, progress=False)
-            assert time.monotonic() - started >= 1.0
+                sparkdl.fit(small_df, make_mlp(hidden=(8,)), num_workers=2, timeout=0.5, progress=False)
+            assert time.monotonic() - started >= 0.5
             message = str(refused.value)
-            assert "Expected 2 task slot(s) to be free within timeout=1s" in message, message
+            assert "Expected 2 task slot(s) to be free within timeout=0.5s" in message, message
             assert "0 of the cluster's 2 are free (0 claimed by 0 other sparkdl fit(s)" in message, message
             assert "2 running the tasks of other jobs" in message and "Raise `timeout`" in message, message
-            _logged(slots_log, "waiting up to 1s for 2 free task slot(s)")
+            _logged(slots_log, "waiting up to 0.5s for 2 free task slot(s)")
     finally:
         Path(go_on).touch()
         holder.join(timeout=120)
