@@ -107,9 +107,7 @@ def test_hogged_ring_accept_still_takes_the_real_peer(caplog):
 
 def test_hogged_relay_still_takes_a_real_task(caplog):
     out = io.StringIO()
-    # A backlog that queues the whole hog: its connects never wait out a dropped SYN's 1 s retry (the default, four
-    # per task, holds 8 while the relay's accept thread waits for a CPU).
-    with OutputRelay(HOST, SECRET, num_workers=2, stdout=out, handshake_timeout=FOREVER, backlog=128) as relay:
+    with OutputRelay(HOST, SECRET, num_workers=2, stdout=out, handshake_timeout=FOREVER) as relay:
         hog = Hog(relay.address, 80)  # more than the 64 pending slots
         try:
             sock = connect_authenticated(relay.address, 1, RELAY_ID, SECRET, timeout=30)
@@ -400,10 +398,8 @@ def _close_in_thread(close) -> threading.Thread:
 
 
 def _greeted_idle_connection(address: str) -> socket.socket:
-    """A connection that the listener at ``address`` has accepted (its greeting arrived) and that never says a word.
-
-    Opening the next one only then keeps a small backlog (the relay's) from dropping a connect, which waits out
-    a 1 s SYN retry."""
+    """A connection that the listener at ``address`` has accepted (its greeting arrived) and that never says a word:
+    when close() is called, every idle socket is one the listener holds, none still in the kernel's queue."""
     sock = socket.create_connection(parse_address(address), timeout=10)
     recv_exactly(sock, SERVER_HELLO_BYTES)
     return sock

@@ -46,7 +46,6 @@ class OutputRelay:
     ``exchange`` (a ``sparkdl.launch.payloads.PayloadExchange``) gets the
     frames of the kinds it names: the large payloads going up or down;
     ``rendezvous`` (a ``sparkdl.launch.rendezvous.Rendezvous``) those of a barrier stage's rendezvous.
-    ``backlog``: connections the kernel queues until the relay accepts them (default: four per task).
     """
 
     def __init__(
@@ -62,7 +61,6 @@ class OutputRelay:
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
-        backlog: int | None = None,
         encrypt: bool = False,
     ):
         self._secret = secret
@@ -84,7 +82,6 @@ class OutputRelay:
             name="sparkdl-relay",
             max_connections=2 * num_workers + 2,
             handshake_timeout=handshake_timeout,
-            backlog=4 * num_workers if backlog is None else backlog,
             encrypt=encrypt,
         )
         self.address = self._listener.address
