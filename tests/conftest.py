@@ -85,19 +85,6 @@ def spark():
 
 
 @pytest.fixture(scope="session")
-def connect_server(tmp_path_factory):
-    """One Spark Connect server on ``local[2]`` (its own JVM and Python workers) for every test that needs one,
-    started by the first and stopped with the session; ``events``: its event log (one plain JSON file)."""
-    from connect_server import event_log_conf, spark_connect_server
-
-    directory = tmp_path_factory.mktemp("connect")
-    events = directory / "events"
-    conf = ("spark.sql.shuffle.partitions=4", *event_log_conf(events))
-    with spark_connect_server(directory, conf=conf) as server:
-        yield {**server, "events": events}
-
-
-@pytest.fixture(scope="session")
 def digits():
     """scikit-learn's handwritten digits (shipped with the package), scaled to [0, 1], 80/20 split."""
     from sklearn.datasets import load_digits

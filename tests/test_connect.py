@@ -1,4 +1,4 @@
-"""sparkdl over Spark Connect, against a real Connect server (the session's one, tests/conftest.py: ``spark-submit``).
+"""sparkdl and its jobs over Spark Connect, against a real Connect server (``connect_server`` below).
 
 The client runs in a child process: PySpark refuses a Connect session in a process that already
 holds a classic SparkContext (``SESSION_ALREADY_EXIST``, and the suite's shared ``spark`` fixture is
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -19,6 +20,17 @@ import traceback
 
 import numpy as np
 import pytest
+from connect_server import event_log_conf, read_event_log, spark_connect_server
+from job_runs import (
+    PIXELS,
+    PREDICT_JOB,
+    TRAIN_JOB,
+    check_scored,
+    run_job,
+    spark_master,
+    train_digits_model,
+    write_digit_rows,
+)
 
 # A real Spark Connect server and a client process: the slow command. The first test waits for the server (up to
 # connect_server.START_SECONDS) and the client's every scenario (up to _CLIENT_SECONDS).
@@ -282,6 +294,18 @@ def _client(url: str, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
+def connect_server(tmp_path_factory):
+    """One Spark Connect server on ``local[2]`` (its own JVM and Python workers) for every test of this file (the
+    only one that starts one, so that a run starts one), stopped after them; ``events``: its event log (one plain
+    JSON file)."""
+    directory = tmp_path_factory.mktemp("connect")
+    events = directory / "events"
+    conf = ("spark.sql.shuffle.partitions=4", *event_log_conf(events))
+    with spark_connect_server(directory, conf=conf) as server:
+        yield {**server, "events": events}
+
+
+@pytest.fixture(scope="module")
 def results(connect_server, tmp_path_factory):
     """Every scenario's outcome, from one client process connected to the server."""
     out = str(tmp_path_factory.mktemp("connect-client") / "results.json")
@@ -398,3 +422,81 @@ if __name__ == "__main__":
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     _client(sys.argv[1], sys.argv[2])
+
+
+# ---------------------------------------------------------------------------------------------
+# The jobs as Spark Connect clients (jobs/train.py and jobs/predict.py with --remote)
+
+
+@pytest.fixture(scope="module")
+def digits_model(tmp_path_factory, digits):
+    return train_digits_model(tmp_path_factory.mktemp("model"), digits)
+
+
+def test_train_job_over_spark_connect(tmp_path, connect_server):
+    """--remote makes the job a Spark Connect client: it trains on the server's executors and never starts a JVM."""
+    out = run_job(
+        [
+            sys.executable,
+            TRAIN_JOB,
+            "--remote",
+            connect_server["url"],
+            "--epochs",
+            "2",
+            "--output",
+            "model.keras",
+            "--verbose",
+        ],
+        tmp_path,
+    )
+    assert re.search(r"trained on 2 workers", out) and (tmp_path / "model.keras").exists(), out
+    assert "Running Spark version" not in out and "log4j" not in out, out  # no Spark driver in the job's process
+
+
+def test_predict_job_over_spark_connect(tmp_path, digits, digits_model, connect_server):
+    """--remote makes predict.py a Spark Connect client: the server's application scores the rows (its event log
+    has the Arrow UDF's stage, whose tasks ran on its executor) and writes them; the job never starts a JVM."""
+    model, model_path = digits_model
+    _, x_test, _, _ = digits
+    table = write_digit_rows(tmp_path / "rows.parquet", x_test)
+    out = run_job(
+        [
+            sys.executable,
+            PREDICT_JOB,
+            "--remote",
+            connect_server["url"],
+            "--model",
+            str(model_path),
+            "--data",
+            str(tmp_path / "rows.parquet"),
+            "--output",
+            str(tmp_path / "scored.parquet"),
+            "--features-col",
+            ",".join(PIXELS),
+            "--verbose",
+        ],
+        tmp_path,
+    )
+    log = read_event_log(connect_server["events"])  # the server's (shared by this file's tests)
+    assert f"scored {len(x_test)} rows" in out, out
+    assert "Running Spark version" not in out and "log4j" not in out, out  # no Spark driver in the job's process
+    check_scored(tmp_path / "scored.parquet", table, model, x_test)
+    # The one SQL execution that ran the UDF and wrote the output: its tasks, one per input file, on the server.
+    (write,) = [
+        e["executionId"]
+        for e in log
+        if e["Event"].endswith("SparkListenerSQLExecutionStart")
+        and "ArrowEvalPython" in e["physicalPlanDescription"]
+        and f"file:{tmp_path / 'scored.parquet'}" in e["physicalPlanDescription"]
+    ]
+    stages = {
+        stage
+        for e in log
+        if e["Event"] == "SparkListenerJobStart" and e["Properties"].get("spark.sql.execution.id") == str(write)
+        for stage in e["Stage IDs"]
+    }
+    tasks = [e for e in log if e["Event"] == "SparkListenerTaskEnd" and e["Stage ID"] in stages]
+    assert [(e["Task End Reason"]["Reason"], e["Task Info"]["Executor ID"]) for e in tasks] == [
+        ("Success", "driver")
+    ] * 2
+    assert spark_master(log) == "local[2]"  # the server's application: the job gave no master

@@ -4,26 +4,33 @@ and on too few slots), with plain python, and with their TOML config files; thei
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from connect_server import event_log_conf, read_event_log
+from job_runs import (
+    JOBS,
+    PIXELS,
+    PREDICT_JOB,
+    ROOT,
+    TRAIN_JOB,
+    check_scored,
+    run_job,
+    spark_master,
+    spark_property,
+    train_digits_model,
+    write_digit_rows,
+)
 
 # Each test starts its own Spark (spark-submit, local-cluster, a Connect server): the slow command.
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
-JOBS = ROOT / "jobs"
 CONFIGS = ROOT / "conf" / "jobs"
-TRAIN_JOB = str(JOBS / "train.py")
-PREDICT_JOB = str(JOBS / "predict.py")
 SPARK_SUBMIT = os.path.join(os.path.dirname(sys.executable), "spark-submit")
 
 # The jobs import their helpers as top-level modules, as they do when spark-submit runs them.
@@ -34,31 +41,6 @@ import train  # noqa: E402
 
 import sparkdl  # noqa: E402
 from sparkdl import MODES  # noqa: E402
-
-
-def run_job(command, cwd, expect_rc=0, timeout=600):
-    """Runs a job as a user would (this virtualenv's bin first on PATH, as after `source .venv/bin/activate`);
-    returns its output, stdout and stderr together (spark-submit merges the job's stderr into stdout anyway).
-
-    A job still running after ``timeout`` seconds gets SIGABRT, so that a Python job prints every thread's stack
-    (PYTHONFAULTHANDLER); the failure shows that, and the log of a server the test started in ``cwd``.
-    """
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
-    env["PYTHONFAULTHANDLER"] = "1"
-    for name in ("PYSPARK_PYTHON", "PYSPARK_GATEWAY_PORT", "SPARK_REMOTE"):
-        env.pop(name, None)  # the jobs find their workers' Python and their session without the test suite's settings
-    with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as job:
-        try:
-            stdout, stderr = job.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            job.send_signal(signal.SIGABRT)
-            stdout, stderr = job.communicate(timeout=60)
-            server_log = Path(cwd, "server.log")
-            server = server_log.read_text()[-6000:] if server_log.exists() else ""
-            pytest.fail(f"the job ran past {timeout}s:\n{(stdout + stderr)[-12000:]}\n--- server.log ---\n{server}")
-    output = stdout + stderr
-    assert job.returncode == expect_rc, output[-6000:]
-    return output
 
 
 def spark_submit(master, job, *job_args, conf=()):
@@ -92,15 +74,6 @@ def task_executors(events, *, barrier):
         for e in events
         if e["Event"] == "SparkListenerTaskEnd" and (e["Stage ID"] in barrier_stages) == barrier
     ]
-
-
-def spark_property(events, name):
-    (environment,) = [e for e in events if e["Event"] == "SparkListenerEnvironmentUpdate"]
-    return environment["Spark Properties"].get(name)
-
-
-def spark_master(events):
-    return spark_property(events, "spark.master")
 
 
 def epoch_losses(output, epochs):
@@ -547,41 +520,7 @@ def test_plain_python_job_writes_a_class_archive_once_and_maps_it_after(tmp_path
 
 @pytest.fixture(scope="module")
 def digits_model(tmp_path_factory, digits):
-    """A small classifier trained in-process, saved as train.py saves its model."""
-    from models import make_mlp
-
-    x_train, _, y_train, _ = digits
-    model = make_mlp(hidden=(32,))
-    model.fit(x_train, y_train, epochs=3, batch_size=32, verbose=0)
-    path = tmp_path_factory.mktemp("model") / "digits.keras"
-    model.save(path)
-    return model, path
-
-
-PIXELS = [f"pixel{i}" for i in range(64)]
-
-
-def write_digit_rows(path, x):
-    """``x`` as a Parquet dataset at ``path``: an ``id`` and a double column per pixel, in two files (two tasks)."""
-    table = pa.table({"id": np.arange(len(x)), **{name: x[:, i].astype(np.float64) for i, name in enumerate(PIXELS)}})
-    path.mkdir()
-    half = len(x) // 2
-    pq.write_table(table.slice(0, half), path / "part-0.parquet")
-    pq.write_table(table.slice(half), path / "part-1.parquet")
-    return table
-
-
-def check_scored(path, table, model, x):
-    """The predict job's output at ``path``: every row of ``table`` once, its columns kept, and the class and the
-    probabilities of in-process ``model.predict(x)``."""
-    scored = pq.read_table(path).sort_by("id")
-    assert scored.column_names == ["id", *PIXELS, "prediction", "probability"]
-    np.testing.assert_array_equal(scored["id"].to_numpy(), np.arange(len(x)))  # every row, once
-    np.testing.assert_array_equal(scored["pixel5"].to_numpy(), table["pixel5"].to_numpy())
-    expected = model.predict(x, verbose=0)
-    np.testing.assert_array_equal(scored["prediction"].to_numpy(), expected.argmax(axis=1))
-    probability = np.array(scored["probability"].to_pylist())
-    np.testing.assert_allclose(probability, expected, atol=1e-5)
+    return train_digits_model(tmp_path_factory.mktemp("model"), digits)
 
 
 def test_predict_job_scores_every_row_of_a_parquet_dataset(tmp_path, digits, digits_model):
@@ -657,75 +596,6 @@ def test_predict_job_checks_data_model_and_output_before_starting_spark(tmp_path
         assert exited.value.code == 2
         error = capsys.readouterr().err
         assert error.count("\n") == 1 and message in error, error
-
-
-def test_train_job_over_spark_connect(tmp_path, connect_server):
-    """--remote makes the job a Spark Connect client: it trains on the server's executors and never starts a JVM."""
-    out = run_job(
-        [
-            sys.executable,
-            TRAIN_JOB,
-            "--remote",
-            connect_server["url"],
-            "--epochs",
-            "2",
-            "--output",
-            "model.keras",
-            "--verbose",
-        ],
-        tmp_path,
-    )
-    assert re.search(r"trained on 2 workers", out) and (tmp_path / "model.keras").exists(), out
-    assert "Running Spark version" not in out and "log4j" not in out, out  # no Spark driver in the job's process
-
-
-def test_predict_job_over_spark_connect(tmp_path, digits, digits_model, connect_server):
-    """--remote makes predict.py a Spark Connect client: the server's application scores the rows (its event log
-    has the Arrow UDF's stage, whose tasks ran on its executor) and writes them; the job never starts a JVM."""
-    model, model_path = digits_model
-    _, x_test, _, _ = digits
-    table = write_digit_rows(tmp_path / "rows.parquet", x_test)
-    out = run_job(
-        [
-            sys.executable,
-            PREDICT_JOB,
-            "--remote",
-            connect_server["url"],
-            "--model",
-            str(model_path),
-            "--data",
-            str(tmp_path / "rows.parquet"),
-            "--output",
-            str(tmp_path / "scored.parquet"),
-            "--features-col",
-            ",".join(PIXELS),
-            "--verbose",
-        ],
-        tmp_path,
-    )
-    log = read_event_log(connect_server["events"])  # the server's (shared by the session's Connect tests)
-    assert f"scored {len(x_test)} rows" in out, out
-    assert "Running Spark version" not in out and "log4j" not in out, out  # no Spark driver in the job's process
-    check_scored(tmp_path / "scored.parquet", table, model, x_test)
-    # The one SQL execution that ran the UDF and wrote the output: its tasks, one per input file, on the server.
-    (write,) = [
-        e["executionId"]
-        for e in log
-        if e["Event"].endswith("SparkListenerSQLExecutionStart")
-        and "ArrowEvalPython" in e["physicalPlanDescription"]
-        and f"file:{tmp_path / 'scored.parquet'}" in e["physicalPlanDescription"]
-    ]
-    stages = {
-        stage
-        for e in log
-        if e["Event"] == "SparkListenerJobStart" and e["Properties"].get("spark.sql.execution.id") == str(write)
-        for stage in e["Stage IDs"]
-    }
-    tasks = [e for e in log if e["Event"] == "SparkListenerTaskEnd" and e["Stage ID"] in stages]
-    assert [(e["Task End Reason"]["Reason"], e["Task Info"]["Executor ID"]) for e in tasks] == [
-        ("Success", "driver")
-    ] * 2
-    assert spark_master(log) == "local[2]"  # the server's application: the job gave no master
 
 
 # --- config files --------------------------------------------------------------------------------------------------
