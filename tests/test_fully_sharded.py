@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from frames import digits_frame
 from models import make_mlp
-from rank_peaks import rank_peaks
 from spark_jobs import no_spark_job
 
 import sparkdl
@@ -73,18 +72,6 @@ def test_checkpoints_hold_the_whole_model_and_resume_onto_another_worker_count(s
     ):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert sorted(os.listdir(directory))[-1] == "epoch-000004.keras"
-
-
-@pytest.mark.slow
-def test_every_ranks_peak_memory_is_below_sync_modes_by_half_the_weights_and_half_of_adams_state():
-    """At N=2 a rank of shard_weights=True holds half of the weights and half of Adam's two slots, 1.5 W less than a
-    rank of sync mode (W: the bytes of the weights). Measured at each rank's peak resident memory over the whole
-    task, in fresh workers (tests/rank_peaks.py): each rank, highest first, peaks at least 1.5 W below sync's."""
-    peaks = rank_peaks()
-    weights, sync, fully = peaks["weight_bytes"], peaks["sync"], peaks["shard_weights"]
-    assert len(sync) == len(fully) == 2
-    for sync_peak, fully_peak in zip(sync, fully):
-        assert sync_peak - fully_peak >= 1.5 * weights, (sync, fully, weights)
 
 
 class _Record(keras.callbacks.Callback):

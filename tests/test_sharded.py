@@ -9,7 +9,6 @@ import tensorflow as tf
 from collective_ranks import run_ranks
 from frames import digits_frame
 from models import make_mlp
-from rank_peaks import rank_peaks
 
 import sparkdl
 from sparkdl.modes.sync.sharded import ShardLayout, sharded_optimizer
@@ -141,19 +140,6 @@ def test_checkpoints_hold_the_whole_optimizer_and_resume_re_shards_it_onto_anoth
     for got, want in zip(resumed["sharded"].model.get_weights(), resumed["sync"].model.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
     assert sorted(os.listdir(directory))[-1] == "epoch-000004.keras"
-
-
-@pytest.mark.slow
-def test_every_ranks_peak_memory_is_below_sync_modes_by_half_of_adams_state():
-    """At N=2 a rank of mode="sharded" holds half of Adam's two slots, W less than a rank of sync mode (W: the bytes
-    of the weights). Measured where it counts, at each rank's peak resident memory over the whole task (loading
-    the model, the steps, rank 0's result), in fresh workers (tests/rank_peaks.py): each rank, highest first,
-    peaks at least W below sync's."""
-    peaks = rank_peaks()
-    weights, sync, sharded = peaks["weight_bytes"], peaks["sync"], peaks["sharded"]
-    assert len(sync) == len(sharded) == 2
-    for sync_peak, sharded_peak in zip(sync, sharded):
-        assert sync_peak - sharded_peak >= weights, (sync, sharded, weights)
 
 
 class _OwnAdam(keras.optimizers.Adam):
