@@ -1,4 +1,11 @@
-"""One SparkSession for the whole test run: local[2,2] (two task slots, a failed task retried once), loopback only."""
+"""One SparkSession per test process: local[2,2] (two task slots, a failed task retried once), loopback only.
+
+The suite runs in two test processes (pyproject.toml's addopts: pytest-xdist's ``-n 2 --dist loadfile``), so
+that one process's tests use the cores while the other's wait on Spark's scheduling or a child process. A test
+file runs whole in one process, so a module fixture is built once per run: a Spark of their own that several
+tests share (a Spark Connect server, a benchmark's run) is a module fixture of their one file, not a session
+fixture here, which each process would build again.
+"""
 
 import os
 import sys
