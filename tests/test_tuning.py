@@ -422,14 +422,15 @@ def test_a_job_tag_marks_only_its_own_threads_jobs_among_tuning_threads(spark):
 # Parallel candidates on separate executors --------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("tuner", ["TrainValidationSplit", "CrossValidator"])
-def test_parallel_candidates_train_at_once_on_a_local_cluster(tmp_path, tuner):
-    """spark-submit on local-cluster[2,1,1024] (executors in processes of their own): the tuner with
-    parallelism=2 trains its two one-worker candidates at the same time (CrossValidator: those of each of its two
-    folds). Spark's own record (its event log) shows the first two training (barrier) stages overlapping; the
-    candidates' tasks met while training."""
-    events = tmp_path / "events"
+TUNERS = ("TrainValidationSplit", "CrossValidator")
+
+
+@pytest.fixture(scope="module")
+def tuned_on_a_local_cluster(tmp_path_factory):
+    """One spark-submit on local-cluster[2,1,1024] (executors in processes of their own) runs tests/tuning_job.py's
+    tuners one after the other: each tuner's result (tests/tuning_job.py), and Spark's event log of them all."""
+    directory = tmp_path_factory.mktemp("tuning")
+    events = directory / "events"
     events.mkdir()
     command = [
         SPARK_SUBMIT,
@@ -439,25 +440,36 @@ def test_parallel_candidates_train_at_once_on_a_local_cluster(tmp_path, tuner):
         *("--conf", "spark.eventLog.enabled=true", "--conf", f"spark.eventLog.dir={events.as_uri()}"),
         *("--conf", "spark.eventLog.compress=false", "--conf", "spark.eventLog.rolling.enabled=false"),
         str(TESTS / "tuning_job.py"),
-        str(tmp_path / "out"),
-        tuner,
+        str(directory / "out"),
+        *TUNERS,
     ]
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
     for name in ("PYSPARK_PYTHON", "PYSPARK_GATEWAY_PORT", "SPARK_REMOTE"):
         env.pop(name, None)
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    result = json.loads((tmp_path / "out" / "result.json").read_text())
-    assert result["learning_rates"] == pytest.approx([0.01, 0.002])
-
     (log,) = events.iterdir()
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    ends = {e["Event"] for e in records}
-    assert "SparkListenerStageCompleted" in ends
+    results = {tuner: json.loads((directory / "out" / tuner / "result.json").read_text()) for tuner in TUNERS}
+    return results, records
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tuner", TUNERS)
+def test_parallel_candidates_train_at_once_on_a_local_cluster(tuned_on_a_local_cluster, tuner):
+    """The tuner with parallelism=2 trains its two one-worker candidates at the same time (CrossValidator: those of
+    each of its two folds). Spark's own record (its event log) shows the tuner's first two training (barrier)
+    stages overlapping; the candidates' tasks met while training."""
+    results, records = tuned_on_a_local_cluster
+    result = results[tuner]
+    assert result["learning_rates"] == pytest.approx([0.01, 0.002])
+    assert "SparkListenerStageCompleted" in {e["Event"] for e in records}
     barrier = [
         e["Stage Info"]
         for e in records
-        if e["Event"] == "SparkListenerStageCompleted" and any(r.get("Barrier") for r in e["Stage Info"]["RDD Info"])
+        if e["Event"] == "SparkListenerStageCompleted"
+        and any(r.get("Barrier") for r in e["Stage Info"]["RDD Info"])
+        and result["started_ms"] <= e["Stage Info"]["Submission Time"] <= result["ended_ms"]  # this tuner's
     ]
     # Two candidates (a pair per fold), then the chosen one again on all the rows; the first pair at once.
     assert len(barrier) == {"TrainValidationSplit": 3, "CrossValidator": 5}[tuner], [s["Stage ID"] for s in barrier]
