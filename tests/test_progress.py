@@ -302,21 +302,27 @@ _TENSORFLOW_START_UP = (
 _SCRIPT_TIMEOUT = 540
 
 
-def _assert_no_start_up_lines_but_the_scripts_own_import(text, tmp_path):
-    """TensorFlow's start-up lines in ``text`` are at most those a bare ``import sparkdl, keras`` prints here: none,
-    as tests/test_start_up_output.py checks; anything beyond it (a worker's import, a line the level hides) is
-    sparkdl's noise."""
+@pytest.fixture(scope="module")
+def bare_import(tmp_path_factory):
+    """What a bare ``import sparkdl, keras`` prints here, in a fresh interpreter: none of TensorFlow's start-up
+    lines, as tests/test_start_up_output.py checks."""
     bare = subprocess.run(
         [sys.executable, "-c", "import sparkdl, keras"],
         capture_output=True,
         text=True,
         env=_script_env(),
-        cwd=tmp_path,
+        cwd=tmp_path_factory.mktemp("bare"),
         timeout=_SCRIPT_TIMEOUT,
         check=True,
     )
+    return bare.stdout + bare.stderr
+
+
+def _assert_no_start_up_lines_but_the_scripts_own_import(text, bare_import):
+    """TensorFlow's start-up lines in ``text`` are at most those of ``bare_import``; anything beyond it (a worker's
+    import, a line the level hides) is sparkdl's noise."""
     for noise in _TENSORFLOW_START_UP:
-        assert text.count(noise) <= (bare.stdout + bare.stderr).count(noise), (noise, text)
+        assert text.count(noise) <= bare_import.count(noise), (noise, text)
 
 
 def _script_env():
@@ -352,7 +358,7 @@ def _assert_one_true_line_per_epoch(text, epochs, history):
 
 
 @pytest.mark.slow  # its own Python process and Spark: the slow command
-def test_a_piped_script_prints_one_line_per_epoch_and_no_tensorflow_start_up_lines(tmp_path):
+def test_a_piped_script_prints_one_line_per_epoch_and_no_tensorflow_start_up_lines(tmp_path, bare_import):
     """stdout and stderr are files (no terminal): no bar, one epoch line per epoch printed by sparkdl itself;
     once the script configures logging at INFO, the line comes through its logging alone, not twice."""
     script = tmp_path / "train.py"
@@ -376,7 +382,7 @@ def test_a_piped_script_prints_one_line_per_epoch_and_no_tensorflow_start_up_lin
     logged = _assert_one_true_line_per_epoch(stdout + stderr, 3, second)
     assert all(" INFO sparkdl.progress: epoch " in segment for ((segment, _),) in logged.values()), logged
     assert "%|" not in stderr  # no bar in a file
-    _assert_no_start_up_lines_but_the_scripts_own_import(stdout + stderr, tmp_path)
+    _assert_no_start_up_lines_but_the_scripts_own_import(stdout + stderr, bare_import)
 
 
 def _run_in_terminal(command, env, cwd, timeout):
@@ -410,7 +416,7 @@ def _run_in_terminal(command, env, cwd, timeout):
 
 
 @pytest.mark.slow  # its own Python process and Spark: the slow command
-def test_in_a_terminal_the_bar_is_drawn_and_every_epoch_line_stands_whole_above_it(tmp_path):
+def test_in_a_terminal_the_bar_is_drawn_and_every_epoch_line_stands_whole_above_it(tmp_path, bare_import):
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
     text = _run_in_terminal([sys.executable, str(script)], _script_env(), tmp_path, _SCRIPT_TIMEOUT)
@@ -420,7 +426,7 @@ def test_in_a_terminal_the_bar_is_drawn_and_every_epoch_line_stands_whole_above_
     lines = _assert_one_true_line_per_epoch(text, 2, history)
     # each epoch line is a line of its own: the bar was cleared before it and redrawn after it
     assert all(segment.startswith("epoch ") for ((segment, _),) in lines.values()), lines
-    _assert_no_start_up_lines_but_the_scripts_own_import(text, tmp_path)
+    _assert_no_start_up_lines_but_the_scripts_own_import(text, bare_import)
 
 
 def test_the_estimators_progress_param_reaches_fit():
