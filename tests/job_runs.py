@@ -1,16 +1,15 @@
 """Running the jobs (jobs/train.py, jobs/predict.py) as users do, and checking what they leave: shared by the tests
 that run them on Spark of their own (tests/test_jobs.py) and against a Spark Connect server (tests/test_connect.py)."""
 
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from process_groups import own_spark_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 JOBS = ROOT / "jobs"
@@ -25,10 +24,8 @@ def run_job(command, cwd, expect_rc=0, timeout=600):
     A job still running after ``timeout`` seconds gets SIGABRT, so that a Python job prints every thread's stack
     (PYTHONFAULTHANDLER); the failure shows that, and the log of a server the test started in ``cwd``.
     """
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
-    env["PYTHONFAULTHANDLER"] = "1"
-    for name in ("PYSPARK_PYTHON", "PYSPARK_GATEWAY_PORT", "SPARK_REMOTE"):
-        env.pop(name, None)  # the jobs find their workers' Python and their session without the test suite's settings
+    # the jobs find their workers' Python and their session without the test suite's settings
+    env = {**own_spark_environment(virtualenv_on_path=True), "PYTHONFAULTHANDLER": "1"}
     with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as job:
         try:
             stdout, stderr = job.communicate(timeout=timeout)

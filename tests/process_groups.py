@@ -1,10 +1,25 @@
-"""A test's child process that starts a Spark of its own: run in its own process group, so that the JVM and the
-Python workers it started end with it, also when it runs past its time."""
+"""A test's child process that starts a Spark of its own: its environment, without the suite's Spark settings,
+and a run in its own process group, so that the JVM and the Python workers it started end with it, also when it
+runs past its time."""
 
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
+
+#: What the suite's own Spark leaves in this process's environment (tests/conftest.py, PySpark's gateway, Spark
+#: Connect), which a child starting a Spark of its own must not inherit.
+SUITES_SPARK = ("PYSPARK_PYTHON", "PYSPARK_GATEWAY_PORT", "SPARK_REMOTE")
+
+
+def own_spark_environment(*, virtualenv_on_path: bool = False) -> dict[str, str]:
+    """This process's environment without ``SUITES_SPARK``, for a child that starts a Spark of its own; with
+    ``virtualenv_on_path``, this virtualenv's ``bin`` first on ``PATH``, as after ``source .venv/bin/activate``."""
+    env = {name: value for name, value in os.environ.items() if name not in SUITES_SPARK}
+    if virtualenv_on_path:
+        env["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{env['PATH']}"
+    return env
 
 
 def run_in_own_group(command: list[str], *, cwd, env: dict, log: Path, timeout: float) -> int | None:

@@ -10,13 +10,13 @@ cgroup can be made (not root, no memory controller) the test skips, and fails un
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import memory_cgroups
 import pytest
+from process_groups import own_spark_environment
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ def test_partition_larger_than_the_memory_limit_trains(memory_cgroup, tmp_path):
     wrapper = tmp_path / "python-in-cgroup"
     wrapper.write_text(f'#!/bin/sh\necho $$ > {memory_cgroup.procs}\nexec {sys.executable} "$@"\n')
     wrapper.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_GATEWAY_PORT", "SPARK_REMOTE")}
+    env = own_spark_environment()
     done = subprocess.run(
         [sys.executable, str(HERE / "memory_job.py"), str(ROWS), str(wrapper), str(VALIDATION_SPLIT)],
         env=env,

@@ -7,12 +7,11 @@ whole task: loading the model, the steps, rank 0's result. It runs once for this
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
-from process_groups import run_in_own_group
+from process_groups import own_spark_environment, run_in_own_group
 
 # A Spark of its own and three fits in fresh workers: the slow command.
 pytestmark = pytest.mark.slow
@@ -23,7 +22,7 @@ BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "zero_memory
 @pytest.fixture(scope="module")
 def rank_peaks(tmp_path_factory):
     """``{"weight_bytes": W, "sync": [rank peaks, highest first], "sharded": [...], "shard_weights": [...]}``."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_GATEWAY_PORT", "SPARK_REMOTE")}
+    env = own_spark_environment()
     log = tmp_path_factory.mktemp("rank-peaks") / "log"
     status = run_in_own_group(
         [sys.executable, str(BENCHMARK), "--json"], cwd=BENCHMARK.parent, env=env, log=log, timeout=540

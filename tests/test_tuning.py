@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import pytest
 from models import RecordEpochs, make_mlp
+from process_groups import own_spark_environment
 from pyspark.ml.evaluation import MulticlassClassificationEvaluator
 from pyspark.ml.tuning import CrossValidator, CrossValidatorModel, ParamGridBuilder, TrainValidationSplit
 from pyspark.util import inheritable_thread_target
@@ -443,9 +444,7 @@ def tuned_on_a_local_cluster(tmp_path_factory):
         str(directory / "out"),
         *TUNERS,
     ]
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
-    for name in ("PYSPARK_PYTHON", "PYSPARK_GATEWAY_PORT", "SPARK_REMOTE"):
-        env.pop(name, None)
+    env = own_spark_environment(virtualenv_on_path=True)
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     (log,) = events.iterdir()
