@@ -418,12 +418,6 @@ def test_a_model_over_the_message_limit_fails_on_the_driver(results):
     assert message is not None and "spark.connect.grpc.maxInboundMessageSize" in message
 
 
-if __name__ == "__main__":
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    _client(sys.argv[1], sys.argv[2])
-
-
 # ---------------------------------------------------------------------------------------------
 # The jobs as Spark Connect clients (jobs/train.py and jobs/predict.py with --remote)
 
@@ -500,3 +494,9 @@ def test_predict_job_over_spark_connect(tmp_path, digits, digits_model, connect_
         ("Success", "driver")
     ] * 2
     assert spark_master(log) == "local[2]"  # the server's application: the job gave no master
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    _client(sys.argv[1], sys.argv[2])
