@@ -173,14 +173,11 @@ def fit(
     phases = Phases()
     check_settings(df, model, num_workers=num_workers, epochs=epochs, batch_size=batch_size, timeout=timeout, seed=seed)
     values = check_mode_options(mode, **mode_options)
-    runner = _REGISTRY[mode]
-    options = runner.configure(mode, model, values)
-    runner.check_fit(
-        mode, options, num_workers=num_workers, batch_size=batch_size, weighted=sample_weight_col is not None
-    )
-    layout = runner.layout(mode, num_workers, options)
+    plan = _REGISTRY[mode].configure(mode, model, values)
+    plan.check_fit(num_workers=num_workers, batch_size=batch_size, weighted=sample_weight_col is not None)
+    layout = plan.layout(num_workers)
     check_validation(validation_col, validation_split)
-    worker_callbacks = check_callbacks(callbacks, runner.refuses_callbacks(mode, options))
+    worker_callbacks = check_callbacks(callbacks, plan.refuses_callbacks())
     if not isinstance(progress, bool):
         raise ValueError(f"Expected `progress` to be True or False. Received: progress={progress!r}")
     tracking.check_available(tensorboard_dir, log_to_mlflow)
@@ -191,9 +188,7 @@ def fit(
 
     # Prepare: the slots, the data, the executors' Python, the job.
     # The slots are held from here to the end of the fit: other fits running now cannot take them.
-    with launch.claim_slots(
-        df.sparkSession, layout.slots, why=lambda slots: runner.why_all_at_once(mode, slots), timeout=timeout
-    ):
+    with launch.claim_slots(df.sparkSession, layout.slots, why=plan.why_all_at_once, timeout=timeout):
         seed = secrets.randbelow(2**31) if seed is None else seed
         planned = data.plan(
             df,
@@ -265,7 +260,7 @@ def fit(
             epochs=epochs,
             steps_per_epoch=steps,
             initial_epoch=start.epoch,
-            reporting_ranks=runner.reporting_ranks(num_workers),
+            reporting_ranks=plan.reporting_ranks(num_workers),
             console=progress,
             listeners=_listeners(tensorboard_dir, log_to_mlflow, mode=mode, settings=settings, values=values),
             description=f"sparkdl {mode} x{num_workers}",
@@ -276,15 +271,14 @@ def fit(
         # Run the mode; the driver's checkpointer (for modes that save there) is closed once it returns,
         # raising what it could not write.
         started = time.perf_counter()
-        on_driver = checkpoints if runner.saves_checkpoints == "driver" else None
+        on_driver = checkpoints if plan.saves_checkpoints == "driver" else None
         with monitor, Checkpointer(on_driver, start, mode) if on_driver else contextlib.nullcontext() as checkpointer:
-            result = runner.run(
+            result = plan.run(
                 Job(
                     training=training,
                     start=start,
                     settings=settings,
-                    mode=mode,
-                    options=options,
+                    plan=plan,
                     monitor=monitor,
                     layout=layout,
                     checkpoints=checkpoints,

@@ -20,7 +20,7 @@ console (the ``[rank N]`` worker output, ``print``, the root logger's console
 handlers, as tqdm's ``logging_redirect_tqdm`` does) go above it: the bar is
 cleared, the lines written, the bar drawn again, so that they do not garble each other.
 
-How many workers report is the mode's (``Mode.reporting_ranks``): in sync mode rank 0
+How many workers report is the mode's (``Plan.reporting_ranks``): in sync mode rank 0
 speaks for all ranks (their metrics are combined already); in the parameter-server
 modes every worker reports and an epoch is complete once all of them have finished
 it. Average mode reports from the driver itself.

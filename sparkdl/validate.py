@@ -17,7 +17,7 @@ from sparkdl.keras.runtime import use_tensorflow_backend
 
 def check_callbacks(callbacks, refused: str | None) -> tuple:
     """Keras callbacks that can travel to the workers (they are pickled into the tasks); ``refused``: why the fit
-    cannot run any (``Mode.refuses_callbacks``), or None."""
+    cannot run any (``Plan.refuses_callbacks``), or None."""
     if not callbacks:
         return ()
     import keras

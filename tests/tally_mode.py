@@ -3,10 +3,11 @@
 ``mode="tally"`` trains nothing: each task fingerprints the rows it was given (in order) and reports
 them with its process id, to the driver and to ``tally_dir``; tasks of one shard must report the same
 rows, and a task reading no shard none. ``copies`` tasks read each shard; what is left of ``num_workers``
-reads nothing. Its history holds, per epoch, the rows the shards held; it writes a checkpoint per epoch
+reads nothing (``TallyPlan``). Its history holds, per epoch, the rows the shards held; it writes a checkpoint per epoch
 through the checkpointer ``fit`` opened for it.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -15,23 +16,19 @@ from sparkdl import launch
 from sparkdl.keras import serialization
 from sparkdl.launch.layout import Task, TaskLayout
 from sparkdl.launch.task_context import current_task
-from sparkdl.modes.base import Mode, ModeResult, Option
+from sparkdl.modes.base import Mode, ModeResult, Option, Plan
 
 COPIES = Option("copies", "tasks that read each shard of the rows", default=1)
 TALLY_DIR = Option("tally_dir", "where each task writes what it read", kind=str, required=True)
 
 
-class TallyMode(Mode):
-    names = ("tally",)
+@dataclasses.dataclass(frozen=True)
+class TallyPlan(Plan):
+    copies: int
+    tally_dir: str
 
-    def options(self, name):
-        return (COPIES, TALLY_DIR)
-
-    def configure(self, name, model, values):
-        return values
-
-    def layout(self, name, num_workers, options):
-        copies = options["copies"]
+    def layout(self, num_workers):
+        copies = self.copies
         if num_workers < copies:
             raise ValueError(f"Expected num_workers >= copies. Received: num_workers={num_workers}, copies={copies}")
         shards = num_workers // copies
@@ -43,7 +40,7 @@ class TallyMode(Mode):
         )
 
     def run(self, job):
-        tally_dir = job.options["tally_dir"]
+        tally_dir = self.tally_dir
         reports = launch.run_tasks(
             job.training.frame,
             job.layout,
@@ -61,6 +58,16 @@ class TallyMode(Mode):
                 job.checkpointer.record({"rows": float(rows)})
                 job.checkpointer.save(epoch + 1, job.start.model_bytes)
         return ModeResult(model, {"rows": [float(rows)] * len(epochs)}, {"tasks": tasks}, job.settings.initial_epoch)
+
+
+class TallyMode(Mode):
+    names = ("tally",)
+
+    def options(self, name):
+        return (COPIES, TALLY_DIR)
+
+    def configure(self, name, model, values):
+        return TallyPlan(name, values["copies"], values["tally_dir"])
 
 
 def tally(batches, tally_dir):

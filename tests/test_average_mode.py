@@ -14,7 +14,7 @@ from sparkdl.checkpoint import Checkpoint
 from sparkdl.keras import serialization
 from sparkdl.launch.layout import TaskLayout
 from sparkdl.modes.average import mode as average
-from sparkdl.modes.average.mode import AverageMode, AverageOptions
+from sparkdl.modes.average.mode import AveragePlan
 from sparkdl.modes.base import Job, Settings
 from sparkdl.progress import ProgressMonitor
 
@@ -28,13 +28,13 @@ def run_average(training, *, model_bytes, sync_every, **settings):
     """The average mode on its own, as ``fit`` runs it (``settings``: ``Settings.for_data``'s): model, history, stats."""
     settings = Settings.for_data(training, **settings)
     monitor = ProgressMonitor(epochs=settings.epochs, steps_per_epoch=settings.steps_per_epoch, reporting_ranks=1)
-    result = AverageMode().run(
+    plan = AveragePlan("average", sync_every)
+    result = plan.run(
         Job(
             training=training,
             start=Checkpoint(0, model_bytes, {}, "average"),
             settings=settings,
-            mode="average",
-            options=AverageOptions(sync_every),
+            plan=plan,
             monitor=monitor,
             layout=TaskLayout.data_parallel(settings.num_workers),
         )

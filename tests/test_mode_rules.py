@@ -1,5 +1,6 @@
 """The rules every mode shares: one registry, one metrics rule, one batch schedule, one rows-per-worker rule."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -10,7 +11,7 @@ import sparkdl
 from sparkdl import api, schedule
 from sparkdl.metrics import combine_logs
 from sparkdl.modes.average.mode import SYNC_EVERY
-from sparkdl.modes.base import Job, Mode, ModeResult
+from sparkdl.modes.base import Job, Mode, ModeResult, Plan
 from sparkdl.modes.registry import MODES, check_mode_options
 
 
@@ -22,13 +23,34 @@ def test_every_mode_name_has_one_mode_object_and_fit_accepts_exactly_those():
     )
     assert all(isinstance(mode, Mode) and name in mode.names for name, mode in MODES.items())
     assert MODES["async"] is MODES["ssp"] is MODES["hogwild"] is MODES["sync_ps"]  # one mode, four variants
-    assert MODES["sync"] is MODES["sharded"]  # sharded: sync's training, the optimizer split over the ranks
-    assert [name for name, mode in MODES.items() if not mode.runs_callbacks] == ["average", "pipeline"]
+
+
+def test_the_plans_whose_workers_run_a_loop_of_their_own_refuse_the_users_callbacks():
+    required = {"pipeline": {"num_stages": 2}, "ssp": {"max_staleness": 1}}
+    refusing = [
+        name
+        for name, mode in MODES.items()
+        for shard_weights in ((None, True) if name == "sharded" else (None,))
+        if mode.configure(
+            name, make_mlp(), check_mode_options(name, shard_weights=shard_weights, **required.get(name, {}))
+        ).refuses_callbacks()
+    ]
+    assert refusing == ["sharded", "average", "pipeline"]  # sharded with shard_weights=True only
+
+
+@dataclasses.dataclass(frozen=True)
+class _StubPlan(Plan):
+    """A plan that trains nothing: it keeps the job ``fit`` gives it and returns its mode's result."""
+
+    sync_every: int
+    stub: "_StubMode"
+
+    def run(self, job):
+        self.stub.jobs.append(job)
+        return self.stub.result
 
 
 class _StubMode(Mode):
-    """A mode that trains nothing: it keeps the job ``fit`` gives it and returns a result of its own."""
-
     names = ("stub",)
 
     def __init__(self):
@@ -39,11 +61,7 @@ class _StubMode(Mode):
         return (SYNC_EVERY,)  # average's option: a mode may take another mode's option, declared the same
 
     def configure(self, name, model, values):
-        return ("stub options", values["sync_every"])
-
-    def run(self, job):
-        self.jobs.append(job)
-        return self.result
+        return _StubPlan(name, values["sync_every"], self)
 
 
 def test_fit_runs_a_mode_through_the_registry(digits_df, monkeypatch):
@@ -55,7 +73,7 @@ def test_fit_runs_a_mode_through_the_registry(digits_df, monkeypatch):
     result = sparkdl.fit(digits_df, make_mlp(), mode="stub", sync_every=3, epochs=2, batch_size=16, progress=False)
 
     (job,) = stub.jobs
-    assert job.mode == "stub" and job.options == ("stub options", 3)
+    assert job.plan == _StubPlan("stub", 3, stub)
     assert (job.settings.epochs, job.settings.batch_size, job.settings.num_workers) == (2, 16, 2)
     assert job.training.num_rows == digits_df.count() and job.start.epoch == 0
     assert result.model is stub.result.model

@@ -70,7 +70,7 @@ def check_slots(
     check waits up to ``wait_seconds`` for enough of them (not in local mode,
     whose slots are fixed, nor under Spark Connect, whose slots are read from
     the server's settings). ``why(slots)`` says why the job needs a slot per
-    worker (a training mode's ``Mode.why_all_at_once``), for the error.
+    worker (a training mode's ``Plan.why_all_at_once``), for the error.
     """
     master = session.master(spark)
     if session.is_local_mode(master) or session.is_connect(spark):

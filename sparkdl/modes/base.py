@@ -6,18 +6,21 @@
 | ``Settings``   | the common settings every task needs (shipped in the tasks' closures)        |
 | ``Option``     | a setting only some modes take (``push_every``, ``sync_every``, ...)         |
 | ``TaskLayout`` | the tasks a mode runs: each one's role and which rows it reads               |
-| ``Mode``       | a mode's names, options, layout, who reports progress and who saves          |
+| ``Mode``       | a mode's names and options; ``configure`` makes the plan of one fit          |
+| ``Plan``       | one variant, configured: its checks, layout, reporting, saving and ``run``   |
 | ``ModeResult`` | the trained model, the history it trained, the mode's counters               |
 
-``api.fit`` validates, prepares a ``Job`` and calls ``MODES[mode].run(job)``; a mode never
-reads the user's arguments itself.
+``api.fit`` validates, asks ``MODES[mode].configure`` for a ``Plan``, prepares a ``Job`` and calls
+``plan.run(job)``; a mode never reads the user's arguments itself. A plan is a frozen dataclass of one
+variant's settings (one class per variant: sync, ZeRO-1, ZeRO-3, ...); it is what its tasks receive, so an
+option is declared once (``Option``) and read where it is used.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -125,10 +128,9 @@ class Job:
     training: data.TrainingData
     start: Checkpoint
     settings: Settings
-    mode: str  # the name the user chose ("async" and "ssp" are variants of one mode)
-    options: Any  # the mode's own option object (``Mode.configure``)
+    plan: Plan  # what ``Mode.configure`` made of the mode's options; its ``mode`` is the name the user chose
     monitor: ProgressMonitor  # where progress goes; its epoch listeners see the combined metrics
-    layout: TaskLayout  # the tasks to run (``Mode.layout``): ``launch.run_tasks`` takes it as it is
+    layout: TaskLayout  # the tasks to run (``Plan.layout``): ``launch.run_tasks`` takes it as it is
     checkpoints: CheckpointStore | None = None  # where checkpoints go, for modes whose tasks save them
     checkpointer: Checkpointer | None = None  # opened by ``fit`` for modes that save on the driver
 
@@ -207,50 +209,60 @@ class Option:
         return isinstance(value, int) and value >= self.minimum
 
 
-class Mode:
-    """A training mode: subclasses set the class attributes and implement ``configure`` and ``run``."""
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One variant of a mode, configured for one fit: subclasses add their settings as fields and implement ``run``.
 
-    names: tuple[str, ...] = ()  # the names it answers to (variants of one mode share a class)
-    runs_callbacks: bool = True  # whether the user's Keras callbacks run inside its workers' fit
+    The defaults suit a data-parallel mode whose driver writes the checkpoints and whose workers run the
+    user's Keras callbacks; a variant overrides what differs.
+    """
+
+    mode: str  # the name the user chose ("async" and "ssp" are variants of one mode)
+
+    runs_callbacks: ClassVar[bool] = True  # whether the user's Keras callbacks run inside its workers' fit
     # Who writes the checkpoints: "driver" (``fit`` opens ``Job.checkpointer`` and closes it after ``run``,
     # raising its errors) or "tasks" (a task writes them to ``Job.checkpoints``, as sync's rank 0 does, so
     # that a stage Spark retries resumes from what its failed attempt saved).
-    saves_checkpoints: str = "driver"
+    saves_checkpoints: ClassVar[str] = "driver"
 
-    def options(self, name: str) -> tuple[Option, ...]:
-        """The settings the variant ``name`` takes beyond the common ones."""
-        return ()
-
-    def configure(self, name: str, model, values: dict) -> Any:
-        """The option object for ``Job.options``, from checked ``values`` (an option's ``default`` where left
-        out)."""
-        return None
-
-    def check_fit(self, name: str, options: Any, *, num_workers: int, batch_size: int, weighted: bool) -> None:
-        """Refuses, on the driver before any Spark job, a fit this mode cannot run: ``num_workers`` workers,
+    def check_fit(self, *, num_workers: int, batch_size: int, weighted: bool) -> None:
+        """Refuses, on the driver before any Spark job, a fit this plan cannot run: ``num_workers`` workers,
         ``batch_size`` rows per step, a sample weight column (``weighted``). By default every fit is fine."""
 
-    def layout(self, name: str, num_workers: int, options: Any) -> TaskLayout:
-        """The tasks of a fit with ``num_workers`` (``options``: what ``configure`` returned); by default one
-        worker per shard of the rows."""
+    def layout(self, num_workers: int) -> TaskLayout:
+        """The tasks of a fit with ``num_workers``; by default one worker per shard of the rows."""
         return TaskLayout.data_parallel(num_workers)
 
-    def refuses_callbacks(self, name: str, options: Any) -> str | None:
-        """Why a fit of ``name`` with ``options`` cannot run the user's Keras callbacks, for the error (None when it
-        runs them: ``runs_callbacks``)."""
+    def refuses_callbacks(self) -> str | None:
+        """Why this plan cannot run the user's Keras callbacks, for the error (None when it runs them)."""
         return (
             None
             if self.runs_callbacks
-            else f"mode={name!r} does not use it (its workers run a training loop of their own)"
+            else f"mode={self.mode!r} does not use it (its workers run a training loop of their own)"
         )
 
     def reporting_ranks(self, num_workers: int) -> int:
         """How many workers report progress per epoch (1 when one speaks for all, or the driver reports)."""
         return 1
 
-    def why_all_at_once(self, name: str, slots: int) -> str:
+    def why_all_at_once(self, slots: int) -> str:
         """Why it needs a task slot per worker, for the error that says the cluster has too few."""
         return "A barrier stage needs all of its tasks running together"
 
     def run(self, job: Job) -> ModeResult:
+        raise NotImplementedError
+
+
+class Mode:
+    """A training mode: its names and options, and ``configure``, which makes the ``Plan`` of one fit."""
+
+    names: tuple[str, ...] = ()  # the names it answers to (variants of one mode share a class)
+
+    def options(self, name: str) -> tuple[Option, ...]:
+        """The settings the variant ``name`` takes beyond the common ones."""
+        return ()
+
+    def configure(self, name: str, model, values: dict) -> Plan:
+        """The plan of a fit of variant ``name`` of ``model``, from checked ``values`` (an option's ``default`` where
+        left out); raises on the driver what the variant cannot run."""
         raise NotImplementedError

@@ -19,13 +19,20 @@ from sparkdl.modes.base import Mode, Option
 from sparkdl.modes.gossip.mode import GossipMode
 from sparkdl.modes.parameter_server.mode import ParameterServerMode
 from sparkdl.modes.pipeline.mode import PipelineMode
-from sparkdl.modes.sync.mode import SyncMode
+from sparkdl.modes.sync.mode import ShardedMode, SyncMode
 
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "sparkdl.modes"
 
-_BUILT_IN: tuple[Mode, ...] = (SyncMode(), ParameterServerMode(), AverageMode(), PipelineMode(), GossipMode())
+_BUILT_IN: tuple[Mode, ...] = (
+    SyncMode(),
+    ShardedMode(),
+    ParameterServerMode(),
+    AverageMode(),
+    PipelineMode(),
+    GossipMode(),
+)
 
 MODES: dict[str, Mode] = {}
 

@@ -71,6 +71,7 @@ import logging
 import secrets
 import time
 from collections.abc import Iterator
+from typing import ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -86,7 +87,7 @@ from sparkdl.modes.average import capacity
 from sparkdl.modes.average import rounds as schedule
 from sparkdl.modes.average.deltas import RoundDeltas
 from sparkdl.modes.average.task import METRICS_SCHEMA, evaluate_task, read, round_task, state_variables
-from sparkdl.modes.base import Job, Mode, ModeResult, Option
+from sparkdl.modes.base import Job, Mode, ModeResult, Option, Plan
 from sparkdl.progress import ProgressMonitor
 from sparkdl.schedule import require_rows
 
@@ -99,27 +100,18 @@ SYNC_EVERY = Option("sync_every", "local steps between two averagings (default: 
 
 
 @dataclasses.dataclass(frozen=True)
-class AverageOptions:
-    sync_every: int | None = None  # local steps between two averagings (None: half an epoch)
-
-
-class AverageMode(Mode):
+class AveragePlan(Plan):
     """Workers train ``sync_every`` local steps, then the driver averages their models (and optimizer state).
 
     It trains with ``train_on_batch`` in rounds, not Keras's ``fit``: no user callbacks. The
     driver reports progress and writes the checkpoints, each epoch once its metrics are complete.
     """
 
-    names = ("average",)
-    runs_callbacks = False
+    sync_every: int | None = None  # local steps between two averagings (None: half an epoch)
 
-    def options(self, name: str) -> tuple[Option, ...]:
-        return (SYNC_EVERY,)
+    runs_callbacks: ClassVar[bool] = False
 
-    def configure(self, name: str, model, values: dict) -> AverageOptions:
-        return AverageOptions(values["sync_every"])
-
-    def why_all_at_once(self, name: str, slots: int) -> str:
+    def why_all_at_once(self, slots: int) -> str:
         return (
             f"In mode='average' the tasks of every round would run in waves of {slots}, each round taking "
             "that many times longer"
@@ -153,7 +145,7 @@ class AverageMode(Mode):
             raise
         settings = job.settings.for_rows(partition_rows)  # the rounds' common steps per epoch
         job.monitor.steps_known(0, settings.steps_per_epoch)
-        sync_every = job.options.sync_every or schedule.recommended_sync_every(settings.steps_per_epoch)
+        sync_every = self.sync_every or schedule.recommended_sync_every(settings.steps_per_epoch)
         rounds = schedule.Rounds(
             settings,
             secrets.token_hex(16),
@@ -237,6 +229,18 @@ class AverageMode(Mode):
             "seconds": time.perf_counter() - started,
         }
         return ModeResult(model, history, stats, settings.initial_epoch)
+
+
+class AverageMode(Mode):
+    """``mode="average"``: :class:`AveragePlan`."""
+
+    names = ("average",)
+
+    def options(self, name: str) -> tuple[Option, ...]:
+        return (SYNC_EVERY,)
+
+    def configure(self, name: str, model, values: dict) -> AveragePlan:
+        return AveragePlan(name, values["sync_every"])
 
 
 class _Metrics:

@@ -12,31 +12,22 @@ checkpoint, each rank cutting its own part of it.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import time
-from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
 
 from sparkdl import schedule
-from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore
-from sparkdl.data import read_partition
+from sparkdl.checkpoint import Checkpoint
 from sparkdl.keras import serialization
-from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
 from sparkdl.launch import payloads
-from sparkdl.launch.forward import TaskReporter
-from sparkdl.launch.stage import connect_collective
 from sparkdl.modes import whole_replicas
-from sparkdl.modes.base import Settings
+from sparkdl.modes.barrier import Ranks
 from sparkdl.modes.fully_sharded import state
-from sparkdl.modes.pipeline.cut import StagePlan
-from sparkdl.modes.pipeline.epoch import StageEpochs, StageMetrics, epoch_event
+from sparkdl.modes.pipeline.epoch import StageEpochs, StageMetrics, train_epochs
 from sparkdl.modes.sync import sharded
-from sparkdl.modes.sync.sharded import ShardLayout
 
-MODE = "sharded"  # the mode checkpoints record
+if TYPE_CHECKING:
+    from sparkdl.modes.fully_sharded.driver import Zero3Plan
 
 
 def rank_payload(rank: int) -> str:
@@ -44,130 +35,86 @@ def rank_payload(rank: int) -> str:
     return f"rank {rank}"
 
 
-@dataclasses.dataclass(frozen=True)
-class FullyShardedTask:
-    """Everything a task needs but its part of the model (fetched from the driver's relay), shipped in the closure."""
-
-    settings: Settings
-    secret: bytes
-    plan: StagePlan  # the units
-    layout: ShardLayout  # where each unit's weights lie in each rank's shard
-    compile_config: dict  # the whole model's: its loss, metrics and optimizer
-    compression: str | None = None  # gradients on the wire as "bf16"/"fp16"
-    overlap: bool = True  # gathers run ahead of the compute, reduce-scatters behind it
-    checkpoints: CheckpointStore | None = None
-    start_history: dict = dataclasses.field(default_factory=dict)
-    encrypt: bool = False
-
-
-def run_fully_sharded_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, task: FullyShardedTask):
-    use_tensorflow_backend()
+def train(plan: Zero3Plan, ranks: Ranks) -> bytes | None:
     import keras
 
     from sparkdl.modes.fully_sharded.engine import FullyShardedReplica  # imports TensorFlow
 
-    reporter.phase("import")
-    settings = task.settings
-    rows, held_out = read_partition(settings.layout, batches)
-    reporter.phase("read")
-    with connect_collective(reporter, task.secret, settings.timeout, encrypt=task.encrypt) as comm:
-        settings, counts = whole_replicas.rows_of_ranks(comm, rows, held_out, settings)
-        rows_per_rank = counts[:, 0].tolist()
-        reporter.phase("connect")
-        limit_threads_to_task_cpus()
-        keras.utils.set_random_seed(settings.seed + comm.rank)  # dropout differs per rank, as in sync mode
-        writer = comm.rank == 0
-        sharded.count_optimizers_from_now()  # an earlier fit's in this reused worker are not this one's
-        start, part = _starting_point(comm, task, reporter)
-        replica = FullyShardedReplica.from_part(
-            task.plan,
-            task.layout,
-            comm,
-            part,
-            task.compile_config,
-            scales=schedule.gradient_scales(rows_per_rank, comm.rank, settings.steps_per_epoch),
-            first_step=start.epoch * settings.steps_per_epoch,
-            compression=task.compression,
-            overlap=task.overlap,
-            timeout=settings.timeout,
-        )
-        del part
-        metrics = StageMetrics(replica.model)
-        replica.observe = metrics.update
-        epochs = StageEpochs(
-            replica,
-            settings,
-            replica=comm.rank,
-            shard_rows=(len(rows), len(held_out)),
-            pipeline=None,
-            replicas=comm,
-            metrics=metrics,
-            report=reporter.progress if writer else None,
-            settle=replica.average_statistics,
-            validation_steps=max(-(-int(v) // settings.batch_size) for v in counts[:, 1]),
-        )
-        reporter.phase("model in")
-        history: dict[str, list[float]] = {}
-        whole = None  # rank 0's whole model, for checkpoints and the result
-        saving = task.checkpoints if writer else None
-        with Checkpointer(saving, start, MODE) if saving else contextlib.nullcontext() as checkpointer:
-            if writer:
-                event = {"event": "start", "initial_epoch": start.epoch, "steps_per_epoch": settings.steps_per_epoch}
-                reporter.progress(event)
-            for epoch in range(start.epoch, settings.epochs):
-                started = time.monotonic()
-                logs = epochs.run(epoch, rows, held_out)
-                for name, value in logs.items():
-                    history.setdefault(name, []).append(value)
-                if writer:
-                    reporter.progress(epoch_event(epoch, logs, counts, time.monotonic() - started))
-                if task.checkpoints is not None:
-                    gathered = replica.gather_state()
-                    if checkpointer is not None:
-                        whole = _assembled(whole, task, reporter, start, gathered)
-                        checkpointer.record(logs)
-                        checkpointer.save(epoch + 1, serialization.model_to_bytes(whole))
-        stats: dict = {"fully_sharded": _stats(replica, comm)}
-        gathered = replica.gather_state()
-        stats["wire_bytes"] = whole_replicas.wire_bytes(comm)
-        replica.close()
-        reporter.phase("train")
-        if not writer:
-            return None
-        whole = _assembled(whole, task, reporter, start, gathered)
-        resumed = start.history if start.epoch != task.settings.initial_epoch else None
-        result = serialization.result_to_bytes(
-            serialization.model_to_bytes(whole), history, start.epoch, stats, resumed
-        )
-        reporter.phase("model out")
-        return result
+    comm, settings = ranks.comm, ranks.settings
+    assert plan.sharding is not None  # placed on the driver (``Zero3Plan.run``)
+    keras.utils.set_random_seed(settings.seed + comm.rank)  # dropout differs per rank, as in sync mode
+    sharded.count_optimizers_from_now()  # an earlier fit's in this reused worker are not this one's
+    start, part = _starting_point(plan, ranks)
+    replica = FullyShardedReplica.from_part(
+        plan.units,
+        plan.sharding,
+        comm,
+        part,
+        plan.compile_config,
+        scales=schedule.gradient_scales(ranks.counts[:, 0].tolist(), comm.rank, settings.steps_per_epoch),
+        first_step=start.epoch * settings.steps_per_epoch,
+        compression=plan.compression,
+        overlap=plan.overlap,
+        timeout=settings.timeout,
+    )
+    del part
+    metrics = StageMetrics(replica.model)
+    replica.observe = metrics.update
+    epochs = StageEpochs(
+        replica,
+        settings,
+        replica=comm.rank,
+        shard_rows=(len(ranks.rows), len(ranks.held_out)),
+        pipeline=None,
+        replicas=comm,
+        metrics=metrics,
+        report=ranks.reporter.progress if ranks.writer else None,
+        settle=replica.average_statistics,
+        validation_steps=max(-(-int(v) // settings.batch_size) for v in ranks.counts[:, 1]),
+    )
+    ranks.reporter.phase("model in")
+    whole = None  # the writer's whole model, for checkpoints and the result
+    with ranks.checkpointing(start) as checkpointer:
+
+        def save(epoch: int, logs: dict) -> None:
+            nonlocal whole
+            gathered = replica.gather_state()  # collective: every rank takes part
+            if checkpointer is not None:
+                whole = _assembled(whole, plan, ranks, start, gathered)
+                checkpointer.record(logs)
+                checkpointer.save(epoch + 1, serialization.model_to_bytes(whole))
+
+        saving = ranks.task.checkpoints is not None
+        history = train_epochs(epochs, ranks, start.epoch, (ranks.rows, ranks.held_out), save if saving else None)
+    stats: dict = {"fully_sharded": _stats(replica, comm)}
+    gathered = replica.gather_state()
+    stats["wire_bytes"] = whole_replicas.wire_bytes(comm)
+    replica.close()
+    ranks.reporter.phase("train")
+    if not ranks.writer:
+        return None
+    whole = _assembled(whole, plan, ranks, start, gathered)
+    result = ranks.result(serialization.model_to_bytes(whole), history, start, stats)
+    ranks.reporter.phase("model out")
+    return result
 
 
-def _starting_point(comm, task: FullyShardedTask, reporter: TaskReporter) -> tuple[Checkpoint, dict]:
-    """The checkpoint training starts from (rank 0's view of it) and this rank's part of the model: the driver's
-    offer, or, where rank 0 finds a newer checkpoint (a stage Spark retried after its failed attempt saved), this
-    rank's part of that one (each rank loads it whole for a moment to cut its part)."""
-    initial = task.settings.initial_epoch
-    newer = task.checkpoints.latest(newer_than=initial) if comm.rank == 0 and task.checkpoints is not None else None
-    epoch = int(comm.broadcast(np.array([newer.epoch if newer else initial], np.int64), root=0)[0])
-    if epoch == initial:
-        part = state.read_part(payloads.fetch(reporter, rank_payload(comm.rank)))
-        return Checkpoint(initial, b"", task.start_history, MODE), part
-    if newer is None:  # every other rank reads the checkpoint rank 0 found
-        assert task.checkpoints is not None
-        newer = task.checkpoints.latest(newer_than=initial)
-        if newer is None or newer.epoch != epoch:
-            raise RuntimeError(f"Rank {comm.rank} found no checkpoint of epoch {epoch} in {task.checkpoints.uri}")
-    whole = serialization.model_from_bytes(newer.model_bytes, task.settings.custom_objects)
-    return newer, state.read_part(state.rank_part(whole, task.plan, task.layout, comm.rank))
+def _starting_point(plan: Zero3Plan, ranks: Ranks) -> tuple[Checkpoint, dict]:
+    """The checkpoint training starts from (the writer's view of it) and this rank's part of the model: the driver's
+    offer, or this rank's part of a newer checkpoint (each rank loads it whole for a moment to cut its part)."""
+    assert plan.sharding is not None
+    epoch, newer = ranks.newest_epoch()
+    if newer is None:
+        return ranks.part_start(epoch), state.read_part(payloads.fetch(ranks.reporter, rank_payload(ranks.rank)))
+    whole = serialization.model_from_bytes(newer.model_bytes, ranks.settings.custom_objects)
+    return newer, state.read_part(state.rank_part(whole, plan.units, plan.sharding, ranks.rank))
 
 
-def _assembled(whole, task: FullyShardedTask, reporter: TaskReporter, start: Checkpoint, gathered):
-    """Rank 0's whole model (loaded once: the start's architecture and compile settings) holding ``gathered``."""
+def _assembled(whole, plan: Zero3Plan, ranks: Ranks, start: Checkpoint, gathered):
+    """The writer's whole model (loaded once: the start's architecture and compile settings) holding ``gathered``."""
     if whole is None:
-        model_bytes = start.model_bytes or payloads.fetch(reporter, whole_replicas.MODEL)
-        whole = serialization.model_from_bytes(model_bytes, task.settings.custom_objects)
-    state.assemble(whole, task.plan, *gathered)
+        whole = ranks.whole_model(start)
+    state.assemble(whole, plan.units, *gathered)
     return whole
 
 

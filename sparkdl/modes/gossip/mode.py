@@ -1,15 +1,12 @@
-"""Gossip mode's driver side: its options, one barrier stage of ``num_workers`` tasks, rank 0's averaged model back."""
+"""Gossip mode's driver side: its options and plan, one barrier stage of ``num_workers`` tasks, rank 0's averaged model back."""
 
 from __future__ import annotations
 
 import dataclasses
-import secrets
 
-from sparkdl.launch.session import encrypts_traffic
-from sparkdl.modes import whole_replicas
-from sparkdl.modes.base import Job, Mode, ModeResult, Option
-from sparkdl.modes.gossip import peers
-from sparkdl.modes.gossip.task import GossipTask, run_gossip_task
+from sparkdl.modes.barrier import BarrierPlan, Ranks
+from sparkdl.modes.base import Mode, Option
+from sparkdl.modes.gossip import peers, task
 
 GOSSIP_EVERY = Option(
     "gossip_every", "local steps between two averagings of a worker's weights with its peers", default=1
@@ -25,12 +22,7 @@ PEERS = Option(
 
 
 @dataclasses.dataclass(frozen=True)
-class GossipOptions:
-    gossip_every: int = 1  # local steps between two rounds
-    peers: str = peers.RING  # "ring" or "random" (``peers``)
-
-
-class GossipMode(Mode):
+class GossipPlan(BarrierPlan):
     """Decentralized data parallelism (D-PSGD): every worker trains its own replica with the model's own optimizer
     and, every ``gossip_every`` steps, averages its weights with its peers' only; no server, no global allreduce
     per step. The result is the average of the replicas.
@@ -40,25 +32,22 @@ class GossipMode(Mode):
     losing a task resumes from what the failed attempt saved.
     """
 
+    gossip_every: int = 1  # local steps between two rounds
+    peers: str = peers.RING  # "ring" or "random" (``peers``)
+
+    def train(self, ranks: Ranks) -> bytes | None:
+        return task.train(self, ranks)
+
+
+class GossipMode(Mode):
+    """``mode="gossip"``: :class:`GossipPlan`."""
+
     names = ("gossip",)
-    saves_checkpoints = "tasks"
 
     def options(self, name: str) -> tuple[Option, ...]:
         return (GOSSIP_EVERY, PEERS)
 
-    def configure(self, name: str, model, values: dict) -> GossipOptions:
+    def configure(self, name: str, model, values: dict) -> GossipPlan:
         if model.optimizer is None:
             raise ValueError("Expected a compiled model: mode='gossip' trains with the model's own optimizer.")
-        return GossipOptions(values["gossip_every"], values["peers"])
-
-    def run(self, job: Job) -> ModeResult:
-        task = GossipTask(
-            settings=job.settings,
-            secret=secrets.token_bytes(32),
-            gossip_every=job.options.gossip_every,
-            peers=job.options.peers,
-            start_history=job.start.history,
-            checkpoints=job.checkpoints,
-            encrypt=encrypts_traffic(job.training.frame.sparkSession),
-        )
-        return whole_replicas.run_stage(job, lambda batches, reporter: run_gossip_task(batches, reporter, task))
+        return GossipPlan(name, values["gossip_every"], values["peers"])

@@ -24,6 +24,7 @@ import json
 import logging
 import secrets
 import threading
+from typing import TYPE_CHECKING
 
 from sparkdl import launch
 from sparkdl.keras import serialization
@@ -42,12 +43,15 @@ from sparkdl.modes.parameter_server.task import (
 from sparkdl.ps.client import fetch_state
 from sparkdl.ps.server_model import ServerModel
 
+if TYPE_CHECKING:
+    from sparkdl.modes.parameter_server.mode import ParameterServerPlan
+
 logger = logging.getLogger(__name__)
 
 
-def run(job: Job) -> ModeResult:
+def run(job: Job, plan: ParameterServerPlan) -> ModeResult:
     """Trains ``job`` (``server_placement="executors"``) against server tasks of its own stage."""
-    settings, options = job.settings, job.options
+    settings, options = job.settings, plan
     spark = job.training.frame.sparkSession
     if session.dynamic_allocation(spark):
         raise ValueError(
@@ -85,12 +89,12 @@ def run(job: Job) -> ModeResult:
         push_every=options.push_every,
         encrypt=encrypt,
         compression=options.compression,
-        synchronous=job.mode == "sync_ps",
+        synchronous=plan.mode == "sync_ps",
     )
     server = server_task.ServerTask(
         settings=settings,
         secret=secret,
-        mode=job.mode,
+        mode=plan.mode,
         num_servers=options.num_servers,
         max_staleness=options.max_staleness,
         compression=options.compression,

@@ -28,7 +28,7 @@ from sparkdl.checkpoint import Checkpointer
 from sparkdl.keras import serialization
 from sparkdl.launch import session
 from sparkdl.launch.layout import TaskLayout
-from sparkdl.modes.base import Job, Mode, ModeResult, Option
+from sparkdl.modes.base import Job, Mode, ModeResult, Option, Plan
 from sparkdl.modes.parameter_server import executors, placement
 from sparkdl.modes.parameter_server.task import (
     COUNTERS,
@@ -61,63 +61,35 @@ SERVER_PLACEMENT = Option(
 
 
 @dataclasses.dataclass(frozen=True)
-class ParameterServerOptions:
-    push_every: int = 1  # steps whose gradients are averaged into one push
-    num_servers: int = 1  # server shards, balanced by size
-    max_staleness: int = 0  # ssp: pushes a worker may run ahead of the slowest
-    compression: str | None = None  # pushes as "bf16"/"fp16" (``sparkdl.collective.compression``)
-    placement: str = "driver"  # where the shards run: threads of the driver, or Spark tasks beside the workers
-
-
-class ParameterServerMode(Mode):
+class ParameterServerPlan(Plan):
     """async (updates applied as they arrive, under a lock), hogwild (without the lock), ssp (bounded staleness),
     sync_ps (synchronous rounds: every worker's gradient of a step in, their mean applied once, the same weights out).
 
     Every worker reports progress (an epoch is complete once all have finished it); the driver
     writes the checkpoints, of the server's state, when they have.
 
-    ``server_placement`` says where the shards run: threads of the driver (here), or Spark tasks beside the
+    ``placement`` says where the shards run: threads of the driver (here), or Spark tasks beside the
     workers in one barrier stage (``executors``), whose state the driver reads for its checkpoints.
-
-    sync_ps takes no ``push_every``: its rounds already average every worker's gradient of a step, and a
-    larger ``batch_size`` is the way to fewer, larger updates.
     """
 
-    names = ("async", "hogwild", "ssp", "sync_ps")
+    push_every: int = 1  # steps whose gradients are averaged into one push
+    num_servers: int = 1  # server shards, balanced by size
+    max_staleness: int = 0  # ssp: pushes a worker may run ahead of the slowest
+    compression: str | None = None  # pushes as "bf16"/"fp16" (``sparkdl.collective.compression``)
+    placement: str = "driver"  # where the shards run: threads of the driver, or Spark tasks beside the workers
 
-    def options(self, name: str) -> tuple[Option, ...]:
-        if name == "sync_ps":
-            return (NUM_SERVERS, COMPRESSION, SERVER_PLACEMENT)
-        return (PUSH_EVERY, NUM_SERVERS, COMPRESSION, SERVER_PLACEMENT, *((MAX_STALENESS,) if name == "ssp" else ()))
-
-    def configure(self, name: str, model, values: dict) -> ParameterServerOptions:
-        num_servers = values["num_servers"]
-        variables = len(model.trainable_variables)
-        if not sharding.holds_whole_variables(num_servers, variables):
-            raise ValueError(
-                f"Expected `num_servers` <= the model's {variables} trainable variables (a shard holds "
-                f"whole variables). Received: num_servers={num_servers}"
-            )
-        return ParameterServerOptions(
-            values.get("push_every", 1),
-            num_servers,
-            values.get("max_staleness", 0),
-            values["compression"],
-            values["server_placement"],
-        )
-
-    def layout(self, name: str, num_workers: int, options: ParameterServerOptions) -> TaskLayout:
+    def layout(self, num_workers: int) -> TaskLayout:
         """A worker per shard of the rows; with ``server_placement="executors"`` the server tasks after them."""
-        if options.placement == "executors":
-            return placement.layout(num_workers, options.num_servers)
+        if self.placement == "executors":
+            return placement.layout(num_workers, self.num_servers)
         return TaskLayout.data_parallel(num_workers)
 
     def reporting_ranks(self, num_workers: int) -> int:
         return num_workers
 
-    def why_all_at_once(self, name: str, slots: int) -> str:
+    def why_all_at_once(self, slots: int) -> str:
         return (
-            f"In mode={name!r} every worker trains against the parameter server at the same time: workers "
+            f"In mode={self.mode!r} every worker trains against the parameter server at the same time: workers "
             "beyond the free slots would wait for one while the server waits for them, until `timeout`; with "
             "server_placement='executors' the num_servers server tasks run beside the workers, at the same time too, "
             "so the fit needs num_workers + num_servers slots (the count above), or server_placement='driver'"
@@ -129,35 +101,35 @@ class ParameterServerMode(Mode):
         time every worker has finished an epoch (the weights then include whatever faster workers pushed since;
         under sync_ps none: the next epoch's first update waits for the save).
         """
-        settings, options = job.settings, job.options
-        if options.placement == "executors":
-            return executors.run(job)
+        settings = job.settings
+        if self.placement == "executors":
+            return executors.run(job, self)
         spark = job.training.frame.sparkSession
         server_model = ServerModel(
             serialization.model_from_bytes(job.start.model_bytes, settings.custom_objects),
-            options.num_servers,
-            compiled=job.mode != "hogwild",  # XLA's launch locks the variables: hogwild's updates stay unfused
+            self.num_servers,
+            compiled=self.mode != "hogwild",  # XLA's launch locks the variables: hogwild's updates stay unfused
         )
         if job.start.epoch and not server_model.restore_optimizers(job.start.arrays):
             logger.info(
                 "sparkdl: the checkpoint holds no optimizer state for %d server shard(s) of this model: the "
                 "shards' optimizers start afresh",
-                options.num_servers,
+                self.num_servers,
             )
         secret = secrets.token_bytes(32)
         encrypt = session.encrypts_traffic(spark)
-        synchronous = job.mode == "sync_ps"
+        synchronous = self.mode == "sync_ps"
         saving = job.checkpointer is not None
         with ParameterServer(
             server_model.shards,
             host=session.driver_host(spark),
             secret=secret,
-            mode=job.mode,
+            mode=self.mode,
             num_workers=settings.num_workers,
-            max_staleness=options.max_staleness,
+            max_staleness=self.max_staleness,
             timeout=settings.timeout,
             encrypt=encrypt,
-            compression=options.compression,
+            compression=self.compression,
             epoch_steps=(
                 (lambda rows: schedule.steps_per_epoch(rows, settings.batch_size)) if synchronous and saving else None
             ),
@@ -167,9 +139,9 @@ class ParameterServerMode(Mode):
                 secret=secret,
                 addresses=server.addresses,
                 shards=server_model.layout.shards,
-                push_every=options.push_every,
+                push_every=self.push_every,
                 encrypt=encrypt,
-                compression=options.compression,
+                compression=self.compression,
                 synchronous=synchronous,
             )
             if job.checkpointer is not None:
@@ -205,6 +177,38 @@ class ParameterServerMode(Mode):
         return ModeResult(server_model.model, combine_histories(outcomes), stats, job.start.epoch)
 
 
+class ParameterServerMode(Mode):
+    """The parameter-server family: ``async``, ``hogwild``, ``ssp`` and ``sync_ps``, each a :class:`ParameterServerPlan`.
+
+    sync_ps takes no ``push_every``: its rounds already average every worker's gradient of a step, and a
+    larger ``batch_size`` is the way to fewer, larger updates.
+    """
+
+    names = ("async", "hogwild", "ssp", "sync_ps")
+
+    def options(self, name: str) -> tuple[Option, ...]:
+        if name == "sync_ps":
+            return (NUM_SERVERS, COMPRESSION, SERVER_PLACEMENT)
+        return (PUSH_EVERY, NUM_SERVERS, COMPRESSION, SERVER_PLACEMENT, *((MAX_STALENESS,) if name == "ssp" else ()))
+
+    def configure(self, name: str, model, values: dict) -> ParameterServerPlan:
+        num_servers = values["num_servers"]
+        variables = len(model.trainable_variables)
+        if not sharding.holds_whole_variables(num_servers, variables):
+            raise ValueError(
+                f"Expected `num_servers` <= the model's {variables} trainable variables (a shard holds "
+                f"whole variables). Received: num_servers={num_servers}"
+            )
+        return ParameterServerPlan(
+            name,
+            values.get("push_every", 1),
+            num_servers,
+            values.get("max_staleness", 0),
+            values["compression"],
+            values["server_placement"],
+        )
+
+
 class _ServerCheckpoints:
     """An epoch listener: when every worker has finished an epoch, saves the server's state."""
 
@@ -224,4 +228,4 @@ class _ServerCheckpoints:
             self._server.epoch_saved(epoch)  # sync_ps: the next epoch's rounds may run (also after a failed save)
 
     def close(self) -> None:
-        """The checkpointer is closed by ``ParameterServerMode.run``, which raises its errors."""
+        """The checkpointer is closed by ``fit`` once ``ParameterServerPlan.run`` returns, which raises its errors."""

@@ -4,12 +4,17 @@ combined over the stages (the loss is every stage's share summed) and over the r
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sparkdl import schedule
 from sparkdl.collective import ReduceOp
 from sparkdl.keras.callbacks import STEP_REPORT_SECONDS
+
+if TYPE_CHECKING:
+    from sparkdl.modes.barrier import Ranks
 
 
 def epoch_event(epoch: int, logs: dict, counts: np.ndarray, seconds: float) -> dict:
@@ -23,6 +28,25 @@ def epoch_event(epoch: int, logs: dict, counts: np.ndarray, seconds: float) -> d
         "samples": samples,
         "validation_rows": int(counts[:, 1].sum()),
     }
+
+
+def train_epochs(
+    epochs: StageEpochs, ranks: Ranks, first_epoch: int, own_rows: tuple, save: Callable[[int, dict], None] | None
+) -> dict[str, list[float]]:
+    """Runs ``epochs`` from ``first_epoch`` on ``own_rows`` (``(training, held-out)``, or ``(None, None)`` for a stage
+    that reads none); the writer reports each epoch's end, and ``save(epoch, logs)`` runs after each epoch (where
+    checkpoints are written: every rank that contributes to them calls it). Returns the history."""
+    history: dict[str, list[float]] = {}
+    for epoch in range(first_epoch, ranks.settings.epochs):
+        started = time.monotonic()
+        logs = epochs.run(epoch, *own_rows)
+        for name, value in logs.items():
+            history.setdefault(name, []).append(value)
+        if ranks.writer:
+            ranks.reporter.progress(epoch_event(epoch, logs, ranks.counts, time.monotonic() - started))
+        if save is not None:
+            save(epoch, logs)
+    return history
 
 
 class StageMetrics:

@@ -12,15 +12,14 @@ by the driver, and returns them; the driver assembles the trained model.
 from __future__ import annotations
 
 import dataclasses
-import secrets
+from typing import ClassVar
 
 from sparkdl.keras import serialization
-from sparkdl.launch import run_tasks
 from sparkdl.launch.layout import Task, TaskLayout
-from sparkdl.launch.session import encrypts_traffic
+from sparkdl.modes.barrier import BarrierPlan, Ranks
 from sparkdl.modes.base import Job, Mode, ModeResult, Option
-from sparkdl.modes.pipeline import cut, state
-from sparkdl.modes.pipeline.task import MODEL, PipelineTask, read_report, run_pipeline_task, stage_payload
+from sparkdl.modes.pipeline import cut, state, task
+from sparkdl.modes.pipeline.task import read_report, stage_payload
 from sparkdl.modes.shared_options import PROFILE
 
 
@@ -44,14 +43,7 @@ CUT_POINTS = Option(
 
 
 @dataclasses.dataclass(frozen=True)
-class PipelineOptions:
-    plan: cut.StagePlan  # the stages: layers, boundary shapes, parameters
-    micro_batches: int
-    compile_config: dict  # the model's compile settings: each stage's optimizer, the last stage's loss and metrics
-    profile: bool = False  # each stage records its micro-batches' events (FitResult.stats["pipeline"]["timeline"])
-
-
-class PipelineMode(Mode):
+class PipelinePlan(BarrierPlan):
     """GPipe: every step's micro-batches flow forward through the stages and their gradients back, each stage
     then applies its own optimizer to its own layers (``engine.PipelineStage``).
 
@@ -60,39 +52,30 @@ class PipelineMode(Mode):
     from what the failed attempt saved.
     """
 
-    names = ("pipeline",)
-    runs_callbacks = False  # its stages run their own loop (``epoch.StageEpochs``), not Keras's fit
-    saves_checkpoints = "tasks"
+    stages: cut.StagePlan  # the stages: layers, boundary shapes, parameters
+    micro_batches: int
+    compile_config: dict  # the model's compile settings: each stage's optimizer, the last stage's loss and metrics
+    profile: bool = False  # each stage records its micro-batches' events (FitResult.stats["pipeline"]["timeline"])
 
-    def options(self, name: str) -> tuple[Option, ...]:
-        return (NUM_STAGES, MICRO_BATCHES, CUT_POINTS, PROFILE)
+    runs_callbacks: ClassVar[bool] = False  # its stages run their own loop (``epoch.StageEpochs``), not Keras's fit
 
-    def configure(self, name: str, model, values: dict) -> PipelineOptions:
-        points = values["cut_points"]
-        plan = cut.plan_stages(
-            model, values["num_stages"], None if points is None else [p.strip() for p in points.split(",")]
-        )
-        if model.optimizer is None:
-            raise ValueError("Expected a compiled model: mode='pipeline' trains with the model's own optimizer.")
-        return PipelineOptions(plan, values["micro_batches"], model.get_compile_config(), values["profile"])
-
-    def check_fit(self, name: str, options: PipelineOptions, *, num_workers: int, batch_size: int, weighted: bool):
-        stages = options.plan.num_stages
+    def check_fit(self, *, num_workers: int, batch_size: int, weighted: bool) -> None:
+        stages = self.stages.num_stages
         if num_workers % stages:
             raise ValueError(
                 f"Expected `num_workers` to be a multiple of num_stages={stages} (data replicas x stages). "
                 f"Received: num_workers={num_workers}"
             )
-        if options.micro_batches > batch_size:
+        if self.micro_batches > batch_size:
             raise ValueError(
                 f"Expected `micro_batches` to be at most batch_size={batch_size} (a micro-batch holds at least a "
-                f"row). Received: micro_batches={options.micro_batches}"
+                f"row). Received: micro_batches={self.micro_batches}"
             )
         if weighted:
             raise ValueError("mode='pipeline' takes no `sample_weight_col`: its stages weigh every row alike.")
 
-    def layout(self, name: str, num_workers: int, options: PipelineOptions) -> TaskLayout:
-        stages = options.plan.num_stages
+    def layout(self, num_workers: int) -> TaskLayout:
+        stages = self.stages.num_stages
         return TaskLayout(
             tuple(
                 Task(
@@ -102,32 +85,40 @@ class PipelineMode(Mode):
             )
         )
 
+    def shard_ranks(self, size: int) -> range:
+        return range(0, size, self.stages.num_stages)  # each replica's first stage reads its shard
+
+    def writer(self, size: int) -> int:
+        return self.stages.num_stages - 1  # the last stage of replica 0
+
+    def train(self, ranks: Ranks) -> bytes | None:
+        return task.train(self, ranks)
+
     def run(self, job: Job) -> ModeResult:
-        options = job.options
+        """Offers each stage its weights and optimizer state; assembles replica 0's stages' trained state."""
         model = serialization.model_from_bytes(job.start.model_bytes, job.settings.custom_objects)
-        stages = range(options.plan.num_stages)
-        offered = {stage_payload(s): part for s, part in zip(stages, state.stage_states(model, options.plan, stages))}
-        task = PipelineTask(
-            settings=job.settings,
-            secret=secrets.token_bytes(32),
-            plan=options.plan,
-            micro_batches=options.micro_batches,
-            compile_config=options.compile_config,
-            profile=options.profile,
-            checkpoints=job.checkpoints,
-            start_history=job.start.history,
-            encrypt=encrypts_traffic(job.training.frame.sparkSession),
-        )
-        results = run_tasks(
-            job.training.frame,
-            job.layout,
-            lambda batches, reporter: run_pipeline_task(batches, reporter, task),
-            barrier=True,
-            timeout=job.settings.timeout,
-            on_progress=job.monitor.on_event,
-            offered={**offered, MODEL: job.start.model_bytes},
-        )
+        stages = range(self.stages.num_stages)
+        offered = {stage_payload(s): part for s, part in zip(stages, state.stage_states(model, self.stages, stages))}
+        results = self.run_stage(job, offered)
         trained = [results[s] for s in stages]  # replica 0's stages
-        state.assemble_state(model, options.plan, trained)
+        state.assemble_state(model, self.stages, trained)
         history, stats, initial_epoch, resumed = read_report(state.from_bytes(trained[-1])[2])
         return ModeResult(model, history, stats, initial_epoch, resumed)
+
+
+class PipelineMode(Mode):
+    """``mode="pipeline"``: :class:`PipelinePlan`."""
+
+    names = ("pipeline",)
+
+    def options(self, name: str) -> tuple[Option, ...]:
+        return (NUM_STAGES, MICRO_BATCHES, CUT_POINTS, PROFILE)
+
+    def configure(self, name: str, model, values: dict) -> PipelinePlan:
+        points = values["cut_points"]
+        stages = cut.plan_stages(
+            model, values["num_stages"], None if points is None else [p.strip() for p in points.split(",")]
+        )
+        if model.optimizer is None:
+            raise ValueError("Expected a compiled model: mode='pipeline' trains with the model's own optimizer.")
+        return PipelinePlan(name, stages, values["micro_batches"], model.get_compile_config(), values["profile"])

@@ -8,12 +8,11 @@ started while backprop runs) before the optimizer applies them.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,21 +27,14 @@ from sparkdl.modes.sync import sharded
 from sparkdl.modes.sync.reducer import GradientReducer
 from sparkdl.modes.sync.step_profile import StepProfile
 
+if TYPE_CHECKING:
+    from sparkdl.modes.sync.mode import SyncPlan
+
 logger = logging.getLogger(__name__)
 
 # Ranks whose final weights differ by more than this (after an exact hash
 # comparison failed) are reported as diverged rather than accepted.
 _REPLICA_TOLERANCE = 1e-5
-
-
-@dataclasses.dataclass(frozen=True)
-class Exchange:
-    """How sync mode's gradients travel: compressed or not, in buckets overlapping backprop or not."""
-
-    compression: str | None = None  # "bf16"/"fp16": half the bytes on the wire (``collective.compression``)
-    overlap: bool = True  # buckets start moving while backprop runs (``reducer.GradientReducer``)
-    profile: StepProfile | None = None  # records where each step's time goes (``step_profile``)
-    shard: bool = False  # each rank keeps 1/N of the optimizer state (``sharded``: mode="sharded")
 
 
 @contextlib.contextmanager
@@ -52,14 +44,17 @@ def distributed_optimizer(
     scales: np.ndarray | None = None,
     first_step: int = 0,
     *,
-    exchange=Exchange(),
+    compression: str | None = None,
+    overlap: bool = True,
+    profile: StepProfile | None = None,
     timeout=600.0,
     compile_update: bool = False,
 ) -> Iterator[None]:
     """Makes ``optimizer`` average its gradients over ``comm`` while the block runs.
 
     A communicator with its own in-graph collective (Horovod's) averages them there; otherwise
-    :class:`~sparkdl.modes.sync.reducer.GradientReducer` sends them, as ``exchange`` says.
+    :class:`~sparkdl.modes.sync.reducer.GradientReducer` sends them: ``compression`` (gradients on the wire as
+    "bf16"/"fp16"), in buckets that start moving while backprop runs (``overlap``), each step timed by ``profile``.
     ``scales`` (per step of an epoch, from global step ``first_step`` on: ``schedule.gradient_scales``)
     weigh this rank's gradient by its rows when the ranks' batches differ in size. ``compile_update``:
     the optimizer's update runs XLA-compiled (``sparkdl.keras.compiled_update``; not with Horovod).
@@ -86,10 +81,10 @@ def distributed_optimizer(
             timeout=timeout,
             scales=scales,
             first_step=first_step,
-            compression=exchange.compression,
-            overlap=exchange.overlap,
+            compression=compression,
+            overlap=overlap,
             compile_update=compile_update,
-            profile=exchange.profile,
+            profile=profile,
         )
     with intercept_apply(optimizer, intercept):
         yield
@@ -197,7 +192,8 @@ def train(
     initial_epoch: int,
     validation: whole_replicas.Validation | None = None,
     callbacks: Sequence = (),
-    exchange: Exchange = Exchange(),
+    plan: SyncPlan,
+    profile: StepProfile | None = None,
     saves_each_epoch: bool = False,
 ) -> tuple[dict[str, list[float]], dict]:
     """Trains ``model`` in place on this rank's rows, in lockstep with the other ranks; returns the history.
@@ -208,8 +204,8 @@ def train(
     With ``validation``, every rank evaluates its held-out rows at each epoch end (Keras's own
     ``validation_data``) and the history gains the combined ``val_*`` metrics. Training runs
     epochs ``initial_epoch..epochs-1`` (the history holds those); ``callbacks`` run after the
-    combination of metrics over ranks, so they see the global values. ``exchange`` says how the
-    gradients travel, and whether each step is profiled. ``saves_each_epoch``: rank 0's ``callbacks``
+    combination of metrics over ranks, so they see the global values. ``plan`` says how the
+    gradients travel (and whether each rank keeps 1/N of the optimizer state), ``profile`` times each step. ``saves_each_epoch``: rank 0's ``callbacks``
     save the model at every epoch's end (a sharded optimizer's state is gathered for it first).
     Returns the history and this mode's counters (every rank's, the same on every rank).
     """
@@ -227,28 +223,21 @@ def train(
     scales = schedule.gradient_scales(rows_per_rank, comm.rank, steps)
     compile_update = compiled_update.pays(model.optimizer, model.trainable_variables)
     first = []
-    if exchange.profile is not None:  # an attribute of this replica only, removed before the model is saved
-        model.train_step = exchange.profile.wrap_train_step(model.train_step)
-        first.append(exchange.profile.callback())
-        exchange.profile.compiled_update = compile_update
+    if profile is not None:  # an attribute of this replica only, removed before the model is saved
+        model.train_step = profile.wrap_train_step(model.train_step)
+        first.append(profile.callback())
+        profile.compiled_update = compile_update
     options: dict[str, Any] = dict(
         timeout=settings.timeout, first_step=initial_epoch * steps, compile_update=compile_update
     )
     stats: dict = {}
     try:
         exchanging: contextlib.AbstractContextManager[Any]
-        if exchange.shard:
-            exchanging = sharded.sharded_optimizer(
-                model,
-                comm,
-                scales=scales,
-                compression=exchange.compression,
-                overlap=exchange.overlap,
-                profile=exchange.profile,
-                **options,
-            )
+        traffic: dict[str, Any] = dict(compression=plan.compression, overlap=plan.overlap, profile=profile)
+        if plan.shards_optimizer:
+            exchanging = sharded.sharded_optimizer(model, comm, scales=scales, **traffic, **options)
         else:
-            exchanging = distributed_optimizer(model.optimizer, comm, scales, exchange=exchange, **options)
+            exchanging = distributed_optimizer(model.optimizer, comm, scales, **traffic, **options)
         with exchanging as state:
             if state is not None and saves_each_epoch:
                 first.append(state.consolidating_callback())
@@ -265,7 +254,7 @@ def train(
                 stats["sharded"] = state.summary()
                 state.finish()
     finally:
-        if exchange.profile is not None:
+        if profile is not None:
             del model.train_step
     check_replicas_identical(model, comm)
     return {name: [float(v) for v in values] for name, values in history.history.items()}, stats

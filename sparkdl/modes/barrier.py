@@ -1,0 +1,242 @@
+"""One frame for every barrier mode's tasks: start-up, the ranks' rows, the starting point, checkpoints, progress and
+the result hand-back, written once; a barrier plan supplies only its training (``BarrierPlan.train``).
+
+| part            | where it runs | what it does                                                                  |
+|-----------------|---------------|-------------------------------------------------------------------------------|
+| ``BarrierPlan`` | driver, tasks | a plan whose workers run in one barrier stage: its ``run`` and its ``train``  |
+| ``BarrierTask`` | shipped       | what every task of the stage receives: settings, secret, plan, checkpoints   |
+| ``Ranks``       | tasks         | one task's place among the ranks, and the frame's services to ``train``      |
+
+A task of the stage (``run_barrier_task``) loads Keras, reads its partition, connects to the other ranks
+(``BarrierPlan.connect``), learns every shard's row counts (the same on every rank, so that every rank takes the
+same decisions with no further talk) and hands a ``Ranks`` to its plan's ``train``. One rank, the writer
+(``BarrierPlan.writer``), speaks for all: it reports progress, writes the checkpoints and returns the result. A
+stage Spark retries after losing a task resumes from the newest checkpoint its failed attempt saved
+(``Ranks.newest_epoch``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import secrets
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+import pyarrow as pa
+
+from sparkdl import schedule
+from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore
+from sparkdl.data import Rows, read_partition
+from sparkdl.keras import serialization
+from sparkdl.keras.prebuilt import PrebuiltModel
+from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
+from sparkdl.launch import payloads, run_tasks
+from sparkdl.launch.forward import TaskReporter
+from sparkdl.launch.session import encrypts_traffic
+from sparkdl.launch.stage import connect_collective
+from sparkdl.modes.base import Job, ModeResult, Plan, Settings
+
+MODEL = "model"  # the name under which the driver offers the model to start from
+
+
+@dataclasses.dataclass(frozen=True)
+class BarrierPlan(Plan):
+    """A plan whose workers run as one barrier stage (sync, sharded, gossip, pipeline): a subclass implements
+    ``train`` (in every task) and may change who the ranks are (``connect``, ``shard_ranks``, ``writer``) and what
+    what the driver offers and takes back (``run``)."""
+
+    saves_checkpoints: ClassVar[str] = "tasks"
+
+    def connect(self, reporter: TaskReporter, task: BarrierTask) -> contextlib.AbstractContextManager:
+        """The communicator of a task of the stage (by default sparkdl's)."""
+        return connect_collective(reporter, task.secret, task.settings.timeout, encrypt=task.encrypt)
+
+    def shard_ranks(self, size: int) -> range:
+        """The ranks whose rows are the shards of the training rows, one each (by default every rank)."""
+        return range(size)
+
+    def writer(self, size: int) -> int:
+        """The rank that reports progress, writes the checkpoints and returns the result (by default rank 0)."""
+        return 0
+
+    def train(self, ranks: Ranks) -> bytes | None:
+        """In every task: trains, and returns what the driver takes back from this rank (None: nothing)."""
+        raise NotImplementedError
+
+    def run(self, job: Job) -> ModeResult:
+        return self.writers_result(job)
+
+    def writers_result(self, job: Job, offered: dict[str, bytes] | None = None) -> ModeResult:
+        """Runs the stage (``run_stage``); the writer's trained model, history and stats as the result
+        (``serialization.result_to_bytes``). The result's Keras model is built from the start point while the stage
+        runs (``keras.prebuilt``)."""
+        prebuilt = PrebuiltModel(job.start.model_bytes, job.settings.custom_objects, timeout=job.settings.timeout)
+        results = self.run_stage(job, offered)
+        model_bytes, history, initial_epoch, stats, resumed_history = serialization.result_from_bytes(
+            results[self.writer(job.settings.num_workers)]
+        )
+        return ModeResult(prebuilt.trained(model_bytes), history, stats, initial_epoch, resumed_history)
+
+    def run_stage(self, job: Job, offered: dict[str, bytes] | None = None) -> dict[int, bytes]:
+        """Runs the stage, the model to start from (and ``offered``) on the driver's relay: what each task returned,
+        by rank."""
+        task = BarrierTask.of(job, self)
+        return run_tasks(
+            job.training.frame,
+            job.layout,
+            lambda batches, reporter: run_barrier_task(batches, reporter, task),
+            barrier=True,
+            timeout=job.settings.timeout,
+            on_progress=job.monitor.on_event,
+            offered={**(offered or {}), MODEL: job.start.model_bytes},
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class BarrierTask:
+    """Everything a task of the stage needs but the model (which the writer or each rank fetches from the driver's
+    relay: it may be far larger than a closure should be), shipped from the driver in the task closure."""
+
+    settings: Settings
+    secret: bytes
+    plan: BarrierPlan  # the variant and its options, as its mode's ``configure`` made them
+    start_history: dict = dataclasses.field(default_factory=dict)  # of the epochs a resumed fit trained already
+    checkpoints: CheckpointStore | None = None  # the writer saves after every epoch (and a retried stage resumes)
+    encrypt: bool = False  # seal the links: the session runs with spark.network.crypto.enabled
+
+    @classmethod
+    def of(cls, job: Job, plan: BarrierPlan) -> BarrierTask:
+        secret = secrets.token_bytes(32)
+        encrypt = encrypts_traffic(job.training.frame.sparkSession)
+        return cls(job.settings, secret, plan, job.start.history, job.checkpoints, encrypt)
+
+
+def run_barrier_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, task: BarrierTask) -> bytes | None:
+    """A task of the stage, from its Arrow partition to what its plan's ``train`` returns."""
+    use_tensorflow_backend()  # before anything in this worker imports Keras
+    import keras  # noqa: F401 -- loads TensorFlow unless this Python worker has it already
+
+    reporter.phase("import")
+    rows, held_out = read_partition(task.settings.layout, batches)
+    reporter.phase("read")
+    with task.plan.connect(reporter, task) as comm:
+        settings, counts = _rows_of_shards(comm, rows, held_out, task.settings, task.plan.shard_ranks(comm.size))
+        reporter.phase("connect")
+        limit_threads_to_task_cpus()
+        writer = comm.rank == task.plan.writer(comm.size)
+        return task.plan.train(Ranks(comm, reporter, task, settings, rows, held_out, counts, writer))
+
+
+def _rows_of_shards(comm, rows: Rows, held_out: Rows, settings: Settings, shards: range):
+    """Every shard's ``(training, held-out)`` row counts, refusing a shard without rows or a fit without held-out
+    rows, and the ``settings`` for those rows (every rank: the same steps per epoch)."""
+    counts = comm.allgather(np.array([len(rows), len(held_out)], np.int64))[shards.start : shards.stop : shards.step]
+    rows_per_shard = counts[:, 0].tolist()
+    schedule.require_rows(dict(enumerate(rows_per_shard)))
+    settings = settings.for_rows(rows_per_shard)
+    if comm.rank == 0:
+        schedule.warn_fillers(rows_per_shard, settings.steps_per_epoch)
+    if settings.validate and counts[:, 1].sum() == 0:
+        raise ValueError("No worker partition got a validation row: the validation set is empty.")
+    return settings, counts
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """One task's place in the stage, handed to ``BarrierPlan.train``, and what the frame does for it: the starting
+    point, the writer's checkpointing and progress, the result."""
+
+    comm: Any  # the communicator (sparkdl's, or Horovod's for sync with backend="horovod")
+    reporter: TaskReporter
+    task: BarrierTask
+    settings: Settings  # the task's settings with the shards' exact steps per epoch
+    rows: Rows  # this task's training rows
+    held_out: Rows  # this task's validation rows
+    counts: np.ndarray  # every shard's (training, held-out) row counts, in shard order
+    writer: bool  # this rank reports progress, writes the checkpoints and returns the result
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def writer_rank(self) -> int:
+        return self.task.plan.writer(self.comm.size)
+
+    def newest_epoch(self) -> tuple[int, Checkpoint | None]:
+        """Collective: the epoch training starts from, and the checkpoint of that epoch where it is newer than the
+        driver's start (a stage Spark retried after its failed attempt saved one): found by the writer, read by
+        every rank that asks (None where training starts from the driver's offer)."""
+        task, initial = self.task, self.task.settings.initial_epoch
+        newer = task.checkpoints.latest(newer_than=initial) if self.writer and task.checkpoints is not None else None
+        found = np.array([newer.epoch if newer else initial], np.int64)
+        epoch = int(self.comm.broadcast(found, root=self.writer_rank)[0])
+        if epoch == initial:
+            return epoch, None
+        if newer is None:  # every other rank reads the checkpoint the writer found
+            assert task.checkpoints is not None
+            newer = task.checkpoints.latest(newer_than=initial)
+            if newer is None or newer.epoch != epoch:
+                raise RuntimeError(f"Rank {self.rank} found no checkpoint of epoch {epoch} in {task.checkpoints.uri}")
+        return epoch, newer
+
+    def whole_model_start(self) -> Checkpoint:
+        """Collective: the whole model every rank starts from, fetched (or a newer checkpoint read) by the writer and
+        broadcast; the history is the writer's only."""
+        comm, root, mode = self.comm, self.writer_rank, self.task.plan.mode
+        start = None
+        if self.writer:
+            task = self.task
+            newer = task.checkpoints.latest(newer_than=task.settings.initial_epoch) if task.checkpoints else None
+            start = newer or Checkpoint(
+                task.settings.initial_epoch, payloads.fetch(self.reporter, MODEL), task.start_history, mode
+            )
+        header = np.array([start.epoch, len(start.model_bytes)] if start else [0, 0], np.int64)
+        header = comm.broadcast(header, root=root)
+        own = np.frombuffer(start.model_bytes, np.uint8) if start else np.empty(int(header[1]), np.uint8)
+        model = comm.broadcast(own, root=root)
+        return start or Checkpoint(int(header[0]), model.tobytes(), {}, mode)
+
+    def part_start(self, epoch: int) -> Checkpoint:
+        """The checkpoint of a rank that starts from the driver's offer of its own part of the model (no model
+        bytes: ``whole_model`` fetches them where the writer needs them)."""
+        return Checkpoint(epoch, b"", self.task.start_history, self.task.plan.mode)
+
+    def whole_model(self, start: Checkpoint):
+        """The whole model of ``start`` (the driver's offer where ``start`` holds no bytes), as a Keras model: the
+        writer's, to assemble for its checkpoints and result."""
+        model_bytes = start.model_bytes or payloads.fetch(self.reporter, MODEL)
+        return serialization.model_from_bytes(model_bytes, self.task.settings.custom_objects)
+
+    @contextlib.contextmanager
+    def checkpointing(self, start: Checkpoint) -> Iterator[Checkpointer | None]:
+        """The writer's checkpointer (None on the other ranks, and without checkpoints), closed after the block; the
+        writer reports the start of training to the driver first."""
+        saving = self.task.checkpoints if self.writer else None
+        with Checkpointer(saving, start, self.task.plan.mode) if saving else contextlib.nullcontext() as checkpointer:
+            if self.writer:
+                steps = self.settings.steps_per_epoch
+                self.reporter.progress({"event": "start", "initial_epoch": start.epoch, "steps_per_epoch": steps})
+            yield checkpointer
+
+    def progress_callback(self):
+        """The writer's Keras callback that reports each epoch (every shard's training and held-out rows) and step to
+        the driver, for a plan whose ranks run Keras's ``fit`` on combined metrics; None on the other ranks."""
+        if not self.writer:
+            return None
+        from sparkdl.keras import callbacks
+
+        return callbacks.progress_callback(
+            self.reporter.progress,
+            steps_per_epoch=self.settings.steps_per_epoch,
+            rows_per_epoch=int(self.counts[:, 0].sum()),
+            validation_rows=int(self.counts[:, 1].sum()),
+        )
+
+    def result(self, model_bytes: bytes, history: dict, start: Checkpoint, stats: dict) -> bytes:
+        """The writer's result: the trained model, the history it trained from ``start``, the stats, and ``start``'s
+        history where it resumed from a newer checkpoint than the driver's."""
+        resumed = start.history if start.epoch != self.task.settings.initial_epoch else None
+        return serialization.result_to_bytes(model_bytes, history, start.epoch, stats, resumed)
