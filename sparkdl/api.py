@@ -90,23 +90,8 @@ def fit(
 ) -> FitResult:
     """Trains a compiled Keras 3 model on a Spark DataFrame with ``num_workers`` Spark tasks.
 
-    Modes:
-        ``"sync"``: every step, the workers' gradients are averaged with a ring
-        allreduce (barrier mode); equivalent to minibatch SGD at the global
-        batch ``num_workers * batch_size``.
-        ``"sharded"``: as sync, but each worker keeps and updates only its 1/N of the
-        optimizer's state (ZeRO stage 1: gradients reduce-scattered, weights all-gathered);
-        the same weights, for an element-wise optimizer (SGD, Adam, ... : docs/large-models.md).
-        ``"async"``: a parameter server on the driver applies each worker's
-        pushed gradient as it arrives, under a lock, with the model's own optimizer.
-        ``"hogwild"``: as async, without the lock.
-        ``"ssp"``: as async, but a worker more than ``max_staleness`` pushes
-        ahead of the slowest one waits.
-        ``"sync_ps"``: the parameter server, synchronous: each step it waits for
-        every worker's gradient, applies their mean once, and every worker pulls
-        the same weights; sync's training without a barrier stage.
-        ``"average"``: no server: every ``sync_every`` local steps the driver
-        averages the workers' weights (Spark broadcast + accumulators).
+    Modes (``mode=``; docs/modes.md compares them):
+        {modes}
 
     Args:
         df: the training data.

@@ -263,3 +263,23 @@ def test_python_snippets_run(page, snippet_runs):
         f"its output (the last 4000 characters):\n{output[-4000:]}",
         pytrace=False,
     )
+
+
+def _table_rows(page: str) -> dict[str, str]:
+    """A Markdown page's table rows by their first cell's code name: ``| `name` | ...`` -> the whole row."""
+    rows = re.finditer(r"^\| `([a-z_]+)` \|.*$", (REPO / page).read_text(), re.MULTILINE)
+    return {row.group(1): row.group(0) for row in rows}
+
+
+def test_the_prose_that_lists_modes_and_options_names_every_registered_one():
+    """The guide's table of fit's arguments has a row for every option a mode declares and names every mode in its
+    ``mode`` row; the modes page has a row for every mode; ``help(sparkdl.fit)`` lists every mode and option."""
+    import sparkdl
+    from sparkdl.modes.registry import MODES, declared_options
+
+    guide = _table_rows("docs/guide.md")
+    assert set(declared_options()) - set(guide) == set()
+    assert [name for name in MODES if f'`"{name}"`' not in guide["mode"]] == []
+    assert set(MODES) - set(_table_rows("docs/modes.md")) == set()
+    assert [name for name in MODES if f'``"{name}"``: ' not in sparkdl.fit.__doc__] == []
+    assert [name for name in declared_options() if f"\n        {name} (" not in sparkdl.fit.__doc__] == []

@@ -19,6 +19,7 @@ option is declared once (``Option``) and read where it is used.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -257,6 +258,13 @@ class Mode:
     """A training mode: its names and options, and ``configure``, which makes the ``Plan`` of one fit."""
 
     names: tuple[str, ...] = ()  # the names it answers to (variants of one mode share a class)
+    summaries: dict[str, str] = {}  # each name's one-paragraph summary, for ``fit``'s docstring (default: the class's)
+
+    def summary(self, name: str) -> str:
+        """What variant ``name`` does, in a paragraph (``sparkdl.fit``'s docstring lists every mode's)."""
+        if name in self.summaries:
+            return self.summaries[name]
+        return " ".join(inspect.cleandoc(type(self).__doc__ or name).split("\n\n")[0].split())
 
     def options(self, name: str) -> tuple[Option, ...]:
         """The settings the variant ``name`` takes beyond the common ones."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from importlib.metadata import entry_points
 
 from sparkdl.modes.average.mode import AverageMode
@@ -35,6 +36,7 @@ _BUILT_IN: tuple[Mode, ...] = (
 )
 
 MODES: dict[str, Mode] = {}
+_LISTENERS: list[Callable[[], None]] = []  # called after each change of MODES: prose made from the registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,7 @@ def register(mode: Mode) -> Mode:
     except ValueError:
         unregister(mode)
         raise
+    _changed()
     return mode
 
 
@@ -70,6 +73,19 @@ def unregister(mode: Mode) -> None:
     for name in mode.names:
         if MODES.get(name) is mode:
             del MODES[name]
+    _changed()
+
+
+def on_change(listener: Callable[[], None]) -> None:
+    """Calls ``listener`` now and after every change of the registry (``fit``'s docstring and signature follow it:
+    ``modes.keywords``)."""
+    _LISTENERS.append(listener)
+    listener()
+
+
+def _changed() -> None:
+    for listener in _LISTENERS:
+        listener()
 
 
 def declared_options() -> dict[str, DeclaredOption]:

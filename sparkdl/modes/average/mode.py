@@ -235,6 +235,10 @@ class AverageMode(Mode):
     """``mode="average"``: :class:`AveragePlan`."""
 
     names = ("average",)
+    summaries = {
+        "average": "no server and no sockets: every ``sync_every`` local steps the driver averages the workers' "
+        "weights and optimizer state (Spark broadcasts and task results)."
+    }
 
     def options(self, name: str) -> tuple[Option, ...]:
         return (SYNC_EVERY,)

@@ -185,6 +185,14 @@ class ParameterServerMode(Mode):
     """
 
     names = ("async", "hogwild", "ssp", "sync_ps")
+    summaries = {
+        "async": "a parameter server (on the driver, or on executors) applies each worker's pushed gradient as it "
+        "arrives, under a lock, with the model's own optimizer.",
+        "hogwild": "as async, without the lock.",
+        "ssp": "as async, but a worker more than ``max_staleness`` pushes ahead of the slowest one waits.",
+        "sync_ps": "the parameter server, synchronous: each step it waits for every worker's gradient, applies their "
+        "mean once, and every worker pulls the same weights; sync's training without a barrier stage.",
+    }
 
     def options(self, name: str) -> tuple[Option, ...]:
         if name == "sync_ps":

@@ -68,6 +68,10 @@ class SyncMode(Mode):
     """``mode="sync"``: :class:`SyncPlan`."""
 
     names = ("sync",)
+    summaries = {
+        "sync": "every step, the workers' gradients are averaged with a ring allreduce (barrier mode); equivalent to "
+        "minibatch SGD at the global batch ``num_workers * batch_size``."
+    }
 
     def options(self, name: str) -> tuple[Option, ...]:
         return (BACKEND, COMPRESSION, OVERLAP, PROFILE)
@@ -87,6 +91,11 @@ class ShardedMode(Mode):
     (``modes.fully_sharded``'s ``Zero3Plan``); sparkdl's collectives only."""
 
     names = ("sharded",)
+    summaries = {
+        "sharded": "as sync, but each worker keeps and updates only its 1/N of the optimizer's state (ZeRO stage 1: "
+        "gradients reduce-scattered, weights all-gathered); with ``shard_weights=True`` only 1/N of the weights too "
+        "(ZeRO stage 3). The same weights, for an element-wise optimizer (SGD, Adam, ...: docs/large-models.md)."
+    }
 
     def options(self, name: str) -> tuple[Option, ...]:
         return (COMPRESSION, OVERLAP, PROFILE, SHARD_WEIGHTS)
