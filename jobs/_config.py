@@ -38,6 +38,11 @@ def _columns(value):
     raise ValueError(f"expected a column name, a list of them, or a table of either. Received: {value!r}")
 
 
+def names(text: str) -> list[str]:
+    """A mode option that takes a list of strings, on the command line: ``a,b,c``."""
+    return [part.strip() for part in text.split(",")]
+
+
 def import_paths(text: str) -> dict:
     """``--custom-objects``: comma-separated import paths (``my_layers.Scale``) of the custom classes and functions a
     model uses, imported here: ``{"Scale": <the class>}``."""
@@ -63,6 +68,7 @@ _ACCEPTED_TYPES = {
     None: (str,),
     column_spec: (str, list, dict),
     import_paths: (str,),
+    names: (str, list),
 }
 _TYPE_NAMES = {
     int: "an integer",
@@ -70,18 +76,22 @@ _TYPE_NAMES = {
     str: "a string",
     None: "a string",
     import_paths: "a string of comma-separated import paths",
+    names: "a list of strings (or one string of comma-separated ones)",
     column_spec: "a column name, a list of column names, or a table from the model's input (output) names to those",
 }
 
 
 def add_mode_options(parser: argparse.ArgumentParser, declared: dict) -> None:
     """A flag for each option the modes declare (``sparkdl.modes.registry.declared_options``): ``--push-every N``,
-    ``--overlap``/``--no-overlap``, ``--compression {bf16,fp16}``; left out (None) unless given."""
+    ``--overlap``/``--no-overlap``, ``--compression {bf16,fp16}``, ``--cut-points dense_2,dense_4``; left out (None)
+    unless given."""
     for entry in declared.values():
         option = entry.option
         help_text = entry.described() + (" (required)" if option.required else "")
         if option.kind is bool:
             parser.add_argument(option.flag, action=argparse.BooleanOptionalAction, help=help_text)
+        elif option.kind is list:
+            parser.add_argument(option.flag, type=names, metavar="NAME,...", help=help_text)
         else:
             parser.add_argument(option.flag, type=option.kind, choices=option.choices or None, help=help_text)
 
@@ -146,4 +156,6 @@ def _checked_value(path: str, key: str, value, option: argparse.Action):
             return column_spec(value) if isinstance(value, str) else _columns(value)
         except (ValueError, argparse.ArgumentTypeError) as e:
             raise ValueError(f"Expected {key!r} in {path} to be {_TYPE_NAMES[column_spec]}: {e}") from None
+    if option.type is names and isinstance(value, list) and not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"Expected {key!r} in {path} to be {_TYPE_NAMES[names]}. Received: {value!r}")
     return float(value) if option.type is float else value

@@ -43,7 +43,7 @@ CASES = {
     "sharded": Case("sharded"),
     "sharded, shard_weights": Case("sharded", {"shard_weights": True}, calls_per_step=2, calls_per_row=2),
     # one replica of two stages; the model's head alone is stage 1, the strings and the custom class stay in stage 0
-    "pipeline": Case("pipeline", {"num_stages": 2, "micro_batches": 2, "cut_points": "head"}, calls_per_step=2),
+    "pipeline": Case("pipeline", {"num_stages": 2, "micro_batches": 2, "cut_points": ["head"]}, calls_per_step=2),
     "async": Case("async", resumes_at_checkpoint=False, exact_resume=False),
     "hogwild": Case("hogwild", {"num_servers": 2}, resumes_at_checkpoint=False, exact_resume=False),
     "ssp": Case("ssp", {"max_staleness": 1}, resumes_at_checkpoint=False, exact_resume=False),

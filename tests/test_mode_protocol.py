@@ -16,12 +16,13 @@ from tally_mode import TallyMode
 import sparkdl
 from sparkdl.launch import run_tasks
 from sparkdl.launch.layout import Task, TaskLayout
-from sparkdl.ml import KerasEstimator
+from sparkdl.ml import KerasEstimator, mode_option_params
 from sparkdl.modes import registry
 from sparkdl.modes.base import Option
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "jobs"))
+import _config  # noqa: E402
 import train  # noqa: E402
 
 
@@ -63,6 +64,28 @@ def test_every_declared_option_is_a_fit_keyword_an_estimator_param_and_a_job_fla
         assert getattr(estimator, f"get{option.camel_name[0].upper()}{option.camel_name[1:]}")() == option.default
         assert flags[name].option_strings[0] == option.flag
     assert flags["compression"].choices == ("bf16", "fp16") and flags["overlap"].default is None
+
+
+def test_a_list_option_is_a_list_from_python_a_param_of_strings_and_a_comma_separated_flag_or_toml_array(tmp_path):
+    """``cut_points`` (``kind=list``): a list from Python (a string is refused: it would cut at single letters), a
+    Param of strings, ``--cut-points a,b`` on the command line, and a TOML array or string in a job config."""
+    assert registry.check_mode_options("pipeline", num_stages=3, cut_points=["a", "b"])["cut_points"] == ["a", "b"]
+    with pytest.raises(
+        ValueError, match=r"Expected `cut_points` to be a list of layer names.*Received: cut_points='a'"
+    ):
+        registry.check_mode_options("pipeline", num_stages=2, cut_points="a")
+    estimator = KerasEstimator(mode="pipeline").setCutPoints(["a", "b"])
+    assert mode_option_params.fit_arguments(estimator)["cut_points"] == ["a", "b"]
+    parser = train.build_parser()
+    flag = next(action for action in parser._actions if action.dest == "cut_points")
+    assert flag.type("a, b") == ["a", "b"]
+    for text in ('cut_points = ["a", "b"]', 'cut_points = "a,b"'):
+        (tmp_path / "job.toml").write_text(text)
+        value = _config.load_config(str(tmp_path / "job.toml"), parser)["cut_points"]
+        assert (flag.type(value) if isinstance(value, str) else value) == ["a", "b"]
+    (tmp_path / "job.toml").write_text("cut_points = [1]")
+    with pytest.raises(ValueError, match=r"Expected 'cut_points' in .* to be a list of strings"):
+        _config.load_config(str(tmp_path / "job.toml"), parser)
 
 
 def test_the_shipped_job_configs_use_only_declared_keys():

@@ -18,6 +18,7 @@ _CONVERTERS = {
     float: TypeConverters.toFloat,
     bool: TypeConverters.toBoolean,
     str: TypeConverters.toString,
+    list: TypeConverters.toListString,
 }
 
 

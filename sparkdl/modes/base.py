@@ -163,7 +163,7 @@ class Option:
 
     name: str  # the keyword of sparkdl.fit, and the config key of the jobs
     meaning: str  # one line, for help texts, Param docs and the error of a missing required option
-    kind: type = int  # int, float, bool or str
+    kind: type = int  # int, float, bool, str, or list: a list of strings (the jobs' flag: comma-separated)
     default: Any = None  # what the mode uses when it is left out (None: the mode decides, see ``meaning``)
     minimum: int = 1  # for int: the least value taken
     choices: tuple[str, ...] = ()  # for str: the values taken
@@ -187,6 +187,8 @@ class Option:
             return "True or False"
         if self.kind is str:
             return " or ".join(map(repr, self.choices)) if self.choices else "a string"
+        if self.kind is list:
+            return "a list of strings"
         if self.kind is float:
             return "a number"
         return (
@@ -205,6 +207,8 @@ class Option:
             return False
         if self.kind is str:
             return isinstance(value, str) and (not self.choices or value in self.choices)
+        if self.kind is list:
+            return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, str) and v for v in value)
         if self.kind is float:
             return isinstance(value, (int, float))
         return isinstance(value, int) and value >= self.minimum

@@ -24,11 +24,9 @@ from sparkdl.modes.shared_options import PROFILE
 
 
 def _check_cut_points(value) -> None:
-    names = [name.strip() for name in value.split(",")] if isinstance(value, str) else []
-    if not names or not all(names):
+    if isinstance(value, str):  # a string is a sequence of strings too: it would cut at single letters
         raise ValueError(
-            f"Expected `cut_points` to be layer names separated by commas, e.g. 'dense_2,dense_4'. "
-            f"Received: cut_points={value!r}"
+            f"Expected `cut_points` to be a list of layer names, e.g. ['dense_2', 'dense_4']. Received: cut_points={value!r}"
         )
 
 
@@ -36,8 +34,8 @@ NUM_STAGES = Option("num_stages", "consecutive stages the model is cut into, one
 MICRO_BATCHES = Option("micro_batches", "parts of each batch that flow through the stages one after another", default=4)
 CUT_POINTS = Option(
     "cut_points",
-    "the layers that start stages 2, 3, ... (comma-separated names; default: stages balanced by parameters)",
-    kind=str,
+    "the names of the layers that start stages 2, 3, ... (default: stages balanced by parameters)",
+    kind=list,
     check=_check_cut_points,
 )
 
@@ -121,9 +119,7 @@ class PipelineMode(Mode):
 
     def configure(self, name: str, model, values: dict) -> PipelinePlan:
         points = values["cut_points"]
-        stages = cut.plan_stages(
-            model, values["num_stages"], None if points is None else [p.strip() for p in points.split(",")]
-        )
+        stages = cut.plan_stages(model, values["num_stages"], None if points is None else list(points))
         if model.optimizer is None:
             raise ValueError("Expected a compiled model: mode='pipeline' trains with the model's own optimizer.")
         return PipelinePlan(name, stages, values["micro_batches"], model.get_compile_config(), values["profile"])
