@@ -3,8 +3,6 @@
 Like Horovod's ``DistributedOptimizer``: the compiled train step, metrics and
 callbacks stay Keras's; only what happens to a step's gradients changes
 (averaged over a ring or by Horovod, or exchanged with a parameter server).
-With the ring and the parameter server, the gradients cross into Python once
-per step as one fused float32 buffer.
 """
 
 from __future__ import annotations
@@ -12,8 +10,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
-
-import numpy as np
 
 from sparkdl import _compat
 
@@ -81,24 +77,3 @@ def saved_form(model) -> Iterator[None]:
         yield
     finally:
         optimizer.__class__ = hooked
-
-
-def fused_numpy_call(tensors: list, fn: Callable[[np.ndarray], np.ndarray], name: str) -> list:
-    """Runs ``fn`` on all ``tensors`` fused into one float32 vector; returns its output split back.
-
-    ``None`` entries (variables without a gradient) pass through untouched.
-    Usable inside a compiled ``tf.function`` (but not under XLA).
-    """
-    import tensorflow as tf
-
-    present = [i for i, t in enumerate(tensors) if t is not None]
-    if not present:
-        return tensors
-    dense = [tf.convert_to_tensor(tensors[i]) for i in present]  # densifies IndexedSlices
-    fused = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in dense], axis=0)
-    result = tf.numpy_function(fn, [fused], tf.float32, stateful=True, name=name)
-    result = tf.ensure_shape(result, fused.shape)
-    out = list(tensors)
-    for i, t, part in zip(present, dense, tf.split(result, [tf.size(t) for t in dense])):
-        out[i] = tf.cast(tf.reshape(part, tf.shape(t)), t.dtype)
-    return out
