@@ -286,8 +286,8 @@ def test_fetching_a_name_the_driver_does_not_offer_fails_on_the_driver_naming_it
 
 def test_the_relay_keeps_only_results_of_exactly_the_announced_size():
     """A task's connection that sends more than it announced, or stops short, is dropped; nothing is kept."""
-    from sparkdl.launch.frames import HEADER, RELAY_ID
     from sparkdl.launch.relay import OutputRelay
+    from sparkdl.launch.relay_frames import HEADER, RELAY_ID
     from sparkdl.net.auth import connect_authenticated
 
     exchange = payloads.PayloadExchange()

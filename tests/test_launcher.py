@@ -14,8 +14,8 @@ from spark_jobs import no_spark_job
 import sparkdl
 from sparkdl import collective
 from sparkdl.collective.horovod import Slot, slot_plan
-from sparkdl.launch.frames import HEADER, RELAY_ID
 from sparkdl.launch.relay import OutputRelay
+from sparkdl.launch.relay_frames import HEADER, RELAY_ID
 from sparkdl.net.auth import ConnectGaveUp, connect_authenticated
 
 pytestmark = pytest.mark.horovod  # the launcher runs on both stacks

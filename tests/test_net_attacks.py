@@ -35,8 +35,8 @@ from sparkdl.collective.api import OP_CODES
 from sparkdl.collective.links import Links
 from sparkdl.launch import payloads
 from sparkdl.launch.forward import TaskReporter, _Forwarder
-from sparkdl.launch.frames import ERROR, HEADER, RELAY_ID, STDOUT, ErrorReport
 from sparkdl.launch.relay import OutputRelay
+from sparkdl.launch.relay_frames import ERROR, HEADER, RELAY_ID, STDOUT, ErrorReport
 from sparkdl.net.acceptor import MAX_PENDING
 from sparkdl.net.auth import SERVER_HELLO_BYTES, ConnectGaveUp, connect_authenticated
 from sparkdl.net.frames import Header, Kind, dtype_code

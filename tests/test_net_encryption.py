@@ -20,8 +20,8 @@ import sparkdl
 from sparkdl.collective import CollectiveError, Listener, SparkdlCommunicator
 from sparkdl.launch import payloads
 from sparkdl.launch.forward import TaskReporter, _Forwarder
-from sparkdl.launch.frames import HEADER, MAX_FRAME_BYTES
 from sparkdl.launch.relay import OutputRelay
+from sparkdl.launch.relay_frames import HEADER, MAX_FRAME_BYTES
 from sparkdl.launch.session import encrypts_traffic
 from sparkdl.net import errors, listener
 from sparkdl.net.auth import CLIENT_HELLO

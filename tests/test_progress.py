@@ -21,8 +21,8 @@ from models import RecordEpochs, make_mlp
 from spark_jobs import no_spark_job
 
 import sparkdl
-from sparkdl.launch.frames import HEADER, PROGRESS, RELAY_ID
 from sparkdl.launch.relay import OutputRelay
+from sparkdl.launch.relay_frames import HEADER, PROGRESS, RELAY_ID
 from sparkdl.net.auth import connect_authenticated
 from sparkdl.progress import ProgressMonitor
 

@@ -6,7 +6,7 @@ import builtins
 import functools
 from collections.abc import Sequence
 
-from sparkdl.launch.frames import ErrorReport
+from sparkdl.launch.relay_frames import ErrorReport
 
 
 class WorkerError(Exception):

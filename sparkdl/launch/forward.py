@@ -17,7 +17,8 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from sparkdl.launch.frames import (
+from sparkdl.launch.phases import Phases
+from sparkdl.launch.relay_frames import (
     ERROR,
     HEADER,
     MAX_FRAME_BYTES,
@@ -29,7 +30,6 @@ from sparkdl.launch.frames import (
     recv_into,
     send_frame,
 )
-from sparkdl.launch.phases import Phases
 from sparkdl.net.io import shutdown_and_close
 from sparkdl.net.secure import connect_channel
 

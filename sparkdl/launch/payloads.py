@@ -29,7 +29,7 @@ import threading
 from collections.abc import Mapping
 
 from sparkdl.launch.forward import TaskReporter
-from sparkdl.launch.frames import MAX_FRAME_BYTES, recv_bytes, recv_into, send_frame
+from sparkdl.launch.relay_frames import MAX_FRAME_BYTES, recv_bytes, recv_into, send_frame
 from sparkdl.net.secure import Channel
 
 _log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ a task's result, a model the task fetches), which the relay hands to its
 
 The connection authenticates with a per-job secret like every sparkdl socket,
 and is sealed when the session encrypts its RPC; its frames
-(:mod:`sparkdl.launch.frames`) are a fixed header plus at most
+(:mod:`sparkdl.launch.relay_frames`) are a fixed header plus at most
 ``MAX_FRAME_BYTES`` of text or bytes, and nothing is unpickled. This module is
 the driver's side; the tasks' side is :mod:`sparkdl.launch.forward`.
 """
@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import TextIO
 
-from sparkdl.launch import frames
+from sparkdl.launch import relay_frames
 from sparkdl.net.acceptor import HANDSHAKE_TIMEOUT
 from sparkdl.net.listener import ServingListener
 from sparkdl.net.secure import Channel
@@ -54,7 +54,7 @@ class OutputRelay:
         secret: bytes,
         num_workers: int,
         *,
-        on_error: Callable[[frames.ErrorReport], None] = lambda report: None,
+        on_error: Callable[[relay_frames.ErrorReport], None] = lambda report: None,
         on_progress: Callable[[int, dict], None] = lambda rank, event: None,
         exchange=None,
         rendezvous=None,
@@ -68,15 +68,15 @@ class OutputRelay:
         self._num_workers = num_workers
         self._on_error = on_error
         self._on_progress = on_progress
-        self._streams = {frames.STDOUT: stdout or sys.stdout, frames.STDERR: stderr or sys.stderr}
+        self._streams = {relay_frames.STDOUT: stdout or sys.stdout, relay_frames.STDERR: stderr or sys.stderr}
         self._lock = threading.Lock()
-        self._reports: list[frames.ErrorReport] = []
+        self._reports: list[relay_frames.ErrorReport] = []
         self._stopping = threading.Event()
         # Each task holds one connection; a retried task may briefly hold a second one.
         self._listener = ServingListener(
             host,
             secret,
-            frames.RELAY_ID,
+            relay_frames.RELAY_ID,
             range(num_workers),
             self._serve,
             name="sparkdl-relay",
@@ -87,11 +87,11 @@ class OutputRelay:
         self.address = self._listener.address
 
     @property
-    def reports(self) -> list[frames.ErrorReport]:
+    def reports(self) -> list[relay_frames.ErrorReport]:
         with self._lock:
             return list(self._reports)
 
-    def first_error(self) -> frames.ErrorReport | None:
+    def first_error(self) -> relay_frames.ErrorReport | None:
         """The error to raise: the first one that is not a consequence of another rank's failure, if any."""
         return next((r for r in self.reports if not r.secondary), None)
 
@@ -119,33 +119,35 @@ class OutputRelay:
             _log.warning("sparkdl output relay: dropped the connection of rank %d: %s", rank, exc or type(exc).__name__)
 
     def _read_frames(self, channel: Channel, rank: int) -> None:
-        partial = {frames.STDOUT: b"", frames.STDERR: b""}
+        partial = {relay_frames.STDOUT: b"", relay_frames.STDERR: b""}
         sessions = {}  # frame kind -> the handler session of this connection that reads it
         for handler in self._handlers:
             session = handler.open(rank)
             sessions.update(dict.fromkeys(session.KINDS, session))
         try:
-            while (header := frames.recv_bytes(channel, frames.HEADER.size, self._stopping)) is not None:
-                kind, length = frames.HEADER.unpack(header)
+            while (header := relay_frames.recv_bytes(channel, relay_frames.HEADER.size, self._stopping)) is not None:
+                kind, length = relay_frames.HEADER.unpack(header)
                 if kind in sessions:
                     sessions[kind].handle(channel, kind, length, self._stopping)
                     continue
                 if (
-                    kind not in (frames.STDOUT, frames.STDERR, frames.ERROR, frames.PROGRESS)
-                    or length > frames.MAX_FRAME_BYTES
+                    kind not in (relay_frames.STDOUT, relay_frames.STDERR, relay_frames.ERROR, relay_frames.PROGRESS)
+                    or length > relay_frames.MAX_FRAME_BYTES
                 ):
                     raise ValueError(f"rank {rank} sent a malformed frame (kind {kind}, {length} bytes)")
-                payload = frames.recv_bytes(channel, length, self._stopping)
+                payload = relay_frames.recv_bytes(channel, length, self._stopping)
                 if payload is None:
                     return
-                if kind == frames.ERROR:
+                if kind == relay_frames.ERROR:
                     self._record(rank, payload)
                     continue
-                if kind == frames.PROGRESS:
+                if kind == relay_frames.PROGRESS:
                     self._progress(rank, payload)
                     continue
                 *lines, partial[kind] = (partial[kind] + payload).split(b"\n")
-                if len(partial[kind]) > frames.MAX_FRAME_BYTES:  # a very long line without a newline: print it as it is
+                if (
+                    len(partial[kind]) > relay_frames.MAX_FRAME_BYTES
+                ):  # a very long line without a newline: print it as it is
                     lines, partial[kind] = lines + [partial[kind]], b""
                 self._print(kind, rank, lines)
         finally:
@@ -174,7 +176,7 @@ class OutputRelay:
 
     def _record(self, rank: int, payload: bytes) -> None:
         try:
-            report = frames.ErrorReport.from_json(payload)
+            report = relay_frames.ErrorReport.from_json(payload)
         except ValueError as exc:
             _log.warning("sparkdl output relay: ignored a malformed error report from rank %d: %s", rank, exc)
             return

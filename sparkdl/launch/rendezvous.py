@@ -22,7 +22,7 @@ import logging
 import threading
 
 from sparkdl.launch.forward import TaskReporter
-from sparkdl.launch.frames import MAX_FRAME_BYTES, recv_bytes, send_frame
+from sparkdl.launch.relay_frames import MAX_FRAME_BYTES, recv_bytes, send_frame
 from sparkdl.net.secure import Channel
 
 _log = logging.getLogger(__name__)
