@@ -2,7 +2,7 @@
 
 (1) Launch cost: a two-rank Horovod allreduce started by sparkdl.run(backend="horovod"), by
     horovod.spark.run (Horovod's own Spark launcher), and the same allreduce on sparkdl's ring.
-(2) Training: sparkdl.fit sync on digits (2 workers x 16, 20 epochs) with backend="ring" and
+(2) Training: sparkdl.fit sync on digits (2 workers x 16, 20 epochs) with backend="sparkdl" and
     backend="horovod": wall time and test accuracy.
 
     .venv-horovod/bin/python benchmarks/horovod_backend.py [--repeats 3]
@@ -86,7 +86,7 @@ def main(argv=None) -> None:
     launches = {
         "sparkdl.run(backend='horovod')": lambda: sparkdl.run(horovod_allreduce, num_workers=2, backend="horovod"),
         "horovod.spark.run": lambda: horovod.spark.run(horovod_allreduce, num_proc=2, verbose=0)[0],
-        "sparkdl.run(backend='ring')": lambda: sparkdl.run(ring_allreduce, num_workers=2),
+        "sparkdl.run(backend='sparkdl')": lambda: sparkdl.run(ring_allreduce, num_workers=2),
     }
     seconds = {}
     for name, launch in launches.items():
@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     ).cache()
     df.count()
     fits = {}
-    for backend in ("ring", "horovod"):
+    for backend in ("sparkdl", "horovod"):
 
         def run(backend=backend):
             return sparkdl.fit(df, model(), num_workers=2, epochs=args.epochs, batch_size=16, seed=0, backend=backend)
@@ -115,7 +115,7 @@ def main(argv=None) -> None:
         print(
             f"backend={backend!r:10s} {fits[backend]:6.2f} s   test accuracy {accuracy(result.model, x_test, y_test):.4f}"
         )
-    print(f"horovod / ring wall time: {fits['horovod'] / fits['ring']:.2f}x")
+    print(f"horovod / sparkdl wall time: {fits['horovod'] / fits['sparkdl']:.2f}x")
     spark.stop()
 
 

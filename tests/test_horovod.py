@@ -39,13 +39,15 @@ def test_an_unchanged_horovod_script_runs_on_two_spark_tasks(spark, capsys):
     assert re.search(r"\[rank 0\] Epoch 8/8", out)  # Keras's own progress lines, streamed from rank 0
 
 
-def test_fit_with_the_horovod_backend_runs_horovod_on_every_rank_and_matches_the_ring(spark, digits, tmp_path):
-    """Same weights as the ring, and Horovod, asked from inside each rank during training, is initialised there
-    with that rank and size 2 (the ring run shows it is not otherwise: a backend that silently fell back fails)."""
+def test_fit_with_the_horovod_backend_runs_horovod_on_every_rank_and_matches_sparkdls_communicator(
+    spark, digits, tmp_path
+):
+    """Same weights as sparkdl's communicator, and Horovod, asked from inside each rank during training, is initialised there
+    with that rank and size 2 (sparkdl's run shows it is not otherwise: a backend that silently fell back fails)."""
     x_train, _, y_train, _ = digits
     df = digits_frame(spark, x_train[:256], y_train[:256])
     weights, horovod_state = {}, {}
-    for backend in ("ring", "horovod"):
+    for backend in ("sparkdl", "horovod"):
         directory = tmp_path / backend
         directory.mkdir()
         model = make_mlp(hidden=(32,), optimizer=tf.keras.optimizers.SGD(0.1, momentum=0.9), seed=3)
@@ -64,14 +66,14 @@ def test_fit_with_the_horovod_backend_runs_horovod_on_every_rank_and_matches_the
             rank: json.loads((directory / f"horovod-rank{rank}.json").read_text()) for rank in (0, 1)
         }
         assert result.history["loss"][-1] < result.history["loss"][0]
-    assert horovod_state["ring"] == {rank: {"initialized": False, "epoch": 2} for rank in (0, 1)}
+    assert horovod_state["sparkdl"] == {rank: {"initialized": False, "epoch": 2} for rank in (0, 1)}
     assert horovod_state["horovod"] == {
         rank: {"initialized": True, "epoch": 2, "rank": rank, "size": 2} for rank in (0, 1)
     }
     initial = make_mlp(hidden=(32,), seed=3).get_weights()
-    for ring, horovod, start in zip(weights["ring"], weights["horovod"], initial):
-        assert not np.allclose(ring, start)  # it trained...
-        np.testing.assert_allclose(horovod, ring, rtol=1e-5, atol=1e-6)  # ...to the same weights
+    for own, horovod, start in zip(weights["sparkdl"], weights["horovod"], initial):
+        assert not np.allclose(own, start)  # it trained...
+        np.testing.assert_allclose(horovod, own, rtol=1e-5, atol=1e-6)  # ...to the same weights
 
 
 def test_the_horovod_communicator_offers_the_protocol_without_point_to_point():

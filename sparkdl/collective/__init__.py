@@ -6,7 +6,7 @@ every mode uses: allreduce, reduce, broadcast, gather, scatter, allgather
 point-to-point ``send``/``recv`` with tags, each with an ``*_async`` twin.
 sparkdl's backend (:class:`SparkdlCommunicator`) runs them over
 authenticated TCP links and, between ranks of one host, shared memory.
-Inside a function run by ``sparkdl.run(..., backend="ring")`` the task's
+Inside a function run by ``sparkdl.run(..., backend="sparkdl")`` the task's
 communicator is reachable through this module's functions (:mod:`.context`).
 """
 

@@ -1,4 +1,4 @@
-"""The communicator of the task a ``sparkdl.run(..., backend="ring")`` function runs in, as module functions.
+"""The communicator of the task a ``sparkdl.run(..., backend="sparkdl")`` function runs in, as module functions.
 
 Inside such a function::
 
@@ -44,7 +44,7 @@ def communicator() -> Communicator:
     if _active is None:
         raise RuntimeError(
             "No sparkdl collective here: these functions work inside a function run by "
-            "sparkdl.run(fn, num_workers=..., backend='ring')."
+            "sparkdl.run(fn, num_workers=..., backend='sparkdl')."
         )
     return _active
 

@@ -8,7 +8,7 @@ variables that ``hvd.init()`` reads, exactly as ``horovodrun`` would.
 Horovod's own transports (the rendezvous over HTTP, Gloo over TCP) carry no
 authentication; sparkdl binds the rendezvous to the task's address only and
 serves it for the length of the job. Where that is not acceptable, use the
-built-in ``backend="ring"``, which authenticates every connection.
+built-in ``backend="sparkdl"``, which authenticates every connection.
 
 The communicator over Horovod's collectives is
 :class:`sparkdl.collective.horovod_backend.HorovodCommunicator` (also importable from here).

@@ -22,13 +22,13 @@ def run(
     *,
     args: tuple = (),
     kwargs: dict | None = None,
-    backend: str = "ring",
+    backend: str = "sparkdl",
     timeout: float = 600.0,
     spark: SparkSession | None = None,
 ) -> Any:
     """Runs ``train_fn(*args, **kwargs)`` on ``num_workers`` Spark tasks at once; returns rank 0's return value.
 
-    ``backend="ring"``: the tasks are joined in sparkdl's authenticated ring,
+    ``backend="sparkdl"``: the tasks are joined by sparkdl's authenticated communicator,
     reachable through ``sparkdl.collective`` (``rank()``, ``allreduce(...)``, ...).
     ``backend="horovod"``: Horovod's Gloo rendezvous is set up, so an unchanged
     Horovod script's ``hvd.init()`` joins the job (needs the Horovod stack,

@@ -17,9 +17,9 @@ from sparkdl.modes.sync import sharded, task
 
 BACKEND = Option(
     "backend",
-    "whose collectives average the gradients: sparkdl's 'ring' or 'horovod' (needs the Horovod stack)",
+    "whose collectives average the gradients: 'sparkdl' (its own communicator) or 'horovod' (needs the Horovod stack)",
     kind=str,
-    default="ring",
+    default="sparkdl",
     choices=BACKENDS,
     check=check_backend,
 )
@@ -42,7 +42,7 @@ class SyncPlan(BarrierPlan):
     task resumes from what the failed attempt saved. The plan is shipped to every task as it is.
     """
 
-    backend: str = "ring"  # whose collectives average the gradients: sparkdl's ring or Horovod's
+    backend: str = "sparkdl"  # whose collectives average the gradients: sparkdl's communicator or Horovod's
     compression: str | None = None  # gradients on the wire as "bf16"/"fp16" (``sparkdl.collective.compression``)
     overlap: bool = True  # gradient buckets start moving while backprop runs (``reducer``)
     profile: bool = False  # every rank times each step's phases (``step_profile``); rank 0 returns them
@@ -78,10 +78,10 @@ class SyncMode(Mode):
 
     def configure(self, name: str, model, values: dict) -> SyncPlan:
         backend, compression = values["backend"], values["compression"]
-        if compression is not None and backend != "ring":
+        if compression is not None and backend != "sparkdl":
             raise ValueError(
                 f"Expected compression=None with backend={backend!r}: Horovod's collectives average in the "
-                f"gradients' own dtype. Received: compression={compression!r}. Use backend='ring' to compress."
+                f"gradients' own dtype. Received: compression={compression!r}. Use backend='sparkdl' to compress."
             )
         return SyncPlan(name, backend, compression, values["overlap"], values["profile"])
 
