@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -214,6 +214,9 @@ class Option:
         return isinstance(value, int) and value >= self.minimum
 
 
+_PlanT = TypeVar("_PlanT", bound="Plan")
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """One variant of a mode, configured for one fit: subclasses add their settings as fields and implement ``run``.
@@ -229,6 +232,13 @@ class Plan:
     # raising its errors) or "tasks" (a task writes them to ``Job.checkpoints``, as sync's rank 0 does, so
     # that a stage Spark retries resumes from what its failed attempt saved).
     saves_checkpoints: ClassVar[str] = "driver"
+
+    @classmethod
+    def from_values(cls: type[_PlanT], name: str, values: dict) -> _PlanT:
+        """The plan of variant ``name`` whose fields take the checked option ``values`` of the same names (an option
+        without a field of its own, such as one that chose the plan's class, is left out)."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(name, **{option: value for option, value in values.items() if option in names})
 
     def check_fit(self, *, num_workers: int, batch_size: int, weighted: bool) -> None:
         """Refuses, on the driver before any Spark job, a fit this plan cannot run: ``num_workers`` workers,

@@ -244,7 +244,7 @@ class AverageMode(Mode):
         return (SYNC_EVERY,)
 
     def configure(self, name: str, model, values: dict) -> AveragePlan:
-        return AveragePlan(name, values["sync_every"])
+        return AveragePlan.from_values(name, values)
 
 
 class _Metrics:

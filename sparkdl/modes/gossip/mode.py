@@ -55,4 +55,4 @@ class GossipMode(Mode):
     def configure(self, name: str, model, values: dict) -> GossipPlan:
         if model.optimizer is None:
             raise ValueError("Expected a compiled model: mode='gossip' trains with the model's own optimizer.")
-        return GossipPlan(name, values["gossip_every"], values["peers"])
+        return GossipPlan.from_values(name, values)

@@ -83,7 +83,7 @@ class SyncMode(Mode):
                 f"Expected compression=None with backend={backend!r}: Horovod's collectives average in the "
                 f"gradients' own dtype. Received: compression={compression!r}. Use backend='sparkdl' to compress."
             )
-        return SyncPlan(name, backend, compression, values["overlap"], values["profile"])
+        return SyncPlan.from_values(name, values)
 
 
 class ShardedMode(Mode):
@@ -104,4 +104,4 @@ class ShardedMode(Mode):
         sharded.check_model(model)
         if values["shard_weights"]:
             return Zero3Plan.configure(name, model, values)
-        return Zero1Plan(name, compression=values["compression"], overlap=values["overlap"], profile=values["profile"])
+        return Zero1Plan.from_values(name, values)
