@@ -20,7 +20,8 @@ from sparkdl.modes.base import Mode, Option
 from sparkdl.modes.gossip.mode import GossipMode
 from sparkdl.modes.parameter_server.mode import ParameterServerMode
 from sparkdl.modes.pipeline.mode import PipelineMode
-from sparkdl.modes.sync.mode import ShardedMode, SyncMode
+from sparkdl.modes.sharded.mode import ShardedMode
+from sparkdl.modes.sync.mode import SyncMode
 
 logger = logging.getLogger(__name__)
 

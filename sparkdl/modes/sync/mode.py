@@ -1,5 +1,5 @@
-"""Sync mode's driver side: its variants' plans, one barrier stage of ``num_workers`` tasks, rank 0's trained model
-back."""
+"""Sync mode's plan and options: one barrier stage of ``num_workers`` tasks whose replicas stay one model, rank 0's
+trained model back; ``mode="sharded"`` (``modes.sharded``) is its training with the state split over the ranks."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from sparkdl.launch.backends import BACKENDS, check_backend, trainer_communicato
 from sparkdl.launch.forward import TaskReporter
 from sparkdl.modes.barrier import BarrierPlan, BarrierTask, Ranks
 from sparkdl.modes.base import Mode, Option
-from sparkdl.modes.fully_sharded.driver import Zero3Plan
 from sparkdl.modes.shared_options import COMPRESSION, PROFILE
-from sparkdl.modes.sync import sharded, task
+from sparkdl.modes.sync import task
 
 BACKEND = Option(
     "backend",
@@ -24,13 +23,6 @@ BACKEND = Option(
     check=check_backend,
 )
 OVERLAP = Option("overlap", "average gradient buckets of about 4 MB while backprop still runs", kind=bool, default=True)
-SHARD_WEIGHTS = Option(
-    "shard_weights",
-    "mode='sharded': keep only 1/N of the weights between uses too (ZeRO-3): each layer's weights are all-gathered "
-    "just before its forward and its backward pass and dropped after (chain models; no callbacks)",
-    kind=bool,
-    default=False,
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +48,6 @@ class SyncPlan(BarrierPlan):
         return task.train(self, ranks)
 
 
-@dataclasses.dataclass(frozen=True)
-class Zero1Plan(SyncPlan):
-    """``mode="sharded"`` (ZeRO stage 1): sync's training with the optimizer's state and update split over the ranks
-    (``sharded``): the same weights, 1/N of the optimizer's memory and work per rank. Sparkdl's collectives only."""
-
-    shards_optimizer: ClassVar[bool] = True
-
-
 class SyncMode(Mode):
     """``mode="sync"``: :class:`SyncPlan`."""
 
@@ -84,24 +68,3 @@ class SyncMode(Mode):
                 f"gradients' own dtype. Received: compression={compression!r}. Use backend='sparkdl' to compress."
             )
         return SyncPlan.from_values(name, values)
-
-
-class ShardedMode(Mode):
-    """``mode="sharded"``: ZeRO stage 1 (:class:`Zero1Plan`), or with ``shard_weights=True`` stage 3
-    (``modes.fully_sharded``'s ``Zero3Plan``); sparkdl's collectives only."""
-
-    names = ("sharded",)
-    summaries = {
-        "sharded": "as sync, but each worker keeps and updates only its 1/N of the optimizer's state (ZeRO stage 1: "
-        "gradients reduce-scattered, weights all-gathered); with ``shard_weights=True`` only 1/N of the weights too "
-        "(ZeRO stage 3). The same weights, for an element-wise optimizer (SGD, Adam, ...: docs/large-models.md)."
-    }
-
-    def options(self, name: str) -> tuple[Option, ...]:
-        return (COMPRESSION, OVERLAP, PROFILE, SHARD_WEIGHTS)
-
-    def configure(self, name: str, model, values: dict) -> Zero1Plan | Zero3Plan:
-        sharded.check_model(model)
-        if values["shard_weights"]:
-            return Zero3Plan.configure(name, model, values)
-        return Zero1Plan.from_values(name, values)

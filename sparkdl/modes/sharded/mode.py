@@ -1,0 +1,50 @@
+"""``mode="sharded"``: its options and its two plans, ZeRO stage 1 (sync's replicas with 1/N of the optimizer state
+each) and stage 3 (``modes.fully_sharded``: 1/N of the weights too)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from sparkdl.modes.base import Mode, Option
+from sparkdl.modes.fully_sharded.driver import Zero3Plan
+from sparkdl.modes.shared_options import COMPRESSION, PROFILE
+from sparkdl.modes.sync import sharded
+from sparkdl.modes.sync.mode import OVERLAP, SyncPlan
+
+SHARD_WEIGHTS = Option(
+    "shard_weights",
+    "mode='sharded': keep only 1/N of the weights between uses too (ZeRO-3): each layer's weights are all-gathered "
+    "just before its forward and its backward pass and dropped after (chain models; no callbacks)",
+    kind=bool,
+    default=False,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero1Plan(SyncPlan):
+    """``mode="sharded"`` (ZeRO stage 1): sync's training with the optimizer's state and update split over the ranks
+    (``sharded``): the same weights, 1/N of the optimizer's memory and work per rank. Sparkdl's collectives only."""
+
+    shards_optimizer: ClassVar[bool] = True
+
+
+class ShardedMode(Mode):
+    """``mode="sharded"``: ZeRO stage 1 (:class:`Zero1Plan`), or with ``shard_weights=True`` stage 3
+    (``modes.fully_sharded``'s ``Zero3Plan``); sparkdl's collectives only."""
+
+    names = ("sharded",)
+    summaries = {
+        "sharded": "as sync, but each worker keeps and updates only its 1/N of the optimizer's state (ZeRO stage 1: "
+        "gradients reduce-scattered, weights all-gathered); with ``shard_weights=True`` only 1/N of the weights too "
+        "(ZeRO stage 3). The same weights, for an element-wise optimizer (SGD, Adam, ...: docs/large-models.md)."
+    }
+
+    def options(self, name: str) -> tuple[Option, ...]:
+        return (COMPRESSION, OVERLAP, PROFILE, SHARD_WEIGHTS)
+
+    def configure(self, name: str, model, values: dict) -> Zero1Plan | Zero3Plan:
+        sharded.check_model(model)
+        if values["shard_weights"]:
+            return Zero3Plan.configure(name, model, values)
+        return Zero1Plan.from_values(name, values)
