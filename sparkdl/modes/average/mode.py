@@ -232,13 +232,13 @@ class AveragePlan(Plan):
 
 
 class AverageMode(Mode):
-    """``mode="average"``: :class:`AveragePlan`."""
+    """No server and no sockets: every ``sync_every`` local steps the driver averages the workers' weights and
+    optimizer state (Spark broadcasts and task results).
+
+    ``mode="average"``: :class:`AveragePlan`.
+    """
 
     names = ("average",)
-    summaries = {
-        "average": "no server and no sockets: every ``sync_every`` local steps the driver averages the workers' "
-        "weights and optimizer state (Spark broadcasts and task results)."
-    }
 
     def options(self, name: str) -> tuple[Option, ...]:
         return (SYNC_EVERY,)

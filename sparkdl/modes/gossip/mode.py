@@ -40,14 +40,13 @@ class GossipPlan(BarrierPlan):
 
 
 class GossipMode(Mode):
-    """``mode="gossip"``: :class:`GossipPlan`."""
+    """Decentralized (D-PSGD): every ``gossip_every`` steps each worker averages its weights with its peers' (its ring
+    neighbours, or one random peer); no server, no global allreduce per step; the result is the replicas' average.
+
+    ``mode="gossip"``: :class:`GossipPlan`.
+    """
 
     names = ("gossip",)
-    summaries = {
-        "gossip": "decentralized (D-PSGD): every ``gossip_every`` steps each worker averages its weights with its "
-        "peers' (its ring neighbours, or one random peer); no server, no global allreduce per step; the result is "
-        "the replicas' average."
-    }
 
     def options(self, name: str) -> tuple[Option, ...]:
         return (GOSSIP_EVERY, PEERS)

@@ -105,14 +105,14 @@ class PipelinePlan(BarrierPlan):
 
 
 class PipelineMode(Mode):
-    """``mode="pipeline"``: :class:`PipelinePlan`."""
+    """The model cut into ``num_stages`` consecutive stages, one task each (GPipe): each batch's micro-batches flow
+    forward through the stages and their gradients back; for a model too large for one worker, with ``num_workers /
+    num_stages`` data-parallel replicas.
+
+    ``mode="pipeline"``: :class:`PipelinePlan`.
+    """
 
     names = ("pipeline",)
-    summaries = {
-        "pipeline": "the model cut into ``num_stages`` consecutive stages, one task each (GPipe): each batch's "
-        "micro-batches flow forward through the stages and their gradients back; for a model too large for one "
-        "worker, with ``num_workers / num_stages`` data-parallel replicas."
-    }
 
     def options(self, name: str) -> tuple[Option, ...]:
         return (NUM_STAGES, MICRO_BATCHES, CUT_POINTS, PROFILE)

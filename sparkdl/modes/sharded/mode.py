@@ -30,15 +30,15 @@ class Zero1Plan(SyncPlan):
 
 
 class ShardedMode(Mode):
-    """``mode="sharded"``: ZeRO stage 1 (:class:`Zero1Plan`), or with ``shard_weights=True`` stage 3
-    (``modes.fully_sharded``'s ``Zero3Plan``); sparkdl's collectives only."""
+    """As sync, but each worker keeps and updates only its 1/N of the optimizer's state (ZeRO stage 1: gradients
+    reduce-scattered, weights all-gathered); with ``shard_weights=True`` only 1/N of the weights too (ZeRO stage 3).
+    The same weights, for an element-wise optimizer (SGD, Adam, ...: docs/large-models.md).
+
+    ``mode="sharded"``: ZeRO stage 1 (:class:`Zero1Plan`), or with ``shard_weights=True`` stage 3
+    (``modes.fully_sharded``'s ``Zero3Plan``); sparkdl's collectives only.
+    """
 
     names = ("sharded",)
-    summaries = {
-        "sharded": "as sync, but each worker keeps and updates only its 1/N of the optimizer's state (ZeRO stage 1: "
-        "gradients reduce-scattered, weights all-gathered); with ``shard_weights=True`` only 1/N of the weights too "
-        "(ZeRO stage 3). The same weights, for an element-wise optimizer (SGD, Adam, ...: docs/large-models.md)."
-    }
 
     def options(self, name: str) -> tuple[Option, ...]:
         return (COMPRESSION, OVERLAP, PROFILE, SHARD_WEIGHTS)

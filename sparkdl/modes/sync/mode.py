@@ -49,13 +49,13 @@ class SyncPlan(BarrierPlan):
 
 
 class SyncMode(Mode):
-    """``mode="sync"``: :class:`SyncPlan`."""
+    """Every step, the workers' gradients are averaged by an allreduce (barrier mode: sparkdl's communicator, or
+    Horovod's); equivalent to minibatch SGD at the global batch ``num_workers * batch_size``.
+
+    ``mode="sync"``: :class:`SyncPlan`.
+    """
 
     names = ("sync",)
-    summaries = {
-        "sync": "every step, the workers' gradients are averaged with a ring allreduce (barrier mode); equivalent to "
-        "minibatch SGD at the global batch ``num_workers * batch_size``."
-    }
 
     def options(self, name: str) -> tuple[Option, ...]:
         return (BACKEND, COMPRESSION, OVERLAP, PROFILE)
