@@ -221,6 +221,22 @@ class Ranks:
                 self.reporter.progress({"event": "start", "initial_epoch": start.epoch, "steps_per_epoch": steps})
             yield checkpointer
 
+    def report_epoch(self, epoch: int, logs: dict, seconds: float) -> None:
+        """The writer reports an epoch's end (its combined ``logs``, every shard's rows, its ``seconds``) to the
+        driver, for a plan that runs a loop of its own; the other ranks report nothing."""
+        if self.writer:
+            samples = int(self.counts[:, 0].sum())
+            self.reporter.progress(
+                {
+                    "event": "epoch",
+                    "epoch": epoch,
+                    "logs": logs,
+                    "samples_per_second": samples / max(seconds, 1e-9),
+                    "samples": samples,
+                    "validation_rows": int(self.counts[:, 1].sum()),
+                }
+            )
+
     def progress_callback(self):
         """The writer's Keras callback that reports each epoch (every shard's training and held-out rows) and step to
         the driver, for a plan whose ranks run Keras's ``fit`` on combined metrics; None on the other ranks."""

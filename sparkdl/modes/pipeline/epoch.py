@@ -17,19 +17,6 @@ if TYPE_CHECKING:
     from sparkdl.modes.barrier import Ranks
 
 
-def epoch_event(epoch: int, logs: dict, counts: np.ndarray, seconds: float) -> dict:
-    """The progress event of an epoch's end; ``counts``: each shard's training and held-out rows."""
-    samples = int(counts[:, 0].sum())
-    return {
-        "event": "epoch",
-        "epoch": epoch,
-        "logs": logs,
-        "samples_per_second": samples / max(seconds, 1e-9),
-        "samples": samples,
-        "validation_rows": int(counts[:, 1].sum()),
-    }
-
-
 def train_epochs(
     epochs: StageEpochs, ranks: Ranks, first_epoch: int, own_rows: tuple, save: Callable[[int, dict], None] | None
 ) -> dict[str, list[float]]:
@@ -42,8 +29,7 @@ def train_epochs(
         logs = epochs.run(epoch, *own_rows)
         for name, value in logs.items():
             history.setdefault(name, []).append(value)
-        if ranks.writer:
-            ranks.reporter.progress(epoch_event(epoch, logs, ranks.counts, time.monotonic() - started))
+        ranks.report_epoch(epoch, logs, time.monotonic() - started)
         if save is not None:
             save(epoch, logs)
     return history
