@@ -3,8 +3,9 @@
 Algorithms see only an :class:`Exchange`: group ranks (0..size-1), their
 ring order (host by host), and sends and receives of arrays. Sends are
 queued on the links' sender threads; :meth:`Exchange.flush` waits for them,
-and every algorithm flushes before it returns, so that results (and inputs)
-are never handed back while still being sent.
+and every algorithm flushes before it returns (leaving a ``with`` block of
+the exchange does), so that results (and inputs) are never handed back
+while still being sent.
 """
 
 from __future__ import annotations
@@ -100,3 +101,10 @@ class Exchange:
         """Waits until everything queued has been sent."""
         while self._sends:
             self._sends.popleft().result()
+
+    def __enter__(self) -> Exchange:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is None:  # a failed call's sends are the failure's to clean up (the links close)
+            self.flush()

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from sparkdl.collective.algorithms.base import SEGMENT_OP, Algorithm, Sharing
 from sparkdl.collective.algorithms.ring import chunk_bounds
+from sparkdl.collective.api import ReduceOp
+from sparkdl.collective.cost import collectives as counted
 
 
 def allreduce(shared, cross, flat: np.ndarray, out: np.ndarray, op_name: str, cross_op) -> None:
@@ -26,3 +29,28 @@ def allreduce(shared, cross, flat: np.ndarray, out: np.ndarray, op_name: str, cr
     for local_rank in range(shared.local_size):
         part = out[bounds[local_rank] : bounds[local_rank + 1]]
         shared.broadcast(part, local_rank, part)
+
+
+class Hierarchical(Algorithm):
+    """The allreduce wherever the ranks share hosts in equal numbers (before the tree's, whatever the size)."""
+
+    name = "hierarchical"
+    operations = frozenset({"allreduce"})
+    costs = {"allreduce": counted.hierarchical_allreduce}
+    precedence = 2
+
+    def usable(self, sharing: Sharing) -> bool:
+        return sharing.shared_memory
+
+    def refusal(self, operation: str) -> str:
+        return (
+            "algorithm='hierarchical' needs ranks that share hosts in equal numbers (shared memory on); "
+            "this communicator has none"
+        )
+
+    def wanted(self, operation: str, nbytes: int, sharing: Sharing) -> bool:
+        return True
+
+    def allreduce(self, comm, flat: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+        cross_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
+        allreduce(comm.segment, comm.cross(), flat, out, SEGMENT_OP[op], cross_op)

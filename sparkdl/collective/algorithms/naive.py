@@ -9,9 +9,15 @@ naturally direct: each array goes straight from its sender to its receiver.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
+from sparkdl.collective.algorithms.base import COMBINE, Algorithm
+from sparkdl.collective.api import ReduceOp
+from sparkdl.collective.cost import collectives as counted
 from sparkdl.collective.exchange import Exchange
+from sparkdl.net.frames import Kind
 
 
 def reduce(ex: Exchange, flat: np.ndarray, out: np.ndarray, root: int, combine, scratch: np.ndarray) -> None:
@@ -75,3 +81,68 @@ def alltoall(ex: Exchange, arrays) -> list[np.ndarray]:
         source = (ex.rank - offset) % ex.size
         received[source] = ex.recv_array(source)
     return received
+
+
+class Naive(Algorithm):
+    """Through one root (allreduce, reduce, broadcast) or directly (the rest): only when asked for, except where it
+    is the operation's one algorithm (gather, scatter, allgather_v, alltoall, send and recv)."""
+
+    name = "naive"
+    operations = frozenset(
+        {
+            "allreduce",
+            "broadcast",
+            "reduce",
+            "allgather",
+            "gather",
+            "scatter",
+            "allgather_v",
+            "alltoall",
+            "send",
+            "recv",
+        }
+    )
+    costs = {
+        "allreduce": counted.naive_allreduce,
+        "broadcast": counted.naive_broadcast,
+        "allgather": counted.naive_allgather,
+    }
+
+    def allreduce(self, comm, flat: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+        with comm.exchange("allreduce") as ex:
+            allreduce(ex, flat, out, COMBINE[op], comm.scratch(flat.nbytes))
+
+    def reduce(self, comm, flat: np.ndarray, out: np.ndarray, root: int, op: ReduceOp) -> None:
+        with comm.exchange("reduce") as ex:
+            reduce(ex, flat, out, root, COMBINE[op], comm.scratch(flat.nbytes))
+
+    def broadcast(self, comm, out: np.ndarray, root: int) -> None:
+        with comm.exchange("broadcast") as ex:
+            broadcast(ex, out, root)
+
+    def allgather(self, comm, rows: np.ndarray) -> None:
+        with comm.exchange("allgather") as ex:
+            allgather(ex, rows)
+
+    def gather(self, comm, array: np.ndarray, root: int) -> list[np.ndarray] | None:
+        with comm.exchange("gather") as ex:
+            return gather(ex, array, root)
+
+    def scatter(self, comm, arrays: Sequence[np.ndarray], root: int) -> np.ndarray:
+        with comm.exchange("scatter") as ex:
+            return scatter(ex, arrays, root)
+
+    def allgather_v(self, comm, array: np.ndarray) -> list[np.ndarray]:
+        with comm.exchange("allgather_v") as ex:
+            return alltoall(ex, [array] * ex.size)
+
+    def alltoall(self, comm, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        with comm.exchange("alltoall") as ex:
+            return alltoall(ex, arrays)
+
+    def send(self, comm, array: np.ndarray, dest: int, tag: int) -> None:
+        with comm.exchange("send", kind=Kind.MESSAGE, tag=tag) as ex:
+            ex.send_array(dest, array)
+
+    def recv(self, comm, source: int, tag: int, out: np.ndarray | None) -> np.ndarray:
+        return comm.exchange("send", kind=Kind.MESSAGE, tag=tag).recv_array(source, out=out)

@@ -10,8 +10,13 @@ boundary once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
+from sparkdl.collective.algorithms.base import COMBINE, Algorithm
+from sparkdl.collective.api import ReduceOp
+from sparkdl.collective.cost import collectives as counted
 from sparkdl.collective.exchange import Exchange
 
 #: Pipelining granularity: small enough that a received segment is reduced while still in cache, large enough
@@ -79,13 +84,6 @@ def allreduce(ex: Exchange, flat: np.ndarray, out: np.ndarray, combine, scratch:
     allgather_in_ring(ex, out, bounds)
 
 
-def reduce_scatter(ex: Exchange, flat: np.ndarray, out: np.ndarray, rows: int, combine, scratch: np.ndarray) -> None:
-    """The reduction of this rank's rows (``np.array_split`` along axis 0) lands in the same rows of ``out``."""
-    row = flat.size // rows if rows else 0
-    bounds = [b * row for b in chunk_bounds(rows, ex.size)]
-    reduce_scatter_in_ring(ex, flat, out, bounds, combine, scratch)
-
-
 def allgather(ex: Exchange, rows: np.ndarray) -> None:
     """``rows[r]`` (the 2-D ``(size, n)`` result) from rank r to everyone."""
     flat = rows.reshape(-1)
@@ -102,3 +100,35 @@ def broadcast(ex: Exchange, out: np.ndarray, root: int) -> None:
             ex.recv(ex.prev, out[a:b])
         if is_root or forwards:
             ex.send(ex.next, out[a:b])
+
+
+class Ring(Algorithm):
+    """The ring's allreduce, broadcast, allgather and reduce-scatter: the default of each where nothing else applies."""
+
+    name = "ring"
+    operations = frozenset({"allreduce", "broadcast", "allgather", "reduce_scatter"})
+    costs = {
+        "allreduce": counted.ring_allreduce,
+        "broadcast": counted.ring_broadcast,
+        "allgather": counted.ring_allgather,
+        "reduce_scatter": counted.ring_reduce_scatter,
+    }
+
+    def allreduce(self, comm, flat: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+        with comm.exchange("allreduce") as ex:
+            allreduce(ex, flat, out, COMBINE[op], comm.scratch(SEGMENT_BYTES))
+
+    def broadcast(self, comm, out: np.ndarray, root: int) -> None:
+        with comm.exchange("broadcast") as ex:
+            broadcast(ex, out, root)
+
+    def allgather(self, comm, rows: np.ndarray) -> None:
+        with comm.exchange("allgather") as ex:
+            allgather(ex, rows)
+
+    def reduce_scatter(self, comm, flat: np.ndarray, out: np.ndarray, bounds: Sequence[int], op: ReduceOp) -> None:
+        # every region of ``work`` is written before it is read or sent: partial sums, then this rank's chunk
+        work = comm.work(flat.nbytes)[: flat.nbytes].view(flat.dtype)
+        with comm.exchange("reduce_scatter") as ex:
+            reduce_scatter_in_ring(ex, flat, work, list(bounds), COMBINE[op], comm.scratch(SEGMENT_BYTES))
+        out[...] = work[bounds[comm.rank] : bounds[comm.rank + 1]]

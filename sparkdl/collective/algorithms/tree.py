@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from sparkdl.collective.algorithms.base import COMBINE, Algorithm, Sharing
+from sparkdl.collective.api import ReduceOp
+from sparkdl.collective.cost import collectives as counted
 from sparkdl.collective.exchange import Exchange
+
+#: Below this many bytes a tree's log2(N) rounds beat a ring's 2(N-1) steps.
+SMALL_BYTES = 64 << 10
 
 
 def broadcast(ex: Exchange, out: np.ndarray, root: int) -> None:
@@ -43,3 +49,35 @@ def allreduce(ex: Exchange, flat: np.ndarray, out: np.ndarray, combine, scratch:
     reduce(ex, flat, out, 0, combine, scratch)
     ex.flush()  # a partial sum still being sent must not be overwritten by the broadcast
     broadcast(ex, out, 0)
+
+
+class Tree(Algorithm):
+    """The binomial tree's allreduce, broadcast, reduce and barrier; wanted for allreduces and broadcasts of fewer
+    than :data:`SMALL_BYTES`."""
+
+    name = "tree"
+    operations = frozenset({"allreduce", "broadcast", "reduce", "barrier"})
+    costs = {"allreduce": counted.tree_allreduce, "broadcast": counted.tree_broadcast}
+    precedence = 1
+
+    def wanted(self, operation: str, nbytes: int, sharing: Sharing) -> bool:
+        return operation in ("allreduce", "broadcast") and nbytes < SMALL_BYTES
+
+    def allreduce(self, comm, flat: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+        with comm.exchange("allreduce") as ex:
+            allreduce(ex, flat, out, COMBINE[op], comm.scratch(flat.nbytes))
+
+    def reduce(self, comm, flat: np.ndarray, out: np.ndarray, root: int, op: ReduceOp) -> None:
+        with comm.exchange("reduce") as ex:
+            reduce(ex, flat, out, root, COMBINE[op], comm.scratch(flat.nbytes))
+
+    def broadcast(self, comm, out: np.ndarray, root: int) -> None:
+        with comm.exchange("broadcast") as ex:
+            broadcast(ex, out, root)
+
+    def barrier(self, comm) -> None:
+        # A tree allreduce of one byte, in frames of its own code: a barrier facing another rank's allreduce is a
+        # desync named as such, not a silently matched allreduce.
+        flag = np.zeros(1, np.uint8)
+        with comm.exchange("barrier") as ex:
+            allreduce(ex, flag, np.empty_like(flag), np.maximum, comm.scratch(flag.nbytes))
