@@ -9,6 +9,7 @@ from models import make_mlp
 
 import sparkdl
 from sparkdl.collective import cost
+from sparkdl.collective.cost import modes as mode_costs
 from sparkdl.modes.sync.step_profile import PHASES
 from sparkdl.planner.planner import EFFICIENT, MODES, weigh
 from sparkdl.planner.probe import Probe
@@ -50,7 +51,7 @@ def test_slow_links_recommend_fewer_workers_or_larger_batches():
     # the predictions are the cost model's: compute plus the pattern's communication, steps times an epoch's count
     for choice in _weigh(_probe(1e-3, 1e-9)).choices:
         if choice.mode == "sync" and choice.num_workers == 4 and choice.batch_size == 64:
-            communication = cost.predict("sync", 4, 4 * MB, cost.Params(1e-3, 1e-9))
+            communication = cost.predict(mode_costs.cost("sync", 4, 4 * MB), cost.Params(1e-3, 1e-9))
             assert choice.step_seconds == pytest.approx(0.018 + communication)
             assert choice.epoch_seconds == pytest.approx(250 * choice.step_seconds)
 
@@ -129,7 +130,8 @@ def test_plan_probes_the_cluster_and_prints_its_table(spark, digits, capsys):
     assert "(needs 4 task slots)" in printed and plan.recommended.task_slots <= 2
     probe = plan.probe
     assert set(probe.step_seconds) == {16, 64} and all(s > 0 for s in probe.step_seconds.values())
-    assert [m.nbytes for m in probe.measurements] == [4096, 1 << 18, MB]  # measured between two tasks
+    ring = [cost.collective("allreduce", "ring", 2, nbytes) for nbytes in (4096, 1 << 18, MB)]
+    assert [m.counts for m in probe.measurements] == ring  # measured between two tasks
     assert probe.link.beta > 0 and probe.gradient_bytes == 4 * (64 * 32 + 32 + 32 * 10 + 10)
     assert {c.mode for c in plan.choices} == set(modes) and plan.rows == 640
     assert plan.recommended.fit_arguments["num_workers"] in (1, 2)

@@ -21,6 +21,7 @@ import math
 from collections.abc import Sequence
 
 from sparkdl.collective import cost
+from sparkdl.collective.cost import modes as mode_patterns
 from sparkdl.launch.layout import TaskLayout
 from sparkdl.modes.parameter_server import placement
 from sparkdl.planner.probe import Probe
@@ -29,7 +30,7 @@ from sparkdl.ps import sharding
 
 @dataclasses.dataclass(frozen=True)
 class PlannedMode:
-    """A mode the planner weighs: its ``fit`` keywords and its pattern in ``cost.PATTERNS``."""
+    """A mode the planner weighs: its ``fit`` keywords and its pattern in ``cost.modes.PATTERNS``."""
 
     keywords: dict
     pattern: str
@@ -153,7 +154,9 @@ def weigh(
         for n in (n for n in worker_counts if planned.runs(n, trainable_variables)):
             for batch in batch_sizes:
                 compute = probe.compute_seconds(batch) * (_RECOMPUTE if pattern == "zero3" else 1.0)
-                communication = cost.predict(pattern, n, probe.gradient_bytes, probe.link) if n > 1 else 0.0
+                communication = (
+                    cost.predict(mode_patterns.cost(pattern, n, probe.gradient_bytes), probe.link) if n > 1 else 0.0
+                )
                 step = compute + communication
                 epoch = math.ceil(rows / (n * batch)) * step
                 alone = math.ceil(rows / batch) * probe.compute_seconds(batch)

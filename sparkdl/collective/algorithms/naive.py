@@ -5,6 +5,7 @@ reduces there and sends the result back, so the root moves 2(N-1)K bytes
 while each other rank moves 2K; compare :mod:`.ring`, where every rank
 moves 2(N-1)K/N. Gather, scatter, the unequal allgather and alltoall are
 naturally direct: each array goes straight from its sender to its receiver.
+Each operation's counts for the cost model are here too.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 
 from sparkdl.collective.algorithms.base import COMBINE, Algorithm
 from sparkdl.collective.api import ReduceOp
-from sparkdl.collective.cost import collectives as counted
+from sparkdl.collective.cost.model import Cost
 from sparkdl.collective.exchange import Exchange
 from sparkdl.net.frames import Kind
 
@@ -83,6 +84,49 @@ def alltoall(ex: Exchange, arrays) -> list[np.ndarray]:
     return received
 
 
+# -- the cost model's counts (sparkdl.collective.cost) -----------------------------------------------------------
+
+
+def allreduce_cost(n: int, k: float) -> Cost:
+    """Naive allreduce: every rank's array to one root, reduced there, the result sent back to each.
+
+    The lectures' baseline (Thakur et al. 2005, the "reduce followed by broadcast" with a linear
+    reduce and broadcast): the root receives (N-1)K and then sends (N-1)K, one after the other, so its
+    link carries 2(N-1)K on the critical path while each other rank moves 2K:
+    T = 2 alpha + 2(N-1) K beta + (N-1) K gamma. The root's traffic grows with N; a ring rank's does not.
+    """
+    if n < 2:
+        return Cost(0, 0)
+    return Cost(
+        steps=2,
+        link_bytes=2 * (n - 1) * k,
+        memory_bytes=(n - 1) * k,
+        messages=n - 1,
+        rank_sent=(n - 1) * k,
+        rank_received=(n - 1) * k,
+        total_bytes=2 * (n - 1) * k,
+    )
+
+
+def allgather_cost(n: int, k: float) -> Cost:
+    """Direct allgather of K bytes in all: each rank sends its K/N to every other rank itself.
+
+    The same bytes as the ring, sent as N-1 messages by each rank (Thakur et al. 2005: a direct
+    algorithm pays (N-1) alpha): T = (N-1) alpha + (N-1)/N K beta.
+    """
+    if n < 2:
+        return Cost(0, 0)
+    per_rank = (n - 1) * k / n
+    return Cost(n - 1, per_rank, 0.0, n - 1, per_rank, per_rank, n * per_rank)
+
+
+def broadcast_cost(n: int, k: float) -> Cost:
+    """Linear broadcast: the root sends K to each of the N-1 others: T = (N-1)(alpha + K beta) + K gamma."""
+    if n < 2:
+        return Cost(0, 0)
+    return Cost(n - 1, (n - 1) * k, k, n - 1, (n - 1) * k, k, (n - 1) * k)
+
+
 class Naive(Algorithm):
     """Through one root (allreduce, reduce, broadcast) or directly (the rest): only when asked for, except where it
     is the operation's one algorithm (gather, scatter, allgather_v, alltoall, send and recv)."""
@@ -102,11 +146,7 @@ class Naive(Algorithm):
             "recv",
         }
     )
-    costs = {
-        "allreduce": counted.naive_allreduce,
-        "broadcast": counted.naive_broadcast,
-        "allgather": counted.naive_allgather,
-    }
+    costs = {"allreduce": allreduce_cost, "broadcast": broadcast_cost, "allgather": allgather_cost}
 
     def allreduce(self, comm, flat: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
         with comm.exchange("allreduce") as ex:

@@ -5,18 +5,19 @@ then an allgather, N-1 steps each, so every rank moves 2(N-1)K/N bytes
 whatever N is. Arrays travel in segments: the kernel receives segment i+1
 while numpy reduces segment i, and each segment is forwarded as soon as it
 is ready. The ring is ordered host by host, so it crosses each host
-boundary once.
+boundary once. Each operation's counts for the cost model are here too.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from sparkdl.collective.algorithms.base import COMBINE, Algorithm
 from sparkdl.collective.api import ReduceOp
-from sparkdl.collective.cost import collectives as counted
+from sparkdl.collective.cost.model import Cost
 from sparkdl.collective.exchange import Exchange
 
 #: Pipelining granularity: small enough that a received segment is reduced while still in cache, large enough
@@ -102,16 +103,83 @@ def broadcast(ex: Exchange, out: np.ndarray, root: int) -> None:
             ex.send(ex.next, out[a:b])
 
 
+# -- the cost model's counts (sparkdl.collective.cost) -----------------------------------------------------------
+
+
+def segment_count(nbytes: float) -> float:
+    """The frames an array of ``nbytes`` travels in, one per segment of :data:`SEGMENT_BYTES`."""
+    return max(1.0, math.ceil(nbytes / SEGMENT_BYTES))
+
+
+def allreduce_cost(n: int, k: float) -> Cost:
+    """Ring allreduce: a reduce-scatter then an allgather, N-1 steps each, every rank sending K/N per step.
+
+    Every rank sends and receives 2(N-1)K/N bytes, whatever N is: the bandwidth-optimal allreduce
+    (Patarasuk and Yuan, J. Parallel Distrib. Comput. 69(2), 2009; Thakur et al. 2005, section 4.5):
+    T = 2(N-1) alpha + 2(N-1)/N K beta + (N-1)/N K gamma; the network carries 2(N-1)K in all.
+    """
+    if n < 2:
+        return Cost(0, 0)
+    per_rank = 2 * (n - 1) * k / n
+    return Cost(
+        steps=2 * (n - 1),
+        link_bytes=per_rank,
+        memory_bytes=(n - 1) * k / n,
+        messages=2 * (n - 1) * segment_count(k / n),
+        rank_sent=per_rank,
+        rank_received=per_rank,
+        total_bytes=n * per_rank,
+    )
+
+
+def reduce_scatter_cost(n: int, k: float) -> Cost:
+    """Ring reduce-scatter of K bytes: N-1 steps of K/N; each rank ends with its K/N of the sum.
+
+    The first half of the ring allreduce (Thakur et al. 2005, section 4.5):
+    T = (N-1) alpha + (N-1)/N K beta + (N-1)/N K gamma. ZeRO's gradient step. sparkdl's reduce_scatter
+    also copies its whole input into a fresh array first (the allreduce writes into ``out``): K more
+    bytes of memory, new pages included, which on a fast link cost as much as the transfer.
+    """
+    if n < 2:
+        return Cost(0, 0)
+    per_rank = (n - 1) * k / n
+    return Cost(n - 1, per_rank, per_rank + k, (n - 1) * segment_count(k / n), per_rank, per_rank, n * per_rank)
+
+
+def allgather_cost(n: int, k: float) -> Cost:
+    """Ring allgather of K bytes in all (K/N from each rank): N-1 steps, each rank passing K/N on per step.
+
+    Thakur et al. 2005, section 4.3 (ring allgather): T = (N-1) alpha + (N-1)/N K beta. ZeRO's weight step.
+    """
+    if n < 2:
+        return Cost(0, 0)
+    per_rank = (n - 1) * k / n
+    return Cost(n - 1, per_rank, 0.0, (n - 1) * segment_count(k / n), per_rank, per_rank, n * per_rank)
+
+
+def broadcast_cost(n: int, k: float) -> Cost:
+    """Pipelined ring broadcast: K in segments of :data:`SEGMENT_BYTES` from the root around the ring.
+
+    Each rank receives K and passes it on; the pipeline fills in N-2 segment times
+    (Thakur et al. 2005, section 4.1, the pipelined variant): T = (N-1) alpha + (K + (N-2) s) beta
+    + K gamma with s = min(K, segment) (the result is a copy of the root's array: K of memory).
+    """
+    if n < 2:
+        return Cost(0, 0)
+    segment = min(k, SEGMENT_BYTES)
+    return Cost(n - 1, k + (n - 2) * segment, k, segment_count(k), k, k, (n - 1) * k)
+
+
 class Ring(Algorithm):
     """The ring's allreduce, broadcast, allgather and reduce-scatter: the default of each where nothing else applies."""
 
     name = "ring"
     operations = frozenset({"allreduce", "broadcast", "allgather", "reduce_scatter"})
     costs = {
-        "allreduce": counted.ring_allreduce,
-        "broadcast": counted.ring_broadcast,
-        "allgather": counted.ring_allgather,
-        "reduce_scatter": counted.ring_reduce_scatter,
+        "allreduce": allreduce_cost,
+        "broadcast": broadcast_cost,
+        "allgather": allgather_cost,
+        "reduce_scatter": reduce_scatter_cost,
     }
 
     def allreduce(self, comm, flat: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
