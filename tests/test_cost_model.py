@@ -15,7 +15,7 @@ from collective_ranks import SentFrames, run_ranks
 
 from sparkdl.collective import cost
 from sparkdl.collective.algorithms import tree
-from sparkdl.collective.cost import modes as mode_costs
+from sparkdl.planner import mode_costs
 
 K = 12 * 2**20  # divides by 2, 3, 4 and 6
 #: Every pattern the model prices: the collectives' by (operation, algorithm), the modes' by name.

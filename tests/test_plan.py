@@ -9,9 +9,11 @@ from models import make_mlp
 
 import sparkdl
 from sparkdl.collective import cost
-from sparkdl.collective.cost import modes as mode_costs
+from sparkdl.modes import registry
 from sparkdl.modes.sync.step_profile import PHASES
-from sparkdl.planner.planner import EFFICIENT, MODES, weigh
+from sparkdl.planner import mode_costs
+from sparkdl.planner.planned import NOT_PLANNED, PLANNED, register_planned, unregister_planned
+from sparkdl.planner.planner import EFFICIENT, weigh
 from sparkdl.planner.probe import Probe
 
 MB = 1 << 20
@@ -39,7 +41,7 @@ def test_free_links_recommend_every_worker_and_the_smallest_batch():
     plan = _weigh(_probe(0, 0))
     assert plan.recommended.num_workers == 8 and plan.recommended.batch_size == 32
     assert plan.recommended.efficiency == pytest.approx(1.0)
-    assert len(plan.choices) == len(MODES) * 4 * 3
+    assert len(plan.choices) == len(PLANNED) * 4 * 3
 
 
 def test_slow_links_recommend_fewer_workers_or_larger_batches():
@@ -111,6 +113,30 @@ def test_memory_rules_out_what_does_not_fit_and_sharding_fits_more():
 #: from 0.9 to 3.9 ms. A factor of 5 holds that; a model off by a term (milliseconds for seconds, a per-byte cost
 #: counted per message, communication on the wrong number of ranks) is off by far more.
 STEP_FACTOR = 5.0
+
+
+def test_every_registered_mode_is_planned_or_declared_not_weighed_with_its_reason():
+    """A mode added to the registry fails here until the planner weighs it (``register_planned``) or says why not."""
+    planned = {mode.keywords["mode"] for mode in PLANNED.values()}
+    for name in registry.MODES:
+        assert (name in planned) != (name in NOT_PLANNED), name
+    assert set(NOT_PLANNED) <= set(registry.MODES) and all(NOT_PLANNED.values())
+    assert planned <= set(registry.MODES)
+
+
+def test_a_planned_mode_registered_from_outside_is_weighed_and_recommended_when_fastest():
+    """A mode whose step moves nothing (its cost: no steps, no bytes) beats every built-in one on slow links."""
+    register_planned("sync, free links", {"mode": "sync"}, lambda n, nbytes: cost.Cost(0, 0))
+    try:
+        plan = _weigh(_probe(1e-3, 1e-9))
+        assert {c.mode for c in plan.choices} == set(PLANNED)
+        assert plan.recommended.mode == "sync, free links" and plan.recommended.num_workers == 8
+        assert plan.recommended.fit_arguments["mode"] == "sync"
+        with pytest.raises(ValueError, match="taken"):
+            register_planned("sync, free links", {"mode": "sync"}, lambda n, nbytes: cost.Cost(0, 0))
+    finally:
+        unregister_planned("sync, free links")
+    assert "sync, free links" not in PLANNED
 
 
 def test_plan_probes_the_cluster_and_prints_its_table(spark, digits, capsys):

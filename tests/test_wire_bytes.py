@@ -5,7 +5,7 @@ and dtype, counted where the frames leave its links and where it writes into its
 Here: compressed gradients travel at half the bytes; a sharded step moves a reduce-scatter and an all-gather, the
 cost model's ZeRO figures for the model's size and the steps run; on one host (local[2]) a sync, ZeRO-1 or ZeRO-3
 step goes through shared memory alone. The model's two layers
-are of one size, so that ZeRO-3's units are as ``cost.zero3`` counts them.
+are of one size, so that ZeRO-3's units are as ``mode_costs.zero3`` counts them.
 """
 
 import pytest
@@ -14,7 +14,7 @@ from models import make_mlp
 
 import sparkdl
 from sparkdl.collective import cost
-from sparkdl.collective.cost import modes as mode_costs
+from sparkdl.planner import mode_costs
 
 WORKERS = 2
 FEATURES = 10  # = each layer's width and the classes: Dense(10, 10) twice, two units of 110 weights
@@ -98,7 +98,7 @@ def test_compressed_gradients_put_half_the_bytes_on_the_wire(fits, mode, operati
 
 def test_a_sharded_step_reduce_scatters_and_all_gathers_zero1s_bytes_through_shared_memory(fits):
     """mode="sharded": per step a reduce-scatter of the float32 gradients and an all-gather of the float32 weights,
-    (N-1)/N K each, cost.zero1's bytes in all; no gradient allreduce; nothing of it over TCP."""
+    (N-1)/N K each, mode_costs.zero1's bytes in all; no gradient allreduce; nothing of it over TCP."""
     result = fits("sharded")
     steps, k = result.steps_per_epoch, _weight_bytes(result)
     scattered = _sent(result, "shm", "reduce_scatter", "float32")
@@ -119,7 +119,7 @@ def _over_both(result, operation):
 
 def test_a_fully_sharded_step_moves_zero3s_gathers_and_reduce_scatters(fits):
     """shard_weights=True on two units of K/2: per step 2U-1 = 3 all-gathers of a unit's weights (each unit before
-    its forward, the first again before its backward) and U = 2 reduce-scatters of its gradient, cost.zero3's bytes
+    its forward, the first again before its backward) and U = 2 reduce-scatters of its gradient, mode_costs.zero3's bytes
     in all, wherever they went."""
     result = fits("fully sharded")
     steps, k, units = result.steps_per_epoch, _weight_bytes(result), 2

@@ -9,9 +9,9 @@ import statistics
 from netbench.common import label
 from netbench.modes import ZERO3_UNITS
 from sparkdl.collective import cost
-from sparkdl.collective.cost import modes as mode_costs
+from sparkdl.planner import mode_costs
 
-#: The modes' patterns (``sparkdl.collective.cost.modes``) of each measured ("mode" or "ps", variant), and their
+#: The modes' patterns (``sparkdl.planner.mode_costs``) of each measured ("mode" or "ps", variant), and their
 #: options; a collective's record is priced by its own (operation, algorithm).
 MODE_PATTERN: dict[tuple[str, str], tuple[str, dict]] = {
     ("mode", "zero1"): ("zero1", {}),

@@ -25,10 +25,9 @@ rank sends per call (a ring sends its chunks in segments of ``algorithms.ring.SE
 :func:`collective` counts a call of an operation by an algorithm, keyed as the communicator names them
 (``collective("allreduce", "ring", n, k)``): each algorithm carries its counts (``Algorithm.costs``, in
 its own module of ``sparkdl.collective.algorithms``), so one registered with ``register_algorithm`` is
-counted with no other edit; :func:`priced` lists them. The training modes' counts, built on these, are
-in :mod:`.modes` (``sync``, ``zero1``, ``zero3``, ``parameter_server``, ``sharded_ps``, ``sync_ps``,
-``spread_ps``, ``gossip``, ``pipeline``), each documented with its source; ``model`` holds the counts
-and constants. :func:`fit` finds ``alpha``, ``beta``, ``gamma`` and ``delta`` from measured times
+counted with no other edit; :func:`priced` lists them. The training modes' counts, built on these,
+are the planner's (``sparkdl.planner.mode_costs``), each documented with its source; ``model`` holds
+the counts and constants. :func:`fit` finds ``alpha``, ``beta``, ``gamma`` and ``delta`` from measured times
 (:class:`Measurement`: a pattern's counts and its seconds) by least squares on the relative error
 (every size counts alike, 100 KB as much as 256 MB), none negative, any of them pinned to a measured
 value; :func:`predict` is the model's time of some counts. Pure Python and numpy, no TensorFlow:

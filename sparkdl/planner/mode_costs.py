@@ -1,12 +1,20 @@
-"""The training modes counted per step: sync, ZeRO, the parameter servers, gossip and the pipeline."""
+"""The training modes' communication counted per step, for the planner: sync, ZeRO, the parameter servers, gossip
+and the pipeline.
+
+Built on the collectives' counts (``sparkdl.collective.cost.collective``, each algorithm's own) where a mode's
+step is made of collectives; the parameter servers', gossip's and the pipeline's from their own traffic. Each
+function is ``(n, nbytes, **options) -> Cost`` (K: the model's gradient or weight bytes, or a cut's
+activations for the pipeline); :data:`PATTERNS` names them for benchmarks and tests, and the planner's
+modes (:mod:`.planned`) carry theirs.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from sparkdl.collective.cost.collectives import collective
-from sparkdl.collective.cost.model import Cost, total
+from sparkdl.collective.cost import Cost, collective
+from sparkdl.collective.cost.model import total
 
 
 def sync(n: int, k: float, local: int = 1) -> Cost:
