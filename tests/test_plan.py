@@ -12,9 +12,9 @@ from sparkdl.collective import cost
 from sparkdl.modes import registry
 from sparkdl.modes.sync.step_profile import PHASES
 from sparkdl.planner import mode_costs
+from sparkdl.planner.cluster_probe import Probe
 from sparkdl.planner.planned import NOT_PLANNED, PLANNED, register_planned, unregister_planned
 from sparkdl.planner.planner import EFFICIENT, weigh
-from sparkdl.planner.probe import Probe
 
 MB = 1 << 20
 

@@ -44,7 +44,7 @@ from sparkdl.collective.context import (
     send_async,
     size,
 )
-from sparkdl.collective.links import Listener
+from sparkdl.collective.transport.mesh import Listener
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout
 
 __all__ = [

@@ -1,6 +1,6 @@
 """sparkdl's own backend: every operation of the protocol over authenticated TCP links and, within a host, shared memory.
 
-Topology and algorithm are apart: the links (:mod:`.links`) connect any two
+Topology and algorithm are apart: the links (:mod:`.transport.mesh`) connect any two
 ranks, the ring's at connect and the others on first use; the host map
 (:mod:`.topology`) orders rings host by host and groups the ranks of a host
 around one shared-memory segment (:mod:`.shm`); each operation checks its
@@ -32,9 +32,9 @@ from sparkdl.collective.algorithms import Algorithm
 from sparkdl.collective.algorithms.ring import chunk_bounds
 from sparkdl.collective.api import OP_CODES, OPERATION_NAMES, Capabilities, ReduceOp, operation_name
 from sparkdl.collective.base import BaseCommunicator, check_reduce_op, output_array
-from sparkdl.collective.exchange import Exchange
-from sparkdl.collective.links import Links, Listener
 from sparkdl.collective.topology import Topology
+from sparkdl.collective.transport.mesh import Links, Listener
+from sparkdl.collective.transport.transfer import Transfer
 from sparkdl.net.errors import CollectiveError
 from sparkdl.net.frames import Kind, dtype_code, dtype_name
 
@@ -224,12 +224,12 @@ class SparkdlCommunicator(BaseCommunicator):
 
     # -- what the algorithms use (algorithms.base) ------------------------------------------------------
 
-    def exchange(self, name: str, *, kind: Kind = Kind.COLLECTIVE, tag: int = 0) -> Exchange:
+    def transfer(self, name: str, *, kind: Kind = Kind.COLLECTIVE, tag: int = 0) -> Transfer:
         """The frames of one call of operation ``name``: a collective's take the next sequence number."""
         seq = 0
         if kind == Kind.COLLECTIVE:
             seq, self._seq = self._seq, (self._seq + 1) & 0xFFFFFFFF
-        return Exchange(self._job.links, self.members, self._ring, self.group, OP_CODES[name], seq, kind=kind, tag=tag)
+        return Transfer(self._job.links, self.members, self._ring, self.group, OP_CODES[name], seq, kind=kind, tag=tag)
 
     def scratch(self, nbytes: int) -> np.ndarray:
         """At least ``nbytes`` kept between calls, where received segments land."""

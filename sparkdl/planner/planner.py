@@ -1,6 +1,6 @@
 """``sparkdl.plan``: the predicted time of an epoch for every mode, number of workers and batch size, and the pick.
 
-From the probe (``probe.measure``: one worker's step time by batch size, the links' latency and
+From the probe (``cluster_probe.measure``: one worker's step time by batch size, the links' latency and
 bandwidth) and the cost of each planned mode's communication (:mod:`.planned`, :mod:`.mode_costs`), a
 step of mode m on N workers of B rows each is predicted to take
 
@@ -21,8 +21,8 @@ import math
 from collections.abc import Sequence
 
 from sparkdl.collective import cost
+from sparkdl.planner.cluster_probe import Probe
 from sparkdl.planner.planned import PLANNED
-from sparkdl.planner.probe import Probe
 
 _TIE = 0.05  # epoch times within 5% of the best: the fewest workers among them is picked
 #: The least scaling efficiency a batch size must reach to be picked over a larger one.

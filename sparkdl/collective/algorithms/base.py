@@ -12,7 +12,7 @@ implements, ``function(n, nbytes, **options) -> Cost``.
 The communicator checks the arguments, flattens the arrays, makes the
 results, handles a communicator of one rank and divides a MEAN; the
 algorithm moves and combines the bytes. What it may use of the communicator
-is ``comm.rank``, ``comm.size``, ``comm.exchange(operation)`` (the frames of
+is ``comm.rank``, ``comm.size``, ``comm.transfer(operation)`` (the frames of
 one call: a ``with`` block flushes its sends), ``comm.scratch(nbytes)`` and
 ``comm.work(nbytes)`` (kept buffers), ``comm.segment`` (the host's shared
 memory, or None) and ``comm.cross()``.

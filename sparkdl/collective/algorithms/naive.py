@@ -17,70 +17,70 @@ import numpy as np
 from sparkdl.collective.algorithms.base import COMBINE, Algorithm
 from sparkdl.collective.api import ReduceOp
 from sparkdl.collective.cost.model import Cost
-from sparkdl.collective.exchange import Exchange
+from sparkdl.collective.transport.transfer import Transfer
 from sparkdl.net.frames import Kind
 
 
-def reduce(ex: Exchange, flat: np.ndarray, out: np.ndarray, root: int, combine, scratch: np.ndarray) -> None:
+def reduce(tx: Transfer, flat: np.ndarray, out: np.ndarray, root: int, combine, scratch: np.ndarray) -> None:
     """``out`` on ``root`` gets every rank's ``flat`` combined, received one whole array at a time."""
-    if ex.rank != root:
-        ex.send(root, flat)
+    if tx.rank != root:
+        tx.send(root, flat)
         return
     out[...] = flat
     received = scratch[: flat.nbytes].view(flat.dtype)
-    for peer in range(ex.size):
+    for peer in range(tx.size):
         if peer != root:
-            combine(out, ex.recv(peer, received), out=out)
+            combine(out, tx.recv(peer, received), out=out)
 
 
-def broadcast(ex: Exchange, out: np.ndarray, root: int) -> None:
-    if ex.rank == root:
-        for peer in range(ex.size):
+def broadcast(tx: Transfer, out: np.ndarray, root: int) -> None:
+    if tx.rank == root:
+        for peer in range(tx.size):
             if peer != root:
-                ex.send(peer, out)
+                tx.send(peer, out)
     else:
-        ex.recv(root, out)
+        tx.recv(root, out)
 
 
-def allreduce(ex: Exchange, flat: np.ndarray, out: np.ndarray, combine, scratch: np.ndarray) -> None:
-    reduce(ex, flat, out, 0, combine, scratch)
-    ex.flush()
-    broadcast(ex, out, 0)
+def allreduce(tx: Transfer, flat: np.ndarray, out: np.ndarray, combine, scratch: np.ndarray) -> None:
+    reduce(tx, flat, out, 0, combine, scratch)
+    tx.flush()
+    broadcast(tx, out, 0)
 
 
-def allgather(ex: Exchange, rows: np.ndarray) -> None:
+def allgather(tx: Transfer, rows: np.ndarray) -> None:
     """Every rank sends its row to every other rank."""
-    for offset in range(1, ex.size):
-        ex.send((ex.rank + offset) % ex.size, rows[ex.rank])
-    for offset in range(1, ex.size):
-        peer = (ex.rank - offset) % ex.size
-        ex.recv(peer, rows[peer])
+    for offset in range(1, tx.size):
+        tx.send((tx.rank + offset) % tx.size, rows[tx.rank])
+    for offset in range(1, tx.size):
+        peer = (tx.rank - offset) % tx.size
+        tx.recv(peer, rows[peer])
 
 
-def gather(ex: Exchange, array: np.ndarray, root: int) -> list[np.ndarray] | None:
-    if ex.rank != root:
-        ex.send_array(root, array)
+def gather(tx: Transfer, array: np.ndarray, root: int) -> list[np.ndarray] | None:
+    if tx.rank != root:
+        tx.send_array(root, array)
         return None
-    return [np.array(array, copy=True) if peer == root else ex.recv_array(peer) for peer in range(ex.size)]
+    return [np.array(array, copy=True) if peer == root else tx.recv_array(peer) for peer in range(tx.size)]
 
 
-def scatter(ex: Exchange, arrays, root: int) -> np.ndarray:
-    if ex.rank != root:
-        return ex.recv_array(root)
-    for peer in range(ex.size):
+def scatter(tx: Transfer, arrays, root: int) -> np.ndarray:
+    if tx.rank != root:
+        return tx.recv_array(root)
+    for peer in range(tx.size):
         if peer != root:
-            ex.send_array(peer, arrays[peer])
+            tx.send_array(peer, arrays[peer])
     return np.array(arrays[root], copy=True)
 
 
-def alltoall(ex: Exchange, arrays) -> list[np.ndarray]:
+def alltoall(tx: Transfer, arrays) -> list[np.ndarray]:
     """``arrays[j]`` to rank j, pairwise: at step i send to rank+i while receiving from rank-i."""
-    received: list[np.ndarray] = [np.empty(0)] * ex.size
-    received[ex.rank] = np.array(arrays[ex.rank], copy=True)
-    for offset in range(1, ex.size):
-        ex.send_array((ex.rank + offset) % ex.size, arrays[(ex.rank + offset) % ex.size])
-        source = (ex.rank - offset) % ex.size
-        received[source] = ex.recv_array(source)
+    received: list[np.ndarray] = [np.empty(0)] * tx.size
+    received[tx.rank] = np.array(arrays[tx.rank], copy=True)
+    for offset in range(1, tx.size):
+        tx.send_array((tx.rank + offset) % tx.size, arrays[(tx.rank + offset) % tx.size])
+        source = (tx.rank - offset) % tx.size
+        received[source] = tx.recv_array(source)
     return received
 
 
@@ -149,40 +149,40 @@ class Naive(Algorithm):
     costs = {"allreduce": allreduce_cost, "broadcast": broadcast_cost, "allgather": allgather_cost}
 
     def allreduce(self, comm, flat: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
-        with comm.exchange("allreduce") as ex:
-            allreduce(ex, flat, out, COMBINE[op], comm.scratch(flat.nbytes))
+        with comm.transfer("allreduce") as tx:
+            allreduce(tx, flat, out, COMBINE[op], comm.scratch(flat.nbytes))
 
     def reduce(self, comm, flat: np.ndarray, out: np.ndarray, root: int, op: ReduceOp) -> None:
-        with comm.exchange("reduce") as ex:
-            reduce(ex, flat, out, root, COMBINE[op], comm.scratch(flat.nbytes))
+        with comm.transfer("reduce") as tx:
+            reduce(tx, flat, out, root, COMBINE[op], comm.scratch(flat.nbytes))
 
     def broadcast(self, comm, out: np.ndarray, root: int) -> None:
-        with comm.exchange("broadcast") as ex:
-            broadcast(ex, out, root)
+        with comm.transfer("broadcast") as tx:
+            broadcast(tx, out, root)
 
     def allgather(self, comm, rows: np.ndarray) -> None:
-        with comm.exchange("allgather") as ex:
-            allgather(ex, rows)
+        with comm.transfer("allgather") as tx:
+            allgather(tx, rows)
 
     def gather(self, comm, array: np.ndarray, root: int) -> list[np.ndarray] | None:
-        with comm.exchange("gather") as ex:
-            return gather(ex, array, root)
+        with comm.transfer("gather") as tx:
+            return gather(tx, array, root)
 
     def scatter(self, comm, arrays: Sequence[np.ndarray], root: int) -> np.ndarray:
-        with comm.exchange("scatter") as ex:
-            return scatter(ex, arrays, root)
+        with comm.transfer("scatter") as tx:
+            return scatter(tx, arrays, root)
 
     def allgather_v(self, comm, array: np.ndarray) -> list[np.ndarray]:
-        with comm.exchange("allgather_v") as ex:
-            return alltoall(ex, [array] * ex.size)
+        with comm.transfer("allgather_v") as tx:
+            return alltoall(tx, [array] * tx.size)
 
     def alltoall(self, comm, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-        with comm.exchange("alltoall") as ex:
-            return alltoall(ex, arrays)
+        with comm.transfer("alltoall") as tx:
+            return alltoall(tx, arrays)
 
     def send(self, comm, array: np.ndarray, dest: int, tag: int) -> None:
-        with comm.exchange("send", kind=Kind.MESSAGE, tag=tag) as ex:
-            ex.send_array(dest, array)
+        with comm.transfer("send", kind=Kind.MESSAGE, tag=tag) as tx:
+            tx.send_array(dest, array)
 
     def recv(self, comm, source: int, tag: int, out: np.ndarray | None) -> np.ndarray:
-        return comm.exchange("send", kind=Kind.MESSAGE, tag=tag).recv_array(source, out=out)
+        return comm.transfer("send", kind=Kind.MESSAGE, tag=tag).recv_array(source, out=out)

@@ -18,7 +18,7 @@ import numpy as np
 from sparkdl.collective.algorithms.base import COMBINE, Algorithm
 from sparkdl.collective.api import ReduceOp
 from sparkdl.collective.cost.model import Cost
-from sparkdl.collective.exchange import Exchange
+from sparkdl.collective.transport.transfer import Transfer
 
 #: Pipelining granularity: small enough that a received segment is reduced while still in cache, large enough
 #: that per-frame Python and syscall overhead is negligible (measured on loopback: 2 MB beat 256 KB and 1 MB).
@@ -36,7 +36,7 @@ def _segments(start: int, stop: int, step: int) -> list[tuple[int, int]]:
 
 
 def reduce_scatter_in_ring(
-    ex: Exchange, flat: np.ndarray, out: np.ndarray, bounds: list[int], combine, scratch: np.ndarray
+    tx: Transfer, flat: np.ndarray, out: np.ndarray, bounds: list[int], combine, scratch: np.ndarray
 ) -> None:
     """Leaves in ``out``'s chunk of this rank (``bounds[rank]:bounds[rank+1]``) the reduction of all ranks' chunks.
 
@@ -44,63 +44,63 @@ def reduce_scatter_in_ring(
     its step-0 send is its own chunk p-1. Regions of ``out`` holding forwarded partial sums are overwritten later
     only by data that can arrive after the next rank received them.
     """
-    size, p = ex.size, ex.position
+    size, p = tx.size, tx.position
     step = max(1, SEGMENT_BYTES // flat.itemsize)
 
     def segments(position: int) -> list[tuple[int, int]]:
-        rank = ex.ring[position % size]
+        rank = tx.ring[position % size]
         return _segments(bounds[rank], bounds[rank + 1], step)
 
     for a, b in segments(p - 1):
-        ex.send(ex.next, flat[a:b])
+        tx.send(tx.next, flat[a:b])
     for s in range(size - 1):
         for a, b in segments(p - s - 2):
-            received = ex.recv(ex.prev, scratch[: (b - a) * flat.itemsize].view(flat.dtype))
+            received = tx.recv(tx.prev, scratch[: (b - a) * flat.itemsize].view(flat.dtype))
             combine(flat[a:b], received, out=out[a:b])
             if s < size - 2:
-                ex.send(ex.next, out[a:b])
+                tx.send(tx.next, out[a:b])
 
 
-def allgather_in_ring(ex: Exchange, out: np.ndarray, bounds: list[int]) -> None:
+def allgather_in_ring(tx: Transfer, out: np.ndarray, bounds: list[int]) -> None:
     """Every rank's chunk of ``out`` (``bounds`` by rank) to every rank: at step s pass on chunk p-s."""
-    size, p = ex.size, ex.position
+    size, p = tx.size, tx.position
     step = max(1, SEGMENT_BYTES // max(out.itemsize, 1))
 
     def segments(position: int) -> list[tuple[int, int]]:
-        rank = ex.ring[position % size]
+        rank = tx.ring[position % size]
         return _segments(bounds[rank], bounds[rank + 1], step)
 
     for a, b in segments(p):
-        ex.send(ex.next, out[a:b])
+        tx.send(tx.next, out[a:b])
     for s in range(size - 1):
         for a, b in segments(p - s - 1):
-            ex.recv(ex.prev, out[a:b])
+            tx.recv(tx.prev, out[a:b])
             if s < size - 2:
-                ex.send(ex.next, out[a:b])
+                tx.send(tx.next, out[a:b])
 
 
-def allreduce(ex: Exchange, flat: np.ndarray, out: np.ndarray, combine, scratch: np.ndarray) -> None:
-    bounds = chunk_bounds(flat.size, ex.size)
-    reduce_scatter_in_ring(ex, flat, out, bounds, combine, scratch)
-    allgather_in_ring(ex, out, bounds)
+def allreduce(tx: Transfer, flat: np.ndarray, out: np.ndarray, combine, scratch: np.ndarray) -> None:
+    bounds = chunk_bounds(flat.size, tx.size)
+    reduce_scatter_in_ring(tx, flat, out, bounds, combine, scratch)
+    allgather_in_ring(tx, out, bounds)
 
 
-def allgather(ex: Exchange, rows: np.ndarray) -> None:
+def allgather(tx: Transfer, rows: np.ndarray) -> None:
     """``rows[r]`` (the 2-D ``(size, n)`` result) from rank r to everyone."""
     flat = rows.reshape(-1)
-    allgather_in_ring(ex, flat, [r * rows.shape[1] for r in range(ex.size + 1)])
+    allgather_in_ring(tx, flat, [r * rows.shape[1] for r in range(tx.size + 1)])
 
 
-def broadcast(ex: Exchange, out: np.ndarray, root: int) -> None:
+def broadcast(tx: Transfer, out: np.ndarray, root: int) -> None:
     """Segments flow from ``root`` around the ring; the rank before the root only receives."""
     step = max(1, SEGMENT_BYTES // max(out.itemsize, 1))
-    is_root = ex.rank == root
-    forwards = ex.next != root
+    is_root = tx.rank == root
+    forwards = tx.next != root
     for a, b in _segments(0, out.size, step):
         if not is_root:
-            ex.recv(ex.prev, out[a:b])
+            tx.recv(tx.prev, out[a:b])
         if is_root or forwards:
-            ex.send(ex.next, out[a:b])
+            tx.send(tx.next, out[a:b])
 
 
 # -- the cost model's counts (sparkdl.collective.cost) -----------------------------------------------------------
@@ -183,20 +183,20 @@ class Ring(Algorithm):
     }
 
     def allreduce(self, comm, flat: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
-        with comm.exchange("allreduce") as ex:
-            allreduce(ex, flat, out, COMBINE[op], comm.scratch(SEGMENT_BYTES))
+        with comm.transfer("allreduce") as tx:
+            allreduce(tx, flat, out, COMBINE[op], comm.scratch(SEGMENT_BYTES))
 
     def broadcast(self, comm, out: np.ndarray, root: int) -> None:
-        with comm.exchange("broadcast") as ex:
-            broadcast(ex, out, root)
+        with comm.transfer("broadcast") as tx:
+            broadcast(tx, out, root)
 
     def allgather(self, comm, rows: np.ndarray) -> None:
-        with comm.exchange("allgather") as ex:
-            allgather(ex, rows)
+        with comm.transfer("allgather") as tx:
+            allgather(tx, rows)
 
     def reduce_scatter(self, comm, flat: np.ndarray, out: np.ndarray, bounds: Sequence[int], op: ReduceOp) -> None:
         # every region of ``work`` is written before it is read or sent: partial sums, then this rank's chunk
         work = comm.work(flat.nbytes)[: flat.nbytes].view(flat.dtype)
-        with comm.exchange("reduce_scatter") as ex:
-            reduce_scatter_in_ring(ex, flat, work, list(bounds), COMBINE[op], comm.scratch(SEGMENT_BYTES))
+        with comm.transfer("reduce_scatter") as tx:
+            reduce_scatter_in_ring(tx, flat, work, list(bounds), COMBINE[op], comm.scratch(SEGMENT_BYTES))
         out[...] = work[bounds[comm.rank] : bounds[comm.rank + 1]]

@@ -15,43 +15,43 @@ import numpy as np
 from sparkdl.collective.algorithms.base import COMBINE, Algorithm, Sharing
 from sparkdl.collective.api import ReduceOp
 from sparkdl.collective.cost.model import Cost
-from sparkdl.collective.exchange import Exchange
+from sparkdl.collective.transport.transfer import Transfer
 
 #: Below this many bytes a tree's log2(N) rounds beat a ring's 2(N-1) steps.
 SMALL_BYTES = 64 << 10
 
 
-def broadcast(ex: Exchange, out: np.ndarray, root: int) -> None:
-    size, v = ex.size, (ex.rank - root) % ex.size
+def broadcast(tx: Transfer, out: np.ndarray, root: int) -> None:
+    size, v = tx.size, (tx.rank - root) % tx.size
     mask = 1
     while mask < size:
         if v < mask:
             if v + mask < size:
-                ex.send((v + mask + root) % size, out)
+                tx.send((v + mask + root) % size, out)
         elif v < 2 * mask:
-            ex.recv((v - mask + root) % size, out)
+            tx.recv((v - mask + root) % size, out)
         mask <<= 1
 
 
-def reduce(ex: Exchange, flat: np.ndarray, out: np.ndarray, root: int, combine, scratch: np.ndarray) -> None:
+def reduce(tx: Transfer, flat: np.ndarray, out: np.ndarray, root: int, combine, scratch: np.ndarray) -> None:
     """``out`` on ``root`` gets the reduction; on the other ranks it holds a partial one, sent on."""
-    size, v = ex.size, (ex.rank - root) % ex.size
+    size, v = tx.size, (tx.rank - root) % tx.size
     out[...] = flat
     received = scratch[: flat.nbytes].view(flat.dtype)
     mask = 1
     while mask < size:
         if v & mask:
-            ex.send((v - mask + root) % size, out)
+            tx.send((v - mask + root) % size, out)
             return
         if v + mask < size:
-            combine(out, ex.recv((v + mask + root) % size, received), out=out)
+            combine(out, tx.recv((v + mask + root) % size, received), out=out)
         mask <<= 1
 
 
-def allreduce(ex: Exchange, flat: np.ndarray, out: np.ndarray, combine, scratch: np.ndarray) -> None:
-    reduce(ex, flat, out, 0, combine, scratch)
-    ex.flush()  # a partial sum still being sent must not be overwritten by the broadcast
-    broadcast(ex, out, 0)
+def allreduce(tx: Transfer, flat: np.ndarray, out: np.ndarray, combine, scratch: np.ndarray) -> None:
+    reduce(tx, flat, out, 0, combine, scratch)
+    tx.flush()  # a partial sum still being sent must not be overwritten by the broadcast
+    broadcast(tx, out, 0)
 
 
 # -- the cost model's counts (sparkdl.collective.cost) -----------------------------------------------------------
@@ -143,20 +143,20 @@ class Tree(Algorithm):
         return operation in ("allreduce", "broadcast") and nbytes < SMALL_BYTES
 
     def allreduce(self, comm, flat: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
-        with comm.exchange("allreduce") as ex:
-            allreduce(ex, flat, out, COMBINE[op], comm.scratch(flat.nbytes))
+        with comm.transfer("allreduce") as tx:
+            allreduce(tx, flat, out, COMBINE[op], comm.scratch(flat.nbytes))
 
     def reduce(self, comm, flat: np.ndarray, out: np.ndarray, root: int, op: ReduceOp) -> None:
-        with comm.exchange("reduce") as ex:
-            reduce(ex, flat, out, root, COMBINE[op], comm.scratch(flat.nbytes))
+        with comm.transfer("reduce") as tx:
+            reduce(tx, flat, out, root, COMBINE[op], comm.scratch(flat.nbytes))
 
     def broadcast(self, comm, out: np.ndarray, root: int) -> None:
-        with comm.exchange("broadcast") as ex:
-            broadcast(ex, out, root)
+        with comm.transfer("broadcast") as tx:
+            broadcast(tx, out, root)
 
     def barrier(self, comm) -> None:
         # A tree allreduce of one byte, in frames of its own code: a barrier facing another rank's allreduce is a
         # desync named as such, not a silently matched allreduce.
         flag = np.zeros(1, np.uint8)
-        with comm.exchange("barrier") as ex:
-            allreduce(ex, flag, np.empty_like(flag), np.maximum, comm.scratch(flag.nbytes))
+        with comm.transfer("barrier") as tx:
+            allreduce(tx, flag, np.empty_like(flag), np.maximum, comm.scratch(flag.nbytes))

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sparkdl.launch import session
-from sparkdl.planner import probe
+from sparkdl.planner import cluster_probe
 from sparkdl.planner.planned import PLANNED
 from sparkdl.planner.planner import Plan, weigh
 
@@ -44,7 +44,7 @@ def plan(
     """
     _check(model, num_workers, batch_size, worker_memory, modes)
     rows = df.count()
-    measured = probe.measure(
+    measured = cluster_probe.measure(
         df,
         model,
         num_workers=num_workers,
