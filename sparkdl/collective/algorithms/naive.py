@@ -14,8 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sparkdl.collective.algorithms.base import COMBINE, Algorithm
-from sparkdl.collective.api import ReduceOp
+from sparkdl.collective.algorithms.rooted import Rooted
 from sparkdl.collective.cost.model import Cost
 from sparkdl.collective.transport.transfer import Transfer
 from sparkdl.net.frames import Kind
@@ -40,12 +39,6 @@ def broadcast(tx: Transfer, out: np.ndarray, root: int) -> None:
                 tx.send(peer, out)
     else:
         tx.recv(root, out)
-
-
-def allreduce(tx: Transfer, flat: np.ndarray, out: np.ndarray, combine, scratch: np.ndarray) -> None:
-    reduce(tx, flat, out, 0, combine, scratch)
-    tx.flush()
-    broadcast(tx, out, 0)
 
 
 def allgather(tx: Transfer, rows: np.ndarray) -> None:
@@ -127,7 +120,7 @@ def broadcast_cost(n: int, k: float) -> Cost:
     return Cost(n - 1, (n - 1) * k, k, n - 1, (n - 1) * k, k, (n - 1) * k)
 
 
-class Naive(Algorithm):
+class Naive(Rooted):
     """Through one root (allreduce, reduce, broadcast) or directly (the rest): only when asked for, except where it
     is the operation's one algorithm (gather, scatter, allgather_v, alltoall, send and recv)."""
 
@@ -148,17 +141,8 @@ class Naive(Algorithm):
     )
     costs = {"allreduce": allreduce_cost, "broadcast": broadcast_cost, "allgather": allgather_cost}
 
-    def allreduce(self, comm, flat: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
-        with comm.transfer("allreduce") as tx:
-            allreduce(tx, flat, out, COMBINE[op], comm.scratch(flat.nbytes))
-
-    def reduce(self, comm, flat: np.ndarray, out: np.ndarray, root: int, op: ReduceOp) -> None:
-        with comm.transfer("reduce") as tx:
-            reduce(tx, flat, out, root, COMBINE[op], comm.scratch(flat.nbytes))
-
-    def broadcast(self, comm, out: np.ndarray, root: int) -> None:
-        with comm.transfer("broadcast") as tx:
-            broadcast(tx, out, root)
+    reduce_over = staticmethod(reduce)
+    broadcast_over = staticmethod(broadcast)
 
     def allgather(self, comm, rows: np.ndarray) -> None:
         with comm.transfer("allgather") as tx:

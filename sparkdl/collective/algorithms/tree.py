@@ -12,8 +12,8 @@ import math
 
 import numpy as np
 
-from sparkdl.collective.algorithms.base import COMBINE, Algorithm, Sharing
-from sparkdl.collective.api import ReduceOp
+from sparkdl.collective.algorithms.base import Sharing
+from sparkdl.collective.algorithms.rooted import Rooted, allreduce_through_root
 from sparkdl.collective.cost.model import Cost
 from sparkdl.collective.transport.transfer import Transfer
 
@@ -46,12 +46,6 @@ def reduce(tx: Transfer, flat: np.ndarray, out: np.ndarray, root: int, combine, 
         if v + mask < size:
             combine(out, tx.recv((v + mask + root) % size, received), out=out)
         mask <<= 1
-
-
-def allreduce(tx: Transfer, flat: np.ndarray, out: np.ndarray, combine, scratch: np.ndarray) -> None:
-    reduce(tx, flat, out, 0, combine, scratch)
-    tx.flush()  # a partial sum still being sent must not be overwritten by the broadcast
-    broadcast(tx, out, 0)
 
 
 # -- the cost model's counts (sparkdl.collective.cost) -----------------------------------------------------------
@@ -130,7 +124,7 @@ def broadcast_cost(n: int, k: float) -> Cost:
     return Cost(rounds, binomial_paths(n)[1] * k, k, rounds, rounds * k, k, (n - 1) * k)
 
 
-class Tree(Algorithm):
+class Tree(Rooted):
     """The binomial tree's allreduce, broadcast, reduce and barrier; wanted for allreduces and broadcasts of fewer
     than :data:`SMALL_BYTES`."""
 
@@ -142,21 +136,12 @@ class Tree(Algorithm):
     def wanted(self, operation: str, nbytes: int, sharing: Sharing) -> bool:
         return operation in ("allreduce", "broadcast") and nbytes < SMALL_BYTES
 
-    def allreduce(self, comm, flat: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
-        with comm.transfer("allreduce") as tx:
-            allreduce(tx, flat, out, COMBINE[op], comm.scratch(flat.nbytes))
-
-    def reduce(self, comm, flat: np.ndarray, out: np.ndarray, root: int, op: ReduceOp) -> None:
-        with comm.transfer("reduce") as tx:
-            reduce(tx, flat, out, root, COMBINE[op], comm.scratch(flat.nbytes))
-
-    def broadcast(self, comm, out: np.ndarray, root: int) -> None:
-        with comm.transfer("broadcast") as tx:
-            broadcast(tx, out, root)
+    reduce_over = staticmethod(reduce)
+    broadcast_over = staticmethod(broadcast)
 
     def barrier(self, comm) -> None:
         # A tree allreduce of one byte, in frames of its own code: a barrier facing another rank's allreduce is a
         # desync named as such, not a silently matched allreduce.
         flag = np.zeros(1, np.uint8)
         with comm.transfer("barrier") as tx:
-            allreduce(tx, flag, np.empty_like(flag), np.maximum, comm.scratch(flag.nbytes))
+            allreduce_through_root(tx, self, flag, np.empty_like(flag), np.maximum, comm.scratch(flag.nbytes))
