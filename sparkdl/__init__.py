@@ -21,7 +21,7 @@ from sparkdl.launch import WorkerError
 from sparkdl.launch.probe import WorkerEnvironmentError, check_executors
 from sparkdl.launch.runner import run
 from sparkdl.launch.worker_python import WORKER_DAEMON
-from sparkdl.planner.plan import plan
+from sparkdl.planner.recommend import plan
 
 __all__ = [
     "fit",

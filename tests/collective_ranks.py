@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from sparkdl.collective import Listener, SparkdlCommunicator
-from sparkdl.collective.link import Link
+from sparkdl.collective.transport.link import Link
 
 
 def run_ranks(size, body, *, timeout=10.0, secrets_by_rank=None, capture=False, **connect):

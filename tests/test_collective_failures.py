@@ -79,15 +79,15 @@ comm = SparkdlCommunicator.connect(
     rank, job["addresses"], listener, bytes.fromhex(job["secret"]), timeout=job["timeout"], shared_memory=False
 )
 if job["mode"] != "run":
-    from sparkdl.collective import exchange
-    inside, recv = threading.Event(), exchange.Exchange.recv
+    from sparkdl.collective.transport import transfer
+    inside, recv = threading.Event(), transfer.Transfer.recv
 
     def stuck_recv(self, peer, out):  # the first segment arrives; then this rank stays inside the allreduce
         recv(self, peer, out)
         inside.set()
         time.sleep(60)
 
-    exchange.Exchange.recv = stuck_recv
+    transfer.Transfer.recv = stuck_recv
     threading.Thread(target=comm.allreduce, args=(np.ones(1_000_000, np.float32),), kwargs={"algorithm": "ring"}, daemon=True).start()
     inside.wait(30)
     print("in allreduce", flush=True)

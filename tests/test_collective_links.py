@@ -16,8 +16,8 @@ from collective_ranks import rank_data, run_ranks
 
 from sparkdl.collective import CollectiveError, CollectiveTimeout, Listener, ReduceOp
 from sparkdl.collective.api import OP_CODES
-from sparkdl.collective.link import Link
-from sparkdl.collective.links import Links
+from sparkdl.collective.transport.link import Link
+from sparkdl.collective.transport.mesh import Links
 from sparkdl.net.auth import ConnectGaveUp
 from sparkdl.net.frames import Header, Kind, dtype_code
 from sparkdl.net.io import parse_address

@@ -21,8 +21,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from sparkdl.collective import shm_segment
-from sparkdl.collective.shm import INITIAL_DATA_BYTES, PIECE_BYTES, SharedMemoryGroup
+from sparkdl.collective.shm import segment as shm_segment
+from sparkdl.collective.shm.group import INITIAL_DATA_BYTES, PIECE_BYTES, SharedMemoryGroup
 from sparkdl.net import auth
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout
 
@@ -95,14 +95,16 @@ def collectives(group, queue, name):
     arrived = time.monotonic()
     group.barrier()
     left = time.monotonic()
-    links = group._links
+    membership = group._membership
     return {
         "failures": failures,
         "arrived": arrived,
         "left": left,
-        "data_bytes": links.data.size if links else None,
-        "modes": [os.fstat(s.fd).st_mode & 0o777 for s in (links.control, links.data)] if links else [],
-        "names": [os.readlink(f"/proc/self/fd/{s.fd}") for s in (links.control, links.data)] if links else [],
+        "data_bytes": membership.data.size if membership else None,
+        "modes": [os.fstat(s.fd).st_mode & 0o777 for s in (membership.control, membership.data)] if membership else [],
+        "names": [os.readlink(f"/proc/self/fd/{s.fd}") for s in (membership.control, membership.data)]
+        if membership
+        else [],
         "listener_gone": _listener_gone(name),
     }
 

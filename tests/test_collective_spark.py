@@ -44,7 +44,7 @@ def _allreduce_through_the_default_path():
     tcp_bytes = sum(sent + received for sent, received in comm.traffic().values()) - before
     return {
         "pid": os.getpid(),
-        "chosen": comm._choose("allreduce", None, data.nbytes),
+        "chosen": comm._algorithm("allreduce", None, data.nbytes).name,
         "segment": _own_memfds(),
         "tcp_bytes": tcp_bytes,
         "correct": bool(np.array_equal(total, np.arange(1 << 18, dtype=np.float32) * 3)),

@@ -12,7 +12,7 @@ import numpy as np
 from collective_ranks import rank_data, run_ranks
 
 from sparkdl.collective import ReduceOp
-from sparkdl.collective.shm import PIECE_BYTES
+from sparkdl.collective.shm.group import PIECE_BYTES
 
 SIZE = 3
 STEP_OPERATIONS = ("allreduce", "allgather", "reduce_scatter")

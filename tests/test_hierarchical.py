@@ -46,7 +46,7 @@ def test_each_rank_crosses_hosts_with_its_slice_only_and_nothing_travels_tcp_wit
     results = _moved_by_peer("hierarchical")
     size = LOCAL * len(HOSTS)
     expected_sum = sum(rank_data(r, (NBYTES // 4,), np.float32) for r in range(size))
-    formula = cost.cost("hierarchical_allreduce", size, NBYTES, local=LOCAL)
+    formula = cost.collective("allreduce", "hierarchical", size, NBYTES, local=LOCAL)
     crossing = {host: [] for host in HOSTS}
     for rank, (moved, result) in enumerate(results):
         np.testing.assert_array_equal(result, expected_sum)
@@ -77,5 +77,5 @@ def test_a_flat_ring_on_the_same_ranks_crosses_hosts_at_the_ring_boundaries_with
     }
     assert within > 0
     assert sorted(crossing.values()) == [0, 0, 2 * (size - 1) * NBYTES // size, 2 * (size - 1) * NBYTES // size]
-    hierarchical = cost.cost("hierarchical_allreduce", size, NBYTES, local=LOCAL)
+    hierarchical = cost.collective("allreduce", "hierarchical", size, NBYTES, local=LOCAL)
     assert max(crossing.values()) > hierarchical.rank_sent

@@ -32,7 +32,7 @@ from shards import LR, SGDShard
 import sparkdl
 from sparkdl.collective import Listener
 from sparkdl.collective.api import OP_CODES
-from sparkdl.collective.links import Links
+from sparkdl.collective.transport.mesh import Links
 from sparkdl.launch import payloads
 from sparkdl.launch.forward import TaskReporter, _Forwarder
 from sparkdl.launch.relay import OutputRelay
@@ -212,7 +212,7 @@ import numpy as np
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 from sparkdl.collective import Listener
 from sparkdl.collective.api import OP_CODES
-from sparkdl.collective.links import Links
+from sparkdl.collective.transport.mesh import Links
 from sparkdl.net.frames import Header, Kind, dtype_code
 from sparkdl.ps.server import ParameterServer
 from shards import LR, SGDShard

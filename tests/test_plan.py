@@ -9,9 +9,12 @@ from models import make_mlp
 
 import sparkdl
 from sparkdl.collective import cost
+from sparkdl.modes import registry
 from sparkdl.modes.sync.step_profile import PHASES
-from sparkdl.planner.planner import EFFICIENT, MODES, weigh
-from sparkdl.planner.probe import Probe
+from sparkdl.planner import mode_costs
+from sparkdl.planner.cluster_probe import Probe
+from sparkdl.planner.planned import NOT_PLANNED, PLANNED, register_planned, unregister_planned
+from sparkdl.planner.planner import EFFICIENT, weigh
 
 MB = 1 << 20
 
@@ -38,7 +41,7 @@ def test_free_links_recommend_every_worker_and_the_smallest_batch():
     plan = _weigh(_probe(0, 0))
     assert plan.recommended.num_workers == 8 and plan.recommended.batch_size == 32
     assert plan.recommended.efficiency == pytest.approx(1.0)
-    assert len(plan.choices) == len(MODES) * 4 * 3
+    assert len(plan.choices) == len(PLANNED) * 4 * 3
 
 
 def test_slow_links_recommend_fewer_workers_or_larger_batches():
@@ -50,7 +53,7 @@ def test_slow_links_recommend_fewer_workers_or_larger_batches():
     # the predictions are the cost model's: compute plus the pattern's communication, steps times an epoch's count
     for choice in _weigh(_probe(1e-3, 1e-9)).choices:
         if choice.mode == "sync" and choice.num_workers == 4 and choice.batch_size == 64:
-            communication = cost.predict("sync", 4, 4 * MB, cost.Params(1e-3, 1e-9))
+            communication = cost.predict(mode_costs.cost("sync", 4, 4 * MB), cost.Params(1e-3, 1e-9))
             assert choice.step_seconds == pytest.approx(0.018 + communication)
             assert choice.epoch_seconds == pytest.approx(250 * choice.step_seconds)
 
@@ -112,6 +115,30 @@ def test_memory_rules_out_what_does_not_fit_and_sharding_fits_more():
 STEP_FACTOR = 5.0
 
 
+def test_every_registered_mode_is_planned_or_declared_not_weighed_with_its_reason():
+    """A mode added to the registry fails here until the planner weighs it (``register_planned``) or says why not."""
+    planned = {mode.keywords["mode"] for mode in PLANNED.values()}
+    for name in registry.MODES:
+        assert (name in planned) != (name in NOT_PLANNED), name
+    assert set(NOT_PLANNED) <= set(registry.MODES) and all(NOT_PLANNED.values())
+    assert planned <= set(registry.MODES)
+
+
+def test_a_planned_mode_registered_from_outside_is_weighed_and_recommended_when_fastest():
+    """A mode whose step moves nothing (its cost: no steps, no bytes) beats every built-in one on slow links."""
+    register_planned("sync, free links", {"mode": "sync"}, lambda n, nbytes: cost.Cost(0, 0))
+    try:
+        plan = _weigh(_probe(1e-3, 1e-9))
+        assert {c.mode for c in plan.choices} == set(PLANNED)
+        assert plan.recommended.mode == "sync, free links" and plan.recommended.num_workers == 8
+        assert plan.recommended.fit_arguments["mode"] == "sync"
+        with pytest.raises(ValueError, match="taken"):
+            register_planned("sync, free links", {"mode": "sync"}, lambda n, nbytes: cost.Cost(0, 0))
+    finally:
+        unregister_planned("sync, free links")
+    assert "sync, free links" not in PLANNED
+
+
 def test_plan_probes_the_cluster_and_prints_its_table(spark, digits, capsys):
     """The plan on local[2], then one fit of its two-worker sync choice: the step the fit measured (its profile's
     phases, all of them, on its slowest worker) is within :data:`STEP_FACTOR` of the step the plan predicted for it.
@@ -129,7 +156,8 @@ def test_plan_probes_the_cluster_and_prints_its_table(spark, digits, capsys):
     assert "(needs 4 task slots)" in printed and plan.recommended.task_slots <= 2
     probe = plan.probe
     assert set(probe.step_seconds) == {16, 64} and all(s > 0 for s in probe.step_seconds.values())
-    assert [m.nbytes for m in probe.measurements] == [4096, 1 << 18, MB]  # measured between two tasks
+    ring = [cost.collective("allreduce", "ring", 2, nbytes) for nbytes in (4096, 1 << 18, MB)]
+    assert [m.counts for m in probe.measurements] == ring  # measured between two tasks
     assert probe.link.beta > 0 and probe.gradient_bytes == 4 * (64 * 32 + 32 + 32 * 10 + 10)
     assert {c.mode for c in plan.choices} == set(modes) and plan.rows == 640
     assert plan.recommended.fit_arguments["num_workers"] in (1, 2)

@@ -5,7 +5,7 @@ and dtype, counted where the frames leave its links and where it writes into its
 Here: compressed gradients travel at half the bytes; a sharded step moves a reduce-scatter and an all-gather, the
 cost model's ZeRO figures for the model's size and the steps run; on one host (local[2]) a sync, ZeRO-1 or ZeRO-3
 step goes through shared memory alone. The model's two layers
-are of one size, so that ZeRO-3's units are as ``cost.zero3`` counts them.
+are of one size, so that ZeRO-3's units are as ``mode_costs.zero3`` counts them.
 """
 
 import pytest
@@ -14,6 +14,7 @@ from models import make_mlp
 
 import sparkdl
 from sparkdl.collective import cost
+from sparkdl.planner import mode_costs
 
 WORKERS = 2
 FEATURES = 10  # = each layer's width and the classes: Dense(10, 10) twice, two units of 110 weights
@@ -71,8 +72,11 @@ def test_sync_steps_allreduce_the_gradients_through_shared_memory_at_the_rings_b
     segment, and over TCP what the hierarchical allreduce puts on the hosts' links: nothing, on one host."""
     result = fits("sync")
     steps, k = result.steps_per_epoch, _weight_bytes(result)
-    assert _sent(result, "shm", "allreduce", "float32") == [steps * cost.cost("sync", WORKERS, k).rank_sent] * WORKERS
-    over_links = steps * cost.cost("sync", WORKERS, k, local=WORKERS).rank_sent  # hosts' links: none here
+    assert (
+        _sent(result, "shm", "allreduce", "float32")
+        == [steps * mode_costs.cost("sync", WORKERS, k).rank_sent] * WORKERS
+    )
+    over_links = steps * mode_costs.cost("sync", WORKERS, k, local=WORKERS).rank_sent  # hosts' links: none here
     assert _sent(result, "tcp", "allreduce", "float32") == [over_links] * WORKERS
     assert _step_operations_over_tcp(result) == [[]] * WORKERS
 
@@ -94,14 +98,16 @@ def test_compressed_gradients_put_half_the_bytes_on_the_wire(fits, mode, operati
 
 def test_a_sharded_step_reduce_scatters_and_all_gathers_zero1s_bytes_through_shared_memory(fits):
     """mode="sharded": per step a reduce-scatter of the float32 gradients and an all-gather of the float32 weights,
-    (N-1)/N K each, cost.zero1's bytes in all; no gradient allreduce; nothing of it over TCP."""
+    (N-1)/N K each, mode_costs.zero1's bytes in all; no gradient allreduce; nothing of it over TCP."""
     result = fits("sharded")
     steps, k = result.steps_per_epoch, _weight_bytes(result)
     scattered = _sent(result, "shm", "reduce_scatter", "float32")
     gathered = _sent(result, "shm", "allgather", "float32")
-    assert scattered == [steps * cost.cost("ring_reduce_scatter", WORKERS, k).rank_sent] * WORKERS
-    assert gathered == [steps * cost.cost("ring_allgather", WORKERS, k).rank_sent] * WORKERS
-    assert [s + g for s, g in zip(scattered, gathered)] == [steps * cost.cost("zero1", WORKERS, k).rank_sent] * WORKERS
+    assert scattered == [steps * cost.collective("reduce_scatter", "ring", WORKERS, k).rank_sent] * WORKERS
+    assert gathered == [steps * cost.collective("allgather", "ring", WORKERS, k).rank_sent] * WORKERS
+    assert [s + g for s, g in zip(scattered, gathered)] == [
+        steps * mode_costs.cost("zero1", WORKERS, k).rank_sent
+    ] * WORKERS
     assert _sent(result, "shm", "allreduce", "float32") == [0] * WORKERS
     assert _step_operations_over_tcp(result) == [[]] * WORKERS
 
@@ -113,16 +119,18 @@ def _over_both(result, operation):
 
 def test_a_fully_sharded_step_moves_zero3s_gathers_and_reduce_scatters(fits):
     """shard_weights=True on two units of K/2: per step 2U-1 = 3 all-gathers of a unit's weights (each unit before
-    its forward, the first again before its backward) and U = 2 reduce-scatters of its gradient, cost.zero3's bytes
+    its forward, the first again before its backward) and U = 2 reduce-scatters of its gradient, mode_costs.zero3's bytes
     in all, wherever they went."""
     result = fits("fully sharded")
     steps, k, units = result.steps_per_epoch, _weight_bytes(result), 2
     assert result.stats["fully_sharded"]["units"] == units
     gathered, scattered = _over_both(result, "allgather"), _over_both(result, "reduce_scatter")
     unit = k / units
-    assert gathered == [steps * (2 * units - 1) * cost.cost("ring_allgather", WORKERS, unit).rank_sent] * WORKERS
-    assert scattered == [steps * units * cost.cost("ring_reduce_scatter", WORKERS, unit).rank_sent] * WORKERS
-    expected = steps * cost.cost("zero3", WORKERS, k, units=units).rank_sent
+    assert (
+        gathered == [steps * (2 * units - 1) * cost.collective("allgather", "ring", WORKERS, unit).rank_sent] * WORKERS
+    )
+    assert scattered == [steps * units * cost.collective("reduce_scatter", "ring", WORKERS, unit).rank_sent] * WORKERS
+    expected = steps * mode_costs.cost("zero3", WORKERS, k, units=units).rank_sent
     assert [g + s for g, s in zip(gathered, scattered)] == [expected] * WORKERS
 
 

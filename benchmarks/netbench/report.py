@@ -9,18 +9,11 @@ import statistics
 from netbench.common import label
 from netbench.modes import ZERO3_UNITS
 from sparkdl.collective import cost
+from sparkdl.planner import mode_costs
 
-#: The cost model's pattern of each measured (operation, algorithm), and its options.
-PATTERN: dict[tuple[str, str], tuple[str, dict]] = {
-    ("allreduce", "ring"): ("ring_allreduce", {}),
-    ("allreduce", "naive"): ("naive_allreduce", {}),
-    ("allreduce", "tree"): ("tree_allreduce", {}),
-    ("allreduce", "hierarchical"): ("hierarchical_allreduce", {}),
-    ("reduce_scatter", "ring"): ("ring_reduce_scatter", {}),
-    ("allgather", "ring"): ("ring_allgather", {}),
-    ("allgather", "naive"): ("naive_allgather", {}),
-    ("broadcast", "ring"): ("ring_broadcast", {}),
-    ("broadcast", "tree"): ("tree_broadcast", {}),
+#: The modes' patterns (``sparkdl.planner.mode_costs``) of each measured ("mode" or "ps", variant), and their
+#: options; a collective's record is priced by its own (operation, algorithm).
+MODE_PATTERN: dict[tuple[str, str], tuple[str, dict]] = {
     ("mode", "zero1"): ("zero1", {}),
     ("mode", "zero3"): ("zero3", {"units": ZERO3_UNITS}),
     ("mode", "gossip"): ("gossip", {}),
@@ -32,17 +25,36 @@ PATTERN: dict[tuple[str, str], tuple[str, dict]] = {
 }
 
 
+def counts(pattern: str | tuple[str, str], n: int, nbytes: float, options: dict) -> cost.Cost:
+    """A pattern's counts: a collective's ((operation, algorithm)) or a mode's (its name)."""
+    if isinstance(pattern, tuple):
+        return cost.collective(*pattern, n, nbytes, **options)
+    return mode_costs.cost(pattern, n, nbytes, **options)
+
+
+def pattern_of(record: dict) -> tuple[str | tuple[str, str], dict]:
+    """The cost model's pattern of a record, and its options."""
+    key = (record["operation"], record["algorithm"])
+    if key in MODE_PATTERN:
+        return MODE_PATTERN[key]
+    return key, {"local": record["n"] // record["hosts"]} if record["algorithm"] == "hierarchical" else {}
+
+
+def name_of(record: dict) -> str:
+    """A record's pattern as the tables name it: "ring allreduce", "zero1", ..."""
+    pattern = pattern_of(record)[0]
+    return pattern if isinstance(pattern, str) else f"{pattern[1]} {pattern[0]}"
+
+
 def measurement(record: dict) -> cost.Measurement:
-    pattern, options = PATTERN[(record["operation"], record["algorithm"])]
-    if pattern == "hierarchical_allreduce":
-        options = {"local": record["n"] // record["hosts"]}
-    return cost.Measurement(pattern, record["n"], record["nbytes"], statistics.median(record["times"]), options)
+    pattern, options = pattern_of(record)
+    counted = counts(pattern, record["n"], record["nbytes"], options)
+    return cost.Measurement(counted, statistics.median(record["times"]))
 
 
 def key_of(record: dict) -> str:
     """The fit group of a record: its pattern, and for ring and naive allreduce whether ranks share hosts."""
-    pattern = PATTERN[(record["operation"], record["algorithm"])][0]
-    return pattern + (f" ({record['n'] // record['hosts']}/host)" if record["hosts"] != record["n"] else "")
+    return name_of(record) + (f" ({record['n'] // record['hosts']}/host)" if record["hosts"] != record["n"] else "")
 
 
 def link_beta(run_: dict) -> float:
@@ -136,15 +148,15 @@ def report(network_runs: list[dict], args) -> None:
 
 #: Column names of the tables: allreduce, reduce-scatter, allgather, broadcast.
 SHORT = {
-    "ring_allreduce": "ring AR",
-    "naive_allreduce": "naive AR",
-    "tree_allreduce": "tree AR",
-    "hierarchical_allreduce": "hierarchical AR",
-    "ring_reduce_scatter": "ring RS",
-    "ring_allgather": "ring AG",
-    "naive_allgather": "naive AG",
-    "ring_broadcast": "ring BC",
-    "tree_broadcast": "tree BC",
+    "ring allreduce": "ring AR",
+    "naive allreduce": "naive AR",
+    "tree allreduce": "tree AR",
+    "hierarchical allreduce": "hierarchical AR",
+    "ring reduce_scatter": "ring RS",
+    "ring allgather": "ring AG",
+    "naive allgather": "naive AG",
+    "ring broadcast": "ring BC",
+    "tree broadcast": "tree BC",
     "zero1": "ZeRO-1",
     "zero3": f"ZeRO-3 ({ZERO3_UNITS} units)",
     "gossip": "gossip",
@@ -168,9 +180,9 @@ def matrix(errors: list) -> None:
         chosen = [e for e in errors if (e[0]["hosts"] != e[0]["n"]) == shared and e[0]["operation"] in operations]
         if not chosen:
             continue
-        columns = list(dict.fromkeys(measurement(record).pattern for record, *_ in chosen))
+        columns = list(dict.fromkeys(name_of(record) for record, *_ in chosen))
         rows = list(dict.fromkeys((record["n"], record["hosts"], record["nbytes"]) for record, *_ in chosen))
-        cells = {(r["n"], r["hosts"], r["nbytes"], m.pattern): (m, own) for r, m, own, _ in chosen}
+        cells = {(r["n"], r["hosts"], r["nbytes"], name_of(r)): (m, own) for r, m, own, _ in chosen}
         print(f"\n{title}: measured s / predicted by the pattern's fit s (error)\n")
         print("| N | K | " + " | ".join(SHORT[c] for c in columns) + " |")
         print("|---|---|" + "---|" * len(columns))
@@ -216,11 +228,11 @@ def traffic_table(records: list[dict]) -> None:
 
 
 #: The patterns of the prediction table: (column, pattern, options).
-PREDICTED = (
-    ("ring", "ring_allreduce", {}),
-    ("tree", "tree_allreduce", {}),
-    ("naive", "naive_allreduce", {}),
-    ("hier. 8/host", "hierarchical_allreduce", {"local": 8}),
+PREDICTED: tuple[tuple[str, str | tuple[str, str], dict], ...] = (
+    ("ring", ("allreduce", "ring"), {}),
+    ("tree", ("allreduce", "tree"), {}),
+    ("naive", ("allreduce", "naive"), {}),
+    ("hier. 8/host", ("allreduce", "hierarchical"), {"local": 8}),
     ("ZeRO-1", "zero1", {}),
     ("ZeRO-3 24 units", "zero3", {"units": 24}),
     ("PS", "parameter_server", {}),
@@ -265,12 +277,10 @@ def predictions(network_runs: list[dict], args) -> None:
                 k = 4 * p
                 seconds: dict[str, float] = {}
                 for name, pattern, options in PREDICTED:
-                    if pattern == "hierarchical_allreduce" and (n % options["local"] or n == options["local"]):
+                    if pattern == ("allreduce", "hierarchical") and (n % options["local"] or n == options["local"]):
                         continue
-                    seconds[name] = cost.predict(pattern, n, k, params, **options)
-                allreduces = [
-                    name for name, pattern, _ in PREDICTED if pattern.endswith("allreduce") and name in seconds
-                ]
+                    seconds[name] = cost.predict(counts(pattern, n, k, options), params)
+                allreduces = [name for name, pattern, _ in PREDICTED if isinstance(pattern, tuple) and name in seconds]
                 modes = [name for name in MODES if name in seconds]
                 cells = [f"{seconds[name]:.3g}" if name in seconds else "-" for name, _, _ in PREDICTED]
                 compute = 6 * p * args.tokens / args.flops

@@ -8,8 +8,11 @@ sparkdl's backend (:class:`SparkdlCommunicator`) runs them over
 authenticated TCP links and, between ranks of one host, shared memory.
 Inside a function run by ``sparkdl.run(..., backend="sparkdl")`` the task's
 communicator is reachable through this module's functions (:mod:`.context`).
+An algorithm of one's own is an :class:`Algorithm` given to
+:func:`register_algorithm` (:mod:`.algorithms`).
 """
 
+from sparkdl.collective.algorithms import Algorithm, register_algorithm, unregister_algorithm
 from sparkdl.collective.api import OPERATIONS, Capabilities, Communicator, ReduceOp, Work
 from sparkdl.collective.communicator import SparkdlCommunicator
 from sparkdl.collective.context import (
@@ -41,11 +44,12 @@ from sparkdl.collective.context import (
     send_async,
     size,
 )
-from sparkdl.collective.links import Listener
+from sparkdl.collective.transport.mesh import Listener
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout
 
 __all__ = [
     "OPERATIONS",
+    "Algorithm",
     "Capabilities",
     "CollectiveError",
     "CollectiveTimeout",
@@ -76,9 +80,11 @@ __all__ = [
     "reduce_async",
     "reduce_scatter",
     "reduce_scatter_async",
+    "register_algorithm",
     "scatter",
     "scatter_async",
     "send",
     "send_async",
     "size",
+    "unregister_algorithm",
 ]

@@ -1,11 +1,11 @@
 """sparkdl's own backend: every operation of the protocol over authenticated TCP links and, within a host, shared memory.
 
-Topology and algorithm are apart: the links (:mod:`.links`) connect any two
+Topology and algorithm are apart: the links (:mod:`.transport.mesh`) connect any two
 ranks, the ring's at connect and the others on first use; the host map
 (:mod:`.topology`) orders rings host by host and groups the ranks of a host
-around one shared-memory segment (:mod:`.shm`); each operation then runs the
-algorithm asked for (per call, or per communicator) or chosen by size and
-topology (:mod:`.algorithms`). Subgroups (:meth:`split`, :meth:`local`,
+around one shared-memory segment (:mod:`.shm`); each operation checks its
+arguments, then runs the registered algorithm asked for (per call, or per
+communicator) or chosen by size and topology (:mod:`.algorithms`). Subgroups (:meth:`split`, :meth:`local`,
 :meth:`cross`) reuse the job's links; their frames carry their own group id.
 Each communicator whose ranks share hosts in equal numbers opens a segment of its
 own among its ranks of this host (as it is made: collective), since communicators
@@ -19,6 +19,7 @@ rank's error names the operation and the rank where it started.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import zlib
 from collections.abc import Sequence
@@ -27,17 +28,27 @@ from typing import Any
 import numpy as np
 
 from sparkdl.collective import algorithms, shm
-from sparkdl.collective.algorithms import hierarchical, naive, ring, tree
+from sparkdl.collective.algorithms import Algorithm
+from sparkdl.collective.algorithms.ring import chunk_bounds
 from sparkdl.collective.api import OP_CODES, OPERATION_NAMES, Capabilities, ReduceOp, operation_name
 from sparkdl.collective.base import BaseCommunicator, check_reduce_op, output_array
-from sparkdl.collective.exchange import Exchange
-from sparkdl.collective.links import Links, Listener
 from sparkdl.collective.topology import Topology
+from sparkdl.collective.transport.mesh import Links, Listener
+from sparkdl.collective.transport.transfer import Transfer
 from sparkdl.net.errors import CollectiveError
 from sparkdl.net.frames import Kind, dtype_code, dtype_name
 
-_COMBINE = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
-_SHARED_OP = {ReduceOp.SUM: "sum", ReduceOp.MEAN: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
+
+class _Capabilities:
+    """The backend's :class:`Capabilities`, its algorithms the ones registered when it is read."""
+
+    def __init__(self) -> None:
+        self._last = Capabilities(backend="sparkdl", operations=frozenset(OPERATION_NAMES), algorithms=frozenset())
+
+    def __get__(self, instance: object, owner: type) -> Capabilities:
+        if self._last.algorithms is not algorithms.names():
+            self._last = dataclasses.replace(self._last, algorithms=algorithms.names())
+        return self._last
 
 
 class _Job:
@@ -64,9 +75,7 @@ class _Job:
 class SparkdlCommunicator(BaseCommunicator):
     """Every operation among ``members`` (global ranks); this process is ``rank`` of them. See :meth:`connect`."""
 
-    capabilities = Capabilities(
-        backend="sparkdl", operations=frozenset(OPERATION_NAMES), algorithms=algorithms.ALGORITHM_NAMES
-    )
+    capabilities = _Capabilities()
 
     def __init__(self, job: _Job, members: Sequence[int], group: int, algorithm: str | None):
         super().__init__()
@@ -103,9 +112,9 @@ class SparkdlCommunicator(BaseCommunicator):
         shared memory unless ``shared_memory=False``. ``timeout`` bounds every single wait; ``encrypt`` seals
         every link; ``algorithm`` is the default for the operations that have it.
         """
-        if algorithm is not None and algorithm not in algorithms.ALGORITHM_NAMES:
+        if algorithm is not None and algorithm not in algorithms.names():
             raise ValueError(
-                f"Expected `algorithm` to be one of {sorted(algorithms.ALGORITHM_NAMES)}. Received: algorithm={algorithm!r}"
+                f"Expected `algorithm` to be one of {sorted(algorithms.names())}. Received: algorithm={algorithm!r}"
             )
         hosts = list(hosts) if hosts is not None else [address.rsplit(":", 1)[0] for address in addresses]
         if len(hosts) != len(addresses):
@@ -213,53 +222,51 @@ class SparkdlCommunicator(BaseCommunicator):
             job.fail(exc, name)
             raise
 
-    def _exchange(self, name: str, *, kind: Kind = Kind.COLLECTIVE, tag: int = 0) -> Exchange:
+    # -- what the algorithms use (algorithms.base) ------------------------------------------------------
+
+    def transfer(self, name: str, *, kind: Kind = Kind.COLLECTIVE, tag: int = 0) -> Transfer:
+        """The frames of one call of operation ``name``: a collective's take the next sequence number."""
         seq = 0
         if kind == Kind.COLLECTIVE:
             seq, self._seq = self._seq, (self._seq + 1) & 0xFFFFFFFF
-        return Exchange(self._job.links, self.members, self._ring, self.group, OP_CODES[name], seq, kind=kind, tag=tag)
+        return Transfer(self._job.links, self.members, self._ring, self.group, OP_CODES[name], seq, kind=kind, tag=tag)
 
-    def _complete(self, ex: Exchange, result: Any = None) -> Any:
-        ex.flush()
-        return result
+    def scratch(self, nbytes: int) -> np.ndarray:
+        """At least ``nbytes`` kept between calls, where received segments land."""
+        return self._scratch.at_least(nbytes)
 
-    def _shared_memory(self) -> bool:
-        return self._shared is not None
+    def work(self, nbytes: int) -> np.ndarray:
+        """At least ``nbytes`` kept between calls, apart from :meth:`scratch` (a reduce-scatter's partial sums)."""
+        return self._work.at_least(nbytes)
 
-    def _choose(self, name: str, requested: str | None, nbytes: int) -> str:
+    @property
+    def segment(self) -> shm.SharedMemoryGroup | None:
+        """This communicator's shared-memory segment among its ranks of this host, if it has one."""
+        return self._shared
+
+    def _algorithm(self, name: str, requested: str | None, nbytes: int) -> Algorithm:
         # A communicator of one rank moves nothing, so any algorithm "runs" on it.
-        return algorithms.choose(
-            name, requested, self.algorithm, nbytes, self._shared_memory() or self.size == 1, self._one_host()
-        )
-
-    def _one_host(self) -> bool:
-        """Whether this communicator's ranks are exactly the ranks of its segment, in order."""
-        return self._shared is not None and self._shared.ranks == list(self.members)
+        shared_memory = self._shared is not None or self.size == 1
+        one_host = self._shared is not None and self._shared.ranks == list(self.members)
+        return algorithms.algorithm(algorithms.choose(name, requested, self.algorithm, nbytes, shared_memory, one_host))
 
     def _root(self, root: int) -> int:
         if not 0 <= root < self.size:
             raise ValueError(f"Expected `root` in 0..{self.size - 1}. Received: root={root}")
         return root
 
-    # -- the operations -------------------------------------------------------------------------------
+    # -- the operations: checked here, run by the algorithm chosen ----------------------------------------
 
     def _allreduce(self, array, op, out, algorithm) -> np.ndarray:
         source, flat = _flat(array)
         check_reduce_op(op, source.dtype)
         result = output_array(out, source.shape, source.dtype)
         out_flat = result.reshape(-1)
-        chosen = self._choose("allreduce", algorithm, source.nbytes)
+        chosen = self._algorithm("allreduce", algorithm, source.nbytes)
         if self.size == 1:
             out_flat[...] = flat
-        elif chosen == "hierarchical":
-            cross = self.cross()
-            hierarchical.allreduce(self._shared, cross, flat, out_flat, _SHARED_OP[op], _sum_if_mean(op))
         else:
-            ex = self._exchange("allreduce")
-            module = {"ring": ring, "tree": tree, "naive": naive}[chosen]
-            scratch = self._scratch.at_least(ring.SEGMENT_BYTES if chosen == "ring" else source.nbytes)
-            module.allreduce(ex, flat, out_flat, _COMBINE[op], scratch)
-            ex.flush()
+            chosen.allreduce(self, flat, out_flat, op)
         if op is ReduceOp.MEAN:
             np.true_divide(out_flat, self.size, out=out_flat)
         return result
@@ -272,10 +279,7 @@ class SparkdlCommunicator(BaseCommunicator):
         if self.size == 1:
             out[...] = flat
         else:
-            ex = self._exchange("reduce")
-            module = tree if self._choose("reduce", algorithm, source.nbytes) == "tree" else naive
-            module.reduce(ex, flat, out, root, _COMBINE[op], self._scratch.at_least(source.nbytes))
-            ex.flush()
+            self._algorithm("reduce", algorithm, source.nbytes).reduce(self, flat, out, root, op)
         if self.rank != root:
             return None
         if op is ReduceOp.MEAN:
@@ -288,10 +292,7 @@ class SparkdlCommunicator(BaseCommunicator):
         root = self._root(root)
         out = np.array(source, copy=True, order="C").reshape(-1)
         if self.size > 1:
-            ex = self._exchange("broadcast")
-            module = {"ring": ring, "tree": tree, "naive": naive}[self._choose("broadcast", algorithm, source.nbytes)]
-            module.broadcast(ex, out, root)
-            ex.flush()
+            self._algorithm("broadcast", algorithm, source.nbytes).broadcast(self, out, root)
         return out.reshape(source.shape)
 
     def _allgather(self, array, out, algorithm) -> np.ndarray:
@@ -300,14 +301,9 @@ class SparkdlCommunicator(BaseCommunicator):
         out = output_array(out, (self.size, *source.shape), source.dtype)
         rows = out.reshape(self.size, source.size)
         rows[self.rank] = source.reshape(-1)
-        chosen = self._choose("allgather", algorithm, source.nbytes)
-        if self.size > 1 and chosen == "shared_memory":
-            assert self._shared is not None  # chosen only where the segment holds every rank
-            self._shared.allgather(rows)
-        elif self.size > 1:
-            ex = self._exchange("allgather")
-            (ring if chosen == "ring" else naive).allgather(ex, rows)
-            ex.flush()
+        chosen = self._algorithm("allgather", algorithm, source.nbytes)
+        if self.size > 1:
+            chosen.allgather(self, rows)
         return out
 
     def _reduce_scatter(self, array, op, out, algorithm) -> np.ndarray:
@@ -315,24 +311,17 @@ class SparkdlCommunicator(BaseCommunicator):
         check_reduce_op(op, source.dtype)
         if source.ndim == 0:
             raise ValueError("Expected an array of at least one dimension to scatter by rows. Received: a scalar")
-        chosen = self._choose("reduce_scatter", algorithm, source.nbytes)
+        chosen = self._algorithm("reduce_scatter", algorithm, source.nbytes)
         rows = source.shape[0]
-        bounds = ring.chunk_bounds(rows, self.size)
+        row_bounds = chunk_bounds(rows, self.size)
         row = flat.size // rows if rows else 0
-        lo, hi = bounds[self.rank] * row, bounds[self.rank + 1] * row
-        result = output_array(out, (bounds[self.rank + 1] - bounds[self.rank], *source.shape[1:]), source.dtype)
-        if self.size > 1 and chosen == "shared_memory":
-            assert self._shared is not None  # chosen only where the segment holds every rank
-            self._shared.reduce_scatter(flat, _SHARED_OP[op], result.reshape(-1), [b * row for b in bounds])
+        bounds = [b * row for b in row_bounds]  # by elements of ``flat``
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        result = output_array(out, (row_bounds[self.rank + 1] - row_bounds[self.rank], *source.shape[1:]), source.dtype)
+        if self.size == 1:
+            result.reshape(-1)[...] = flat[lo:hi]
         else:
-            work = flat  # one rank: its own chunk is the result
-            if self.size > 1:
-                # every region of ``work`` is written before it is read or sent: partial sums, then this rank's chunk
-                work = self._work.at_least(flat.nbytes)[: flat.nbytes].view(flat.dtype)
-                ex = self._exchange("reduce_scatter")
-                ring.reduce_scatter(ex, flat, work, rows, _COMBINE[op], self._scratch.at_least(ring.SEGMENT_BYTES))
-                ex.flush()
-            result.reshape(-1)[...] = work[lo:hi]
+            chosen.reduce_scatter(self, flat, result.reshape(-1), bounds, op)
         if op is ReduceOp.MEAN:
             np.true_divide(result, self.size, out=result)
         return result
@@ -340,8 +329,7 @@ class SparkdlCommunicator(BaseCommunicator):
     def _gather(self, array, root) -> list[np.ndarray] | None:
         source = np.asarray(array)
         dtype_code(source.dtype)
-        ex = self._exchange("gather")
-        return self._complete(ex, naive.gather(ex, source, self._root(root)))
+        return self._algorithm("gather", None, source.nbytes).gather(self, source, self._root(root))
 
     def _scatter(self, arrays, root) -> np.ndarray:
         root = self._root(root)
@@ -351,14 +339,12 @@ class SparkdlCommunicator(BaseCommunicator):
                 raise ValueError(f"Expected {self.size} arrays to scatter from rank {root}. Received: {len(arrays)}")
             for a in arrays:
                 dtype_code(a.dtype)
-        ex = self._exchange("scatter")
-        return self._complete(ex, naive.scatter(ex, arrays, root))
+        return self._algorithm("scatter", None, 0).scatter(self, arrays, root)
 
     def _allgather_v(self, array) -> list[np.ndarray]:
         source = np.asarray(array)
         dtype_code(source.dtype)
-        ex = self._exchange("allgather_v")
-        return self._complete(ex, naive.alltoall(ex, [source] * self.size))
+        return self._algorithm("allgather_v", None, source.nbytes).allgather_v(self, source)
 
     def _alltoall(self, arrays) -> list[np.ndarray]:
         arrays = [np.asarray(a) for a in arrays]
@@ -366,30 +352,21 @@ class SparkdlCommunicator(BaseCommunicator):
             raise ValueError(f"Expected {self.size} arrays, one per rank. Received: {len(arrays)}")
         for a in arrays:
             dtype_code(a.dtype)
-        ex = self._exchange("alltoall")
-        return self._complete(ex, naive.alltoall(ex, arrays))
+        return self._algorithm("alltoall", None, sum(a.nbytes for a in arrays)).alltoall(self, arrays)
 
     def _barrier(self) -> None:
-        # A tree allreduce of one byte, in frames of its own code: a barrier facing another rank's allreduce is a
-        # desync named as such, not a silently matched allreduce.
         if self.size > 1:
-            flag = np.zeros(1, np.uint8)
-            ex = self._exchange("barrier")
-            tree.allreduce(ex, flag, np.empty_like(flag), np.maximum, self._scratch.at_least(flag.nbytes))
-            ex.flush()
+            self._algorithm("barrier", None, 0).barrier(self)
 
     def _send(self, array, dest, tag) -> None:
         source = np.asarray(array)
         dtype_code(source.dtype)
         dest = self._peer(dest, "dest")
-        ex = self._exchange("send", kind=Kind.MESSAGE, tag=_tag(tag))
-        ex.send_array(dest, source)
-        ex.flush()
+        self._algorithm("send", None, source.nbytes).send(self, source, dest, _tag(tag))
 
     def _recv(self, source, tag, out) -> np.ndarray:
         source = self._peer(source, "source")
-        ex = self._exchange("send", kind=Kind.MESSAGE, tag=_tag(tag))
-        return ex.recv_array(source, out=out)
+        return self._algorithm("recv", None, 0).recv(self, source, _tag(tag), out)
 
     def _peer(self, peer: int, name: str) -> int:
         if not 0 <= peer < self.size or peer == self.rank:
@@ -409,10 +386,6 @@ def _flat(array) -> tuple[np.ndarray, np.ndarray]:
     source = np.asarray(array)
     dtype_code(source.dtype)
     return source, np.ascontiguousarray(source).reshape(-1)
-
-
-def _sum_if_mean(op: ReduceOp) -> ReduceOp:
-    return ReduceOp.SUM if op is ReduceOp.MEAN else op
 
 
 def _tag(tag: int) -> int:

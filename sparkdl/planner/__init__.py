@@ -1,2 +1,2 @@
 """``sparkdl.plan``: which mode, batch size and number of workers, from a short probe on the cluster and the cost
-model of every communication pattern (``sparkdl.collective.cost``)."""
+of each planned mode's communication (:mod:`.mode_costs`, built on ``sparkdl.collective.cost``)."""

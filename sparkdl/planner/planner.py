@@ -1,8 +1,8 @@
 """``sparkdl.plan``: the predicted time of an epoch for every mode, number of workers and batch size, and the pick.
 
-From the probe (``probe.measure``: one worker's step time by batch size, the links' latency and
-bandwidth) and the cost model of each mode's communication (``sparkdl.collective.cost``), a step of
-mode m on N workers of B rows each is predicted to take
+From the probe (``cluster_probe.measure``: one worker's step time by batch size, the links' latency and
+bandwidth) and the cost of each planned mode's communication (:mod:`.planned`, :mod:`.mode_costs`), a
+step of mode m on N workers of B rows each is predicted to take
 
     compute(B) [x 4/3 for sharded weights: every layer's forward runs again] + communication(m, N, K)
 
@@ -21,49 +21,9 @@ import math
 from collections.abc import Sequence
 
 from sparkdl.collective import cost
-from sparkdl.launch.layout import TaskLayout
-from sparkdl.modes.parameter_server import placement
-from sparkdl.planner.probe import Probe
-from sparkdl.ps import sharding
+from sparkdl.planner.cluster_probe import Probe
+from sparkdl.planner.planned import PLANNED
 
-
-@dataclasses.dataclass(frozen=True)
-class PlannedMode:
-    """A mode the planner weighs: its ``fit`` keywords and its pattern in ``cost.PATTERNS``."""
-
-    keywords: dict
-    pattern: str
-    shard_per_worker: bool = False  # one parameter-server shard beside each worker: num_servers = num_workers
-
-    def fit_keywords(self, num_workers: int) -> dict:
-        """The ``fit`` keywords of this mode on ``num_workers`` workers."""
-        return {**self.keywords, "num_servers": num_workers} if self.shard_per_worker else dict(self.keywords)
-
-    def runs(self, num_workers: int, trainable_variables: int) -> bool:
-        """Whether ``fit`` takes it for a model of ``trainable_variables``: a server shard holds whole variables."""
-        return not self.shard_per_worker or sharding.holds_whole_variables(num_workers, trainable_variables)
-
-    def task_slots(self, num_workers: int) -> int:
-        """The task slots its ``fit`` claims on ``num_workers`` workers: the fit's own task layout (with a shard per
-        worker, a server task beside each one)."""
-        if self.shard_per_worker:
-            return placement.layout(num_workers, num_workers).slots
-        return TaskLayout.data_parallel(num_workers).slots
-
-
-#: The modes the planner compares, by label.
-MODES: dict[str, PlannedMode] = {
-    "sync": PlannedMode({"mode": "sync"}, "sync"),
-    "sharded": PlannedMode({"mode": "sharded"}, "zero1"),
-    "sharded, shard_weights=True": PlannedMode({"mode": "sharded", "shard_weights": True}, "zero3"),
-    "async": PlannedMode({"mode": "async"}, "parameter_server"),
-    "async, servers on executors": PlannedMode(
-        {"mode": "async", "server_placement": "executors"}, "spread_ps", shard_per_worker=True
-    ),
-    "sync_ps": PlannedMode({"mode": "sync_ps"}, "sync_ps"),
-    "gossip": PlannedMode({"mode": "gossip"}, "gossip"),
-}
-_RECOMPUTE = 4.0 / 3.0  # a step with every forward pass run twice: forward + backward (twice a forward) + forward
 _TIE = 0.05  # epoch times within 5% of the best: the fewest workers among them is picked
 #: The least scaling efficiency a batch size must reach to be picked over a larger one.
 EFFICIENT = 0.8
@@ -73,7 +33,7 @@ EFFICIENT = 0.8
 class Choice:
     """One configuration and what the model predicts for it."""
 
-    mode: str  # a label of :data:`MODES`
+    mode: str  # a label of :data:`~sparkdl.planner.planned.PLANNED`
     num_workers: int
     batch_size: int  # rows per worker per step
     step_seconds: float
@@ -87,7 +47,7 @@ class Choice:
     @property
     def fit_arguments(self) -> dict:
         """The ``sparkdl.fit`` keywords of this choice."""
-        keywords = MODES[self.mode].fit_keywords(self.num_workers)
+        keywords = PLANNED[self.mode].fit_keywords(self.num_workers)
         return {**keywords, "num_workers": self.num_workers, "batch_size": self.batch_size}
 
 
@@ -135,7 +95,7 @@ def weigh(
     trainable_variables: int,
     worker_memory: int | None = None,
     cluster_slots: int | None = None,
-    modes: Sequence[str] = tuple(MODES),
+    modes: Sequence[str] | None = None,
 ) -> Plan:
     """Every mode x workers x batch size, predicted from ``probe``, and the recommended one.
 
@@ -144,20 +104,20 @@ def weigh(
     batch is faster per epoch but changes the training itself, which the planner does not predict. Among
     those, the recommendation is the least epoch time of the modes that fit ``worker_memory`` and claim at most
     ``cluster_slots`` task slots (None: unknown, any) (the fewest workers within 5%). A mode ``fit`` would refuse
-    for a model of ``trainable_variables`` (more server shards than variables) is not weighed.
+    for a model of ``trainable_variables`` (more server shards than variables) is not weighed. ``modes``: labels of
+    :data:`~sparkdl.planner.planned.PLANNED`, by default all.
     """
     choices = []
-    for mode in modes:
-        planned = MODES[mode]
-        pattern = planned.pattern
+    for mode in tuple(PLANNED) if modes is None else modes:
+        planned = PLANNED[mode]
         for n in (n for n in worker_counts if planned.runs(n, trainable_variables)):
             for batch in batch_sizes:
-                compute = probe.compute_seconds(batch) * (_RECOMPUTE if pattern == "zero3" else 1.0)
-                communication = cost.predict(pattern, n, probe.gradient_bytes, probe.link) if n > 1 else 0.0
+                compute = probe.compute_seconds(batch) * planned.compute_factor
+                communication = cost.predict(planned.cost(n, float(probe.gradient_bytes)), probe.link) if n > 1 else 0.0
                 step = compute + communication
                 epoch = math.ceil(rows / (n * batch)) * step
                 alone = math.ceil(rows / batch) * probe.compute_seconds(batch)
-                memory = _memory(pattern, n, probe.gradient_bytes, optimizer_slots, largest_layers_bytes)
+                memory = planned.memory(n, probe.gradient_bytes, optimizer_slots, largest_layers_bytes)
                 fits = worker_memory is None or memory <= worker_memory
                 slots = planned.task_slots(n)
                 on_cluster = cluster_slots is None or slots <= cluster_slots
@@ -188,12 +148,3 @@ def _nothing_fits(choices: list[Choice], worker_memory: int | None, cluster_slot
         f"Expected some mode to fit worker_memory={worker_memory} bytes. Received: the least a worker needs is "
         f"{min(c.memory_bytes for c in on_cluster)} bytes; use mode='pipeline', more workers or larger workers"
     )
-
-
-def _memory(pattern: str, n: int, weights: int, slots: int, largest_layers: int) -> int:
-    """A worker's bytes of weights, optimizer slots and gradients under ``pattern`` (activations left out)."""
-    if pattern == "zero1":
-        return weights + slots * weights // n + weights
-    if pattern == "zero3":
-        return weights // n + slots * weights // n + largest_layers + weights // n
-    return weights + slots * weights + weights

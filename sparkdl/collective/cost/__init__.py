@@ -20,33 +20,33 @@ and Gropp ("Optimization of Collective Communication Operations in MPICH", IJHPC
 
 ``rank_sent`` and ``rank_received`` are the bytes the busiest rank (the root, for a star) sends and
 receives per call: what the interface counters of a measured run show. ``messages`` is what the busiest
-rank sends per call (a ring sends its chunks in segments: :data:`SEGMENT_BYTES`).
+rank sends per call (a ring sends its chunks in segments of ``algorithms.ring.SEGMENT_BYTES``).
 
-:data:`PATTERNS` holds every pattern's counts, the communicator's algorithms (``collectives``:
-``ring_allreduce``, ``naive_allreduce``, ...) and the training modes built on them (``modes``: ``sync``,
-``zero1``, ``zero3``, ``parameter_server``, ``sharded_ps``, ``sync_ps``, ``spread_ps``, ``gossip``,
-``pipeline``), each documented with its source; ``model`` holds the counts and constants.
-:func:`fit` finds ``alpha``, ``beta``, ``gamma`` and ``delta`` from measured times by least squares on
-the relative error (every size counts alike, 100 KB as much as 256 MB), none negative, any of them
-pinned to a measured value; :func:`predict` is the model's time. Pure Python and numpy, no TensorFlow:
+:func:`collective` counts a call of an operation by an algorithm, keyed as the communicator names them
+(``collective("allreduce", "ring", n, k)``): each algorithm carries its counts (``Algorithm.costs``, in
+its own module of ``sparkdl.collective.algorithms``), so one registered with ``register_algorithm`` is
+counted with no other edit; :func:`priced` lists them. The training modes' counts, built on these,
+are the planner's (``sparkdl.planner.mode_costs``), each documented with its source; ``model`` holds
+the counts and constants. :func:`fit` finds ``alpha``, ``beta``, ``gamma`` and ``delta`` from measured times
+(:class:`Measurement`: a pattern's counts and its seconds) by least squares on the relative error
+(every size counts alike, 100 KB as much as 256 MB), none negative, any of them pinned to a measured
+value; :func:`predict` is the model's time of some counts. Pure Python and numpy, no TensorFlow:
 ``benchmarks/network_patterns.py`` fits it on emulated networks, docs/patterns.md uses it.
 """
 
-from sparkdl.collective.cost.collectives import SEGMENT_BYTES, binomial_paths
-from sparkdl.collective.cost.fitting import PATTERNS, Measurement, cost, efficiency, fit, predict, relative_error
+from sparkdl.collective.cost.collectives import collective, priced
+from sparkdl.collective.cost.fitting import Measurement, efficiency, fit, predict, relative_error
 from sparkdl.collective.cost.model import TERMS, Cost, Params
 
 __all__ = [
-    "PATTERNS",
-    "SEGMENT_BYTES",
     "TERMS",
     "Cost",
     "Measurement",
     "Params",
-    "binomial_paths",
-    "cost",
+    "collective",
     "efficiency",
     "fit",
     "predict",
+    "priced",
     "relative_error",
 ]

@@ -1,53 +1,19 @@
-"""Every pattern by name, its predicted time, and the model's constants fitted on measured times."""
+"""A pattern's predicted time, and the model's constants fitted on measured times."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from sparkdl.collective.cost import collectives, modes
 from sparkdl.collective.cost.model import TERMS, Cost, Params
 
-#: Every pattern: ``name -> function(n, nbytes, **options) -> Cost``.
-PATTERNS: dict[str, Callable[..., Cost]] = {
-    "ring_allreduce": collectives.ring_allreduce,
-    "naive_allreduce": collectives.naive_allreduce,
-    "tree_allreduce": collectives.tree_allreduce,
-    "hierarchical_allreduce": collectives.hierarchical_allreduce,
-    "ring_reduce_scatter": collectives.ring_reduce_scatter,
-    "ring_allgather": collectives.ring_allgather,
-    "naive_allgather": collectives.naive_allgather,
-    "ring_broadcast": collectives.ring_broadcast,
-    "tree_broadcast": collectives.tree_broadcast,
-    "naive_broadcast": collectives.naive_broadcast,
-    "sync": modes.sync,
-    "zero1": modes.zero1,
-    "zero3": modes.zero3,
-    "parameter_server": modes.parameter_server,
-    "sharded_ps": modes.sharded_ps,
-    "sync_ps": modes.sync_ps,
-    "spread_ps": modes.spread_ps,
-    "gossip": modes.gossip,
-    "pipeline": modes.pipeline,
-}
 
-
-def cost(pattern: str, n: int, nbytes: float, **options: Any) -> Cost:
-    """The counts of ``pattern`` over ``n`` ranks on ``nbytes`` (see :data:`PATTERNS` for the options)."""
-    if pattern not in PATTERNS:
-        raise ValueError(f"Expected `pattern` to be one of {sorted(PATTERNS)}. Received: pattern={pattern!r}")
-    if n < 1 or nbytes < 0:
-        raise ValueError(f"Expected n >= 1 and nbytes >= 0. Received: n={n}, nbytes={nbytes}")
-    return PATTERNS[pattern](n, float(nbytes), **options)
-
-
-def predict(pattern: str, n: int, nbytes: float, params: Params, **options: Any) -> float:
-    """Seconds ``pattern`` takes over ``n`` ranks on ``nbytes`` by the model: alpha·steps + beta·bytes + gamma·memory."""
-    return float(cost(pattern, n, nbytes, **options).vector() @ params.vector())
+def predict(counts: Cost, params: Params) -> float:
+    """Seconds a pattern of ``counts`` takes by the model: alpha·steps + beta·bytes + gamma·memory + delta·total."""
+    return float(counts.vector() @ params.vector())
 
 
 def fit(
@@ -71,7 +37,7 @@ def fit(
         raise ValueError("Expected at least one measurement to fit")
     if any(m.seconds <= 0 for m in rows):
         raise ValueError("Expected every measurement's seconds to be positive")
-    design = np.array([m.cost().vector() for m in rows])
+    design = np.array([m.counts.vector() for m in rows])
     weights = 1.0 / np.array([m.seconds for m in rows])
     known = np.zeros(len(TERMS))
     for term, value in fixed.items():
@@ -99,8 +65,7 @@ def fit(
 
 def relative_error(measurement: Measurement, params: Params) -> float:
     """(predicted - measured) / measured for one measurement."""
-    predicted = predict(measurement.pattern, measurement.n, measurement.nbytes, params, **measurement.options)
-    return (predicted - measurement.seconds) / measurement.seconds
+    return (predict(measurement.counts, params) - measurement.seconds) / measurement.seconds
 
 
 def efficiency(step_seconds: float, compute_seconds: float) -> float:
@@ -112,13 +77,7 @@ def efficiency(step_seconds: float, compute_seconds: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-    """A measured time: ``pattern`` over ``n`` ranks on ``nbytes``, with the pattern's options."""
+    """A measured time of a pattern whose counts are ``counts`` (``collective(...)``, a mode's, ...)."""
 
-    pattern: str
-    n: int
-    nbytes: float
+    counts: Cost
     seconds: float
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-    def cost(self) -> Cost:
-        return cost(self.pattern, self.n, self.nbytes, **self.options)

@@ -9,9 +9,6 @@ Horovod's own transports (the rendezvous over HTTP, Gloo over TCP) carry no
 authentication; sparkdl binds the rendezvous to the task's address only and
 serves it for the length of the job. Where that is not acceptable, use the
 built-in ``backend="sparkdl"``, which authenticates every connection.
-
-The communicator over Horovod's collectives is
-:class:`sparkdl.collective.horovod_backend.HorovodCommunicator` (also importable from here).
 """
 
 from __future__ import annotations
@@ -23,9 +20,7 @@ import socket
 import threading
 from collections.abc import Iterator, Sequence
 
-from sparkdl.collective.horovod_backend import HorovodCommunicator
-
-__all__ = ["HorovodCommunicator", "Slot", "horovod_environment", "interface_of", "slot_plan"]
+__all__ = ["Slot", "horovod_environment", "interface_of", "slot_plan"]
 
 
 @dataclasses.dataclass(frozen=True)

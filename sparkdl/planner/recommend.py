@@ -8,8 +8,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from sparkdl.launch import session
-from sparkdl.planner import probe
-from sparkdl.planner.planner import MODES, Plan, weigh
+from sparkdl.planner import cluster_probe
+from sparkdl.planner.planned import PLANNED
+from sparkdl.planner.planner import Plan, weigh
 
 
 def plan(
@@ -30,9 +31,9 @@ def plan(
     Runs a short probe on the cluster: two profiled fits of a few steps on one worker (at ``batch_size`` and
     four times it, on ``df``'s own rows, ``features_col``/``label_col`` as ``sparkdl.fit`` reads them) and the
     ring allreduce's latency and bandwidth between ``num_workers`` tasks; then predicts the time of an epoch of
-    every mode (``modes``: labels of ``sparkdl.planner.planner.MODES``, default all) on 1, 2, 4, ...,
+    every planned mode (``modes``: labels of ``sparkdl.planner.planned.PLANNED``, default all) on 1, 2, 4, ...,
     ``num_workers`` workers with ``batch_size``, 2x and 4x rows per worker, from the cost model of each mode's
-    communication (``sparkdl.collective.cost``). ``worker_memory``: bytes a worker may hold for the model (its
+    communication (``sparkdl.planner.mode_costs``). ``worker_memory``: bytes a worker may hold for the model (its
     weights, optimizer state and gradients); modes beyond it are shown but not recommended, as are those that would
     claim more task slots than the cluster has (servers beside the workers). With ``show``, the table is printed.
     Returns the :class:`~sparkdl.planner.planner.Plan` (``plan.recommended.fit_arguments``).
@@ -43,7 +44,7 @@ def plan(
     """
     _check(model, num_workers, batch_size, worker_memory, modes)
     rows = df.count()
-    measured = probe.measure(
+    measured = cluster_probe.measure(
         df,
         model,
         num_workers=num_workers,
@@ -62,7 +63,7 @@ def plan(
         trainable_variables=len(model.trainable_variables),
         worker_memory=worker_memory,
         cluster_slots=session.task_slots(df.sparkSession),
-        modes=tuple(modes) if modes is not None else tuple(MODES),
+        modes=tuple(modes) if modes is not None else None,
     )
     if show:
         print(result)
@@ -75,9 +76,9 @@ def _check(model, num_workers, batch_size, worker_memory, modes) -> None:
             raise ValueError(f"Expected `{name}` to be a positive integer. Received: {name}={value!r}")
     if worker_memory is not None and (isinstance(worker_memory, bool) or not isinstance(worker_memory, int)):
         raise ValueError(f"Expected `worker_memory` to be a number of bytes. Received: worker_memory={worker_memory!r}")
-    unknown = [m for m in modes or () if m not in MODES]
+    unknown = [m for m in modes or () if m not in PLANNED]
     if unknown:
-        raise ValueError(f"Expected `modes` among {list(MODES)}. Received: {unknown}")
+        raise ValueError(f"Expected `modes` among {list(PLANNED)}. Received: {unknown}")
     if getattr(model, "optimizer", None) is None:
         raise ValueError("Expected a compiled model: the probe trains it for a few steps.")
 

@@ -1,6 +1,6 @@
 """Which ranks are linked, and how links open: one authenticated TCP connection per pair of ranks, on first use.
 
-Each pair of ranks shares one connection (a :class:`~sparkdl.collective.link.Link`),
+Each pair of ranks shares one connection (a :class:`~sparkdl.collective.transport.link.Link`),
 used in both directions; the lower rank connects, the higher one accepts (on a
 thread that keeps accepting for the communicator's life, so links can open on
 first use: the ring's at connect, a star's or a mesh's when an algorithm needs
@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from sparkdl.collective.link import Link
+from sparkdl.collective.transport.link import Link
 from sparkdl.net.acceptor import HANDSHAKE_TIMEOUT, MAX_PENDING, HandshakeAcceptor
 from sparkdl.net.auth import ConnectGaveUp
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout

@@ -1,27 +1,35 @@
-"""The training modes counted per step: sync, ZeRO, the parameter servers, gossip and the pipeline."""
+"""The training modes' communication counted per step, for the planner: sync, ZeRO, the parameter servers, gossip
+and the pipeline.
+
+Built on the collectives' counts (``sparkdl.collective.cost.collective``, each algorithm's own) where a mode's
+step is made of collectives; the parameter servers', gossip's and the pipeline's from their own traffic. Each
+function is ``(n, nbytes, **options) -> Cost`` (K: the model's gradient or weight bytes, or a cut's
+activations for the pipeline); :data:`PATTERNS` names them for benchmarks and tests, and the planner's
+modes (:mod:`.planned`) carry theirs.
+"""
 
 from __future__ import annotations
 
-from sparkdl.collective.cost.collectives import (
-    hierarchical_allreduce,
-    ring_allgather,
-    ring_allreduce,
-    ring_reduce_scatter,
-)
-from sparkdl.collective.cost.model import Cost, total
+from collections.abc import Callable
+from typing import Any
+
+from sparkdl.collective.cost import Cost, collective
+from sparkdl.collective.cost.model import total
 
 
 def sync(n: int, k: float, local: int = 1) -> Cost:
     """``mode="sync"``: one allreduce of the gradients per step; the ring across hosts (hierarchical with
     ``local`` ranks per host). Buckets split K but not its bytes. Data parallelism (Sergeev and Del Balso 2018)."""
-    return hierarchical_allreduce(n, k, local) if local > 1 else ring_allreduce(n, k)
+    if local > 1:
+        return collective("allreduce", "hierarchical", n, k, local=local)
+    return collective("allreduce", "ring", n, k)
 
 
 def zero1(n: int, k: float) -> Cost:
     """``mode="sharded"`` (ZeRO stage 1, Rajbhandari et al., SC'20): the gradients reduce-scattered, each rank
     updating its K/N shard, the weights all-gathered: the ring allreduce's bytes and steps exactly, split in two
     (the ZeRO paper's point: stages 1 and 2 cost data parallelism's communication, 2(N-1)K/N a rank)."""
-    scatter, gather = ring_reduce_scatter(n, k), ring_allgather(n, k)
+    scatter, gather = collective("reduce_scatter", "ring", n, k), collective("allgather", "ring", n, k)
     return total(scatter, gather)
 
 
@@ -37,7 +45,7 @@ def zero3(n: int, k: float, units: int = 1) -> Cost:
     if units < 1:
         raise ValueError(f"Expected `units` of at least 1. Received: units={units}")
     part = k / units
-    gathers, scatters = ring_allgather(n, part), ring_reduce_scatter(n, part)
+    gathers, scatters = collective("allgather", "ring", n, part), collective("reduce_scatter", "ring", n, part)
     return total(*([gathers] * (2 * units - 1) + [scatters] * units))
 
 
@@ -120,3 +128,26 @@ def pipeline(n: int, k: float, micro_batches: int = 1) -> Cost:
     return Cost(
         2 * (n - 1), 2 * (n - 1) * k, 0.0, neighbours * m, neighbours * m * k, neighbours * m * k, 2 * (n - 1) * m * k
     )
+
+
+#: Every mode's pattern by name: ``name -> function(n, nbytes, **options) -> Cost``.
+PATTERNS: dict[str, Callable[..., Cost]] = {
+    "sync": sync,
+    "zero1": zero1,
+    "zero3": zero3,
+    "parameter_server": parameter_server,
+    "sharded_ps": sharded_ps,
+    "sync_ps": sync_ps,
+    "spread_ps": spread_ps,
+    "gossip": gossip,
+    "pipeline": pipeline,
+}
+
+
+def cost(pattern: str, n: int, nbytes: float, **options: Any) -> Cost:
+    """The counts of a step of ``pattern`` over ``n`` ranks on ``nbytes`` (see :data:`PATTERNS` for the options)."""
+    if pattern not in PATTERNS:
+        raise ValueError(f"Expected `pattern` to be one of {sorted(PATTERNS)}. Received: pattern={pattern!r}")
+    if n < 1 or nbytes < 0:
+        raise ValueError(f"Expected n >= 1 and nbytes >= 0. Received: n={n}, nbytes={nbytes}")
+    return PATTERNS[pattern](n, float(nbytes), **options)

@@ -92,8 +92,8 @@ class Segment:
 
 
 @dataclass
-class Links:
-    """A rank's share of the group: segments, a doorbell per peer, and its connections for passing segments."""
+class Membership:
+    """A rank's membership of the group: segments, a doorbell per peer, and its connections for passing segments."""
 
     control: Segment
     data: Segment
@@ -112,7 +112,7 @@ def group_key(secret: bytes, name: str) -> bytes:
     return hmac.new(secret, b"sparkdl shared memory " + name.encode(), hashlib.sha256).digest()
 
 
-def setup(local_rank: int, ranks: list[int], name: str, secret: bytes, timeout: float, data_bytes: int) -> Links:
+def setup(local_rank: int, ranks: list[int], name: str, secret: bytes, timeout: float, data_bytes: int) -> Membership:
     """Join the group's segments and doorbells; CollectiveError (CollectiveTimeout past ``timeout``) naming who failed."""
     deadline = time.monotonic() + timeout
     if local_rank == 0:
@@ -126,7 +126,7 @@ def _another_user(sock: socket.socket) -> str | None:
     return None if uid == os.geteuid() else f"a process of another user (uid {uid})"
 
 
-def _serve(ranks: list[int], name: str, key: bytes, deadline: float, timeout: float, data_bytes: int) -> Links:
+def _serve(ranks: list[int], name: str, key: bytes, deadline: float, timeout: float, data_bytes: int) -> Membership:
     size, joined = len(ranks), dict[int, socket.socket]()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     segments, pairs = list[Segment](), dict[tuple[int, int], tuple[socket.socket, socket.socket]]()
@@ -181,7 +181,7 @@ def _serve(ranks: list[int], name: str, key: bytes, deadline: float, timeout: fl
         doorbells = {j: pairs.pop((0, j)) for j in range(1, size)}
         for _, theirs in doorbells.values():  # only rank j may hold the other end: its EOF must mean j is gone
             theirs.close()
-        return Links(control, data, {j: pair[0] for j, pair in doorbells.items()}, joined)
+        return Membership(control, data, {j: pair[0] for j, pair in doorbells.items()}, joined)
     except BaseException:
         for segment in segments:
             segment.close()
@@ -197,7 +197,7 @@ def _serve(ranks: list[int], name: str, key: bytes, deadline: float, timeout: fl
             pair[1].close()
 
 
-def _join(local_rank: int, ranks: list[int], name: str, key: bytes, deadline: float, timeout: float) -> Links:
+def _join(local_rank: int, ranks: list[int], name: str, key: bytes, deadline: float, timeout: float) -> Membership:
     delay, last_error = 0.002, "no attempt made"
     while True:
         if time.monotonic() >= deadline:
@@ -227,7 +227,7 @@ def _join(local_rank: int, ranks: list[int], name: str, key: bytes, deadline: fl
         owned.append(data)
         doorbells = {j: socket.socket(fileno=fds.pop(0)) for j in range(size) if j != local_rank}
         owned.clear()
-        return Links(control, data, doorbells, {0: sock})
+        return Membership(control, data, doorbells, {0: sock})
     except BaseException as exc:
         for fd in fds:
             os.close(fd)
@@ -278,9 +278,9 @@ def recv_segment(conn: socket.socket, size: int, deadline: float) -> Segment:
 class Progress:
     """The counters and doorbells of one rank: publish a value, wait until peers have published one."""
 
-    def __init__(self, links: Links, local_rank: int, ranks: list[int], timeout: float):
-        self.words = memoryview(links.control.map).cast("q")
-        self.doorbells, self.me, self.ranks, self.timeout = links.doorbells, local_rank, ranks, timeout
+    def __init__(self, membership: Membership, local_rank: int, ranks: list[int], timeout: float):
+        self.words = memoryview(membership.control.map).cast("q")
+        self.doorbells, self.me, self.ranks, self.timeout = membership.doorbells, local_rank, ranks, timeout
         self.bells = list(self.doorbells.values())
         for bell in self.bells:
             bell.setblocking(False)

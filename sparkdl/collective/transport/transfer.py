@@ -1,10 +1,11 @@
 """One operation's traffic among a group's ranks: frames stamped with its group, code and sequence number.
 
-Algorithms see only an :class:`Exchange`: group ranks (0..size-1), their
-ring order (host by host), and sends and receives of arrays. Sends are
-queued on the links' sender threads; :meth:`Exchange.flush` waits for them,
-and every algorithm flushes before it returns, so that results (and inputs)
-are never handed back while still being sent.
+An algorithm's frames go through a :class:`Transfer`: group ranks (0..size-1),
+their ring order (host by host), and sends and receives of arrays. Sends are
+queued on the links' sender threads; :meth:`Transfer.flush` waits for them,
+and every algorithm flushes before it returns (leaving a ``with`` block of
+the transfer does), so that results (and inputs) are never handed back
+while still being sent.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from sparkdl.collective.links import Links
+from sparkdl.collective.transport.mesh import Links
 from sparkdl.net.errors import CollectiveError
 from sparkdl.net.frames import Header, Kind, dtype_code, dtype_of
 
@@ -22,7 +23,7 @@ from sparkdl.net.frames import Header, Kind, dtype_code, dtype_of
 MAX_DIMS = 32
 
 
-class Exchange:
+class Transfer:
     """Sends and receives of one operation ``op`` (a wire code) of group ``group``, call number ``seq``."""
 
     def __init__(
@@ -100,3 +101,10 @@ class Exchange:
         """Waits until everything queued has been sent."""
         while self._sends:
             self._sends.popleft().result()
+
+    def __enter__(self) -> Transfer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is None:  # a failed call's sends are the failure's to clean up (the links close)
+            self.flush()

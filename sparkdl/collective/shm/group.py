@@ -1,7 +1,7 @@
 """Why ranks on one host skip TCP: allreduce, reduce-scatter, allgather, broadcast and barrier through one segment.
 
 :class:`SharedMemoryGroup` joins the local ranks of a host (setup, segments and
-doorbells: :mod:`sparkdl.collective.shm_segment`).  Each phase of an operation
+doorbells: :mod:`sparkdl.collective.shm.segment`).  Each phase of an operation
 ends by publishing the rank's next counter value (plain stores: on x86-64 the
 data written before it is visible first); all ranks run the same calls, so
 waiting is "peer q reached value v".
@@ -36,7 +36,7 @@ from types import TracebackType
 
 import numpy as np
 
-from sparkdl.collective import shm_segment as seg
+from sparkdl.collective.shm import segment as seg
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout
 
 OPS = {"sum": np.add, "min": np.minimum, "max": np.maximum}
@@ -60,9 +60,11 @@ class SharedMemoryGroup:
     too, so this rank's death goes unnoticed (until the timeout) while that child lives.
     """
 
-    def __init__(self, local_rank: int, ranks: Sequence[int], name: str, timeout: float, links: seg.Links | None):
+    def __init__(
+        self, local_rank: int, ranks: Sequence[int], name: str, timeout: float, membership: seg.Membership | None
+    ):
         self.local_rank, self.local_size, self.ranks = local_rank, len(ranks), list(ranks)
-        self.name, self.timeout, self._links = name, timeout, links
+        self.name, self.timeout, self._membership = name, timeout, membership
         self._failure: CollectiveError | None = None
         self._closed = False
         self._peers = [q for q in range(self.local_size) if q != local_rank]
@@ -71,9 +73,9 @@ class SharedMemoryGroup:
         self._set = self._half = 0  # the set of slots and results, and the broadcast half, used next
         # bytes written for peers by (operation, dtype name), once per peer that reads them (module docstring)
         self.delivered: collections.Counter[tuple[str, str]] = collections.Counter()
-        if links is not None:
-            self._progress = seg.Progress(links, local_rank, self.ranks, timeout)
-            self._bytes: np.ndarray | None = np.frombuffer(links.data.map, np.uint8)
+        if membership is not None:
+            self._progress = seg.Progress(membership, local_rank, self.ranks, timeout)
+            self._bytes: np.ndarray | None = np.frombuffer(membership.data.map, np.uint8)
 
     @classmethod
     def open(
@@ -92,12 +94,12 @@ class SharedMemoryGroup:
         if not _TSO:
             raise CollectiveError(f"{me}: its counters rely on x86-64 memory ordering, not {platform.machine()}'s")
         try:
-            links = seg.setup(local_rank, list(ranks), name, secret, timeout, INITIAL_DATA_BYTES)
+            membership = seg.setup(local_rank, list(ranks), name, secret, timeout, INITIAL_DATA_BYTES)
         except CollectiveError as exc:
             raise type(exc)(f"{me}: {exc}") from None
         except OSError as exc:
             raise CollectiveError(f"{me}: {exc}") from None
-        return cls(local_rank, ranks, name, timeout, links)
+        return cls(local_rank, ranks, name, timeout, membership)
 
     def __enter__(self) -> SharedMemoryGroup:
         return self
@@ -315,7 +317,7 @@ class SharedMemoryGroup:
         """Release the segments and sockets (idempotent); peers still waiting on this rank are told it left."""
         if not self._closed:
             self._closed = True
-            if self._links is not None:
+            if self._membership is not None:
                 self._progress.mark(seg.CLOSED)
             self._release()
 
@@ -328,22 +330,22 @@ class SharedMemoryGroup:
         if self._closed:
             raise CollectiveError(f"{me}: the shared memory group is closed")
         try:
-            yield self._progress if self._links is not None else None
+            yield self._progress if self._membership is not None else None
         except BaseException as exc:  # the counters no longer match the peers': none of this group's calls can run
             self._failure = (
                 exc if isinstance(exc, CollectiveError) else CollectiveError(f"{me}: interrupted by {exc!r}")
             )
-            if self._links is not None:
+            if self._membership is not None:
                 self._progress.mark(seg.FAILED)  # unless the wait that failed left why
             self._release()
             raise
 
     def _release(self) -> None:
-        if self._links is not None:
+        if self._membership is not None:
             self._bytes = None
             self._progress.words.release()
-            self._links.close()
-            self._links = None
+            self._membership.close()
+            self._membership = None
 
     def _ufunc(self, op: str):
         if op not in OPS:
@@ -360,17 +362,17 @@ class SharedMemoryGroup:
 
     def _reserve(self, need: int, op: str) -> np.ndarray:
         """The data segment's bytes, after replacing it with a bigger one if it holds fewer than ``need``."""
-        links = self._links
-        assert links is not None and self._bytes is not None
-        if need <= links.data.size:
+        membership = self._membership
+        assert membership is not None and self._bytes is not None
+        if need <= membership.data.size:
             return self._bytes
-        size, me = max(seg.align(need), 2 * links.data.size), f"rank {self.ranks[self.local_rank]}: {op}"
+        size, me = max(seg.align(need), 2 * membership.data.size), f"rank {self.ranks[self.local_rank]}: {op}"
         if self.local_rank == 0:
             try:
                 segment = seg.Segment.create(self.name, size)
             except CollectiveError as exc:
                 raise CollectiveError(f"{me} failed: {exc}") from None
-            for q, conn in links.conns.items():
+            for q, conn in membership.conns.items():
                 try:
                     seg.send_segment(conn, segment, self.timeout)
                 except OSError:
@@ -379,7 +381,7 @@ class SharedMemoryGroup:
                     raise self._progress.lost(op, [q]) from None
         else:
             try:
-                segment = seg.recv_segment(links.conns[0], size, time.monotonic() + self.timeout)
+                segment = seg.recv_segment(membership.conns[0], size, time.monotonic() + self.timeout)
             except TimeoutError:
                 self._progress.mark(seg.FAILED, 0, seg.TIMED_OUT)
                 raise CollectiveTimeout(
@@ -388,8 +390,8 @@ class SharedMemoryGroup:
             except OSError:
                 raise self._progress.lost(op, [0]) from None
         self._bytes = None
-        links.data.close()
-        links.data = segment
+        membership.data.close()
+        membership.data = segment
         self._bytes = np.frombuffer(segment.map, np.uint8)
         return self._bytes
 

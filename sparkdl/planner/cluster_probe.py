@@ -89,7 +89,9 @@ def _link_measurements(spark, num_workers: int, gradient_bytes: int, timeout: fl
     seconds = sparkdl.run(
         _time_allreduces, num_workers=num_workers, args=(sizes, _REPEATS), timeout=timeout, spark=spark
     )
-    return [cost.Measurement("ring_allreduce", num_workers, size, s) for size, s in zip(sizes, seconds)]
+    return [
+        cost.Measurement(cost.collective("allreduce", "ring", num_workers, size), s) for size, s in zip(sizes, seconds)
+    ]
 
 
 def _time_allreduces(sizes: list[int], repeats: int) -> list[float]:

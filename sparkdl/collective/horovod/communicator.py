@@ -1,7 +1,7 @@
 """The ``Communicator`` protocol over Horovod's TensorFlow collectives (Horovod 0.28.1, Gloo on CPU, NCCL on GPU).
 
 :class:`HorovodCommunicator` joins the job that ``hvd.init()`` finds in the
-environment (``sparkdl.collective.horovod.horovod_environment`` sets it inside a
+environment (``sparkdl.collective.horovod.rendezvous.horovod_environment`` sets it inside a
 barrier task) and runs every operation through Horovod's eager ops; the
 trainer's gradients take Horovod's in-graph allreduce instead
 (:meth:`HorovodCommunicator.allreduce_tensors`).
