@@ -47,9 +47,6 @@ import numpy as np
 from sparkdl.keras import adopted
 from sparkdl.ps.staleness import ServerStopping
 
-if typing.TYPE_CHECKING:
-    from sparkdl.ps.shard_server import ShardServer
-
 _log = logging.getLogger(__name__)
 
 
@@ -65,21 +62,33 @@ class PushRefused(Exception):
     """A push the rule cannot take (a step ahead of the round being collected, a join refused): ``BAD_REQUEST``."""
 
 
+class UpdatedShard(typing.Protocol):
+    """What a rule updates: one shard server's shard (``sparkdl.ps.shard_server.ShardServer``)."""
+
+    index: int  # the shard's index in the model's layout
+    size: int  # its float32 parameters
+    lock: threading.Lock | None  # serialises its updates and reads (None under hogwild)
+    version: int  # updates applied
+
+    def locked(self) -> contextlib.AbstractContextManager:
+        """The shard's lock, or nothing where it has none."""
+
+    def apply(self, gradient: np.ndarray) -> int:
+        """Applies ``gradient`` and counts the update; returns the shard's version after it."""
+
+
 class Immediate:
     """async, hogwild and ssp: each push applied as it arrives, under the shard's lock where it has one."""
 
     numbered = False  # pushes carry no step and rows: their header's ``value`` and ``tag`` stay 0
 
-    def __init__(self, shard: ShardServer):
+    def __init__(self, shard: UpdatedShard):
         self._shard = shard
 
     def push(self, worker: int, gradient: np.ndarray, step: int, rows: int) -> int:
         """Applies ``gradient``; returns the shard's version after it."""
         with self._shard.locked():
-            started = time.perf_counter()
-            self._shard.shard.apply(gradient)
-            applied = time.perf_counter() - started
-        return self._shard.applied(applied)
+            return self._shard.apply(gradient)
 
     def admit_pull(self, worker: int, timeout: float) -> None:
         """A pull reads the weights as they are."""
@@ -184,7 +193,7 @@ class Rounds:
 
     numbered = True  # a push's header carries its step (``value``) and rows (``tag``)
 
-    def __init__(self, shard: ShardServer, roster: Roster):
+    def __init__(self, shard: UpdatedShard, roster: Roster):
         self._shard = shard
         self._roster = roster
         self._num_workers = roster.num_workers
@@ -261,15 +270,13 @@ class Rounds:
         if len(self._pushes) < self._num_workers or not self._roster.is_open(self.step):
             return
         pushes = [self._pushes[worker] for worker in range(self._num_workers)]
-        started = time.perf_counter()
         try:
-            self._shard.shard.apply(self._weighted_mean(pushes))
+            self._shard.apply(self._weighted_mean(pushes))
         except Exception as exc:
             _log.exception("parameter server shard %d: the update of step %d failed", self._shard.index, self.step)
             self._failed = f"shard {self._shard.index} failed to apply the update of step {self.step}: {exc!r}"
             self._cond.notify_all()
             raise RoundFailed(self._failed) from exc
-        self._shard.applied(time.perf_counter() - started)
         self._pushes.clear()
         self.step += 1
         self.rounds += 1

@@ -37,7 +37,7 @@ _BITS = {2: np.uint16, 4: np.uint32}
 
 
 class OptimizerShard:
-    """A :class:`sparkdl.ps.server.Shard` over some of the model's variables."""
+    """A :class:`sparkdl.ps.shard_server.Shard` over some of the model's variables."""
 
     def __init__(self, variables: list, optimizer_class, optimizer_config: dict, *, compiled: bool):
         import tensorflow as tf
