@@ -450,27 +450,28 @@ def _ps_step(pattern, n, k, options):
 
     from sparkdl.modes.parameter_server.exchange import Exchange, SyncSteps
     from sparkdl.net.frames import HEADER
+    from sparkdl.ps.rules import Immediate, SyncRounds
     from sparkdl.ps.sharding import ShardLayout, assign_shards
 
     servers = n if pattern == "spread_ps" else options.get("servers", 1)
-    mode = "sync_ps" if pattern == "sync_ps" else "async"
+    rule = SyncRounds() if pattern == "sync_ps" else Immediate()
     sizes = [k // 4 // servers] * servers
     layout = ShardLayout([(size,) for size in sizes], assign_shards(sizes, servers))
     apart = pattern == "spread_ps"  # a server of one shard beside each worker, as server tasks run them
     running = (
-        [server([shard], mode=mode, num_workers=n, first_shard=k) for k, shard in enumerate(make_shards(sizes))]
+        [server([shard], rule=rule, num_workers=n, first_shard=k) for k, shard in enumerate(make_shards(sizes))]
         if apart
-        else [server(make_shards(sizes), mode=mode, num_workers=n)]
+        else [server(make_shards(sizes), rule=rule, num_workers=n)]
     )
     for one in running:
         one.start()
     try:
         clients = [client(running if apart else running[0], w, sizes) for w in range(n)]
-        steps = SyncSteps(0, np.array([8])) if mode == "sync_ps" else None
+        steps = SyncSteps(0, np.array([8])) if rule.synchronous else None
         exchanges = [Exchange(c, layout, None, steps) for c in clients]
         gradient = np.ones(layout.size, np.float32)
         with ThreadPoolExecutor(n) as pool:
-            if mode == "sync_ps":
+            if rule.synchronous:
                 list(pool.map(lambda c: c.join(8, n), clients))
             before = [c.traffic() for c in clients]
             list(pool.map(lambda e: e.push(gradient, np.float32(1.0)), exchanges))  # a round: every worker once

@@ -12,6 +12,7 @@ from sparkdl.keras import adopted
 from sparkdl.keras.optimizer_hooks import intercept_apply
 from sparkdl.modes.parameter_server.exchange import Exchange, StepHook
 from sparkdl.ps.client import ParameterClient
+from sparkdl.ps.rules import Immediate
 from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.sharding import ShardLayout, assign_shards
 
@@ -33,7 +34,7 @@ def serve(model, num_servers, compression=None):
     weights = model.get_weights()
     shards = [SGDShard(np.concatenate([weights[i].ravel() for i in shard])) for shard in layout.shards]
     server = ParameterServer(
-        shards, host="127.0.0.1", secret=SECRET, mode="async", num_workers=1, compression=compression
+        shards, host="127.0.0.1", secret=SECRET, rule=Immediate(), num_workers=1, compression=compression
     )
     return server, layout
 

@@ -35,6 +35,7 @@ from sparkdl.net.auth import connect_authenticated
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout
 from sparkdl.ps import protocol
 from sparkdl.ps.client import fetch_state
+from sparkdl.ps.rules import BoundedStaleness, SyncRounds
 from sparkdl.ps.server_model import ServerModel
 
 
@@ -49,10 +50,10 @@ class StateShard(SGDShard):
         return [self.w.copy()]
 
 
-def apart(shards, mode="async", num_workers=2, **kwargs):
+def apart(shards, rule=ps_servers.ASYNC, num_workers=2, **kwargs):
     """One server per shard, as server tasks run them: shard k in a server of its own, under its index k."""
     return [
-        ps_servers.server([shard], mode=mode, num_workers=num_workers, first_shard=k, **kwargs).__enter__()
+        ps_servers.server([shard], rule=rule, num_workers=num_workers, first_shard=k, **kwargs).__enter__()
         for k, shard in enumerate(shards)
     ]
 
@@ -69,7 +70,7 @@ def test_servers_apart_each_bound_staleness_and_wait_for_every_workers_done():
     """ssp over two servers of one shard each: each keeps its own clocks (every push reaches every shard), so each
     holds a fast worker's pull within max_staleness of the slow one; each ends once every worker said DONE."""
     sizes = [10, 3]
-    servers = apart(make_shards(sizes), mode="ssp", num_workers=3, max_staleness=1)
+    servers = apart(make_shards(sizes), rule=BoundedStaleness(1), num_workers=3)
     finished = [in_thread(server.wait_finished) for server in servers]
     try:
 
@@ -116,7 +117,7 @@ def test_sync_ps_servers_apart_train_what_one_server_of_both_shards_trains():
 
     rng = np.random.default_rng(1)
     start = [rng.standard_normal(n) for n in sizes]
-    servers = apart([SGDShard(w) for w in start], mode="sync_ps")
+    servers = apart([SGDShard(w) for w in start], rule=SyncRounds())
     try:
         clients = [client(servers, w, sizes) for w in range(2)]
         got = train(clients)
@@ -126,7 +127,7 @@ def test_sync_ps_servers_apart_train_what_one_server_of_both_shards_trains():
         rounds = [server.stats()["rounds"] for server in servers]
     finally:
         stop(servers)
-    with ps_servers.server([SGDShard(w) for w in start], mode="sync_ps") as together:
+    with ps_servers.server([SGDShard(w) for w in start], rule=SyncRounds()) as together:
         clients = [client(together, w, sizes) for w in range(2)]
         want = train(clients)
         for c in clients:
@@ -143,7 +144,7 @@ def test_the_controller_reads_an_epochs_state_and_opens_the_next_epochs_rounds()
     state after the epoch before; what it read is exactly that state."""
     sizes = [3]
     shard = StateShard(np.zeros(3))
-    (server,) = apart([shard], mode="sync_ps", epoch_steps=lambda rows: 2, controller=True, timeout=10.0)
+    (server,) = apart([shard], rule=SyncRounds(), epoch_steps=lambda rows: 2, controller=True, timeout=10.0)
     try:
         clients = [client([server], w, sizes) for w in range(2)]
         joins = [in_thread(lambda c=c: c.join(4, 2)) for c in clients]

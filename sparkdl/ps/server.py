@@ -9,17 +9,17 @@ requests in order (:mod:`sparkdl.ps.shard_server`); with ``encrypt`` every
 connection is sealed (:mod:`sparkdl.net.secure`).  The server stores nothing
 itself: it calls the :class:`~sparkdl.ps.shard_server.Shard` objects it was given.
 
-Modes:
+Update rules (:mod:`sparkdl.ps.rules`, the ``rule`` it is given):
 
-- ``async``: pushes are applied as they arrive; ``apply`` and ``read`` of a
+- ``Immediate`` (async): pushes are applied as they arrive; ``apply`` and ``read`` of a
   shard are serialised by a per-shard lock.
-- ``hogwild``: no lock: concurrent pushes call ``shard.apply`` concurrently
+- ``Hogwild``: no lock: concurrent pushes call ``shard.apply`` concurrently
   (one thread per connection) and reads don't wait for applies.
-- ``ssp``: as ``async``, and a pull by worker w is held until
+- ``BoundedStaleness`` (ssp): as ``Immediate``, and a pull by worker w is held until
   ``clock[w] - min(active clocks) <= max_staleness`` (see
   :class:`sparkdl.ps.staleness.ClockTracker`; the shard-0 server advances a
   worker's clock once per push).
-- ``sync_ps``: synchronous rounds (:class:`sparkdl.ps.rules.Rounds`): each shard
+- ``SyncRounds`` (sync_ps): synchronous rounds (:class:`sparkdl.ps.rules.RoundUpdates`): each shard
   collects one push per worker for step t, applies their mean (weighted by the
   rows behind each) once, and holds every worker's pull until then, so all pull
   the same weights for step t+1. Before its first step a worker joins
@@ -27,8 +27,6 @@ Modes:
   schedule (:class:`sparkdl.ps.rules.Roster`). With ``epoch_steps`` the first
   round of each epoch waits until :meth:`ParameterServer.epoch_saved` says the
   driver saved the state after the epoch before.
-
-How a shard turns pushes into updates is its rule's (:mod:`sparkdl.ps.rules`).
 
 A server hosts all shards of a model (on the driver), or, under ``server_placement="executors"``,
 some of them in a Spark task of its own (``first_shard``: the index of its first shard in the
@@ -61,11 +59,8 @@ from sparkdl.net.acceptor import HANDSHAKE_TIMEOUT, MAX_PENDING
 from sparkdl.ps import wire
 from sparkdl.ps.attendance import Attendance
 from sparkdl.ps.counters import ServerCounters
-from sparkdl.ps.rules import Roster, Rounds
+from sparkdl.ps.rules import UpdateRule
 from sparkdl.ps.shard_server import Bookkeeping, Serving, Shard, ShardServer
-from sparkdl.ps.staleness import ClockTracker
-
-MODES = ("async", "hogwild", "ssp", "sync_ps")
 
 
 class ParameterServer:
@@ -77,9 +72,8 @@ class ParameterServer:
         *,
         host: str,
         secret: bytes,
-        mode: str,
+        rule: UpdateRule,
         num_workers: int,
-        max_staleness: int = 0,
         timeout: float = 600.0,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         max_pending: int = MAX_PENDING,
@@ -89,12 +83,10 @@ class ParameterServer:
         first_shard: int = 0,
         controller: bool = False,
     ):
-        """``epoch_steps`` (sync_ps, where the driver checkpoints): the steps per epoch of workers holding the
+        """``epoch_steps`` (``SyncRounds``, where the driver checkpoints): the steps per epoch of workers holding the
         joined rows; the rounds of each epoch then wait for :meth:`epoch_saved` of the epoch before.
         ``first_shard``: the index of ``shards[0]`` in the model's whole layout (a server task hosting shard k of
         several); ``controller``: take the driver's connection as rank ``num_workers`` for ``Msg.STATE``."""
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not shards:
             raise ValueError("a parameter server needs at least one shard")
         if not host or host in ("0.0.0.0", "::"):
@@ -107,8 +99,6 @@ class ParameterServer:
             raise ValueError("secret must be a non-empty per-job secret")
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         for i, shard in enumerate(shards):
@@ -117,14 +107,13 @@ class ParameterServer:
         if first_shard < 0:
             raise ValueError(f"first_shard must be >= 0, got {first_shard}")
         self.host = host
-        self.mode = mode
+        self.rule = rule
         self.num_workers = num_workers
-        self.max_staleness = max_staleness
         self.timeout = float(timeout)
         self.serving = Serving(
             host=host,
             secret=bytes(secret),
-            mode=mode,
+            rule=rule,
             num_workers=num_workers,
             controller=num_workers if controller else None,  # the driver's client rank, if taken
             first_shard=int(first_shard),
@@ -134,8 +123,8 @@ class ParameterServer:
             max_pending=int(max_pending),
             encrypt=encrypt,  # seal every connection (sparkdl.net.secure): the session encrypts its RPC
         )
-        self.tracker = ClockTracker(num_workers, max_staleness if mode == "ssp" else None)
-        self.roster = Roster(num_workers, epoch_steps) if mode == "sync_ps" else None
+        self.tracker = rule.clocks(num_workers)
+        self.roster = rule.roster(num_workers, epoch_steps)
         self.counters = ServerCounters()
         self.attendance = Attendance(num_workers)
         books = Bookkeeping(self.counters, self.attendance, self.tracker, self.roster)
@@ -196,7 +185,7 @@ class ParameterServer:
         return self.attendance.wait(self.timeout, [shard.index for shard in self._shards], poll)
 
     def epoch_saved(self, epoch: int) -> None:
-        """sync_ps with ``epoch_steps``: the driver saved the state after ``epoch``, the next epoch's rounds may run."""
+        """``SyncRounds`` with ``epoch_steps``: the driver saved the state after ``epoch``, the next epoch's rounds may run."""
         if self.roster is not None:
             self.roster.epoch_saved(epoch)
 
@@ -224,10 +213,9 @@ class ParameterServer:
             shard.listener.refused for shard in self._shards if shard.listener is not None
         )
         result["versions"] = [shard.version for shard in self._shards]
-        rules = [shard.rule for shard in self._shards]
-        if self.roster is not None:
-            result["rounds"] = [rule.rounds for rule in rules if isinstance(rule, Rounds)]
-            result["replayed_pushes"] = [rule.replayed for rule in rules if isinstance(rule, Rounds)]
+        for shard in self._shards:  # the rule's own counts, one per shard (SyncRounds': rounds, replayed pushes)
+            for name, count in shard.updates.stats().items():
+                result.setdefault(name, []).append(count)
         result["max_staleness"] = max_seen
         result["clocks"] = clocks
         return result

@@ -34,7 +34,7 @@ from sparkdl.ps import protocol, wire
 from sparkdl.ps.attendance import Attendance
 from sparkdl.ps.counters import ServerCounters
 from sparkdl.ps.protocol import FLOAT, ROWS, Msg, Status
-from sparkdl.ps.rules import Immediate, PushRefused, Roster, RoundFailed, Rounds, RoundTimeout
+from sparkdl.ps.rules import PushRefused, Roster, RoundFailed, RoundTimeout, UpdateRule
 from sparkdl.ps.staleness import ClockTracker, ServerStopping, StalenessTimeout
 
 _log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class Serving:
 
     host: str
     secret: bytes
-    mode: str
+    rule: UpdateRule
     num_workers: int
     controller: int | None  # the driver's client rank, if the server takes it
     first_shard: int  # the server's first shard: it owns the clocks, the roster and the counts
@@ -125,14 +125,13 @@ class ShardServer:
         self.serving = serving
         self.books = books
         self.push_dtype = serving.push_dtype
-        self.lock = threading.Lock() if serving.mode != "hogwild" else None
+        self.lock = threading.Lock() if serving.rule.locked else None
         self.version = 0
         self._version_lock = threading.Lock()  # hogwild's pushes count their updates concurrently
         self._closing = threading.Event()
         self.listener: ServingListener | None = None
         self.address = ""
-        # What a push does and when a pull may read (sparkdl.ps.rules).
-        self.rule: Immediate | Rounds = Immediate(self) if books.roster is None else Rounds(self, books.roster)
+        self.updates = serving.rule.updates(self, books.roster)  # what a push does and when a pull may read
 
     def start(self) -> str:
         serving = self.serving
@@ -214,7 +213,7 @@ class ShardServer:
                     else f"a state request from worker {worker}: only the controller (the driver) asks for a shard's state",
                     reply=reply,
                 )
-            numbered = msg == Msg.PUSH and self.rule.numbered  # a synchronous push: its step and rows
+            numbered = msg == Msg.PUSH and self.updates.numbered  # a synchronous push: its step and rows
             if (
                 request.status
                 or request.group
@@ -228,7 +227,7 @@ class ShardServer:
             if msg == Msg.JOIN and (books.roster is None or self.index != serving.first_shard):
                 raise _ProtocolViolation(
                     f"a join, which only shard {serving.first_shard} of a mode='sync_ps' server takes (its first; "
-                    f"this is shard {self.index} of a mode={serving.mode!r} server)",
+                    f"this is shard {self.index} of a mode={serving.rule.name!r} server)",
                     reply=reply,
                 )
             if length != expected:
@@ -240,7 +239,7 @@ class ShardServer:
                 )
             books.counters.add("bytes_in", HEADER.size + length)
             if msg == Msg.PUSH:
-                if gradient is None or self.rule.holds(gradient):  # a synchronous round still reads the old one
+                if gradient is None or self.updates.holds(gradient):  # a synchronous round still reads the old one
                     gradient = adopted.aligned_empty(self.size, self.push_dtype)
                 self._push(channel, worker, seq, gradient, request.value, request.tag)
             elif msg == Msg.PULL:
@@ -280,7 +279,7 @@ class ShardServer:
             )
             return
         try:
-            version = self.rule.push(worker, gradient, step, rows)
+            version = self.updates.push(worker, gradient, step, rows)
         except _PUSH_REFUSALS as exc:
             self._refuse(channel, Msg.PUSH, seq, exc)
             return
@@ -345,7 +344,7 @@ class ShardServer:
     def _pull(self, channel: Channel, worker: int, seq: int) -> None:
         books, timeout = self.books, self.serving.timeout
         try:
-            self.rule.admit_pull(worker, timeout)
+            self.updates.admit_pull(worker, timeout)
             books.tracker.admit_pull(worker, timeout)
         except _PULL_REFUSALS as exc:
             self._refuse(channel, Msg.PULL, seq, exc)
@@ -428,7 +427,7 @@ class ShardServer:
 
     def close_listener(self, join_timeout: float) -> None:
         self._closing.set()
-        self.rule.stop()
+        self.updates.stop()
         if self.listener is not None:
             self.listener.close(join_timeout)
 

@@ -89,14 +89,13 @@ def run(job: Job, plan: ParameterServerPlan) -> ModeResult:
         push_every=options.push_every,
         encrypt=encrypt,
         compression=options.compression,
-        synchronous=plan.mode == "sync_ps",
+        rule=options.rule,
     )
     server = server_task.ServerTask(
         settings=settings,
         secret=secret,
-        mode=plan.mode,
+        rule=options.rule,
         num_servers=options.num_servers,
-        max_staleness=options.max_staleness,
         compression=options.compression,
         encrypt=encrypt,
         restored=restored,

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import secrets
+from collections.abc import Callable
 
 from sparkdl import launch, schedule
 from sparkdl.checkpoint import Checkpointer
@@ -39,6 +40,7 @@ from sparkdl.modes.parameter_server.task import (
 )
 from sparkdl.modes.shared_options import COMPRESSION
 from sparkdl.ps import sharding
+from sparkdl.ps.rules import BoundedStaleness, Hogwild, Immediate, SyncRounds, UpdateRule
 from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.server_model import ServerModel
 
@@ -61,6 +63,26 @@ SERVER_PLACEMENT = Option(
 
 
 @dataclasses.dataclass(frozen=True)
+class Variant:
+    """One of the mode's names: the options it takes, and the update rule it makes of their values."""
+
+    options: tuple[Option, ...]
+    rule: Callable[[dict], UpdateRule]
+
+
+_TAKES_PUSH_EVERY = (PUSH_EVERY, NUM_SERVERS, COMPRESSION, SERVER_PLACEMENT)
+
+#: The variants, by name. sync_ps takes no push_every (its rounds already average every worker's gradient of a
+#: step); only ssp bounds staleness.
+VARIANTS = {
+    "async": Variant(_TAKES_PUSH_EVERY, lambda values: Immediate()),
+    "hogwild": Variant(_TAKES_PUSH_EVERY, lambda values: Hogwild()),
+    "ssp": Variant((*_TAKES_PUSH_EVERY, MAX_STALENESS), lambda values: BoundedStaleness(values["max_staleness"])),
+    "sync_ps": Variant((NUM_SERVERS, COMPRESSION, SERVER_PLACEMENT), lambda values: SyncRounds()),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class ParameterServerPlan(Plan):
     """async (updates applied as they arrive, under a lock), hogwild (without the lock), ssp (bounded staleness),
     sync_ps (synchronous rounds: every worker's gradient of a step in, their mean applied once, the same weights out).
@@ -72,9 +94,9 @@ class ParameterServerPlan(Plan):
     workers in one barrier stage (``executors``), whose state the driver reads for its checkpoints.
     """
 
+    rule: UpdateRule  # how the server turns pushes into updates: the variant's (``sparkdl.ps.rules``)
     push_every: int = 1  # steps whose gradients are averaged into one push
     num_servers: int = 1  # server shards, balanced by size
-    max_staleness: int = 0  # ssp: pushes a worker may run ahead of the slowest
     compression: str | None = None  # pushes as "bf16"/"fp16" (``sparkdl.collective.compression``)
     placement: str = "driver"  # where the shards run: threads of the driver, or Spark tasks beside the workers
 
@@ -108,7 +130,7 @@ class ParameterServerPlan(Plan):
         server_model = ServerModel(
             serialization.model_from_bytes(job.start.model_bytes, settings.custom_objects),
             self.num_servers,
-            compiled=self.mode != "hogwild",  # XLA's launch locks the variables: hogwild's updates stay unfused
+            compiled=self.rule.locked,  # XLA's launch locks the variables: unlocked (hogwild) updates stay unfused
         )
         if job.start.epoch and not server_model.restore_optimizers(job.start.arrays):
             logger.info(
@@ -118,21 +140,17 @@ class ParameterServerPlan(Plan):
             )
         secret = secrets.token_bytes(32)
         encrypt = session.encrypts_traffic(spark)
-        synchronous = self.mode == "sync_ps"
         saving = job.checkpointer is not None
         with ParameterServer(
             server_model.shards,
             host=session.driver_host(spark),
             secret=secret,
-            mode=self.mode,
+            rule=self.rule,
             num_workers=settings.num_workers,
-            max_staleness=self.max_staleness,
             timeout=settings.timeout,
             encrypt=encrypt,
             compression=self.compression,
-            epoch_steps=(
-                (lambda rows: schedule.steps_per_epoch(rows, settings.batch_size)) if synchronous and saving else None
-            ),
+            epoch_steps=((lambda rows: schedule.steps_per_epoch(rows, settings.batch_size)) if saving else None),
         ) as server:
             task = ParameterServerTask(
                 settings=settings,
@@ -142,7 +160,7 @@ class ParameterServerPlan(Plan):
                 push_every=self.push_every,
                 encrypt=encrypt,
                 compression=self.compression,
-                synchronous=synchronous,
+                rule=self.rule,
             )
             if job.checkpointer is not None:
                 job.monitor.add_listener(_ServerCheckpoints(job.checkpointer, server, server_model))
@@ -184,7 +202,7 @@ class ParameterServerMode(Mode):
     larger ``batch_size`` is the way to fewer, larger updates.
     """
 
-    names = ("async", "hogwild", "ssp", "sync_ps")
+    names = tuple(VARIANTS)
     summaries = {
         "async": "a parameter server (on the driver, or on executors) applies each worker's pushed gradient as it "
         "arrives, under a lock, with the model's own optimizer.",
@@ -195,9 +213,7 @@ class ParameterServerMode(Mode):
     }
 
     def options(self, name: str) -> tuple[Option, ...]:
-        if name == "sync_ps":
-            return (NUM_SERVERS, COMPRESSION, SERVER_PLACEMENT)
-        return (PUSH_EVERY, NUM_SERVERS, COMPRESSION, SERVER_PLACEMENT, *((MAX_STALENESS,) if name == "ssp" else ()))
+        return VARIANTS[name].options
 
     def configure(self, name: str, model, values: dict) -> ParameterServerPlan:
         num_servers = values["num_servers"]
@@ -209,9 +225,9 @@ class ParameterServerMode(Mode):
             )
         return ParameterServerPlan(
             name,
+            VARIANTS[name].rule(values),
             values.get("push_every", 1),
             num_servers,
-            values.get("max_staleness", 0),
             values["compression"],
             values["server_placement"],
         )

@@ -33,6 +33,7 @@ from sparkdl.launch.forward import TaskReporter
 from sparkdl.modes.base import Settings
 from sparkdl.modes.parameter_server import placement
 from sparkdl.modes.parameter_server.task import MODEL
+from sparkdl.ps.rules import UpdateRule
 
 #: The server's counters a server task returns, summed (or, for ``max_staleness``, the largest) over servers.
 SERVER_STATS = (
@@ -52,9 +53,8 @@ class ServerTask:
 
     settings: Settings
     secret: bytes
-    mode: str  # async, hogwild, ssp or sync_ps
+    rule: UpdateRule  # how the server turns pushes into updates
     num_servers: int
-    max_staleness: int = 0
     compression: str | None = None
     encrypt: bool = False
     restored: bool = False  # the driver offers each shard's optimizer state (``placement.optimizer_payload``)
@@ -103,7 +103,7 @@ def run_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, t
 
     with tf.device("/CPU:0"):  # as on the driver: pulls send views of host memory, pushes arrive there
         model = serialization.model_from_bytes(model_bytes, settings.custom_objects)
-        server_model = ServerModel(model, task.num_servers, compiled=task.mode != "hogwild", hosted=[shard])
+        server_model = ServerModel(model, task.num_servers, compiled=task.rule.locked, hosted=[shard])
     if arrays and not server_model.restore_optimizers(arrays):
         raise RuntimeError(
             f"Parameter server shard {shard}: the optimizer state it was given does not fit its variables "
@@ -115,17 +115,12 @@ def run_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, t
         server_model.shards,
         host=host,
         secret=task.secret,
-        mode=task.mode,
+        rule=task.rule,
         num_workers=settings.num_workers,
-        max_staleness=task.max_staleness,
         timeout=settings.timeout,
         encrypt=task.encrypt,
         compression=task.compression,
-        epoch_steps=(
-            (lambda rows: schedule.steps_per_epoch(rows, settings.batch_size))
-            if task.mode == "sync_ps" and saving
-            else None
-        ),
+        epoch_steps=(lambda rows: schedule.steps_per_epoch(rows, settings.batch_size)) if saving else None,
         first_shard=shard,
         controller=saving,
     ) as server:

@@ -50,6 +50,7 @@ from sparkdl.modes.parameter_server import placement
 from sparkdl.modes.parameter_server.exchange import Exchange, StepHook, SyncSteps
 from sparkdl.ps import wire
 from sparkdl.ps.client import ParameterClient
+from sparkdl.ps.rules import UpdateRule
 from sparkdl.ps.sharding import ShardLayout
 
 MODEL = "model"  # the name the driver offers the model to start from
@@ -72,9 +73,9 @@ class ParameterServerTask:
     addresses: list[str] | None  # None: server tasks of the same stage, met at its rendezvous ("executors")
     shards: list[list[int]]
     push_every: int
+    rule: UpdateRule  # the server's; a synchronous one: join, one schedule for all workers, pushes of numbered steps
     encrypt: bool = False  # seal the connections: the session runs with spark.network.crypto.enabled
     compression: str | None = None  # pushes as "bf16"/"fp16" (``sparkdl.collective.compression``)
-    synchronous: bool = False  # sync_ps: join, one schedule for all workers, pushes of numbered steps
 
     @property
     def beside_servers(self) -> bool:
@@ -124,11 +125,11 @@ def run_parameter_server_task(
         timeout=settings.timeout,
         encrypt=task.encrypt,
         compression=task.compression,
-        wait_grace=WAIT_GRACE_SECONDS if task.synchronous else 0.0,
+        wait_grace=WAIT_GRACE_SECONDS if task.rule.synchronous else 0.0,
         separate_servers=task.beside_servers,
     ) as client:
         steps = None
-        if task.synchronous:  # every worker's rows: one schedule, the same steps per epoch (as sync mode's ranks)
+        if task.rule.synchronous:  # every worker's rows: one schedule, the same steps per epoch (as sync mode's ranks)
             counts = client.join(len(rows), settings.num_workers)
             settings = settings.for_rows(counts)
             if rank == 0:
