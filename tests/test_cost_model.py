@@ -442,21 +442,21 @@ def test_the_bytes_and_messages_a_pattern_predicts_are_what_its_implementation_m
 
 def _ps_step(pattern, n, k, options):
     """One step of every one of ``n`` workers through the parameter-server mode's exchange
-    (``modes/parameter_server/exchange.py``: a push of the shards' gradients, then a pull of their weights), on
+    (``modes/parameter_server/push_pull.py``: a push of the shards' gradients, then a pull of their weights), on
     real servers on loopback: each worker's bytes and requests to each shard (its client's counters) and each
     server's counters (``ParameterServer.stats``)."""
     from ps_servers import client, server
     from shards import make_shards
 
-    from sparkdl.modes.parameter_server.exchange import Exchange, SyncSteps
+    from sparkdl.modes.parameter_server.push_pull import PushPull, SyncSteps
     from sparkdl.net.frames import HEADER
     from sparkdl.ps.rules import Immediate, SyncRounds
-    from sparkdl.ps.sharding import ShardLayout, assign_shards
+    from sparkdl.ps.sharding import ShardSpans, assign_shards
 
     servers = n if pattern == "spread_ps" else options.get("servers", 1)
     rule = SyncRounds() if pattern == "sync_ps" else Immediate()
     sizes = [k // 4 // servers] * servers
-    layout = ShardLayout([(size,) for size in sizes], assign_shards(sizes, servers))
+    layout = ShardSpans([(size,) for size in sizes], assign_shards(sizes, servers))
     apart = pattern == "spread_ps"  # a server of one shard beside each worker, as server tasks run them
     running = (
         [server([shard], rule=rule, num_workers=n, first_shard=k) for k, shard in enumerate(make_shards(sizes))]
@@ -468,7 +468,7 @@ def _ps_step(pattern, n, k, options):
     try:
         clients = [client(running if apart else running[0], w, sizes) for w in range(n)]
         steps = SyncSteps(0, np.array([8])) if rule.synchronous else None
-        exchanges = [Exchange(c, layout, None, steps) for c in clients]
+        exchanges = [PushPull(c, layout, None, steps) for c in clients]
         gradient = np.ones(layout.size, np.float32)
         with ThreadPoolExecutor(n) as pool:
             if rule.synchronous:

@@ -188,9 +188,9 @@ def test_the_driver_assembles_the_shards_of_server_tasks_from_their_exact_state(
         for k, m in enumerate(hosted)
     ]
     try:
-        with client(servers, 0, driver.layout.shard_sizes) as c:
+        with client(servers, 0, driver.spans.shard_sizes) as c:
             c.pull()
-            c.push([np.full(n, 0.5, np.float32) for n in driver.layout.shard_sizes])
+            c.push([np.full(n, 0.5, np.float32) for n in driver.spans.shard_sizes])
             pulled = c.pull()
             c.done()
         for k, shard in enumerate(driver.shards):
@@ -207,7 +207,7 @@ def test_the_driver_assembles_the_shards_of_server_tasks_from_their_exact_state(
     for name, array in mine.items():
         np.testing.assert_array_equal(theirs[name], array)
     for k, part in enumerate(pulled):
-        variables = [driver.model.trainable_variables[i] for i in driver.layout.shards[k]]
+        variables = [driver.model.trainable_variables[i] for i in driver.spans.shards[k]]
         np.testing.assert_array_equal(np.concatenate([v.numpy().ravel() for v in variables]), part)
     for k in (0, 1):  # and a checkpoint of them resumes either server task's shard
         assert ServerModel(_model(), 2, compiled=False, hosted=[k]).restore_optimizers(theirs)

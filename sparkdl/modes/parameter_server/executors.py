@@ -85,7 +85,7 @@ def run(job: Job, plan: ParameterServerPlan) -> ModeResult:
         settings=settings,
         secret=secret,
         addresses=None,  # the server tasks': met at the stage's rendezvous
-        shards=server_model.layout.shards,
+        shards=server_model.spans.shards,
         push_every=options.push_every,
         encrypt=encrypt,
         compression=options.compression,

@@ -156,7 +156,7 @@ class ParameterServerPlan(Plan):
                 settings=settings,
                 secret=secret,
                 addresses=server.addresses,
-                shards=server_model.layout.shards,
+                shards=server_model.spans.shards,
                 push_every=self.push_every,
                 encrypt=encrypt,
                 compression=self.compression,

@@ -2,7 +2,7 @@
 
 Keras's ``fit`` runs unchanged; the optimizer hook replaces "apply the
 gradients locally" by "push them to the server shards and take the weights
-the server holds now" (``exchange.py``). With ``push_every=k`` the gradients of
+the server holds now" (``push_pull.py``). With ``push_every=k`` the gradients of
 k steps, taken at the same pulled weights, are averaged into one push (k times
 fewer round trips, a k times larger effective batch per update). With
 ``compression`` the pushes travel at half the bytes; the pulled weights are
@@ -12,7 +12,7 @@ Under ``sync_ps`` a worker first joins the server, which answers with every
 worker's training rows once all have joined: all then follow one schedule, the
 same steps per epoch (the largest partition's, as sync mode's ranks), each
 step's rows and order as sync mode's rank of the same partition trains them;
-each push names its step and rows (``exchange.SyncSteps``), and each pull
+each push names its step and rows (``push_pull.SyncSteps``), and each pull
 returns the weights after the step's one update, the same for every worker.
 
 Validation (``validation_col``/``validation_split``): a worker evaluates its
@@ -47,11 +47,11 @@ from sparkdl.launch.task_context import partition_id
 from sparkdl.metrics import combine_logs
 from sparkdl.modes.base import Settings
 from sparkdl.modes.parameter_server import placement
-from sparkdl.modes.parameter_server.exchange import Exchange, StepHook, SyncSteps
+from sparkdl.modes.parameter_server.push_pull import PushPull, StepHook, SyncSteps
 from sparkdl.ps import wire
 from sparkdl.ps.client import ParameterClient
 from sparkdl.ps.rules import UpdateRule
-from sparkdl.ps.sharding import ShardLayout
+from sparkdl.ps.sharding import ShardSpans
 
 MODEL = "model"  # the name the driver offers the model to start from
 
@@ -109,9 +109,9 @@ def run_parameter_server_task(
         epoch = placement.start_epoch(placement.meet(reporter, {}, settings.timeout), settings.num_workers)
         settings = dataclasses.replace(settings, initial_epoch=epoch)
     model = serialization.model_from_bytes(payloads.fetch(reporter, MODEL), settings.custom_objects)
-    model.jit_compile = False  # the exchange runs through tf.numpy_function, which XLA cannot compile
+    model.jit_compile = False  # the push and pull run through tf.numpy_function, which XLA cannot compile
     variables = model.trainable_variables
-    layout = ShardLayout([tuple(v.shape) for v in variables], task.shards)
+    spans = ShardSpans([tuple(v.shape) for v in variables], task.shards)
     samples = len(rows)  # every row once per epoch
     addresses = task.addresses
     if addresses is None:  # the servers listen by now: their addresses
@@ -121,7 +121,7 @@ def run_parameter_server_task(
         addresses,
         worker=rank,
         secret=task.secret,
-        shard_sizes=layout.shard_sizes,
+        shard_sizes=spans.shard_sizes,
         timeout=settings.timeout,
         encrypt=task.encrypt,
         compression=task.compression,
@@ -140,9 +140,9 @@ def run_parameter_server_task(
             )
         else:
             settings = settings.for_rows([len(rows)])  # no lockstep: a worker's epoch is its own rows, in its own steps
-        exchange = Exchange(client, layout, task.compression, steps)
-        hook = StepHook(model, layout, exchange, task.push_every, task.compression)
-        hook.assign(variables, exchange.pull())
+        push_pull = PushPull(client, spans, task.compression, steps)
+        hook = StepHook(model, spans, push_pull, task.push_every, task.compression)
+        hook.assign(variables, push_pull.pull())
         stream = settings.epoch_stream(rows, rank, settings.initial_epoch)
         keras.utils.set_random_seed(settings.seed + rank)  # dropout and the like differ per worker, by design
         reporter.progress(
@@ -171,11 +171,11 @@ def run_parameter_server_task(
             COUNTERS,
             (
                 (settings.epochs - settings.initial_epoch) * samples,
-                exchange.pushes,
-                exchange.pulls,
-                layout.size * (wire.push_dtype(task.compression).itemsize * exchange.pushes + 4 * exchange.pulls),
-                exchange.push_seconds,
-                exchange.pull_seconds,
+                push_pull.pushes,
+                push_pull.pulls,
+                spans.size * (wire.push_dtype(task.compression).itemsize * push_pull.pushes + 4 * push_pull.pulls),
+                push_pull.push_seconds,
+                push_pull.pull_seconds,
             ),
         )
     )
