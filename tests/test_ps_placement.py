@@ -30,7 +30,7 @@ from weights import assert_same_weights
 import sparkdl
 from sparkdl.checkpoint import CheckpointStore
 from sparkdl.keras import serialization
-from sparkdl.modes.parameter_server import executors
+from sparkdl.modes.parameter_server import executor_servers
 from sparkdl.net.auth import connect_authenticated
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout
 from sparkdl.ps import protocol
@@ -362,13 +362,13 @@ def test_an_executor_hosted_shard_keeps_its_flood_protection(spark, digits, monk
     says where it serves, the fit trains exactly plain SGD's weights (one worker, one batch of all rows a step), and
     the server task's refused connections show the hog at work."""
     hogs: list[Hog] = []
-    started = executors.Controller.server_started
+    started = executor_servers.Controller.server_started
 
     def hog_it(controller, shard, address, task):
         hogs.extend([Hog(address, 72, source=OTHER_HOST), Hog(address, 8, source=OTHER_HOST, garbage=True)])
         started(controller, shard, address, task)
 
-    monkeypatch.setattr(executors.Controller, "server_started", hog_it)
+    monkeypatch.setattr(executor_servers.Controller, "server_started", hog_it)
     x_train, _, y_train, _ = digits
     x, y = x_train[:64], y_train[:64]
     model = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(0.5), seed=4)
@@ -429,7 +429,7 @@ def test_bad_placements_are_refused_on_the_driver(spark, digits_df, monkeypatch)
     with pytest.raises(ValueError, match="num_workers \\+ num_servers") as info:  # 2 + 1 tasks, 2 slots
         sparkdl.fit(digits_df, model, mode="async", num_workers=2, server_placement="executors", **common)
     assert "server_placement='executors'" in str(info.value)
-    monkeypatch.setattr(executors.session, "dynamic_allocation", lambda spark: True)
+    monkeypatch.setattr(executor_servers.session, "dynamic_allocation", lambda spark: True)
     with pytest.raises(ValueError, match="server_placement='driver' under spark.dynamicAllocation.enabled=true"):
         sparkdl.fit(
             digits_df, model, mode="ssp", max_staleness=1, num_workers=1, server_placement="executors", **common

@@ -182,7 +182,12 @@ class ParameterServer:
         server task knows its job is over. Spark ends the server tasks of a stage that fails; should a worker vanish
         without that, a wait in which no worker sent a request for ``timeout`` seconds raises ``TimeoutError`` naming
         the workers that never said DONE."""
-        return self.attendance.wait(self.timeout, [shard.index for shard in self._shards], poll)
+        return self.attendance.wait(self.timeout, self.indices, poll)
+
+    @property
+    def indices(self) -> list[int]:
+        """The index of each shard it serves in the model's whole layout, in the order of ``addresses``."""
+        return [shard.index for shard in self._shards]
 
     def epoch_saved(self, epoch: int) -> None:
         """``SyncRounds`` with ``epoch_steps``: the driver saved the state after ``epoch``, the next epoch's rounds may run."""

@@ -23,7 +23,7 @@ workers' ``val_*`` metrics by it (:func:`combine_histories`).
 
 Under ``server_placement="executors"`` the servers are tasks of the worker's own
 barrier stage: the worker learns the epoch they start from and, once they listen,
-their addresses at the stage's rendezvous (``placement``), and joins (sync_ps) and
+their addresses at the stage's rendezvous (``stage``), and joins (sync_ps) and
 finishes with every shard, each a server of its own.
 """
 
@@ -46,7 +46,7 @@ from sparkdl.launch.forward import TaskReporter
 from sparkdl.launch.task_context import partition_id
 from sparkdl.metrics import combine_logs
 from sparkdl.modes.base import Settings
-from sparkdl.modes.parameter_server import placement
+from sparkdl.modes.parameter_server import stage
 from sparkdl.modes.parameter_server.push_pull import PushPull, StepHook, SyncSteps
 from sparkdl.ps import wire
 from sparkdl.ps.client import ParameterClient
@@ -106,7 +106,7 @@ def run_parameter_server_task(
     schedule.require_rows({rank: len(rows)})
     limit_threads_to_task_cpus()
     if task.beside_servers:  # where the servers start from (a retried stage: the newest checkpoint), then train from
-        epoch = placement.start_epoch(placement.meet(reporter, {}, settings.timeout), settings.num_workers)
+        epoch = stage.start_epoch(stage.meet(reporter, {}, settings.timeout), settings.num_workers)
         settings = dataclasses.replace(settings, initial_epoch=epoch)
     model = serialization.model_from_bytes(payloads.fetch(reporter, MODEL), settings.custom_objects)
     model.jit_compile = False  # the push and pull run through tf.numpy_function, which XLA cannot compile
@@ -115,7 +115,7 @@ def run_parameter_server_task(
     samples = len(rows)  # every row once per epoch
     addresses = task.addresses
     if addresses is None:  # the servers listen by now: their addresses
-        addresses = placement.server_addresses(placement.meet(reporter, {}, settings.timeout), settings.num_workers)
+        addresses = stage.server_addresses(stage.meet(reporter, {}, settings.timeout), settings.num_workers)
 
     with ParameterClient(
         addresses,
