@@ -79,10 +79,8 @@ class _Stage(Servers):
                 self.offered[stage.optimizer_payload(k)] = stage.arrays_to_bytes(mine)
         self._server = server_task.ServerTask(
             settings=job.settings,
+            plan=plan,
             secret=setup.secret,
-            rule=plan.rule,
-            num_servers=plan.num_servers,
-            compression=plan.compression,
             encrypt=setup.encrypt,
             restored=setup.restored,
             checkpoints=job.checkpoints if job.checkpointer is not None else None,

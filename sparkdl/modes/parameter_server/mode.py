@@ -145,13 +145,11 @@ class ParameterServerPlan(Plan):
         with self.placement.start(job, self, setup) as servers:
             worker = ParameterServerTask(
                 settings=settings,
+                plan=self,
                 secret=setup.secret,
                 addresses=servers.addresses,
                 shards=server_model.spans.shards,
-                push_every=self.push_every,
-                rule=self.rule,
                 encrypt=setup.encrypt,
-                compression=self.compression,
             )
             results = launch.run_tasks(
                 job.training.frame,

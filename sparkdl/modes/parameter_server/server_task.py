@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -32,18 +33,19 @@ from sparkdl.launch.forward import TaskReporter
 from sparkdl.modes.base import Settings
 from sparkdl.modes.parameter_server import placement, stage
 from sparkdl.modes.parameter_server.task import MODEL
-from sparkdl.ps.rules import UpdateRule
+
+if TYPE_CHECKING:
+    from sparkdl.modes.parameter_server.mode import ParameterServerPlan
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerTask:
-    """Everything a server task needs but the model (fetched from the driver's relay), shipped in the closure."""
+    """Everything a server task needs but the model (fetched from the driver's relay), shipped in the closure: the fit's
+    plan (its update rule, ``num_servers``, ``compression``) and what the workers connect with."""
 
     settings: Settings
+    plan: ParameterServerPlan
     secret: bytes
-    rule: UpdateRule  # how the server turns pushes into updates
-    num_servers: int
-    compression: str | None = None
     encrypt: bool = False
     restored: bool = False  # the driver offers each shard's optimizer state (``stage.optimizer_payload``)
     checkpoints: CheckpointStore | None = None  # where the driver checkpoints (a retried stage resumes from there)
@@ -61,7 +63,7 @@ def run_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, t
 
     for _ in batches:  # a server reads no rows: its partition is empty
         pass
-    settings = task.settings
+    settings, plan = task.settings, task.plan
     context = BarrierTaskContext.get()
     partition = context.partitionId()
     shard = partition - settings.num_workers
@@ -89,7 +91,7 @@ def run_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, t
 
     with tf.device("/CPU:0"):  # as on the driver: pulls send views of host memory, pushes arrive there
         model = serialization.model_from_bytes(model_bytes, settings.custom_objects)
-        server_model = ServerModel(model, task.num_servers, compiled=task.rule.locked, hosted=[shard])
+        server_model = ServerModel(model, plan.num_servers, compiled=plan.rule.locked, hosted=[shard])
     if arrays and not server_model.restore_optimizers(arrays):
         raise RuntimeError(
             f"Parameter server shard {shard}: the optimizer state it was given does not fit its variables "
@@ -101,11 +103,11 @@ def run_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, t
         server_model.shards,
         host=host,
         secret=task.secret,
-        rule=task.rule,
+        rule=plan.rule,
         num_workers=settings.num_workers,
         timeout=settings.timeout,
         encrypt=task.encrypt,
-        compression=task.compression,
+        compression=plan.compression,
         epoch_steps=(lambda rows: schedule.steps_per_epoch(rows, settings.batch_size)) if saving else None,
         first_shard=shard,
         controller=saving,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -50,8 +51,10 @@ from sparkdl.modes.parameter_server import stage
 from sparkdl.modes.parameter_server.push_pull import PushPull, StepHook, SyncSteps
 from sparkdl.ps import wire
 from sparkdl.ps.client import ParameterClient
-from sparkdl.ps.rules import UpdateRule
 from sparkdl.ps.sharding import ShardSpans
+
+if TYPE_CHECKING:
+    from sparkdl.modes.parameter_server.mode import ParameterServerPlan
 
 MODEL = "model"  # the name the driver offers the model to start from
 
@@ -62,20 +65,20 @@ WAIT_GRACE_SECONDS = 10.0
 
 @dataclasses.dataclass(frozen=True)
 class ParameterServerTask:
-    """Everything a task needs but the model, shipped from the driver in the task closure.
+    """Everything a worker needs but the model, shipped from the driver in the task closure: the fit's plan (its
+    update rule, ``push_every``, ``compression``, read where they are used) and what the driver's servers started
+    with.
 
     The model, which may be far larger than a closure should be (a Spark Connect message, the driver
     JVM's heap), is fetched from the driver's relay (``payloads.fetch``) by every task.
     """
 
     settings: Settings
+    plan: ParameterServerPlan
     secret: bytes
     addresses: list[str] | None  # None: server tasks of the same stage, met at its rendezvous ("executors")
     shards: list[list[int]]
-    push_every: int
-    rule: UpdateRule  # the server's; a synchronous one: join, one schedule for all workers, pushes of numbered steps
     encrypt: bool = False  # seal the connections: the session runs with spark.network.crypto.enabled
-    compression: str | None = None  # pushes as "bf16"/"fp16" (``sparkdl.collective.compression``)
 
     @property
     def beside_servers(self) -> bool:
@@ -100,7 +103,7 @@ def run_parameter_server_task(
     use_tensorflow_backend()  # before anything in this worker imports Keras
     import keras
 
-    settings = task.settings
+    settings, plan = task.settings, task.plan
     rank = partition_id()
     rows, held_out = read_partition(settings.layout, batches)
     schedule.require_rows({rank: len(rows)})
@@ -124,12 +127,12 @@ def run_parameter_server_task(
         shard_sizes=spans.shard_sizes,
         timeout=settings.timeout,
         encrypt=task.encrypt,
-        compression=task.compression,
-        wait_grace=WAIT_GRACE_SECONDS if task.rule.synchronous else 0.0,
+        compression=plan.compression,
+        wait_grace=WAIT_GRACE_SECONDS if plan.rule.synchronous else 0.0,
         separate_servers=task.beside_servers,
     ) as client:
         steps = None
-        if task.rule.synchronous:  # every worker's rows: one schedule, the same steps per epoch (as sync mode's ranks)
+        if plan.rule.synchronous:  # every worker's rows: one schedule, the same steps per epoch (as sync mode's ranks)
             counts = client.join(len(rows), settings.num_workers)
             settings = settings.for_rows(counts)
             if rank == 0:
@@ -140,8 +143,8 @@ def run_parameter_server_task(
             )
         else:
             settings = settings.for_rows([len(rows)])  # no lockstep: a worker's epoch is its own rows, in its own steps
-        push_pull = PushPull(client, spans, task.compression, steps)
-        hook = StepHook(model, spans, push_pull, task.push_every, task.compression)
+        push_pull = PushPull(client, spans, plan.compression, steps)
+        hook = StepHook(model, spans, push_pull, plan.push_every, plan.compression)
         hook.assign(variables, push_pull.pull())
         stream = settings.epoch_stream(rows, rank, settings.initial_epoch)
         keras.utils.set_random_seed(settings.seed + rank)  # dropout and the like differ per worker, by design
@@ -173,7 +176,7 @@ def run_parameter_server_task(
                 (settings.epochs - settings.initial_epoch) * samples,
                 push_pull.pushes,
                 push_pull.pulls,
-                spans.size * (wire.push_dtype(task.compression).itemsize * push_pull.pushes + 4 * push_pull.pulls),
+                spans.size * (wire.push_dtype(plan.compression).itemsize * push_pull.pushes + 4 * push_pull.pulls),
                 push_pull.push_seconds,
                 push_pull.pull_seconds,
             ),
