@@ -19,7 +19,6 @@ import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from sparkdl import schedule
 from sparkdl.checkpoint import Checkpointer
 from sparkdl.keras import serialization
 from sparkdl.launch import session
@@ -41,21 +40,13 @@ class DriverServers(Placement):
 
     @contextlib.contextmanager
     def start(self, job: Job, plan: ParameterServerPlan, setup: ServerSetup) -> Iterator[Servers]:
-        settings = job.settings
-        with ParameterServer(
+        with plan.server(
             setup.server_model.shards,
+            job.settings,
             host=session.driver_host(job.training.frame.sparkSession),
             secret=setup.secret,
-            rule=plan.rule,
-            num_workers=settings.num_workers,
-            timeout=settings.timeout,
             encrypt=setup.encrypt,
-            compression=plan.compression,
-            epoch_steps=(
-                (lambda rows: schedule.steps_per_epoch(rows, settings.batch_size))
-                if job.checkpointer is not None
-                else None
-            ),
+            checkpointed=job.checkpointer is not None,
         ) as server:
             if job.checkpointer is not None:
                 job.monitor.add_listener(_ServerCheckpoints(job.checkpointer, server, setup.server_model))

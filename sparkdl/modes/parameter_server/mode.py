@@ -18,13 +18,13 @@ import dataclasses
 import json
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from sparkdl import launch
+from sparkdl import launch, schedule
 from sparkdl.keras import serialization
 from sparkdl.launch import session
 from sparkdl.launch.layout import TaskLayout
-from sparkdl.modes.base import Job, Mode, ModeResult, Option, Plan
+from sparkdl.modes.base import Job, Mode, ModeResult, Option, Plan, Settings
 from sparkdl.modes.parameter_server import placement
 from sparkdl.modes.parameter_server.driver_servers import DriverServers
 from sparkdl.modes.parameter_server.executor_servers import ExecutorServers
@@ -33,7 +33,9 @@ from sparkdl.modes.parameter_server.task import COUNTERS, ParameterServerTask, c
 from sparkdl.modes.shared_options import COMPRESSION
 from sparkdl.ps import sharding
 from sparkdl.ps.rules import BoundedStaleness, Hogwild, Immediate, SyncRounds, UpdateRule
+from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.server_model import ServerModel
+from sparkdl.ps.shard_server import Shard
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +121,36 @@ class ParameterServerPlan(Plan):
             "beyond the free slots would wait for one while the server waits for them, until `timeout`; with "
             "server_placement='executors' the num_servers server tasks run beside the workers, at the same time too, "
             "so the fit needs num_workers + num_servers slots (the count above), or server_placement='driver'"
+        )
+
+    def server(
+        self,
+        shards: Sequence[Shard],
+        settings: Settings,
+        *,
+        host: str,
+        secret: bytes,
+        encrypt: bool,
+        checkpointed: bool,
+        first_shard: int = 0,
+        controller: bool = False,
+    ) -> ParameterServer:
+        """A server of ``shards`` (the first of them shard ``first_shard`` of the layout) under this plan's rule and
+        compression, for the workers of ``settings``. ``checkpointed``: the driver saves the servers' state each
+        time every worker has finished an epoch, which a synchronous rule's rounds of the next epoch wait for;
+        ``controller``: the driver reads the state over a connection of its own (the shards run elsewhere)."""
+        return ParameterServer(
+            shards,
+            host=host,
+            secret=secret,
+            rule=self.rule,
+            num_workers=settings.num_workers,
+            timeout=settings.timeout,
+            encrypt=encrypt,
+            compression=self.compression,
+            epoch_steps=(lambda rows: schedule.steps_per_epoch(rows, settings.batch_size)) if checkpointed else None,
+            first_shard=first_shard,
+            controller=controller,
         )
 
     def run(self, job: Job) -> ModeResult:

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from sparkdl import schedule
 from sparkdl.checkpoint import CheckpointStore
 from sparkdl.keras import serialization
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
@@ -58,7 +57,6 @@ def run_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, t
     use_tensorflow_backend()
     from pyspark import BarrierTaskContext
 
-    from sparkdl.ps.server import ParameterServer
     from sparkdl.ps.server_model import ServerModel
 
     for _ in batches:  # a server reads no rows: its partition is empty
@@ -99,16 +97,13 @@ def run_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, t
         )
     reporter.phase("model in")
     saving = task.checkpoints is not None
-    with ParameterServer(
+    with plan.server(
         server_model.shards,
+        settings,
         host=host,
         secret=task.secret,
-        rule=plan.rule,
-        num_workers=settings.num_workers,
-        timeout=settings.timeout,
         encrypt=task.encrypt,
-        compression=plan.compression,
-        epoch_steps=(lambda rows: schedule.steps_per_epoch(rows, settings.batch_size)) if saving else None,
+        checkpointed=saving,
         first_shard=shard,
         controller=saving,
     ) as server:
