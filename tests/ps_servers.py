@@ -4,15 +4,17 @@ without Spark share."""
 import threading
 
 from sparkdl.ps.client import ParameterClient
+from sparkdl.ps.rules import Immediate
 from sparkdl.ps.server import ParameterServer
 
 HOST = "127.0.0.1"
 SECRET = b"ps-servers-test-secret"
+ASYNC = Immediate()  # the rule a server takes unless a test gives another
 
 
-def server(shards, mode="async", num_workers=2, **kwargs):
+def server(shards, rule=ASYNC, num_workers=2, **kwargs):
     """One server of all of ``shards`` (enter it, or use it in ``with``)."""
-    return ParameterServer(shards, host=HOST, secret=SECRET, mode=mode, num_workers=num_workers, **kwargs)
+    return ParameterServer(shards, host=HOST, secret=SECRET, rule=rule, num_workers=num_workers, **kwargs)
 
 
 def client(ps, worker, sizes, timeout=10.0, secret=SECRET, addresses=None, **kwargs):

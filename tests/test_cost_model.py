@@ -442,35 +442,36 @@ def test_the_bytes_and_messages_a_pattern_predicts_are_what_its_implementation_m
 
 def _ps_step(pattern, n, k, options):
     """One step of every one of ``n`` workers through the parameter-server mode's exchange
-    (``modes/parameter_server/exchange.py``: a push of the shards' gradients, then a pull of their weights), on
+    (``modes/parameter_server/push_pull.py``: a push of the shards' gradients, then a pull of their weights), on
     real servers on loopback: each worker's bytes and requests to each shard (its client's counters) and each
     server's counters (``ParameterServer.stats``)."""
     from ps_servers import client, server
     from shards import make_shards
 
-    from sparkdl.modes.parameter_server.exchange import Exchange, SyncSteps
+    from sparkdl.modes.parameter_server.push_pull import PushPull, SyncSteps
     from sparkdl.net.frames import HEADER
-    from sparkdl.ps.sharding import ShardLayout, assign_shards
+    from sparkdl.ps.rules import Immediate, SyncRounds
+    from sparkdl.ps.sharding import ShardSpans, assign_shards
 
     servers = n if pattern == "spread_ps" else options.get("servers", 1)
-    mode = "sync_ps" if pattern == "sync_ps" else "async"
+    rule = SyncRounds() if pattern == "sync_ps" else Immediate()
     sizes = [k // 4 // servers] * servers
-    layout = ShardLayout([(size,) for size in sizes], assign_shards(sizes, servers))
+    layout = ShardSpans([(size,) for size in sizes], assign_shards(sizes, servers))
     apart = pattern == "spread_ps"  # a server of one shard beside each worker, as server tasks run them
     running = (
-        [server([shard], mode=mode, num_workers=n, first_shard=k) for k, shard in enumerate(make_shards(sizes))]
+        [server([shard], rule=rule, num_workers=n, first_shard=k) for k, shard in enumerate(make_shards(sizes))]
         if apart
-        else [server(make_shards(sizes), mode=mode, num_workers=n)]
+        else [server(make_shards(sizes), rule=rule, num_workers=n)]
     )
     for one in running:
         one.start()
     try:
         clients = [client(running if apart else running[0], w, sizes) for w in range(n)]
-        steps = SyncSteps(0, np.array([8])) if mode == "sync_ps" else None
-        exchanges = [Exchange(c, layout, None, steps) for c in clients]
+        steps = SyncSteps(0, np.array([8])) if rule.synchronous else None
+        exchanges = [PushPull(c, layout, None, steps) for c in clients]
         gradient = np.ones(layout.size, np.float32)
         with ThreadPoolExecutor(n) as pool:
-            if mode == "sync_ps":
+            if rule.synchronous:
                 list(pool.map(lambda c: c.join(8, n), clients))
             before = [c.traffic() for c in clients]
             list(pool.map(lambda e: e.push(gradient, np.float32(1.0)), exchanges))  # a round: every worker once

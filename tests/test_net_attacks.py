@@ -43,6 +43,7 @@ from sparkdl.net.frames import Header, Kind, dtype_code
 from sparkdl.net.io import parse_address
 from sparkdl.ps import protocol
 from sparkdl.ps.client import NonFiniteGradientError, ParameterClient
+from sparkdl.ps.rules import Immediate
 from sparkdl.ps.server import ParameterServer
 
 SECRET = b"attack-test-secret"
@@ -64,7 +65,7 @@ def _evicted_at_least(hogs: int, cap: int) -> int:
 def test_hogged_parameter_server_shard_still_serves_a_real_worker(caplog):
     shard = SGDShard(np.arange(6))
     with ParameterServer(
-        [shard], host=HOST, secret=SECRET, mode="async", num_workers=1, handshake_timeout=FOREVER
+        [shard], host=HOST, secret=SECRET, rule=Immediate(), num_workers=1, handshake_timeout=FOREVER
     ) as ps:
         hog = Hog(ps.addresses[0], 72)  # the issue's attack: 72 idle connections against 64 pending slots
         try:
@@ -214,6 +215,7 @@ from sparkdl.collective import Listener
 from sparkdl.collective.api import OP_CODES
 from sparkdl.collective.transport.mesh import Links
 from sparkdl.net.frames import Header, Kind, dtype_code
+from sparkdl.ps.rules import Immediate
 from sparkdl.ps.server import ParameterServer
 from shards import LR, SGDShard
 kind, secret = sys.argv[1], bytes.fromhex(sys.argv[2])
@@ -227,7 +229,7 @@ class Shard:
     def apply(self, gradient):
         self.w -= gradient
 
-server = (ParameterServer([Shard()], host="127.0.0.1", secret=secret, mode="async", num_workers=1)
+server = (ParameterServer([Shard()], host="127.0.0.1", secret=secret, rule=Immediate(), num_workers=1)
           if kind == "ps" else Listener("127.0.0.1"))
 address = server.start()[0] if kind == "ps" else server.address
 if kind == "ring":  # rank 1 of two, accepting rank 0 (the test) from now on
@@ -303,7 +305,7 @@ def test_listener_survives_running_out_of_file_descriptors(kind):
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_push_is_refused_before_anything_is_applied(bad):
     shards = [SGDShard(np.arange(3)), SGDShard(np.arange(4))]
-    with ParameterServer(shards, host=HOST, secret=SECRET, mode="async", num_workers=2) as ps:
+    with ParameterServer(shards, host=HOST, secret=SECRET, rule=Immediate(), num_workers=2) as ps:
         with ParameterClient(ps.addresses, worker=1, secret=SECRET, shard_sizes=[3, 4], timeout=10) as worker:
             worker.push([np.ones(3, np.float32), np.ones(4, np.float32)])
             gradient = np.ones(4, np.float32)
@@ -344,7 +346,7 @@ def test_non_finite_push_is_refused_before_anything_is_applied(bad):
 
 def test_parameter_server_answers_a_2_to_the_64_length_and_keeps_serving():
     shard = SGDShard(np.zeros(2))
-    with ParameterServer([shard], host=HOST, secret=SECRET, mode="async", num_workers=1) as ps:
+    with ParameterServer([shard], host=HOST, secret=SECRET, rule=Immediate(), num_workers=1) as ps:
         for length in (2**64 - 1, 7, 0):
             sock = connect_authenticated(ps.addresses[0], 0, 0, SECRET, timeout=10)
             sock.sendall(ps_request(protocol.Msg.PUSH, 1, length))
@@ -409,7 +411,7 @@ def test_relay_and_shard_close_without_waiting_for_200_idle_connections():
     """With a handshake deadline of an hour, close() can only return by dropping the idle connections at once."""
     relay = OutputRelay(HOST, SECRET, num_workers=2, stdout=io.StringIO(), handshake_timeout=FOREVER)
     ps = ParameterServer(
-        [SGDShard(np.zeros(2))], host=HOST, secret=SECRET, mode="async", num_workers=2, handshake_timeout=FOREVER
+        [SGDShard(np.zeros(2))], host=HOST, secret=SECRET, rule=Immediate(), num_workers=2, handshake_timeout=FOREVER
     )
     ps.start()
     idle = [_greeted_idle_connection(address) for address in (relay.address, ps.addresses[0]) for _ in range(100)]

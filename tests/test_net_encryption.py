@@ -28,6 +28,7 @@ from sparkdl.net.auth import CLIENT_HELLO
 from sparkdl.net.frames import MAGIC
 from sparkdl.net.secure import RECORD_BYTES, TAG_BYTES, IntegrityError, SealedChannel
 from sparkdl.ps.client import ParameterClient
+from sparkdl.ps.rules import Immediate
 from sparkdl.ps.server import ParameterServer
 
 #: A float pattern easy to look for in recorded bytes.
@@ -201,7 +202,7 @@ def proxied_parameter_server(*, encrypt, flip_at=None):
     """A one-shard server (``encrypt`` as given) and a worker whose connection passes through a :class:`Proxy`."""
     secret = secrets.token_bytes(32)
     shard = SGDShard(np.zeros(PATTERN.size, dtype=np.float32))
-    server = ParameterServer([shard], host="127.0.0.1", secret=secret, mode="async", num_workers=1, encrypt=encrypt)
+    server = ParameterServer([shard], host="127.0.0.1", secret=secret, rule=Immediate(), num_workers=1, encrypt=encrypt)
     server.start()
     proxy = Proxy(server.addresses[0], flip_at=flip_at)
     client = ParameterClient(
@@ -244,7 +245,7 @@ def test_flipped_byte_in_a_sealed_push_is_refused_and_nothing_is_applied():
 def test_a_plain_worker_is_refused_by_a_sealed_server():
     secret = secrets.token_bytes(32)
     shard = SGDShard(np.zeros(8, dtype=np.float32))
-    with ParameterServer([shard], host="127.0.0.1", secret=secret, mode="async", num_workers=1, encrypt=True) as ps:
+    with ParameterServer([shard], host="127.0.0.1", secret=secret, rule=Immediate(), num_workers=1, encrypt=True) as ps:
         with ParameterClient(ps.addresses, worker=0, secret=secret, shard_sizes=[8], timeout=10.0) as client:
             with pytest.raises(errors.CollectiveError, match="worker 0: shard 0"):
                 client.push([np.ones(8, dtype=np.float32)])

@@ -21,6 +21,7 @@ from sparkdl.net.io import parse_address
 from sparkdl.net.listener import ServingListener
 from sparkdl.net.secure import connect_channel
 from sparkdl.ps import protocol
+from sparkdl.ps.rules import Immediate
 from sparkdl.ps.server import ParameterServer
 
 SECRET = b"handshake-test-secret"
@@ -49,7 +50,7 @@ def test_a_late_hello_keeps_its_slot_while_another_host_hogs_the_listener(monkey
     only evicts its own connections."""
     shard = SGDShard(np.arange(6))
     with ParameterServer(
-        [shard], host=HOST, secret=SECRET, mode="async", num_workers=1, handshake_timeout=FOREVER
+        [shard], host=HOST, secret=SECRET, rule=Immediate(), num_workers=1, handshake_timeout=FOREVER
     ) as ps:
         hog = Hog(ps.addresses[0], 72, source=OTHER_HOST)
         try:

@@ -15,6 +15,7 @@ from sparkdl.net.errors import CollectiveError
 from sparkdl.net.frames import HEADER
 from sparkdl.ps import wire
 from sparkdl.ps.client import NonFiniteGradientError, ParameterClient
+from sparkdl.ps.rules import Immediate
 from sparkdl.ps.server import ParameterServer
 
 HOST = "127.0.0.1"
@@ -26,7 +27,7 @@ HALF = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp16": np.dtype(np.float16)}
 def serve(compression, sizes=SIZES):
     shards = [SGDShard(np.zeros(n)) for n in sizes]
     return shards, ParameterServer(
-        shards, host=HOST, secret=SECRET, mode="async", num_workers=1, compression=compression
+        shards, host=HOST, secret=SECRET, rule=Immediate(), num_workers=1, compression=compression
     )
 
 

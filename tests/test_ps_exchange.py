@@ -1,4 +1,4 @@
-"""A worker's side of the step (sparkdl.modes.parameter_server.exchange) against a real server, without Spark."""
+"""A worker's side of the step (sparkdl.modes.parameter_server.push_pull) against a real server, without Spark."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from shards import LR, SGDShard
 
 from sparkdl.keras import adopted
 from sparkdl.keras.optimizer_hooks import intercept_apply
-from sparkdl.modes.parameter_server.exchange import Exchange, StepHook
+from sparkdl.modes.parameter_server.push_pull import PushPull, StepHook
 from sparkdl.ps.client import ParameterClient
+from sparkdl.ps.rules import Immediate
 from sparkdl.ps.server import ParameterServer
-from sparkdl.ps.sharding import ShardLayout, assign_shards
+from sparkdl.ps.sharding import ShardSpans, assign_shards
 
 SECRET = b"ps-exchange-secret"
 
@@ -29,11 +30,11 @@ def make_model():
 def serve(model, num_servers, compression=None):
     """A server holding ``model``'s weights in plain-SGD shards (``w -= LR * g``), and the layout of its shards."""
     shapes = [tuple(v.shape) for v in model.trainable_variables]
-    layout = ShardLayout(shapes, assign_shards([int(np.prod(s)) for s in shapes], num_servers))
+    layout = ShardSpans(shapes, assign_shards([int(np.prod(s)) for s in shapes], num_servers))
     weights = model.get_weights()
     shards = [SGDShard(np.concatenate([weights[i].ravel() for i in shard])) for shard in layout.shards]
     server = ParameterServer(
-        shards, host="127.0.0.1", secret=SECRET, mode="async", num_workers=1, compression=compression
+        shards, host="127.0.0.1", secret=SECRET, rule=Immediate(), num_workers=1, compression=compression
     )
     return server, layout
 
@@ -59,7 +60,7 @@ def test_a_pull_never_writes_a_buffer_something_still_holds(num_servers):
     model = make_model()
     server, layout = serve(model, num_servers)
     with server, connect(server, layout) as client:
-        exchange = Exchange(client, layout, None)
+        exchange = PushPull(client, layout, None)
         first = exchange.pull()
         kept = first.copy()
         second = exchange.push(np.ones(layout.size, np.float32), np.float32(1.0))  # ``first`` still held
@@ -84,7 +85,7 @@ def test_push_every_sums_in_the_graph_and_pushes_the_mean_then_the_remainder(num
     batches = [(rng.random((8, 4), np.float32), rng.random((8, 2), np.float32)) for _ in range(5)]
     server, layout = serve(model, num_servers)
     with server, connect(server, layout) as client:
-        exchange = Exchange(client, layout, None)
+        exchange = PushPull(client, layout, None)
         hook = StepHook(model, layout, exchange, 2, None)
         hook.assign(model.trainable_variables, exchange.pull())
         with intercept_apply(model.optimizer, hook):
@@ -105,7 +106,7 @@ def test_a_gradient_beyond_float16s_range_is_refused_by_the_worker():
     model = make_model()
     server, layout = serve(model, 1, compression="fp16")
     with server, connect(server, layout, "fp16") as client:
-        exchange = Exchange(client, layout, "fp16")
+        exchange = PushPull(client, layout, "fp16")
         with pytest.raises(ValueError, match=r"float16's range .*compression='fp16'"):
             exchange.push(np.zeros(layout.size, np.float16), np.float32(70000.0))
         assert server.stats()["versions"] == [0]

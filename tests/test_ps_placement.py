@@ -30,11 +30,12 @@ from weights import assert_same_weights
 import sparkdl
 from sparkdl.checkpoint import CheckpointStore
 from sparkdl.keras import serialization
-from sparkdl.modes.parameter_server import executors
+from sparkdl.modes.parameter_server import executor_servers
 from sparkdl.net.auth import connect_authenticated
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout
 from sparkdl.ps import protocol
 from sparkdl.ps.client import fetch_state
+from sparkdl.ps.rules import BoundedStaleness, SyncRounds
 from sparkdl.ps.server_model import ServerModel
 
 
@@ -49,10 +50,10 @@ class StateShard(SGDShard):
         return [self.w.copy()]
 
 
-def apart(shards, mode="async", num_workers=2, **kwargs):
+def apart(shards, rule=ps_servers.ASYNC, num_workers=2, **kwargs):
     """One server per shard, as server tasks run them: shard k in a server of its own, under its index k."""
     return [
-        ps_servers.server([shard], mode=mode, num_workers=num_workers, first_shard=k, **kwargs).__enter__()
+        ps_servers.server([shard], rule=rule, num_workers=num_workers, first_shard=k, **kwargs).__enter__()
         for k, shard in enumerate(shards)
     ]
 
@@ -69,7 +70,7 @@ def test_servers_apart_each_bound_staleness_and_wait_for_every_workers_done():
     """ssp over two servers of one shard each: each keeps its own clocks (every push reaches every shard), so each
     holds a fast worker's pull within max_staleness of the slow one; each ends once every worker said DONE."""
     sizes = [10, 3]
-    servers = apart(make_shards(sizes), mode="ssp", num_workers=3, max_staleness=1)
+    servers = apart(make_shards(sizes), rule=BoundedStaleness(1), num_workers=3)
     finished = [in_thread(server.wait_finished) for server in servers]
     try:
 
@@ -116,7 +117,7 @@ def test_sync_ps_servers_apart_train_what_one_server_of_both_shards_trains():
 
     rng = np.random.default_rng(1)
     start = [rng.standard_normal(n) for n in sizes]
-    servers = apart([SGDShard(w) for w in start], mode="sync_ps")
+    servers = apart([SGDShard(w) for w in start], rule=SyncRounds())
     try:
         clients = [client(servers, w, sizes) for w in range(2)]
         got = train(clients)
@@ -126,7 +127,7 @@ def test_sync_ps_servers_apart_train_what_one_server_of_both_shards_trains():
         rounds = [server.stats()["rounds"] for server in servers]
     finally:
         stop(servers)
-    with ps_servers.server([SGDShard(w) for w in start], mode="sync_ps") as together:
+    with ps_servers.server([SGDShard(w) for w in start], rule=SyncRounds()) as together:
         clients = [client(together, w, sizes) for w in range(2)]
         want = train(clients)
         for c in clients:
@@ -143,7 +144,7 @@ def test_the_controller_reads_an_epochs_state_and_opens_the_next_epochs_rounds()
     state after the epoch before; what it read is exactly that state."""
     sizes = [3]
     shard = StateShard(np.zeros(3))
-    (server,) = apart([shard], mode="sync_ps", epoch_steps=lambda rows: 2, controller=True, timeout=10.0)
+    (server,) = apart([shard], rule=SyncRounds(), epoch_steps=lambda rows: 2, controller=True, timeout=10.0)
     try:
         clients = [client([server], w, sizes) for w in range(2)]
         joins = [in_thread(lambda c=c: c.join(4, 2)) for c in clients]
@@ -187,9 +188,9 @@ def test_the_driver_assembles_the_shards_of_server_tasks_from_their_exact_state(
         for k, m in enumerate(hosted)
     ]
     try:
-        with client(servers, 0, driver.layout.shard_sizes) as c:
+        with client(servers, 0, driver.spans.shard_sizes) as c:
             c.pull()
-            c.push([np.full(n, 0.5, np.float32) for n in driver.layout.shard_sizes])
+            c.push([np.full(n, 0.5, np.float32) for n in driver.spans.shard_sizes])
             pulled = c.pull()
             c.done()
         for k, shard in enumerate(driver.shards):
@@ -206,7 +207,7 @@ def test_the_driver_assembles_the_shards_of_server_tasks_from_their_exact_state(
     for name, array in mine.items():
         np.testing.assert_array_equal(theirs[name], array)
     for k, part in enumerate(pulled):
-        variables = [driver.model.trainable_variables[i] for i in driver.layout.shards[k]]
+        variables = [driver.model.trainable_variables[i] for i in driver.spans.shards[k]]
         np.testing.assert_array_equal(np.concatenate([v.numpy().ravel() for v in variables]), part)
     for k in (0, 1):  # and a checkpoint of them resumes either server task's shard
         assert ServerModel(_model(), 2, compiled=False, hosted=[k]).restore_optimizers(theirs)
@@ -361,13 +362,13 @@ def test_an_executor_hosted_shard_keeps_its_flood_protection(spark, digits, monk
     says where it serves, the fit trains exactly plain SGD's weights (one worker, one batch of all rows a step), and
     the server task's refused connections show the hog at work."""
     hogs: list[Hog] = []
-    started = executors.Controller.server_started
+    started = executor_servers.Controller.server_started
 
     def hog_it(controller, shard, address, task):
         hogs.extend([Hog(address, 72, source=OTHER_HOST), Hog(address, 8, source=OTHER_HOST, garbage=True)])
         started(controller, shard, address, task)
 
-    monkeypatch.setattr(executors.Controller, "server_started", hog_it)
+    monkeypatch.setattr(executor_servers.Controller, "server_started", hog_it)
     x_train, _, y_train, _ = digits
     x, y = x_train[:64], y_train[:64]
     model = make_mlp(hidden=(16,), optimizer=keras.optimizers.SGD(0.5), seed=4)
@@ -428,7 +429,7 @@ def test_bad_placements_are_refused_on_the_driver(spark, digits_df, monkeypatch)
     with pytest.raises(ValueError, match="num_workers \\+ num_servers") as info:  # 2 + 1 tasks, 2 slots
         sparkdl.fit(digits_df, model, mode="async", num_workers=2, server_placement="executors", **common)
     assert "server_placement='executors'" in str(info.value)
-    monkeypatch.setattr(executors.session, "dynamic_allocation", lambda spark: True)
+    monkeypatch.setattr(executor_servers.session, "dynamic_allocation", lambda spark: True)
     with pytest.raises(ValueError, match="server_placement='driver' under spark.dynamicAllocation.enabled=true"):
         sparkdl.fit(
             digits_df, model, mode="ssp", max_staleness=1, num_workers=1, server_placement="executors", **common

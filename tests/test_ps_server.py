@@ -23,6 +23,7 @@ from sparkdl.net.listener import ServingListener
 from sparkdl.ps import client as client_module
 from sparkdl.ps import protocol
 from sparkdl.ps.client import ParameterClient
+from sparkdl.ps.rules import BoundedStaleness, Hogwild, Immediate
 from sparkdl.ps.server import ParameterServer
 
 
@@ -109,11 +110,11 @@ def test_pull_initial_then_concurrent_async_pushes_sum_up(threaded, monkeypatch)
     assert stats["bytes_out"] >= (workers * steps + 2) * payload
 
 
-@pytest.mark.parametrize("mode", ["hogwild", "async"])
-def test_hogwild_applies_concurrently_async_serialises(mode):
+@pytest.mark.parametrize("rule", [Hogwild(), Immediate()])
+def test_hogwild_applies_concurrently_async_serialises(rule):
     shard = OverlapShard(np.zeros(64))
     workers, steps = 4, 3
-    with server([shard], mode=mode, num_workers=workers) as ps:
+    with server([shard], rule=rule, num_workers=workers) as ps:
 
         def train(w):
             with client(ps, w, [64]) as c:
@@ -122,18 +123,18 @@ def test_hogwild_applies_concurrently_async_serialises(mode):
 
         run_threads(train, workers)
     assert shard.calls == workers * steps
-    if mode == "hogwild":
+    if rule == Hogwild():
         assert shard.overlaps > 0
     else:
         assert shard.overlaps == 0
         np.testing.assert_allclose(shard.w, -LR * workers * steps)
 
 
-@pytest.mark.parametrize("mode", ["ssp", "async"])
-def test_ssp_bounds_staleness_with_a_slow_worker(mode):
+@pytest.mark.parametrize("rule", [BoundedStaleness(1), Immediate()])
+def test_ssp_bounds_staleness_with_a_slow_worker(rule):
     sizes = [10, 3]
     steps, slow_delay = 6, 0.12
-    with server(make_shards(sizes), mode=mode, num_workers=3, max_staleness=1) as ps:
+    with server(make_shards(sizes), rule=rule, num_workers=3) as ps:
 
         def train(w):
             with client(ps, w, sizes) as c:
@@ -147,7 +148,7 @@ def test_ssp_bounds_staleness_with_a_slow_worker(mode):
         run_threads(train, 3)
         stats = ps.stats()
     assert stats["clocks"] == [steps] * 3
-    if mode == "ssp":
+    if rule == BoundedStaleness(1):
         # every granted pull was at most one push ahead of the slow worker: the fast ones were held back
         assert stats["max_staleness"] <= 1
     else:
@@ -156,7 +157,7 @@ def test_ssp_bounds_staleness_with_a_slow_worker(mode):
 
 def test_ssp_done_releases_waiting_worker():
     sizes = [4]
-    with server(make_shards(sizes), mode="ssp", num_workers=2, max_staleness=0, timeout=10) as ps:
+    with server(make_shards(sizes), rule=BoundedStaleness(0), num_workers=2, timeout=10) as ps:
         with client(ps, 0, sizes) as fast, client(ps, 1, sizes) as slow:
             fast.pull()
             fast.push([np.ones(4, np.float32)])
@@ -176,7 +177,7 @@ def test_ssp_done_releases_waiting_worker():
 
 def test_ssp_pull_times_out_when_a_worker_never_comes():
     sizes = [4]
-    with server(make_shards(sizes), mode="ssp", num_workers=2, max_staleness=0, timeout=1.0) as ps:
+    with server(make_shards(sizes), rule=BoundedStaleness(0), num_workers=2, timeout=1.0) as ps:
         with client(ps, 0, sizes, timeout=10) as c:
             c.pull()
             c.push([np.ones(4, np.float32)])
@@ -216,7 +217,7 @@ def test_retried_worker_continues_after_vanishing_mid_frame():
     shards = make_shards(sizes)
     initial = [s.w.copy() for s in shards]
     g = [np.full(n, k + 1, np.float32) for k, n in enumerate(sizes)]
-    with server(shards, mode="ssp", num_workers=2, max_staleness=5) as ps:
+    with server(shards, rule=BoundedStaleness(5), num_workers=2) as ps:
         first = client(ps, 0, sizes)
         first.pull()
         first.push(g)
@@ -318,7 +319,7 @@ def test_stop_releases_ports_and_a_second_server_works():
             c2.push([np.ones(3, np.float32), np.ones(4, np.float32)])
             assert again.stats()["versions"] == [1, 1]
     with pytest.raises(ValueError, match="interface"):
-        ParameterServer(make_shards([1]), host="0.0.0.0", secret=SECRET, mode="async", num_workers=1)
+        ParameterServer(make_shards([1]), host="0.0.0.0", secret=SECRET, rule=Immediate(), num_workers=1)
 
 
 # -- refused headers -----------------------------------------------------------------------

@@ -58,7 +58,7 @@ def test_each_shard_applies_as_the_models_own_optimizer_would(compiled, num_serv
     for _ in range(3):
         gradients = [rng.standard_normal(v.shape).astype(np.float32) for v in reference.trainable_variables]
         reference.optimizer.apply(gradients, reference.trainable_variables)
-        for shard, variables in zip(server.shards, server.layout.shards):
+        for shard, variables in zip(server.shards, server.spans.shards):
             shard.apply(pushed(gradients, variables))
     for got, want in zip(served.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -29,8 +29,9 @@ from sparkdl.checkpoint import Checkpointer
 from sparkdl.net.auth import connect_authenticated
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout
 from sparkdl.ps import protocol
+from sparkdl.ps.rules import Immediate, SyncRounds
 
-server = functools.partial(ps_servers.server, mode="sync_ps")  # unless a test says another mode
+server = functools.partial(ps_servers.server, rule=SyncRounds())  # unless a test says another rule
 
 
 def gradients(sizes, value):
@@ -240,7 +241,7 @@ def test_a_push_ahead_of_the_round_is_refused_and_only_sync_ps_servers_take_a_jo
                 with pytest.raises(CollectiveError, match="pushed step 5, but shard 0 collects step 3"):
                     ahead.push(gradients(sizes, 1.0), step=5, rows=1)
     shard = SGDShard(np.zeros(4))
-    with server([shard], mode="async", num_workers=1) as ps:
+    with server([shard], rule=Immediate(), num_workers=1) as ps:
         sock = connect_authenticated(ps.addresses[0], 0, 0, SECRET, 5.0)
         sock.settimeout(5.0)
         sock.sendall(ps_request(protocol.Msg.JOIN, 1, 8) + np.array([5], np.int64).tobytes())

@@ -14,7 +14,7 @@ from sparkdl import data
 from sparkdl.keras.held_out import in_batches
 from sparkdl.modes.average.rounds import Rounds
 from sparkdl.modes.base import Settings
-from sparkdl.modes.parameter_server.mode import combine_histories
+from sparkdl.modes.parameter_server.task import combine_histories
 
 METRICS = {"loss", "accuracy", "val_loss", "val_accuracy"}
 

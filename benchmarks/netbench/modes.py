@@ -182,16 +182,18 @@ def split_sizes(count: int, parts: int) -> list[int]:
 def server_main(host: str) -> None:
     """Serves one size after another: a JSON line of shard sizes in, the addresses out; "stop" in, the counts out."""
     die_with_parent()
+    from sparkdl.ps.rules import Immediate, SyncRounds
     from sparkdl.ps.server import ParameterServer
 
     job = json.loads(sys.stdin.readline())
+    rule = SyncRounds() if job["mode"] == "sync_ps" else Immediate()
     for item in messages():
         shards = [SGDShard(size) for size in item["sizes"]]
         with ParameterServer(
             shards,
             host=host,
             secret=bytes.fromhex(job["secret"]),
-            mode=job["mode"],
+            rule=rule,
             num_workers=job["num_workers"],
             timeout=TIMEOUT,
             first_shard=job["first_shard"],

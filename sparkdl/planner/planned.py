@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from sparkdl.collective.cost import Cost
 from sparkdl.launch.layout import TaskLayout
-from sparkdl.modes.parameter_server import placement
+from sparkdl.modes.parameter_server import stage
 from sparkdl.planner import mode_costs
 from sparkdl.ps import sharding
 
@@ -58,7 +58,7 @@ class PlannedMode:
         """The task slots its ``fit`` claims on ``num_workers`` workers: the fit's own task layout (with a shard per
         worker, a server task beside each one)."""
         if self.shard_per_worker:
-            return placement.layout(num_workers, num_workers).slots
+            return stage.layout(num_workers, num_workers).slots
         return TaskLayout.data_parallel(num_workers).slots
 
 

@@ -43,7 +43,7 @@ from sparkdl.net.frames import HEADER, FrameError, Header, Kind
 from sparkdl.net.io import shutdown_and_close
 from sparkdl.net.secure import connect_channel
 from sparkdl.ps import protocol, wire
-from sparkdl.ps.connection import NonFiniteGradientError, ShardConnection
+from sparkdl.ps.connection import ClientSettings, NonFiniteGradientError, ShardConnection
 from sparkdl.ps.protocol import FLOAT, Msg, Status
 
 #: Shards of more bytes than this are sent and received by one thread each (smaller ones are
@@ -74,15 +74,19 @@ class ParameterClient:
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.worker = int(worker)
-        self.timeout = float(timeout)
-        self._secret = bytes(secret)
-        self.encrypt = encrypt  # seal the connections: the server does (its session encrypts its RPC)
         self.compression = compressions.check(compression)  # the server's: what its pushes must carry
         self.push_dtype = wire.push_dtype(compression)
         self.shard_sizes = [int(s) for s in shard_sizes]
-        self.wait_grace = float(wait_grace)  # how much longer than timeout a pull or join may be held (sync_ps)
         self.separate_servers = separate_servers  # each shard its own server: join and DONE go to every shard
-        self._conns = [ShardConnection(self, i, a, s) for i, (a, s) in enumerate(zip(addresses, self.shard_sizes))]
+        settings = ClientSettings(
+            worker=self.worker,
+            secret=bytes(secret),
+            timeout=float(timeout),
+            encrypt=encrypt,
+            push_dtype=self.push_dtype,
+            wait_grace=float(wait_grace),
+        )
+        self._conns = [ShardConnection(settings, i, a, s) for i, (a, s) in enumerate(zip(addresses, self.shard_sizes))]
         self._pool = (
             ThreadPoolExecutor(len(self._conns), thread_name_prefix=f"ps-worker{worker}")
             if len(self._conns) > 1

@@ -15,8 +15,8 @@ server keeps all state, so this is invisible to the caller).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-import typing
 
 import numpy as np
 
@@ -28,18 +28,27 @@ from sparkdl.net.secure import Channel, connect_channel
 from sparkdl.ps import protocol
 from sparkdl.ps.protocol import FLOAT, Msg, Status
 
-if typing.TYPE_CHECKING:
-    from sparkdl.ps.client import ParameterClient
-
 
 class NonFiniteGradientError(ValueError):
     """A worker pushed NaN or infinite gradients, which the parameter server refused (nothing was applied)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ClientSettings:
+    """What every shard connection of one worker's client connects and waits with (``ParameterClient``'s settings)."""
+
+    worker: int
+    secret: bytes
+    timeout: float
+    encrypt: bool  # seal the connections: the server does (its session encrypts its RPC)
+    push_dtype: np.dtype  # the server's: what its pushes must carry
+    wait_grace: float  # how much longer than timeout a pull or join may be held (sync_ps)
+
+
 class ShardConnection:
     """One shard's connection; used by one thread at a time."""
 
-    def __init__(self, client: ParameterClient, index: int, address: str, size: int):
+    def __init__(self, client: ClientSettings, index: int, address: str, size: int):
         self.client = client
         self.index = index
         self.address = address
@@ -50,6 +59,7 @@ class ShardConnection:
         self.version = 0
         # requests sent and payload bytes (headers excluded) each way, for benchmarks and tests of the patterns
         self.requests = self.bytes_sent = self.bytes_received = 0
+        self.pushes = 0  # pushes the shard took
         self._header = bytearray(HEADER.size)
         self._send_error: OSError | None = None
 
@@ -63,7 +73,7 @@ class ShardConnection:
                 self.address,
                 self.client.worker,
                 self.index,
-                self.client._secret,
+                self.client.secret,
                 timeout,
                 encrypt=self.client.encrypt,
                 peer_name=f"parameter server shard {self.index}",
@@ -162,6 +172,7 @@ class ShardConnection:
                 result = out
                 self._recv_exact(result.view(np.uint8).data, op)
             self.bytes_received += length
+            self.pushes += msg == Msg.PUSH
             self.version = response.value
             self.last_used = time.monotonic()
             return result
@@ -230,7 +241,7 @@ class ShardConnection:
             )
         if status == Status.BAD_REQUEST and message.startswith(protocol.NON_FINITE):
             raise NonFiniteGradientError(
-                f"worker {self.client.worker}: push #{self.client.pushes + 1} (this worker's step that sent it) "
+                f"worker {self.client.worker}: push #{self.pushes + 1} (this worker's step that sent it) "
                 f"holds NaN or infinite gradients, which the parameter server refused (shard {self.index}: "
                 f"{message}); the training diverged: lower the learning rate, or check the data and the loss "
                 f"for values that overflow"

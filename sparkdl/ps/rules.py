@@ -1,21 +1,28 @@
 """How a shard turns the pushes it receives into updates: the parameter server's update rules.
 
 Every shard server (:mod:`sparkdl.ps.shard_server`) reads, checks and answers requests the same
-way; what a push does and when a pull may read is its rule's:
+way; what a push does and when a pull may read is its rule's. A rule is an :class:`UpdateRule`,
+chosen once from the mode's name (``sparkdl.modes.parameter_server``), small and picklable (it
+travels to server tasks), which makes each shard's side of it (``updates``), the worker clocks
+(``clocks``) and, for rounds, the roster the shards share (``roster``):
 
-==============  ===================================================  =============================================
-rule            a push                                               a pull
-==============  ===================================================  =============================================
-``Immediate``   applied as it arrives, under the shard's lock        reads the weights as they are (``ssp``: after
-(async, ssp,    (none under hogwild)                                 the server-wide staleness gate,
-hogwild)                                                             :mod:`sparkdl.ps.staleness`)
-``Rounds``      kept as its worker's part of the step it names;      waits until the round of the worker's last
-(sync_ps)       once every worker's push of that step is in, their   push is applied, then reads: every worker
-                mean, each weighted by the rows behind it, is        pulls the same weights for the next step
-                applied once with the shard's optimizer
-==============  ===================================================  =============================================
+=========================  ===========================================  ==========================================
+rule (mode)                a push                                       a pull
+=========================  ===========================================  ==========================================
+``Immediate`` (async)      applied as it arrives, under the shard's     reads the weights as they are
+                           lock (:class:`ImmediateUpdates`)
+``Hogwild`` (hogwild)      applied as it arrives, without a lock        reads the weights as they are, not waiting
+                                                                        for applies
+``BoundedStaleness``       as ``Immediate``                             waits at the server-wide staleness gate
+(ssp)                                                                   (:mod:`sparkdl.ps.staleness`), then reads
+``SyncRounds`` (sync_ps)   kept as its worker's part of the step it     waits until the round of the worker's last
+                           names; once every worker's push of that      push is applied, then reads: every worker
+                           step is in, their mean, each weighted by     pulls the same weights for the next step
+                           the rows behind it, is applied once with
+                           the shard's optimizer (:class:`RoundUpdates`)
+=========================  ===========================================  ==========================================
 
-``Rounds`` is the synchronous parameter server (the lectures' "centralized synchronous" SGD): per
+``SyncRounds`` is the synchronous parameter server (the lectures' "centralized synchronous" SGD): per
 shard, one update per step, the mean over all of the step's rows, which is what ``mode="sync"``
 applies (``sparkdl.schedule.gradient_scales`` weighs its ranks' gradients the same way). A push is
 kept where it was received, in its connection's buffer, until its round is applied (the connection
@@ -36,19 +43,18 @@ exactly the weights after that epoch's last step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
 import typing
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import numpy as np
 
 from sparkdl.keras import adopted
-from sparkdl.ps.staleness import ServerStopping
-
-if typing.TYPE_CHECKING:
-    from sparkdl.ps.shard_server import ShardServer
+from sparkdl.ps.staleness import ClockTracker, ServerStopping
 
 _log = logging.getLogger(__name__)
 
@@ -65,21 +71,103 @@ class PushRefused(Exception):
     """A push the rule cannot take (a step ahead of the round being collected, a join refused): ``BAD_REQUEST``."""
 
 
-class Immediate:
-    """async, hogwild and ssp: each push applied as it arrives, under the shard's lock where it has one."""
+class UpdatedShard(typing.Protocol):
+    """What a rule updates: one shard server's shard (``sparkdl.ps.shard_server.ShardServer``)."""
+
+    index: int  # the shard's index in the model's layout
+    size: int  # its float32 parameters
+    lock: threading.Lock | None  # serialises its updates and reads (None under hogwild)
+    version: int  # updates applied
+
+    def locked(self) -> contextlib.AbstractContextManager:
+        """The shard's lock, or nothing where it has none."""
+
+    def apply(self, gradient: np.ndarray) -> int:
+        """Applies ``gradient`` and counts the update; returns the shard's version after it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateRule:
+    """How a parameter server turns pushes into updates: one of :class:`Immediate`, :class:`Hogwild`,
+    :class:`BoundedStaleness` and :class:`SyncRounds` (see the module doc)."""
+
+    name: ClassVar[str]  # the mode it is, for messages
+    locked: ClassVar[bool] = True  # a lock serialises each shard's updates and reads (so XLA may fuse an update)
+    synchronous: ClassVar[bool] = False  # workers join, push numbered steps and pull each step's one update
+
+    def clocks(self, num_workers: int) -> ClockTracker:
+        """The server's worker clocks: measured, gating no pull."""
+        return ClockTracker(num_workers, None)
+
+    def roster(self, num_workers: int, epoch_steps: Callable[[list[int]], int] | None) -> Roster | None:
+        """What the server's shards share beyond the clocks: nothing."""
+        return None
+
+    def updates(self, shard: UpdatedShard, roster: Roster | None) -> ImmediateUpdates | RoundUpdates:
+        """``shard``'s side of the rule: each push applied as it arrives."""
+        return ImmediateUpdates(shard)
+
+
+@dataclasses.dataclass(frozen=True)
+class Immediate(UpdateRule):
+    """async: each push applied as it arrives, under its shard's lock."""
+
+    name: ClassVar[str] = "async"
+
+
+@dataclasses.dataclass(frozen=True)
+class Hogwild(UpdateRule):
+    """hogwild: each push applied as it arrives, with no lock: concurrent pushes update a shard concurrently."""
+
+    name: ClassVar[str] = "hogwild"
+    locked: ClassVar[bool] = False
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundedStaleness(UpdateRule):
+    """ssp: as :class:`Immediate`, and a worker's pull waits while it is more than ``max_staleness`` pushes ahead of
+    the slowest active worker."""
+
+    name: ClassVar[str] = "ssp"
+    max_staleness: int = 0
+
+    def __post_init__(self):
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+    def clocks(self, num_workers: int) -> ClockTracker:
+        return ClockTracker(num_workers, self.max_staleness)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncRounds(UpdateRule):
+    """sync_ps: one round per step, every worker's push of it in, their row-weighted mean applied once."""
+
+    name: ClassVar[str] = "sync_ps"
+    synchronous: ClassVar[bool] = True
+
+    def roster(self, num_workers: int, epoch_steps: Callable[[list[int]], int] | None) -> Roster:
+        """The workers' rows, and (with ``epoch_steps``) the epochs whose rounds may run."""
+        return Roster(num_workers, epoch_steps)
+
+    def updates(self, shard: UpdatedShard, roster: Roster | None) -> RoundUpdates:
+        assert roster is not None, "SyncRounds.roster made one"
+        return RoundUpdates(shard, roster)
+
+
+class ImmediateUpdates:
+    """One shard's side of ``Immediate``, ``Hogwild`` and ``BoundedStaleness``: each push applied as it arrives, under
+    the shard's lock where it has one."""
 
     numbered = False  # pushes carry no step and rows: their header's ``value`` and ``tag`` stay 0
 
-    def __init__(self, shard: ShardServer):
+    def __init__(self, shard: UpdatedShard):
         self._shard = shard
 
     def push(self, worker: int, gradient: np.ndarray, step: int, rows: int) -> int:
         """Applies ``gradient``; returns the shard's version after it."""
         with self._shard.locked():
-            started = time.perf_counter()
-            self._shard.shard.apply(gradient)
-            applied = time.perf_counter() - started
-        return self._shard.applied(applied)
+            return self._shard.apply(gradient)
 
     def admit_pull(self, worker: int, timeout: float) -> None:
         """A pull reads the weights as they are."""
@@ -87,6 +175,10 @@ class Immediate:
     def holds(self, buffer: np.ndarray) -> bool:
         """Whether ``buffer`` (a connection's receive buffer) still holds a push the rule will read: never."""
         return False
+
+    def stats(self) -> dict[str, int]:
+        """Counts of the rule's own, for the server's ``stats``: none."""
+        return {}
 
     def stop(self) -> None:
         pass
@@ -108,7 +200,7 @@ class Roster:
         self._open_through: int | None = None  # the last epoch whose rounds may be applied
         self._stopping = False
         self._cond = threading.Condition()
-        self._rules: list[Rounds] = []
+        self._rules: list[RoundUpdates] = []
 
     def join(self, worker: int, rows: int, timeout: float) -> list[int]:
         """Records ``worker``'s training rows and waits until every worker has joined; returns every worker's.
@@ -169,7 +261,7 @@ class Roster:
         for rule in rules:
             rule.apply_if_ready()
 
-    def attach(self, rule: Rounds) -> None:
+    def attach(self, rule: RoundUpdates) -> None:
         with self._cond:
             self._rules.append(rule)
 
@@ -179,12 +271,13 @@ class Roster:
             self._cond.notify_all()
 
 
-class Rounds:
-    """sync_ps: one shard's rounds, one per step: every worker's push in, their row-weighted mean applied once."""
+class RoundUpdates:
+    """One shard's side of ``SyncRounds``, one round per step: every worker's push in, their row-weighted mean applied
+    once."""
 
     numbered = True  # a push's header carries its step (``value``) and rows (``tag``)
 
-    def __init__(self, shard: ShardServer, roster: Roster):
+    def __init__(self, shard: UpdatedShard, roster: Roster):
         self._shard = shard
         self._roster = roster
         self._num_workers = roster.num_workers
@@ -245,6 +338,11 @@ class Rounds:
         with self._cond:
             return any(gradient is buffer for gradient, _ in self._pushes.values())
 
+    def stats(self) -> dict[str, int]:
+        """``rounds``: the rounds applied; ``replayed_pushes``: pushes of steps applied already, dropped."""
+        with self._cond:
+            return {"rounds": self.rounds, "replayed_pushes": self.replayed}
+
     def apply_if_ready(self) -> None:
         """Applies the round being collected if it is complete and open (after :meth:`Roster.epoch_saved`)."""
         with self._cond, contextlib.suppress(RoundFailed):
@@ -261,15 +359,13 @@ class Rounds:
         if len(self._pushes) < self._num_workers or not self._roster.is_open(self.step):
             return
         pushes = [self._pushes[worker] for worker in range(self._num_workers)]
-        started = time.perf_counter()
         try:
-            self._shard.shard.apply(self._weighted_mean(pushes))
+            self._shard.apply(self._weighted_mean(pushes))
         except Exception as exc:
             _log.exception("parameter server shard %d: the update of step %d failed", self._shard.index, self.step)
             self._failed = f"shard {self._shard.index} failed to apply the update of step {self.step}: {exc!r}"
             self._cond.notify_all()
             raise RoundFailed(self._failed) from exc
-        self._shard.applied(time.perf_counter() - started)
         self._pushes.clear()
         self.step += 1
         self.rounds += 1

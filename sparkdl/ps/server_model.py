@@ -28,7 +28,7 @@ import numpy as np
 
 from sparkdl import _compat
 from sparkdl.keras import adopted
-from sparkdl.ps.sharding import ShardLayout, assign_shards
+from sparkdl.ps.sharding import ShardSpans, assign_shards
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ _BITS = {2: np.uint16, 4: np.uint32}
 
 
 class OptimizerShard:
-    """A :class:`sparkdl.ps.server.Shard` over some of the model's variables."""
+    """A :class:`sparkdl.ps.shard_server.Shard` over some of the model's variables."""
 
     def __init__(self, variables: list, optimizer_class, optimizer_config: dict, *, compiled: bool):
         import tensorflow as tf
@@ -156,12 +156,12 @@ class ServerModel:
         variables = list(model.trainable_variables)
         shapes = [tuple(v.shape) for v in variables]
         self.model = model
-        self.layout = ShardLayout(shapes, assign_shards([int(np.prod(s)) for s in shapes], num_servers))
+        self.spans = ShardSpans(shapes, assign_shards([int(np.prod(s)) for s in shapes], num_servers))
         self.hosted = list(range(num_servers)) if hosted is None else list(hosted)
         optimizer = model.optimizer
         self.shards = [
             OptimizerShard(
-                [variables[i] for i in self.layout.shards[index]],
+                [variables[i] for i in self.spans.shards[index]],
                 type(optimizer),
                 optimizer.get_config(),
                 compiled=compiled,
@@ -189,7 +189,7 @@ class ServerModel:
             for i, shard in zip(self.hosted, self.shards)
             for j, v in enumerate(shard.optimizer_variables)
         }
-        if len(self.hosted) < len(self.layout.shards):
+        if len(self.hosted) < len(self.spans.shards):
             arrays = {k: a for k, a in arrays.items() if k.split("/", 1)[0] in {f"shard{i}" for i in self.hosted}}
         if set(arrays) != set(variables) or any(arrays[k].shape != tuple(v.shape) for k, v in variables.items()):
             return False

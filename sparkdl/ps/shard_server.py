@@ -15,11 +15,13 @@ only: its variables and its optimizer's, copied under the shard's lock and sent 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import socket
 import threading
 import time
 import typing
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -29,12 +31,11 @@ from sparkdl.net.io import ReadTimeout
 from sparkdl.net.listener import ServingListener
 from sparkdl.net.secure import Channel, IntegrityError
 from sparkdl.ps import protocol, wire
+from sparkdl.ps.attendance import Attendance
+from sparkdl.ps.counters import ServerCounters
 from sparkdl.ps.protocol import FLOAT, ROWS, Msg, Status
-from sparkdl.ps.rules import Immediate, PushRefused, RoundFailed, Rounds, RoundTimeout
-from sparkdl.ps.staleness import ServerStopping, StalenessTimeout
-
-if typing.TYPE_CHECKING:
-    from sparkdl.ps.server import ParameterServer, Shard, StatefulShard
+from sparkdl.ps.rules import PushRefused, Roster, RoundFailed, RoundTimeout, UpdateRule
+from sparkdl.ps.staleness import ClockTracker, ServerStopping, StalenessTimeout
 
 _log = logging.getLogger(__name__)
 
@@ -65,50 +66,99 @@ class _Closed(Exception):
     """The peer closed the connection between requests, or it timed out idle."""
 
 
+class Shard(typing.Protocol):
+    size: int  # number of float32 parameters in this shard
+
+    def read(self) -> np.ndarray | Sequence[np.ndarray]:
+        """Current weights: a 1-D float32 snapshot of length ``size``, or several whose concatenation is one
+        (sent one after the other, never joined); unchanged until the caller drops them."""
+
+    def apply(self, gradient: np.ndarray) -> None:
+        """Apply one pushed gradient: 1-D of length ``size``, float32 or, under ``compression``, its half-width
+        dtype, which the shard widens to float32. It is the connection's receive buffer: valid during the call."""
+
+
+class StatefulShard(Shard, typing.Protocol):
+    """A shard the controller may ask for its state (``Msg.STATE``): ``sparkdl.ps.server_model.OptimizerShard``."""
+
+    state_nbytes: int  # the bytes of ``state()``'s arrays end to end
+
+    def state(self) -> Sequence[np.ndarray]:
+        """The shard's variables and its optimizer's, copied (the caller holds the shard's lock)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """What every shard server of one :class:`~sparkdl.ps.server.ParameterServer` serves with (its checked settings)."""
+
+    host: str
+    secret: bytes
+    rule: UpdateRule
+    num_workers: int
+    controller: int | None  # the driver's client rank, if the server takes it
+    first_shard: int  # the server's first shard: it owns the clocks, the roster and the counts
+    push_dtype: np.dtype  # what every push must carry
+    timeout: float
+    handshake_timeout: float
+    max_pending: int
+    encrypt: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Bookkeeping:
+    """What the shard servers of one server share: its counters, which workers finished, the worker clocks (and the
+    ssp gate), and under sync_ps the roster."""
+
+    counters: ServerCounters
+    attendance: Attendance
+    tracker: ClockTracker
+    roster: Roster | None
+
+
 class ShardServer:
     """Listener, accept thread and connection threads of one shard."""
 
-    def __init__(self, server: ParameterServer, index: int, shard: Shard):
-        self.server = server
+    def __init__(self, index: int, shard: Shard, serving: Serving, books: Bookkeeping):
         self.index = index
         self.shard = shard
         self.size = int(shard.size)
-        self.push_dtype = server.push_dtype
-        self.lock = threading.Lock() if server.mode != "hogwild" else None
+        self.serving = serving
+        self.books = books
+        self.push_dtype = serving.push_dtype
+        self.lock = threading.Lock() if serving.rule.locked else None
         self.version = 0
+        self._version_lock = threading.Lock()  # hogwild's pushes count their updates concurrently
+        self._closing = threading.Event()
         self.listener: ServingListener | None = None
         self.address = ""
-        # What a push does and when a pull may read (sparkdl.ps.rules).
-        self.rule: Immediate | Rounds = Immediate(self) if server.roster is None else Rounds(self, server.roster)
+        self.updates = serving.rule.updates(self, books.roster)  # what a push does and when a pull may read
 
     def start(self) -> str:
-        server = self.server
+        serving = self.serving
         self.listener = ServingListener(
-            server.host,
-            server.secret,
+            serving.host,
+            serving.secret,
             self.index,
-            range(server.num_workers + (server.controller is not None)),
+            range(serving.num_workers + (serving.controller is not None)),
             self.serve,
             name=f"ps-shard{self.index}",
-            encrypt=server.encrypt,
-            max_connections=4 * server.num_workers + 4,
-            handshake_timeout=min(server.timeout, server.handshake_timeout),
-            max_pending=server.max_pending,
+            encrypt=serving.encrypt,
+            max_connections=4 * serving.num_workers + 4,
+            handshake_timeout=min(serving.timeout, serving.handshake_timeout),
+            max_pending=serving.max_pending,
             reuse_address=True,
         )
         self.address = self.listener.address
         return self.address
 
     def serve(self, channel: Channel, worker: int) -> None:
-        server = self.server
         try:
-            channel.sock.settimeout(server.timeout)
+            channel.sock.settimeout(self.serving.timeout)
             self._request_loop(channel, worker)
         except _Closed:
             pass
         except (_ProtocolViolation, IntegrityError) as exc:  # a sealed record that fails authentication breaks it too
-            with server._lock:
-                server._counters["protocol_errors"] += 1
+            self.books.counters.add("protocol_errors")
             _log.warning(
                 "parameter server shard %d (%s): closing the connection of worker %d: %s",
                 self.index,
@@ -119,13 +169,13 @@ class ShardServer:
             if isinstance(exc, _ProtocolViolation) and exc.reply is not None:
                 self._try_error(channel, exc.reply[0], exc.reply[1], Status.BAD_REQUEST, str(exc))
         except OSError as exc:
-            if not server._stopping.is_set():
+            if not self._closing.is_set():
                 _log.info("parameter server shard %d: connection of worker %d ended: %s", self.index, worker, exc)
 
     # -- requests --------------------------------------------------------------------------
 
     def _request_loop(self, channel: Channel, worker: int) -> None:
-        server = self.server
+        serving, books = self.serving, self.books
         header = bytearray(HEADER.size)
         header_view = memoryview(header)
         gradient: np.ndarray | None = None  # this connection's push buffer, allocated at its first push
@@ -138,7 +188,7 @@ class ShardServer:
                 raise _ProtocolViolation(str(exc)) from None
             msg, seq, length = request.op, request.seq, request.nbytes
             reply = (msg, seq)
-            server.last_request = time.monotonic()
+            books.attendance.heard()
             if request.kind != Kind.REQUEST:
                 raise _ProtocolViolation(
                     f"a {Kind(request.kind).name} frame where a parameter-server request belongs", reply=reply
@@ -155,7 +205,7 @@ class ShardServer:
                     f"server's)",
                     reply=reply,
                 )
-            controlling = worker == server.controller
+            controlling = worker == serving.controller
             if controlling != (msg == Msg.STATE):
                 raise _ProtocolViolation(
                     f"a {protocol.msg_name(msg)} request from the controller, which asks for the state only"
@@ -163,7 +213,7 @@ class ShardServer:
                     else f"a state request from worker {worker}: only the controller (the driver) asks for a shard's state",
                     reply=reply,
                 )
-            numbered = msg == Msg.PUSH and self.rule.numbered  # a synchronous push: its step and rows
+            numbered = msg == Msg.PUSH and self.updates.numbered  # a synchronous push: its step and rows
             if (
                 request.status
                 or request.group
@@ -174,10 +224,10 @@ class ShardServer:
                     "push's step and rows under mode='sync_ps' and a state request's epochs)",
                     reply=reply,
                 )
-            if msg == Msg.JOIN and (server.roster is None or self.index != server.first_shard):
+            if msg == Msg.JOIN and (books.roster is None or self.index != serving.first_shard):
                 raise _ProtocolViolation(
-                    f"a join, which only shard {server.first_shard} of a mode='sync_ps' server takes (its first; "
-                    f"this is shard {self.index} of a mode={server.mode!r} server)",
+                    f"a join, which only shard {serving.first_shard} of a mode='sync_ps' server takes (its first; "
+                    f"this is shard {self.index} of a mode={serving.rule.name!r} server)",
                     reply=reply,
                 )
             if length != expected:
@@ -187,9 +237,9 @@ class ShardServer:
                     f"(check shard_sizes)",
                     reply=reply,
                 )
-            server._count(bytes_in=HEADER.size + length)
+            books.counters.add("bytes_in", HEADER.size + length)
             if msg == Msg.PUSH:
-                if gradient is None or self.rule.holds(gradient):  # a synchronous round still reads the old one
+                if gradient is None or self.updates.holds(gradient):  # a synchronous round still reads the old one
                     gradient = adopted.aligned_empty(self.size, self.push_dtype)
                 self._push(channel, worker, seq, gradient, request.value, request.tag)
             elif msg == Msg.PULL:
@@ -199,18 +249,18 @@ class ShardServer:
             elif msg == Msg.STATE:
                 self._state(channel, seq, request.value)
             else:
-                server.tracker.finish(worker)
+                books.tracker.finish(worker)
                 self._send(channel, msg, Status.OK, seq, self.version)
-                server._finished_worker(worker)  # answered first: a server task stops once every worker is
+                books.attendance.finished(worker)  # answered first: a server task stops once every worker is
 
     def _push(self, channel: Channel, worker: int, seq: int, gradient: np.ndarray, step: int, rows: int) -> None:
-        server = self.server
+        books = self.books
         # The size is this shard's own, never the peer's announcement.
         if not _recv_exact(channel, gradient.view(np.uint8).data, at_boundary=False):
             raise _Closed()
         started = time.perf_counter()
         finite = wire.all_finite(gradient)
-        server._time("check_seconds", time.perf_counter() - started)
+        books.counters.add("check_seconds", time.perf_counter() - started)
         if not finite:
             bad = wire.count_non_finite(gradient)
             _log.warning(
@@ -229,7 +279,7 @@ class ShardServer:
             )
             return
         try:
-            version = self.rule.push(worker, gradient, step, rows)
+            version = self.updates.push(worker, gradient, step, rows)
         except _PUSH_REFUSALS as exc:
             self._refuse(channel, Msg.PUSH, seq, exc)
             return
@@ -239,23 +289,22 @@ class ShardServer:
                 channel, Msg.PUSH, seq, Status.SHARD_ERROR, f"shard {self.index} failed to apply the gradient: {exc!r}"
             )
             return
-        if self.index == server.first_shard:  # a worker's push counts once (it goes to every shard)
-            with server._lock:
-                server._counters["pushes"] += 1
-            server.tracker.advance(worker)
+        if self.index == self.serving.first_shard:  # a worker's push counts once (it goes to every shard)
+            books.counters.add("pushes")
+            books.tracker.advance(worker)
         self._send(channel, Msg.PUSH, Status.OK, seq, version)
 
     def _join(self, channel: Channel, worker: int, seq: int) -> None:
         """sync_ps: this worker's training rows in; every worker's out, once all have joined."""
-        server = self.server
-        assert server.roster is not None
+        roster = self.books.roster
+        assert roster is not None
         rows = np.empty(1, ROWS)
         if not _recv_exact(channel, rows.view(np.uint8).data, at_boundary=False):
             raise _Closed()
         if rows[0] < 0:
             raise _ProtocolViolation(f"a join with {int(rows[0])} training rows", reply=(Msg.JOIN, seq))
         try:
-            counts = server.roster.join(worker, int(rows[0]), server.timeout)
+            counts = roster.join(worker, int(rows[0]), self.serving.timeout)
         except _JOIN_REFUSALS as exc:
             self._refuse(channel, Msg.JOIN, seq, exc)
             return
@@ -265,7 +314,6 @@ class ShardServer:
         """The controller's request: the shard's variables and its optimizer's, copied under its lock (as they are
         under hogwild), sent end to end. ``epochs``: the complete epochs the state is after; where the server holds
         its synchronous rounds for checkpoints, those of the next epoch may run once the state is read."""
-        server = self.server
         shard = typing.cast("StatefulShard", self.shard)  # one without state fails here, answered SHARD_ERROR
         try:
             nbytes = int(shard.state_nbytes)
@@ -279,23 +327,25 @@ class ShardServer:
                 channel, Msg.STATE, seq, Status.SHARD_ERROR, f"shard {self.index} failed to read its state: {exc!r}"
             )
             return
-        if epochs > 0:
-            server.epoch_saved(epochs - 1)  # sync_ps: the rounds of the epoch after it may run
+        if epochs > 0 and self.books.roster is not None:
+            self.books.roster.epoch_saved(epochs - 1)  # sync_ps: the rounds of the epoch after it may run
         self._send(channel, Msg.STATE, Status.OK, seq, self.version, parts)
 
-    def applied(self, seconds: float) -> int:
-        """Counts one update of this shard (which took ``seconds``); returns the shard's version after it."""
-        server = self.server
-        server._time("apply_seconds", seconds)
-        with server._lock:
+    def apply(self, gradient: np.ndarray) -> int:
+        """Applies ``gradient`` to the shard (the caller holds :meth:`locked` where the rule says) and counts the update;
+        returns the shard's version after it."""
+        started = time.perf_counter()
+        self.shard.apply(gradient)
+        self.books.counters.add("apply_seconds", time.perf_counter() - started)
+        with self._version_lock:
             self.version += 1
             return self.version
 
     def _pull(self, channel: Channel, worker: int, seq: int) -> None:
-        server = self.server
+        books, timeout = self.books, self.serving.timeout
         try:
-            self.rule.admit_pull(worker, server.timeout)
-            server.tracker.admit_pull(worker, server.timeout)
+            self.updates.admit_pull(worker, timeout)
+            books.tracker.admit_pull(worker, timeout)
         except _PULL_REFUSALS as exc:
             self._refuse(channel, Msg.PULL, seq, exc)
             return
@@ -305,7 +355,7 @@ class ShardServer:
                 weights = self.shard.read()
                 version = self.version
                 read = time.perf_counter() - started
-            server._time("read_seconds", read)
+            books.counters.add("read_seconds", read)
             parts = [weights] if isinstance(weights, np.ndarray) else list(weights)
             parts = [np.ascontiguousarray(part, dtype=FLOAT).reshape(-1) for part in parts]
             if sum(part.size for part in parts) != self.size:
@@ -316,9 +366,8 @@ class ShardServer:
                 channel, Msg.PULL, seq, Status.SHARD_ERROR, f"shard {self.index} failed to read its weights: {exc!r}"
             )
             return
-        if self.index == server.first_shard:
-            with server._lock:
-                server._counters["pulls"] += 1
+        if self.index == self.serving.first_shard:
+            books.counters.add("pulls")
         self._send(channel, Msg.PULL, Status.OK, seq, version, parts)
 
     def locked(self) -> contextlib.AbstractContextManager:
@@ -347,7 +396,7 @@ class ShardServer:
             nbytes=nbytes,
         ).pack()
         channel.send([header, *body])
-        self.server._count(bytes_out=len(header) + nbytes)
+        self.books.counters.add("bytes_out", len(header) + nbytes)
 
     def _send_error(self, channel: Channel, msg: int, seq: int, status: Status, text: str) -> None:
         body = text.encode("utf-8", "replace")[: protocol.MAX_MESSAGE_BYTES]
@@ -377,7 +426,8 @@ class ShardServer:
             pass
 
     def close_listener(self, join_timeout: float) -> None:
-        self.rule.stop()
+        self._closing.set()
+        self.updates.stop()
         if self.listener is not None:
             self.listener.close(join_timeout)
 

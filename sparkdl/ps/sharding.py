@@ -25,7 +25,7 @@ def assign_shards(sizes: list[int], num_servers: int) -> list[list[int]]:
     return [sorted(shard) for shard in shards]
 
 
-class ShardLayout:
+class ShardSpans:
     """Where each variable's values sit in the flat vector a worker exchanges: the shards' vectors end to end.
 
     A shard's vector is its variables' values in model order. A worker fuses its gradients variable by

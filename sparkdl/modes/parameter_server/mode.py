@@ -1,19 +1,15 @@
-"""The parameter-server mode's driver side: serve the shards while the worker tasks train.
+"""The parameter-server mode: its variants (async, hogwild, ssp, sync_ps), their plan, and the one run path of a fit.
 
-This module is the driver placement (``server_placement="driver"``, the default): the shards are
-threads of the driver. With ``server_placement="executors"`` they are Spark tasks beside the
-workers instead (``placement``, ``executors``, ``server_task``).
+A variant is an update rule of the server (``sparkdl.ps.rules``) and the options it takes
+(:data:`VARIANTS`); ``server_placement`` chooses where the shards run (:data:`PLACEMENTS`: threads
+of the driver, ``driver_servers``, or Spark tasks beside the workers, ``executor_servers``). Both are
+objects, made once here from the names the user gave and carried by the :class:`ParameterServerPlan`,
+whose ``run`` is the same for every variant and placement.
 
-The job (server addresses, secret, settings) reaches the tasks in the task closure. The
-model to start from is offered on the driver's relay and every task fetches it there
-(``launch.payloads``), as sync mode's rank 0 does, so it never passes through a JVM's
-heap or a Spark Connect message, whatever its size. What the tasks did (samples,
-pushes, pulls, bytes) comes back in each task's returned payload, on both kinds of
-session: a payload is kept for the one successful attempt of each partition, exactly
-what accumulators would merge, and it needs no JVM (Spark Connect has no
-accumulators). The server binds to the driver's address only
-(``launch.session.driver_host``) and is stopped, its ports released, when training
-returns or raises.
+The job (server addresses, secret, settings) reaches the tasks in the task closure; what the tasks did
+(samples, pushes, pulls, bytes) comes back in each task's returned payload, on both kinds of session: a
+payload is kept for the one successful attempt of each partition, exactly what accumulators would merge,
+and it needs no JVM (Spark Connect has no accumulators).
 """
 
 from __future__ import annotations
@@ -22,28 +18,29 @@ import dataclasses
 import json
 import logging
 import secrets
+from collections.abc import Callable, Sequence
 
 from sparkdl import launch, schedule
-from sparkdl.checkpoint import Checkpointer
 from sparkdl.keras import serialization
 from sparkdl.launch import session
 from sparkdl.launch.layout import TaskLayout
-from sparkdl.modes.base import Job, Mode, ModeResult, Option, Plan
-from sparkdl.modes.parameter_server import executors, placement
-from sparkdl.modes.parameter_server.task import (
-    COUNTERS,
-    MODEL,
-    ParameterServerTask,
-    combine_histories,
-    run_parameter_server_task,
-)
+from sparkdl.modes.base import Job, Mode, ModeResult, Option, Plan, Settings
+from sparkdl.modes.parameter_server import placement
+from sparkdl.modes.parameter_server.driver_servers import DriverServers
+from sparkdl.modes.parameter_server.executor_servers import ExecutorServers
+from sparkdl.modes.parameter_server.placement import Placement
+from sparkdl.modes.parameter_server.task import COUNTERS, ParameterServerTask, combine_histories
 from sparkdl.modes.shared_options import COMPRESSION
 from sparkdl.ps import sharding
+from sparkdl.ps.rules import BoundedStaleness, Hogwild, Immediate, SyncRounds, UpdateRule
 from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.server_model import ServerModel
+from sparkdl.ps.shard_server import Shard
 
 logger = logging.getLogger(__name__)
 
+#: Where the shards run, by ``server_placement``.
+PLACEMENTS: dict[str, Placement] = {"driver": DriverServers(), "executors": ExecutorServers()}
 
 PUSH_EVERY = Option("push_every", "steps whose gradients are averaged into one push", default=1)
 NUM_SERVERS = Option("num_servers", "parameter-server shards, balanced by size", default=1)
@@ -56,8 +53,44 @@ SERVER_PLACEMENT = Option(
     "workers in one barrier stage: num_workers + num_servers task slots)",
     kind=str,
     default="driver",
-    choices=placement.PLACEMENTS,
+    choices=tuple(PLACEMENTS),
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One of the mode's names: what it does (``fit``'s docstring), the options it takes, and the update rule it makes
+    of their values."""
+
+    summary: str
+    options: tuple[Option, ...]
+    rule: Callable[[dict], UpdateRule]
+
+
+_TAKES_PUSH_EVERY = (PUSH_EVERY, NUM_SERVERS, COMPRESSION, SERVER_PLACEMENT)
+
+#: The variants, by name. sync_ps takes no push_every: its rounds already average every worker's gradient of a
+#: step, and a larger ``batch_size`` is the way to fewer, larger updates. Only ssp bounds staleness.
+VARIANTS = {
+    "async": Variant(
+        "a parameter server (on the driver, or on executors) applies each worker's pushed gradient as it arrives, "
+        "under a lock, with the model's own optimizer.",
+        _TAKES_PUSH_EVERY,
+        lambda values: Immediate(),
+    ),
+    "hogwild": Variant("as async, without the lock.", _TAKES_PUSH_EVERY, lambda values: Hogwild()),
+    "ssp": Variant(
+        "as async, but a worker more than ``max_staleness`` pushes ahead of the slowest one waits.",
+        (*_TAKES_PUSH_EVERY, MAX_STALENESS),
+        lambda values: BoundedStaleness(values["max_staleness"]),
+    ),
+    "sync_ps": Variant(
+        "the parameter server, synchronous: each step it waits for every worker's gradient, applies their mean "
+        "once, and every worker pulls the same weights; sync's training without a barrier stage.",
+        (NUM_SERVERS, COMPRESSION, SERVER_PLACEMENT),
+        lambda values: SyncRounds(),
+    ),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,23 +99,18 @@ class ParameterServerPlan(Plan):
     sync_ps (synchronous rounds: every worker's gradient of a step in, their mean applied once, the same weights out).
 
     Every worker reports progress (an epoch is complete once all have finished it); the driver
-    writes the checkpoints, of the server's state, when they have.
-
-    ``placement`` says where the shards run: threads of the driver (here), or Spark tasks beside the
-    workers in one barrier stage (``executors``), whose state the driver reads for its checkpoints.
+    writes the checkpoints, of the servers' state, when they have.
     """
 
+    rule: UpdateRule  # how the server turns pushes into updates: the variant's (``sparkdl.ps.rules``)
     push_every: int = 1  # steps whose gradients are averaged into one push
     num_servers: int = 1  # server shards, balanced by size
-    max_staleness: int = 0  # ssp: pushes a worker may run ahead of the slowest
     compression: str | None = None  # pushes as "bf16"/"fp16" (``sparkdl.collective.compression``)
-    placement: str = "driver"  # where the shards run: threads of the driver, or Spark tasks beside the workers
+    placement: Placement = PLACEMENTS["driver"]  # where the shards run
 
     def layout(self, num_workers: int) -> TaskLayout:
         """A worker per shard of the rows; with ``server_placement="executors"`` the server tasks after them."""
-        if self.placement == "executors":
-            return placement.layout(num_workers, self.num_servers)
-        return TaskLayout.data_parallel(num_workers)
+        return self.placement.layout(num_workers, self.num_servers)
 
     def reporting_ranks(self, num_workers: int) -> int:
         return num_workers
@@ -95,109 +123,94 @@ class ParameterServerPlan(Plan):
             "so the fit needs num_workers + num_servers slots (the count above), or server_placement='driver'"
         )
 
+    def server(
+        self,
+        shards: Sequence[Shard],
+        settings: Settings,
+        *,
+        host: str,
+        secret: bytes,
+        encrypt: bool,
+        checkpointed: bool,
+        first_shard: int = 0,
+        controller: bool = False,
+    ) -> ParameterServer:
+        """A server of ``shards`` (the first of them shard ``first_shard`` of the layout) under this plan's rule and
+        compression, for the workers of ``settings``. ``checkpointed``: the driver saves the servers' state each
+        time every worker has finished an epoch, which a synchronous rule's rounds of the next epoch wait for;
+        ``controller``: the driver reads the state over a connection of its own (the shards run elsewhere)."""
+        return ParameterServer(
+            shards,
+            host=host,
+            secret=secret,
+            rule=self.rule,
+            num_workers=settings.num_workers,
+            timeout=settings.timeout,
+            encrypt=encrypt,
+            compression=self.compression,
+            epoch_steps=(lambda rows: schedule.steps_per_epoch(rows, settings.batch_size)) if checkpointed else None,
+            first_shard=first_shard,
+            controller=controller,
+        )
+
     def run(self, job: Job) -> ModeResult:
-        """Trains against a server started from ``job.start``: its weights, and its shards' optimizer state when
-        it was saved by a server of the same layout. With ``job.checkpoints`` the server's state is saved each
-        time every worker has finished an epoch (the weights then include whatever faster workers pushed since;
-        under sync_ps none: the next epoch's first update waits for the save).
-        """
+        """Trains against servers started from ``job.start``: its weights, and its shards' optimizer state when it was
+        saved by a server of the same layout (``ServerModel``, the driver's copy of the model cut into the fit's
+        shards). The placement starts the servers; the stats are the workers' counters (``task.COUNTERS``) summed
+        beside the servers' (``placement.SERVER_STATS``)."""
         settings = job.settings
-        if self.placement == "executors":
-            return executors.run(job, self)
-        spark = job.training.frame.sparkSession
         server_model = ServerModel(
             serialization.model_from_bytes(job.start.model_bytes, settings.custom_objects),
             self.num_servers,
-            compiled=self.mode != "hogwild",  # XLA's launch locks the variables: hogwild's updates stay unfused
+            compiled=self.rule.locked,  # XLA's launch locks the variables: unlocked (hogwild) updates stay unfused
         )
-        if job.start.epoch and not server_model.restore_optimizers(job.start.arrays):
+        restored = bool(job.start.epoch) and server_model.restore_optimizers(job.start.arrays)
+        if job.start.epoch and not restored:
             logger.info(
                 "sparkdl: the checkpoint holds no optimizer state for %d server shard(s) of this model: the "
                 "shards' optimizers start afresh",
                 self.num_servers,
             )
-        secret = secrets.token_bytes(32)
-        encrypt = session.encrypts_traffic(spark)
-        synchronous = self.mode == "sync_ps"
-        saving = job.checkpointer is not None
-        with ParameterServer(
-            server_model.shards,
-            host=session.driver_host(spark),
-            secret=secret,
-            mode=self.mode,
-            num_workers=settings.num_workers,
-            max_staleness=self.max_staleness,
-            timeout=settings.timeout,
-            encrypt=encrypt,
-            compression=self.compression,
-            epoch_steps=(
-                (lambda rows: schedule.steps_per_epoch(rows, settings.batch_size)) if synchronous and saving else None
-            ),
-        ) as server:
-            task = ParameterServerTask(
+        setup = placement.ServerSetup(
+            server_model, secrets.token_bytes(32), session.encrypts_traffic(job.training.frame.sparkSession), restored
+        )
+        with self.placement.start(job, self, setup) as servers:
+            worker = ParameterServerTask(
                 settings=settings,
-                secret=secret,
-                addresses=server.addresses,
-                shards=server_model.layout.shards,
-                push_every=self.push_every,
-                encrypt=encrypt,
-                compression=self.compression,
-                synchronous=synchronous,
+                plan=self,
+                secret=setup.secret,
+                addresses=servers.addresses,
+                shards=server_model.spans.shards,
+                encrypt=setup.encrypt,
             )
-            if job.checkpointer is not None:
-                job.monitor.add_listener(_ServerCheckpoints(job.checkpointer, server, server_model))
             results = launch.run_tasks(
                 job.training.frame,
                 job.layout,
-                lambda batches, reporter: run_parameter_server_task(batches, reporter, task),
-                barrier=False,
+                servers.task(worker),
+                barrier=self.placement.barrier,
                 timeout=settings.timeout,
-                on_progress=job.monitor.on_event,
-                offered={MODEL: job.start.model_bytes},
+                on_progress=servers.on_event,
+                offered=servers.offered,
             )
-            server_stats = server.stats()
-        outcomes = [json.loads(payload) for payload in results.values()]
+            outcomes = [json.loads(results[rank]) for rank in range(settings.num_workers)]
+            history = combine_histories(outcomes)
+            served = servers.finish(results, history)
         stats = {
             **{name: sum(outcome["counters"][name] for outcome in outcomes) for name in COUNTERS},
-            **{
-                name: server_stats[name]
-                for name in (
-                    "max_staleness",
-                    "versions",
-                    "refused_connections",
-                    "bytes_in",
-                    "bytes_out",
-                    "check_seconds",
-                    "apply_seconds",
-                    "read_seconds",
-                )
-            },
-            **{name: server_stats[name] for name in ("rounds", "replayed_pushes") if name in server_stats},
+            **placement.combine_reports(served.reports),
         }
-        return ModeResult(server_model.model, combine_histories(outcomes), stats, job.start.epoch)
+        return ModeResult(server_model.model, history, stats, served.initial_epoch, served.resumed_history)
 
 
 class ParameterServerMode(Mode):
-    """The parameter-server family: ``async``, ``hogwild``, ``ssp`` and ``sync_ps``, each a :class:`ParameterServerPlan`.
+    """The parameter-server family: ``async``, ``hogwild``, ``ssp`` and ``sync_ps``, each a :class:`ParameterServerPlan`
+    of the update rule and options of its :data:`VARIANTS` entry."""
 
-    sync_ps takes no ``push_every``: its rounds already average every worker's gradient of a step, and a
-    larger ``batch_size`` is the way to fewer, larger updates.
-    """
-
-    names = ("async", "hogwild", "ssp", "sync_ps")
-    summaries = {
-        "async": "a parameter server (on the driver, or on executors) applies each worker's pushed gradient as it "
-        "arrives, under a lock, with the model's own optimizer.",
-        "hogwild": "as async, without the lock.",
-        "ssp": "as async, but a worker more than ``max_staleness`` pushes ahead of the slowest one waits.",
-        "sync_ps": "the parameter server, synchronous: each step it waits for every worker's gradient, applies their "
-        "mean once, and every worker pulls the same weights; sync's training without a barrier stage.",
-    }
+    names = tuple(VARIANTS)
+    summaries = {name: variant.summary for name, variant in VARIANTS.items()}
 
     def options(self, name: str) -> tuple[Option, ...]:
-        if name == "sync_ps":
-            return (NUM_SERVERS, COMPRESSION, SERVER_PLACEMENT)
-        return (PUSH_EVERY, NUM_SERVERS, COMPRESSION, SERVER_PLACEMENT, *((MAX_STALENESS,) if name == "ssp" else ()))
+        return VARIANTS[name].options
 
     def configure(self, name: str, model, values: dict) -> ParameterServerPlan:
         num_servers = values["num_servers"]
@@ -209,31 +222,9 @@ class ParameterServerMode(Mode):
             )
         return ParameterServerPlan(
             name,
+            VARIANTS[name].rule(values),
             values.get("push_every", 1),
             num_servers,
-            values.get("max_staleness", 0),
             values["compression"],
-            values["server_placement"],
+            PLACEMENTS[values["server_placement"]],
         )
-
-
-class _ServerCheckpoints:
-    """An epoch listener: when every worker has finished an epoch, saves the server's state."""
-
-    def __init__(self, checkpointer: Checkpointer, server: ParameterServer, server_model: ServerModel):
-        self._checkpointer = checkpointer
-        self._server = server
-        self._server_model = server_model
-
-    def on_epoch(self, epoch: int, logs: dict[str, float], samples_per_second: float) -> None:
-        try:
-            self._checkpointer.record(logs)
-            with self._server.holding_updates():  # weights and optimizer state of one moment
-                model_bytes = serialization.model_to_bytes(self._server_model.model)
-                arrays = self._server_model.optimizer_arrays()
-            self._checkpointer.save(epoch + 1, model_bytes, arrays)
-        finally:
-            self._server.epoch_saved(epoch)  # sync_ps: the next epoch's rounds may run (also after a failed save)
-
-    def close(self) -> None:
-        """The checkpointer is closed by ``fit`` once ``ParameterServerPlan.run`` returns, which raises its errors."""

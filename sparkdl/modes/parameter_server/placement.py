@@ -1,87 +1,124 @@
-"""``server_placement="executors"``: the server shards as Spark tasks beside the workers, in one barrier stage.
+"""Where the parameter server's shards run (``server_placement``): the interface every placement has, and the
+servers' stats, named once for both.
 
-The stage holds ``num_workers`` workers (task ``r`` reads shard ``r`` of the rows, as in the driver
-placement) and ``num_servers`` server tasks (task ``num_workers + k`` serves shard ``k`` and reads no
-rows: ``layout``). Barrier scheduling starts them together, so the servers run while the workers
-train, on as many executors as Spark spreads them over: the servers' network links and cores add up
-with the machines instead of all sharing the driver's.
-
-The tasks meet twice at the stage's rendezvous on the driver's relay (``sparkdl.launch.rendezvous``,
-the one sync mode's ring uses; :func:`meet`):
-
-1. **the start**: server 0 names the epoch training starts from, the driver's (``Job.start``) or, when
-   Spark retried the stage after a lost task, the newest checkpoint the driver wrote meanwhile; every
-   server loads that one and every worker trains from it (:func:`start_epoch`);
-2. **the addresses**: each server, listening by now, gives its shard's address, and the workers connect
-   to them (:func:`server_addresses`).
-
-Every record is a small JSON object (a string at the rendezvous, never unpickled), checked here.
+A placement is one module behind :class:`Placement`: ``driver_servers`` (threads of the driver, the default)
+and ``executor_servers`` (Spark tasks beside the workers, in one barrier stage). The fit's run path
+(``ParameterServerPlan.run``) is the same for both: it builds the driver's copy of the model, cut into shards
+(``ServerModel``), has the placement :meth:`~Placement.start` the servers, runs the stage of the
+:class:`Servers` it gets (their tasks, their progress and checkpoints), and reads each server's
+:func:`report` back, which :func:`combine_reports` turns into the fit's stats.
 """
 
 from __future__ import annotations
 
-import io
-import json
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
+from sparkdl.launch.layout import TaskLayout
+from sparkdl.launch.stage import TaskFunction
+from sparkdl.modes.base import Job
+from sparkdl.modes.parameter_server.task import ParameterServerTask
+from sparkdl.ps.server import ParameterServer
+from sparkdl.ps.server_model import ServerModel
 
-from sparkdl.launch import rendezvous
-from sparkdl.launch.forward import TaskReporter
-from sparkdl.launch.layout import Task, TaskLayout
-
-PLACEMENTS = ("driver", "executors")
-
-#: The progress event a server task sends once it listens: ``{"event": SERVER_EVENT, "shard", "address", "task"}``
-#: (the driver reads the shards' state there for its checkpoints).
-SERVER_EVENT = "server"
-
-
-def layout(num_workers: int, num_servers: int) -> TaskLayout:
-    """``num_workers`` workers, each reading a shard of the rows of its own, then ``num_servers`` servers reading none."""
-    workers = tuple(Task("worker", rank) for rank in range(num_workers))
-    return TaskLayout(workers + tuple(Task(f"server {k}", None) for k in range(num_servers)))
+if TYPE_CHECKING:
+    from sparkdl.modes.parameter_server.mode import ParameterServerPlan
 
 
-def optimizer_payload(shard: int) -> str:
-    """The name under which the driver offers shard ``shard``'s optimizer state to start from (a resumed fit's)."""
-    return f"optimizer {shard}"
+def _each_shard(parts: list[list]) -> list:
+    return [item for part in parts for item in part]
 
 
-def arrays_to_bytes(arrays: dict[str, np.ndarray]) -> bytes:
-    """Named arrays as ``.npz`` bytes (read back with ``allow_pickle=False``)."""
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)  # type: ignore[arg-type]  # numpy's stub reads **arrays as its options
-    return buffer.getvalue()
+#: Each server's part of a fit's stats (:func:`report`), and how those of a fit's servers combine (one server on the
+#: driver, one per server task): ``max_staleness`` (the largest ``clock[w] - min(active clocks)`` a granted pull
+#: saw), ``refused_connections`` (failed or refused handshakes), request and response bytes, the seconds the shards
+#: spent checking pushes, applying them and reading weights (``sparkdl.ps.counters``); per shard, in shard order:
+#: ``versions`` (updates applied), under sync_ps ``rounds`` and ``replayed_pushes`` (``sparkdl.ps.rules``), and
+#: ``servers`` (where each shard ran: ``{"shard", "address", "pid"}``).
+SERVER_STATS: dict[str, Callable[[list], Any]] = {
+    "max_staleness": max,
+    "refused_connections": sum,
+    "bytes_in": sum,
+    "bytes_out": sum,
+    "check_seconds": sum,
+    "apply_seconds": sum,
+    "read_seconds": sum,
+    "versions": _each_shard,
+    "rounds": _each_shard,
+    "replayed_pushes": _each_shard,
+    "servers": _each_shard,
+}
 
 
-def arrays_from_bytes(data: bytes | bytearray) -> dict[str, np.ndarray]:
-    with np.load(io.BytesIO(bytes(data)), allow_pickle=False) as archive:
-        return {name: archive[name] for name in archive.files}
+def report(server: ParameterServer) -> dict:
+    """``server``'s part of the fit's stats (:data:`SERVER_STATS`), read now."""
+    stats = server.stats()
+    stats["servers"] = [
+        {"shard": shard, "address": address, "pid": os.getpid()}
+        for shard, address in zip(server.indices, server.addresses)
+    ]
+    return {name: stats[name] for name in SERVER_STATS if name in stats}
 
 
-def meet(reporter: TaskReporter, record: dict, timeout: float) -> list[dict]:
-    """Inside a task of the stage: ``record`` in, every task's record out (by partition), once every task sent one."""
-    from pyspark import BarrierTaskContext
-
-    context = BarrierTaskContext.get()
-    answers = rendezvous.join(reporter, context.partitionId(), context.taskAttemptId(), json.dumps(record), timeout)
-    records = [json.loads(answer) for answer in answers]
-    if not all(isinstance(r, dict) for r in records):
-        raise ConnectionError(f"The stage's rendezvous answered records that are not objects: {answers!r}")
-    return records
+def combine_reports(reports: list[dict]) -> dict:
+    """The fit's servers' stats, from each server's :func:`report` (in shard order)."""
+    return {name: combine([r[name] for r in reports]) for name, combine in SERVER_STATS.items() if name in reports[0]}
 
 
-def start_epoch(records: list[dict], num_workers: int) -> int:
-    """The epoch server 0 (task ``num_workers``) says training starts from."""
-    epoch = records[num_workers].get("epoch") if len(records) > num_workers else None
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-        raise ConnectionError(f"Server 0 named no epoch to start from at the stage's rendezvous: {records!r}")
-    return epoch
+@dataclasses.dataclass(frozen=True)
+class ServerSetup:
+    """What the run path starts the servers with."""
+
+    server_model: ServerModel  # the driver's copy of the model, cut into the fit's shards
+    secret: bytes  # the job's: every connection to a shard proves it
+    encrypt: bool  # seal the connections (the session encrypts its RPC)
+    restored: bool  # the shards' optimizers hold the state ``Job.start`` saved
 
 
-def server_addresses(records: list[dict], num_workers: int) -> list[str]:
-    """Each server's shard address (``host:port``), by shard."""
-    addresses = [record.get("address") for record in records[num_workers:]]
-    if not addresses or not all(isinstance(a, str) and a.rsplit(":", 1)[-1].isdigit() for a in addresses):
-        raise ConnectionError(f"The server tasks gave no addresses at the stage's rendezvous: {records!r}")
-    return [str(address) for address in addresses]
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """What the servers left after the stage: each one's :func:`report` (in shard order), and the epoch training
+    started from (with the history before it, where that is not ``Job.start``'s)."""
+
+    reports: list[dict]
+    initial_epoch: int
+    resumed_history: dict[str, list[float]] | None = None
+
+
+class Servers:
+    """The running servers of one fit, as the run path uses them."""
+
+    addresses: list[str] | None  # where the workers connect; None: they learn it at the stage's rendezvous
+    offered: dict[str, bytes]  # payloads the tasks fetch from the driver's relay
+
+    def task(self, worker: ParameterServerTask) -> TaskFunction:
+        """What each task of the stage runs, the workers ``worker``."""
+        raise NotImplementedError
+
+    def on_event(self, rank: int, event: dict) -> None:
+        """A task's progress event (from a relay thread)."""
+        raise NotImplementedError
+
+    def finish(self, results: dict[int, bytes], history: dict[str, list[float]]) -> Served:
+        """After the stage, from the tasks' ``results`` (the workers' trained ``history``): what the servers left."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the shards run; chosen once from ``server_placement``."""
+
+    barrier: ClassVar[bool] = False  # the stage starts all its tasks together
+
+    def layout(self, num_workers: int, num_servers: int) -> TaskLayout:
+        """The stage's tasks: by default a worker per shard of the rows."""
+        return TaskLayout.data_parallel(num_workers)
+
+    def start(
+        self, job: Job, plan: ParameterServerPlan, setup: ServerSetup
+    ) -> contextlib.AbstractContextManager[Servers]:
+        """Starts the servers of ``job`` under ``plan`` (stopped when the block ends)."""
+        raise NotImplementedError

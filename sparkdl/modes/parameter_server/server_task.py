@@ -4,7 +4,7 @@ It runs the same server as the driver placement (``sparkdl.ps.server.ParameterSe
 listener, handshake, flood protection, frames, update rules and ssp gate), hosting shard ``k`` of the
 model's layout only, on the address Spark knows its executor by, with the job's secret. It starts from
 the model the driver offers (its weights) and the shard's optimizer state where a resumed fit has one,
-or, on a stage Spark retried, from the newest checkpoint server 0 found (``placement``); it serves until
+or, on a stage Spark retried, from the newest checkpoint server 0 found (``stage``); it serves until
 every worker has said DONE, then returns the shard's final state and its counters to the driver over
 its relay connection (``.npz``, read with ``allow_pickle=False``).
 
@@ -18,62 +18,50 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
-from sparkdl import schedule
 from sparkdl.checkpoint import CheckpointStore
 from sparkdl.keras import serialization
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
 from sparkdl.launch import payloads
 from sparkdl.launch.forward import TaskReporter
 from sparkdl.modes.base import Settings
-from sparkdl.modes.parameter_server import placement
+from sparkdl.modes.parameter_server import placement, stage
 from sparkdl.modes.parameter_server.task import MODEL
 
-#: The server's counters a server task returns, summed (or, for ``max_staleness``, the largest) over servers.
-SERVER_STATS = (
-    "max_staleness",
-    "refused_connections",
-    "bytes_in",
-    "bytes_out",
-    "check_seconds",
-    "apply_seconds",
-    "read_seconds",
-)
+if TYPE_CHECKING:
+    from sparkdl.modes.parameter_server.mode import ParameterServerPlan
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerTask:
-    """Everything a server task needs but the model (fetched from the driver's relay), shipped in the closure."""
+    """Everything a server task needs but the model (fetched from the driver's relay), shipped in the closure: the fit's
+    plan (its update rule, ``num_servers``, ``compression``) and what the workers connect with."""
 
     settings: Settings
+    plan: ParameterServerPlan
     secret: bytes
-    mode: str  # async, hogwild, ssp or sync_ps
-    num_servers: int
-    max_staleness: int = 0
-    compression: str | None = None
     encrypt: bool = False
-    restored: bool = False  # the driver offers each shard's optimizer state (``placement.optimizer_payload``)
+    restored: bool = False  # the driver offers each shard's optimizer state (``stage.optimizer_payload``)
     checkpoints: CheckpointStore | None = None  # where the driver checkpoints (a retried stage resumes from there)
 
 
 def run_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, task: ServerTask) -> bytes:
     """Serves this task's shard until every worker is done; returns ``.npz`` bytes: ``state`` (the shard's variables
-    and its optimizer's end to end, ``OptimizerShard.state``) and ``report`` (JSON: counters, where it ran, the
-    epoch it started from)."""
+    and its optimizer's end to end, ``OptimizerShard.state``) and ``report`` (JSON: the server's ``stats``,
+    ``placement.report``, and the epoch it started from)."""
     use_tensorflow_backend()
     from pyspark import BarrierTaskContext
 
-    from sparkdl.ps.server import ParameterServer
     from sparkdl.ps.server_model import ServerModel
 
     for _ in batches:  # a server reads no rows: its partition is empty
         pass
-    settings = task.settings
+    settings, plan = task.settings, task.plan
     context = BarrierTaskContext.get()
     partition = context.partitionId()
     shard = partition - settings.num_workers
@@ -86,7 +74,7 @@ def run_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, t
     if shard == 0 and task.checkpoints is not None:
         resumed = task.checkpoints.latest(newer_than=settings.initial_epoch)
     proposal = {"epoch": resumed.epoch if resumed is not None else settings.initial_epoch} if shard == 0 else {}
-    epoch = placement.start_epoch(placement.meet(reporter, proposal, settings.timeout), settings.num_workers)
+    epoch = stage.start_epoch(stage.meet(reporter, proposal, settings.timeout), settings.num_workers)
     if epoch != settings.initial_epoch and resumed is None:
         assert task.checkpoints is not None, "only a checkpoint starts elsewhere than the driver's start"
         resumed = task.checkpoints.read(epoch)  # the one server 0 found
@@ -95,15 +83,13 @@ def run_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, t
     else:
         model_bytes = payloads.fetch(reporter, MODEL)
         arrays = (
-            placement.arrays_from_bytes(payloads.fetch(reporter, placement.optimizer_payload(shard)))
-            if task.restored
-            else {}
+            stage.arrays_from_bytes(payloads.fetch(reporter, stage.optimizer_payload(shard))) if task.restored else {}
         )
     import tensorflow as tf
 
     with tf.device("/CPU:0"):  # as on the driver: pulls send views of host memory, pushes arrive there
         model = serialization.model_from_bytes(model_bytes, settings.custom_objects)
-        server_model = ServerModel(model, task.num_servers, compiled=task.mode != "hogwild", hosted=[shard])
+        server_model = ServerModel(model, plan.num_servers, compiled=plan.rule.locked, hosted=[shard])
     if arrays and not server_model.restore_optimizers(arrays):
         raise RuntimeError(
             f"Parameter server shard {shard}: the optimizer state it was given does not fit its variables "
@@ -111,50 +97,37 @@ def run_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, t
         )
     reporter.phase("model in")
     saving = task.checkpoints is not None
-    with ParameterServer(
+    with plan.server(
         server_model.shards,
+        settings,
         host=host,
         secret=task.secret,
-        mode=task.mode,
-        num_workers=settings.num_workers,
-        max_staleness=task.max_staleness,
-        timeout=settings.timeout,
         encrypt=task.encrypt,
-        compression=task.compression,
-        epoch_steps=(
-            (lambda rows: schedule.steps_per_epoch(rows, settings.batch_size))
-            if task.mode == "sync_ps" and saving
-            else None
-        ),
+        checkpointed=saving,
         first_shard=shard,
         controller=saving,
     ) as server:
         address = server.addresses[0]
-        event = {"event": placement.SERVER_EVENT, "shard": shard, "address": address, "task": context.taskAttemptId()}
+        event = {"event": stage.SERVER_EVENT, "shard": shard, "address": address, "task": context.taskAttemptId()}
         reporter.progress(event)  # before the workers can train: the driver reads the state from there
-        placement.meet(reporter, {"address": address}, settings.timeout)
+        stage.meet(reporter, {"address": address}, settings.timeout)
         server.wait_finished()
-        stats = server.stats()
+        stats = placement.report(server)
     reporter.phase("serve")
     state = server_model.shards[0].state()  # the server has stopped: nothing changes it any more
     report = {
-        **{name: stats[name] for name in SERVER_STATS},
-        "versions": stats["versions"],
-        **{name: stats[name] for name in ("rounds", "replayed_pushes") if name in stats},
-        "shard": shard,
-        "address": address,
-        "pid": os.getpid(),
+        "stats": stats,
         "initial_epoch": epoch,
         "resumed_history": resumed.history if resumed is not None and epoch != settings.initial_epoch else None,
     }
     flat = np.concatenate([np.ascontiguousarray(part).reshape(-1).view(np.uint8) for part in state])
-    return placement.arrays_to_bytes({"state": flat, "report": np.frombuffer(json.dumps(report).encode(), np.uint8)})
+    return stage.arrays_to_bytes({"state": flat, "report": np.frombuffer(json.dumps(report).encode(), np.uint8)})
 
 
 def read_result(data: bytes | bytearray) -> tuple[np.ndarray, dict]:
     """A server task's result: its shard's state bytes (``OptimizerShard.load_state`` checks their size) and its
     report."""
-    arrays = placement.arrays_from_bytes(data)
+    arrays = stage.arrays_from_bytes(data)
     if set(arrays) != {"state", "report"} or arrays["state"].dtype != np.uint8 or arrays["report"].dtype != np.uint8:
         raise ValueError(f"A server task returned a malformed result: {sorted(arrays)}")
     return arrays["state"], json.loads(arrays["report"].tobytes().decode())

@@ -2,7 +2,7 @@
 
 Keras's ``fit`` runs unchanged; the optimizer hook replaces "apply the
 gradients locally" by "push them to the server shards and take the weights
-the server holds now" (``exchange.py``). With ``push_every=k`` the gradients of
+the server holds now" (``push_pull.py``). With ``push_every=k`` the gradients of
 k steps, taken at the same pulled weights, are averaged into one push (k times
 fewer round trips, a k times larger effective batch per update). With
 ``compression`` the pushes travel at half the bytes; the pulled weights are
@@ -12,7 +12,7 @@ Under ``sync_ps`` a worker first joins the server, which answers with every
 worker's training rows once all have joined: all then follow one schedule, the
 same steps per epoch (the largest partition's, as sync mode's ranks), each
 step's rows and order as sync mode's rank of the same partition trains them;
-each push names its step and rows (``exchange.SyncSteps``), and each pull
+each push names its step and rows (``push_pull.SyncSteps``), and each pull
 returns the weights after the step's one update, the same for every worker.
 
 Validation (``validation_col``/``validation_split``): a worker evaluates its
@@ -23,7 +23,7 @@ workers' ``val_*`` metrics by it (:func:`combine_histories`).
 
 Under ``server_placement="executors"`` the servers are tasks of the worker's own
 barrier stage: the worker learns the epoch they start from and, once they listen,
-their addresses at the stage's rendezvous (``placement``), and joins (sync_ps) and
+their addresses at the stage's rendezvous (``stage``), and joins (sync_ps) and
 finishes with every shard, each a server of its own.
 """
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -46,11 +47,14 @@ from sparkdl.launch.forward import TaskReporter
 from sparkdl.launch.task_context import partition_id
 from sparkdl.metrics import combine_logs
 from sparkdl.modes.base import Settings
-from sparkdl.modes.parameter_server import placement
-from sparkdl.modes.parameter_server.exchange import Exchange, StepHook, SyncSteps
+from sparkdl.modes.parameter_server import stage
+from sparkdl.modes.parameter_server.push_pull import PushPull, StepHook, SyncSteps
 from sparkdl.ps import wire
 from sparkdl.ps.client import ParameterClient
-from sparkdl.ps.sharding import ShardLayout
+from sparkdl.ps.sharding import ShardSpans
+
+if TYPE_CHECKING:
+    from sparkdl.modes.parameter_server.mode import ParameterServerPlan
 
 MODEL = "model"  # the name the driver offers the model to start from
 
@@ -61,20 +65,20 @@ WAIT_GRACE_SECONDS = 10.0
 
 @dataclasses.dataclass(frozen=True)
 class ParameterServerTask:
-    """Everything a task needs but the model, shipped from the driver in the task closure.
+    """Everything a worker needs but the model, shipped from the driver in the task closure: the fit's plan (its
+    update rule, ``push_every``, ``compression``, read where they are used) and what the driver's servers started
+    with.
 
     The model, which may be far larger than a closure should be (a Spark Connect message, the driver
     JVM's heap), is fetched from the driver's relay (``payloads.fetch``) by every task.
     """
 
     settings: Settings
+    plan: ParameterServerPlan
     secret: bytes
     addresses: list[str] | None  # None: server tasks of the same stage, met at its rendezvous ("executors")
     shards: list[list[int]]
-    push_every: int
     encrypt: bool = False  # seal the connections: the session runs with spark.network.crypto.enabled
-    compression: str | None = None  # pushes as "bf16"/"fp16" (``sparkdl.collective.compression``)
-    synchronous: bool = False  # sync_ps: join, one schedule for all workers, pushes of numbered steps
 
     @property
     def beside_servers(self) -> bool:
@@ -99,36 +103,36 @@ def run_parameter_server_task(
     use_tensorflow_backend()  # before anything in this worker imports Keras
     import keras
 
-    settings = task.settings
+    settings, plan = task.settings, task.plan
     rank = partition_id()
     rows, held_out = read_partition(settings.layout, batches)
     schedule.require_rows({rank: len(rows)})
     limit_threads_to_task_cpus()
     if task.beside_servers:  # where the servers start from (a retried stage: the newest checkpoint), then train from
-        epoch = placement.start_epoch(placement.meet(reporter, {}, settings.timeout), settings.num_workers)
+        epoch = stage.start_epoch(stage.meet(reporter, {}, settings.timeout), settings.num_workers)
         settings = dataclasses.replace(settings, initial_epoch=epoch)
     model = serialization.model_from_bytes(payloads.fetch(reporter, MODEL), settings.custom_objects)
-    model.jit_compile = False  # the exchange runs through tf.numpy_function, which XLA cannot compile
+    model.jit_compile = False  # the push and pull run through tf.numpy_function, which XLA cannot compile
     variables = model.trainable_variables
-    layout = ShardLayout([tuple(v.shape) for v in variables], task.shards)
+    spans = ShardSpans([tuple(v.shape) for v in variables], task.shards)
     samples = len(rows)  # every row once per epoch
     addresses = task.addresses
     if addresses is None:  # the servers listen by now: their addresses
-        addresses = placement.server_addresses(placement.meet(reporter, {}, settings.timeout), settings.num_workers)
+        addresses = stage.server_addresses(stage.meet(reporter, {}, settings.timeout), settings.num_workers)
 
     with ParameterClient(
         addresses,
         worker=rank,
         secret=task.secret,
-        shard_sizes=layout.shard_sizes,
+        shard_sizes=spans.shard_sizes,
         timeout=settings.timeout,
         encrypt=task.encrypt,
-        compression=task.compression,
-        wait_grace=WAIT_GRACE_SECONDS if task.synchronous else 0.0,
+        compression=plan.compression,
+        wait_grace=WAIT_GRACE_SECONDS if plan.rule.synchronous else 0.0,
         separate_servers=task.beside_servers,
     ) as client:
         steps = None
-        if task.synchronous:  # every worker's rows: one schedule, the same steps per epoch (as sync mode's ranks)
+        if plan.rule.synchronous:  # every worker's rows: one schedule, the same steps per epoch (as sync mode's ranks)
             counts = client.join(len(rows), settings.num_workers)
             settings = settings.for_rows(counts)
             if rank == 0:
@@ -139,9 +143,9 @@ def run_parameter_server_task(
             )
         else:
             settings = settings.for_rows([len(rows)])  # no lockstep: a worker's epoch is its own rows, in its own steps
-        exchange = Exchange(client, layout, task.compression, steps)
-        hook = StepHook(model, layout, exchange, task.push_every, task.compression)
-        hook.assign(variables, exchange.pull())
+        push_pull = PushPull(client, spans, plan.compression, steps)
+        hook = StepHook(model, spans, push_pull, plan.push_every, plan.compression)
+        hook.assign(variables, push_pull.pull())
         stream = settings.epoch_stream(rows, rank, settings.initial_epoch)
         keras.utils.set_random_seed(settings.seed + rank)  # dropout and the like differ per worker, by design
         reporter.progress(
@@ -170,11 +174,11 @@ def run_parameter_server_task(
             COUNTERS,
             (
                 (settings.epochs - settings.initial_epoch) * samples,
-                exchange.pushes,
-                exchange.pulls,
-                layout.size * (wire.push_dtype(task.compression).itemsize * exchange.pushes + 4 * exchange.pulls),
-                exchange.push_seconds,
-                exchange.pull_seconds,
+                push_pull.pushes,
+                push_pull.pulls,
+                spans.size * (wire.push_dtype(plan.compression).itemsize * push_pull.pushes + 4 * push_pull.pulls),
+                push_pull.push_seconds,
+                push_pull.pull_seconds,
             ),
         )
     )

@@ -1,11 +1,11 @@
-"""The driver's side of ``server_placement="executors"``: the stage of workers and server tasks, the result
-assembled, and the checkpoints.
+"""``server_placement="executors"``: a server task per shard, beside the workers in one barrier stage; the driver's side
+of it: the stage's tasks, the shards' states assembled, and the checkpoints.
 
-The driver builds the same ``ServerModel`` as in the driver placement (the model, cut into the same
-shards, each with its optimizer), but serves nothing: it offers the model (and, resuming, each shard's
-optimizer state) on its relay, runs one barrier stage of ``num_workers`` workers and ``num_servers``
-server tasks (``placement.layout``), and sets its shards from the state the server tasks return, so
-that the trained model is assembled exactly as the driver's own server would have left it.
+The driver's ``ServerModel`` (the model, cut into the same shards as in the driver placement, each with
+its optimizer) serves nothing here: the driver offers the model (and, resuming, each shard's optimizer
+state) on its relay, runs one barrier stage of ``num_workers`` workers and ``num_servers`` server tasks
+(``stage.layout``), and sets its shards from the state the server tasks return, so that the trained
+model is assembled exactly as the driver's own server would have left it.
 
 Checkpoints (``checkpoint_dir``) are still the driver's: when every worker has finished an epoch (counted
 here per stage attempt, so that an epoch a retried stage trains again is saved again), the driver
@@ -20,26 +20,23 @@ from the last epoch saved, as sync mode's does.
 
 from __future__ import annotations
 
-import json
+import contextlib
+import dataclasses
 import logging
-import secrets
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, ClassVar
 
-from sparkdl import launch
 from sparkdl.keras import serialization
 from sparkdl.launch import session
+from sparkdl.launch.layout import TaskLayout
+from sparkdl.launch.stage import TaskFunction
 from sparkdl.launch.task_context import partition_id
 from sparkdl.metrics import combine_logs
-from sparkdl.modes.base import Job, ModeResult
-from sparkdl.modes.parameter_server import placement, server_task
-from sparkdl.modes.parameter_server.task import (
-    COUNTERS,
-    MODEL,
-    ParameterServerTask,
-    combine_histories,
-    run_parameter_server_task,
-)
+from sparkdl.modes.base import Job
+from sparkdl.modes.parameter_server import server_task, stage
+from sparkdl.modes.parameter_server.placement import Placement, Served, Servers, ServerSetup
+from sparkdl.modes.parameter_server.task import MODEL, ParameterServerTask, run_parameter_server_task
 from sparkdl.ps.client import fetch_state
 from sparkdl.ps.server_model import ServerModel
 
@@ -49,102 +46,73 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def run(job: Job, plan: ParameterServerPlan) -> ModeResult:
-    """Trains ``job`` (``server_placement="executors"``) against server tasks of its own stage."""
-    settings, options = job.settings, plan
-    spark = job.training.frame.sparkSession
-    if session.dynamic_allocation(spark):
-        raise ValueError(
-            f"Expected server_placement='driver' under {session.DYNAMIC_ALLOCATION_SETTING}=true. Received: "
-            "server_placement='executors', whose server tasks run beside the workers in one barrier stage, which "
-            "Spark refuses under dynamic allocation. Use server_placement='driver' (plain tasks), or turn dynamic "
-            "allocation off."
-        )
-    server_model = ServerModel(
-        serialization.model_from_bytes(job.start.model_bytes, settings.custom_objects),
-        options.num_servers,
-        compiled=False,  # the driver applies nothing: its shards only hold the state it checkpoints and returns
-    )
-    restored = bool(job.start.epoch) and server_model.restore_optimizers(job.start.arrays)
-    if job.start.epoch and not restored:
-        logger.info(
-            "sparkdl: the checkpoint holds no optimizer state for %d server shard(s) of this model: the "
-            "shards' optimizers start afresh",
-            options.num_servers,
-        )
-    offered = {MODEL: job.start.model_bytes}
-    if restored:
-        arrays = server_model.optimizer_arrays()
-        for k in range(options.num_servers):
-            mine = {name: array for name, array in arrays.items() if name.split("/", 1)[0] == f"shard{k}"}
-            offered[placement.optimizer_payload(k)] = placement.arrays_to_bytes(mine)
-    secret = secrets.token_bytes(32)
-    encrypt = session.encrypts_traffic(spark)
-    saving = job.checkpointer is not None
-    worker = ParameterServerTask(
-        settings=settings,
-        secret=secret,
-        addresses=None,  # the server tasks': met at the stage's rendezvous
-        shards=server_model.layout.shards,
-        push_every=options.push_every,
-        encrypt=encrypt,
-        compression=options.compression,
-        synchronous=plan.mode == "sync_ps",
-    )
-    server = server_task.ServerTask(
-        settings=settings,
-        secret=secret,
-        mode=plan.mode,
-        num_servers=options.num_servers,
-        max_staleness=options.max_staleness,
-        compression=options.compression,
-        encrypt=encrypt,
-        restored=restored,
-        checkpoints=job.checkpoints if saving else None,
-    )
-    controller = Controller(job, server_model, secret, encrypt)
-    num_workers = settings.num_workers
+@dataclasses.dataclass(frozen=True)
+class ExecutorServers(Placement):
+    """A server task per shard, beside the workers in one barrier stage."""
 
-    def run_task(batches, reporter):
-        if partition_id() < num_workers:
-            return run_parameter_server_task(batches, reporter, worker)
-        return server_task.run_server_task(batches, reporter, server)
+    barrier: ClassVar[bool] = True
 
-    results = launch.run_tasks(
-        job.training.frame,
-        job.layout,
-        run_task,
-        barrier=True,
-        timeout=settings.timeout,
-        on_progress=controller.on_event,
-        offered=offered,
-    )
-    outcomes = [json.loads(results[rank]) for rank in range(num_workers)]
-    reports = []
-    for k, shard in enumerate(server_model.shards):
-        state, report = server_task.read_result(results[num_workers + k])
-        shard.load_state(state)  # exactly the driver's own shard's size, or an error
-        reports.append(report)
-    history = combine_histories(outcomes)
-    controller.save_last(history)
-    stats = {
-        **{name: sum(outcome["counters"][name] for outcome in outcomes) for name in COUNTERS},
-        "max_staleness": max(report["max_staleness"] for report in reports),
-        "versions": [report["versions"][0] for report in reports],
-        **{
-            name: sum(report[name] for report in reports)
-            for name in server_task.SERVER_STATS
-            if name != "max_staleness"
-        },
-        **{
-            name: [report[name][0] for report in reports]
-            for name in ("rounds", "replayed_pushes")
-            if name in reports[0]
-        },
-        "servers": [{"shard": r["shard"], "address": r["address"], "pid": r["pid"]} for r in reports],
-    }
-    first = reports[0]
-    return ModeResult(server_model.model, history, stats, first["initial_epoch"], first["resumed_history"])
+    def layout(self, num_workers: int, num_servers: int) -> TaskLayout:
+        return stage.layout(num_workers, num_servers)
+
+    @contextlib.contextmanager
+    def start(self, job: Job, plan: ParameterServerPlan, setup: ServerSetup) -> Iterator[Servers]:
+        """Nothing runs before the stage: the server tasks start with it, and end once every worker is done."""
+        if session.dynamic_allocation(job.training.frame.sparkSession):
+            raise ValueError(
+                f"Expected server_placement='driver' under {session.DYNAMIC_ALLOCATION_SETTING}=true. Received: "
+                "server_placement='executors', whose server tasks run beside the workers in one barrier stage, "
+                "which Spark refuses under dynamic allocation. Use server_placement='driver' (plain tasks), or turn "
+                "dynamic allocation off."
+            )
+        yield _Stage(job, plan, setup)
+
+
+class _Stage(Servers):
+    def __init__(self, job: Job, plan: ParameterServerPlan, setup: ServerSetup):
+        self.addresses = None  # the server tasks': met at the stage's rendezvous
+        self.offered = {MODEL: job.start.model_bytes}
+        if setup.restored:
+            arrays = setup.server_model.optimizer_arrays()
+            for k in range(plan.num_servers):
+                mine = {name: array for name, array in arrays.items() if name.split("/", 1)[0] == f"shard{k}"}
+                self.offered[stage.optimizer_payload(k)] = stage.arrays_to_bytes(mine)
+        self._server = server_task.ServerTask(
+            settings=job.settings,
+            plan=plan,
+            secret=setup.secret,
+            encrypt=setup.encrypt,
+            restored=setup.restored,
+            checkpoints=job.checkpoints if job.checkpointer is not None else None,
+        )
+        self._server_model = setup.server_model
+        self._num_workers = job.settings.num_workers
+        self._controller = Controller(job, setup.server_model, setup.secret, setup.encrypt)
+
+    def task(self, worker: ParameterServerTask) -> TaskFunction:
+        num_workers, server = self._num_workers, self._server
+
+        def run_task(batches, reporter):
+            if partition_id() < num_workers:
+                return run_parameter_server_task(batches, reporter, worker)
+            return server_task.run_server_task(batches, reporter, server)
+
+        return run_task
+
+    def on_event(self, rank: int, event: dict) -> None:
+        self._controller.on_event(rank, event)
+
+    def finish(self, results: dict[int, bytes], history: dict[str, list[float]]) -> Served:
+        """Sets the driver's shards from the states the server tasks returned (each exactly its own shard's size, or an
+        error), then saves the last epoch's checkpoint of them."""
+        reports = []
+        for k, shard in enumerate(self._server_model.shards):
+            state, report = server_task.read_result(results[self._num_workers + k])
+            shard.load_state(state)
+            reports.append(report)
+        self._controller.save_last(history)
+        first = reports[0]
+        return Served([report["stats"] for report in reports], first["initial_epoch"], first["resumed_history"])
 
 
 class Controller:
@@ -175,7 +143,7 @@ class Controller:
         self._monitor.on_event(rank, event)
         kind = event.get("event")
         if rank >= self._num_workers:
-            if kind == placement.SERVER_EVENT:
+            if kind == stage.SERVER_EVENT:
                 self.server_started(int(event["shard"]), str(event["address"]), int(event["task"]))
             return
         if kind == "start":

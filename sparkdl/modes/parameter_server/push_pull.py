@@ -2,13 +2,13 @@
 
 The train step itself, in TensorFlow, casts each gradient to the push dtype (float32, or with
 ``compression`` the half-width dtype: narrowed once, on the way into the fused vector) and
-concatenates them shard by shard (``ShardLayout.order``), so that each shard's part of the vector
+concatenates them shard by shard (``ShardSpans.order``), so that each shard's part of the vector
 is one span the client sends in place. Under compression a small function compiled by XLA narrows
 and concatenates in one pass (TensorFlow's own cast to bfloat16 is a scalar loop, and its concat
 then copies again: 10-11 ms of a core against 7.3 for 8.4M parameters); a float32 concat is as
 fast without XLA (6.4 ms).
 
-The numpy side (:class:`Exchange`) pushes the vector and pulls the server's float32 weights into
+The numpy side (:class:`PushPull`) pushes the vector and pulls the server's float32 weights into
 a buffer, whose spans the step assigns to the variables. Nothing is copied in numpy (each copy of
 an 8.4M-parameter model's 32 MB costs 5-15 ms of a core, docs/performance.md), and TensorFlow
 takes the buffer over as the variables' memory without copying it either, holding a reference to
@@ -36,7 +36,7 @@ from sparkdl.collective import compression as compressions
 from sparkdl.keras import adopted, compiled_update
 from sparkdl.ps import wire
 from sparkdl.ps.client import ParameterClient
-from sparkdl.ps.sharding import ShardLayout
+from sparkdl.ps.sharding import ShardSpans
 
 #: Pull buffers kept for reuse: one for the weights the variables hold now, more while TensorFlow lets go of others.
 POOLED_BUFFERS = 3
@@ -56,17 +56,17 @@ class SyncSteps:
         return step, int(self.rows[step % len(self.rows)])
 
 
-class Exchange:
+class PushPull:
     """The numpy side of a push: the fused gradient's spans pushed to their shards, then the server's weights."""
 
     def __init__(
-        self, client: ParameterClient, layout: ShardLayout, compression: str | None, steps: SyncSteps | None = None
+        self, client: ParameterClient, spans: ShardSpans, compression: str | None, steps: SyncSteps | None = None
     ):
         self._client = client
-        self._layout = layout
+        self._spans = spans
         self._compression = compression
         self._steps = steps  # sync_ps: each push's step and rows
-        self._buffers = adopted.BufferPool(layout.size, np.float32, keep=POOLED_BUFFERS)
+        self._buffers = adopted.BufferPool(spans.size, np.float32, keep=POOLED_BUFFERS)
         self.pushes = self.pulls = 0
         self.push_seconds = self.pull_seconds = 0.0  # waiting for the server: sending, applying, receiving
 
@@ -77,7 +77,7 @@ class Exchange:
             compressions.check_fits_float16(largest)
         step, rows = self._steps.at(self.pushes) if self._steps is not None else (0, 0)
         started = time.perf_counter()
-        self._client.push([fused[start:stop] for start, stop in self._layout.bounds], step=step, rows=rows)
+        self._client.push([fused[start:stop] for start, stop in self._spans.bounds], step=step, rows=rows)
         self.push_seconds += time.perf_counter() - started
         self.pushes += 1
         return self.pull()
@@ -87,7 +87,7 @@ class Exchange:
         over in place)."""
         out = self._buffers.take()
         started = time.perf_counter()
-        self._client.pull([out[start:stop] for start, stop in self._layout.bounds])
+        self._client.pull([out[start:stop] for start, stop in self._spans.bounds])
         self.pull_seconds += time.perf_counter() - started
         self.pulls += 1
         return out
@@ -100,25 +100,25 @@ class StepHook:
     training, what a ``push_every`` larger than 1 summed since the last push.
     """
 
-    def __init__(self, model, layout: ShardLayout, exchange: Exchange, push_every: int, compression: str | None):
+    def __init__(self, model, spans: ShardSpans, push_pull: PushPull, push_every: int, compression: str | None):
         import tensorflow as tf
 
-        self._layout = layout
-        self._exchange = exchange
+        self._spans = spans
+        self._push_pull = push_pull
         self._push_every = push_every
         self._iterations = model.optimizer.iterations
         self._dtype = tf.as_dtype(wire.push_dtype(compression))
         self._checks_range = compression == "fp16"
         self._fuse = compiled_update.compiled(self._fused) if compression else self._fused
         if push_every > 1:
-            self._sum = tf.Variable(tf.zeros([layout.size]), trainable=False, name="sparkdl_gradient_sum")
+            self._sum = tf.Variable(tf.zeros([spans.size]), trainable=False, name="sparkdl_gradient_sum")
             self._steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="sparkdl_summed_steps")
 
     def __call__(self, apply, grads: list, variables: list):
         import tensorflow as tf
 
         grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, variables)]
-        ordered = [tf.reshape(grads[i], [-1]) for i in self._layout.order]
+        ordered = [tf.reshape(grads[i], [-1]) for i in self._spans.order]
         if self._push_every == 1:
             self.assign(variables, self._push(*self._fuse(ordered)))
         else:
@@ -131,15 +131,15 @@ class StepHook:
         """Pushes the mean of the steps summed since the last push, if any (eagerly, after ``fit``)."""
         if self._push_every > 1 and int(self._steps.numpy()) % self._push_every:
             fused, largest = self._mean(int(self._steps.numpy()) % self._push_every)
-            self._exchange.push(fused.numpy(), np.asarray(largest))
+            self._push_pull.push(fused.numpy(), np.asarray(largest))
 
     def assign(self, variables: list, weights) -> None:
         """Sets ``variables`` (model order) from the server's weights (shard by shard), in the graph or eagerly."""
         import tensorflow as tf
 
-        weights = tf.ensure_shape(tf.convert_to_tensor(weights, tf.float32), [self._layout.size])
+        weights = tf.ensure_shape(tf.convert_to_tensor(weights, tf.float32), [self._spans.size])
         position = 0
-        for i in self._layout.order:
+        for i in self._spans.order:
             variable = variables[i]
             size = int(np.prod(variable.shape))
             variable.assign(tf.cast(tf.reshape(weights[position : position + size], variable.shape), variable.dtype))
@@ -156,7 +156,7 @@ class StepHook:
         import tensorflow as tf
 
         return tf.numpy_function(
-            self._exchange.push, [fused, tf.cast(largest, tf.float32)], tf.float32, stateful=True, name="sparkdl_push"
+            self._push_pull.push, [fused, tf.cast(largest, tf.float32)], tf.float32, stateful=True, name="sparkdl_push"
         )
 
     def _push_mean(self, variables: list) -> None:
