@@ -259,6 +259,8 @@ EVERY_PARAM.update(
             if entry.option.choices
             else "a,b"
             if entry.option.kind is str
+            else ["a", "b"]
+            if entry.option.kind is list
             else entry.option.minimum + 2
         ]
     }
