@@ -44,7 +44,7 @@ MODEL = "model"  # the name under which the driver offers the model to start fro
 @dataclasses.dataclass(frozen=True)
 class BarrierPlan(Plan):
     """A plan whose workers run as one barrier stage (sync, sharded, gossip, pipeline): a subclass implements
-    ``train`` (in every task) and may change who the ranks are (``connect``, ``shard_ranks``, ``writer``) and what
+    ``train`` (in every task) and may change who the ranks are (``connect``, ``shard_ranks``, ``writer``) and
     what the driver offers and takes back (``run``)."""
 
     saves_checkpoints: ClassVar[str] = "tasks"
