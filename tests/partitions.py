@@ -9,7 +9,7 @@ from sparkdl._compat import collect_arrow
 
 def partitions_as_fit_sees_them(training, num_workers):
     """Each barrier task's training rows ``(x, y)`` in order, read back through the same repartition that fit uses."""
-    columns = [field.column for field in training.layout.fields]
+    columns = [field.column for field in training.fields.all]
 
     def tag(batches):
         from pyspark import TaskContext
@@ -33,7 +33,7 @@ def partitions_as_fit_sees_them(training, num_workers):
     parts = []
     for rank in range(num_workers):
         rows = table.filter(pa.compute.equal(table.column("part"), rank))
-        train, _ = data.read_partition(training.layout, rows.to_batches())
+        train, _ = data.read_partition(training.fields, rows.to_batches())
         parts.append(train.take(np.arange(len(train))))
     return parts
 

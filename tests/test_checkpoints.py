@@ -240,7 +240,7 @@ def test_a_checkpoint_without_a_step_resumes_at_its_epoch_start(tmp_path):
     old = store.latest()
     assert old.epoch == 2 and old.step is None
     settings = Settings(
-        layout=None, num_workers=2, epochs=4, batch_size=16, steps_per_epoch=45, seed=0, initial_epoch=2
+        fields=None, num_workers=2, epochs=4, batch_size=16, steps_per_epoch=45, seed=0, initial_epoch=2
     )
     assert resume_step(settings, old.step) == 90
     assert resume_step(settings, 100) == 100

@@ -10,10 +10,10 @@ import pytest
 
 from sparkdl import schedule
 from sparkdl.data import spill, windows
-from sparkdl.data.fields import INPUT, TARGET, Field, Layout
+from sparkdl.data.fields import INPUT, TARGET, Field, Fields
 from sparkdl.data.spill import MAPPED_BYTES, FileRows, MappedRows, SpilledRows
 
-LAYOUT = Layout(
+FIELDS = Fields(
     inputs=(
         Field(INPUT, "text", "text", ("text",), (1,), "string"),
         Field(INPUT, "tokens", "tokens", ("tokens",), (3,), "string"),
@@ -46,9 +46,9 @@ def _table(rows: int) -> tuple[pa.Table, dict[str, np.ndarray]]:
 
 def _spilled(tmp_path, rows, mapped_bytes, batch=97):
     table, expected = _table(rows)
-    spilled = SpilledRows(LAYOUT.fields, str(tmp_path), mapped_bytes)
+    spilled = SpilledRows(FIELDS.all, str(tmp_path), mapped_bytes)
     for record_batch in table.to_batches(max_chunksize=batch):  # as Arrow batches arrive, sliced (offsets not at 0)
-        spilled.append(LAYOUT.arrays(record_batch))
+        spilled.append(FIELDS.arrays(record_batch))
     return spilled.finish(), expected
 
 
@@ -89,7 +89,7 @@ def test_keras_gets_a_string_tensor_for_each_string_input(tmp_path):
     import tensorflow as tf
 
     reader, expected = _spilled(tmp_path, 10, MAPPED_BYTES)
-    x, y = LAYOUT.keras_batch(reader.read(np.arange(10)))
+    x, y = FIELDS.keras_batch(reader.read(np.arange(10)))
     assert x["text"].dtype == tf.string and x["text"].shape == (10, 1) and x["tokens"].shape == (10, 3)
     assert x["tokens"].numpy().tolist() == expected["tokens"].tolist()
     assert y.tolist() == list(range(10))

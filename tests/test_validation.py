@@ -31,7 +31,7 @@ def held_out(df, seed, **validation):
 def held_out_rows(training):
     """The held-out rows of ``training`` as a worker holds them: spilled, read back by row number."""
     table = training.frame.where(F.col(data.VALIDATION)).toArrow()
-    rows, _ = data.read_partition(training.layout, table.drop_columns([data.VALIDATION]).to_batches())
+    rows, _ = data.read_partition(training.fields, table.drop_columns([data.VALIDATION]).to_batches())
     return rows
 
 
@@ -223,7 +223,7 @@ def test_bad_validation_data(spark, rows, kwargs, message):
 
 
 def test_average_mode_attributes_each_epoch_to_the_next_averaged_model():
-    settings = Settings(layout=None, num_workers=2, epochs=3, batch_size=8, steps_per_epoch=18, seed=0, validate=True)
+    settings = Settings(fields=None, num_workers=2, epochs=3, batch_size=8, steps_per_epoch=18, seed=0, validate=True)
     job = Rounds(settings, token="t", sync_every=7, first_step=0)
     finished = {r: list(job.epochs_finished(r)) for r in range(8)}
     assert finished == {0: [], 1: [], 2: [0], 3: [], 4: [], 5: [1], 6: [], 7: [2]}  # epoch ends 18, 36, 54

@@ -1,7 +1,7 @@
 """The resolved columns a worker reads: for every model input, target and the sample weight, its shape and dtype.
 
-The driver resolves them once (``sparkdl.data.plan``) and ships a :class:`Layout` (small and
-picklable). On the workers, ``Layout.arrays`` turns one Arrow record batch into numpy arrays of
+The driver resolves them once (``sparkdl.data.plan``) and ships a :class:`Fields` (small and
+picklable). On the workers, ``Fields.arrays`` turns one Arrow record batch into numpy arrays of
 exactly those shapes and dtypes, without Python objects per row (a string field's values stay
 Arrow's bytes, ``sparkdl.data.texts``, until a batch is read back for Keras).
 """
@@ -73,7 +73,7 @@ class Field:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Fields:
     """Every field a fit reads, and how Keras receives them: one array, or a dict by input/output name."""
 
     inputs: tuple[Field, ...]
@@ -83,12 +83,12 @@ class Layout:
     named_targets: bool = False  # a dict by output name (the model has several outputs)
 
     @property
-    def fields(self) -> tuple[Field, ...]:
+    def all(self) -> tuple[Field, ...]:
         return self.inputs + self.targets + ((self.weight,) if self.weight is not None else ())
 
     def arrays(self, batch: pa.RecordBatch) -> dict[str, np.ndarray | TextValues]:
         """One record batch as arrays by frame column (string fields: their ``TextValues``)."""
-        return {field.column: field.values(batch.column(field.column)) for field in self.fields}
+        return {field.column: field.values(batch.column(field.column)) for field in self.all}
 
     def keras_batch(self, arrays: dict) -> tuple:
         """``(x, y)``, or ``(x, y, sample_weight)`` with a weight column, as ``model.fit`` takes them, from

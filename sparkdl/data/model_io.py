@@ -1,7 +1,7 @@
 """What a Keras model takes and gives: its inputs and outputs by name, each with its shape and dtype.
 
 Works on the driver (to check the user's columns against the model before any job) and nowhere
-else; the workers receive the resolved :class:`~sparkdl.data.fields.Layout` instead.
+else; the workers receive the resolved :class:`~sparkdl.data.fields.Fields` instead.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from pyspark.sql import types as T
 from sparkdl.data import model_io, shapes
 from sparkdl.data.checks import Checks, ColumnStats
 from sparkdl.data.columns import IMAGE, SCALAR, VECTOR, SourceColumn, inspect
-from sparkdl.data.fields import INPUT, TARGET, WEIGHT, Field, Layout
+from sparkdl.data.fields import INPUT, TARGET, WEIGHT, Field, Fields
 from sparkdl.data.model_io import Port
 from sparkdl.data.rows import VALIDATION
 
@@ -35,9 +35,9 @@ ColumnSpec = str | Sequence[str] | Mapping[str, str | Sequence[str]]
 class TrainingData:
     """A validated DataFrame reduced to the columns the workers read, and how they read them."""
 
-    frame: DataFrame  # one column per field of ``layout``, and VALIDATION (boolean) when rows are held out
+    frame: DataFrame  # one column per field of ``fields``, and VALIDATION (boolean) when rows are held out
     num_rows: int  # rows to train on (held-out validation rows not included)
-    layout: Layout
+    fields: Fields
     validation_rows: int = 0  # rows held out for validation (VALIDATION true)
 
 
@@ -141,7 +141,7 @@ class TrainingPlan:
         total, held_out, stats = checks.run(self.df)
         num_rows = _check_counts(total, held_out, num_workers, self.mask is not None, self.validation_source)
         fields = [_field(p, i, stats) for i, p in enumerate(planned)]
-        layout = Layout(
+        resolved = Fields(
             inputs=tuple(f for f in fields if f.role == INPUT),
             targets=tuple(f for f in fields if f.role == TARGET),
             weight=next((f for f in fields if f.role == WEIGHT), None),
@@ -151,7 +151,7 @@ class TrainingPlan:
         columns = [p.values().alias(f.column) for p, f in zip(planned, fields)]
         if self.mask is not None:
             columns.append(self.mask.alias(VALIDATION))
-        return TrainingData(self.df.select(*columns), num_rows, layout, held_out)
+        return TrainingData(self.df.select(*columns), num_rows, resolved, held_out)
 
 
 def _check_counts(total: int, held_out: int, num_workers: int, holds_out: bool, source: str) -> int:

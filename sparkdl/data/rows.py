@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkdl.data.fields import Layout
+from sparkdl.data.fields import Fields
 from sparkdl.data.read_ahead import Chunk, read_ahead
 from sparkdl.data.spill import FileRows, MappedRows, SpilledRows, spill_directory
 from sparkdl.schedule import EpochSteps
@@ -24,8 +24,8 @@ VALIDATION = "_sparkdl_validation"  # boolean; only present when rows are held o
 class Rows:
     """Some rows of a partition, one array per field; ``take`` gives the batches Keras trains on."""
 
-    def __init__(self, layout: Layout, rows: MappedRows | FileRows):
-        self.layout = layout
+    def __init__(self, fields: Fields, rows: MappedRows | FileRows):
+        self.fields = fields
         self._rows = rows
         self._count = len(rows)
 
@@ -38,7 +38,7 @@ class Rows:
 
     def take(self, index: np.ndarray) -> tuple:
         """The rows at ``index`` as ``(x, y)`` or ``(x, y, sample_weight)`` (copies, in memory)."""
-        return self.layout.keras_batch(self._rows.read(index))
+        return self.fields.keras_batch(self._rows.read(index))
 
     def chunks(self, parts: Iterable[EpochSteps]) -> Iterator[Chunk]:
         """The schedule's ``parts`` (:func:`sparkdl.schedule.epoch_steps`) as chunks of consecutive steps' rows,
@@ -50,32 +50,32 @@ class Rows:
         gives them, read by a thread ahead of training (:func:`sparkdl.data.read_ahead.read_ahead`)."""
         for chunk in self.chunks(parts):
             for arrays in chunk.step_arrays():
-                yield self.layout.keras_batch(arrays)
+                yield self.fields.keras_batch(arrays)
 
 
-def read_partition(layout: Layout, batches: Iterable[pa.RecordBatch]) -> tuple[Rows, Rows]:
+def read_partition(fields: Fields, batches: Iterable[pa.RecordBatch]) -> tuple[Rows, Rows]:
     """A partition's Arrow batches as ``(training rows, held-out validation rows)``, spilled to local disk.
 
     Without a ``VALIDATION`` column every row is a training row. One Arrow batch is in memory at a time.
     """
     directory = spill_directory()
-    train = SpilledRows(layout.fields, directory)
-    held_out = SpilledRows(layout.fields, directory)
+    train = SpilledRows(fields.all, directory)
+    held_out = SpilledRows(fields.all, directory)
     try:
         for batch in batches:
             if batch.num_rows == 0:
                 continue
             if VALIDATION not in batch.schema.names:
-                train.append(layout.arrays(batch))
+                train.append(fields.arrays(batch))
                 continue
             mask = batch.column(VALIDATION)
-            train.append(layout.arrays(batch.filter(pc.invert(mask))))
-            held_out.append(layout.arrays(batch.filter(mask)))
+            train.append(fields.arrays(batch.filter(pc.invert(mask))))
+            held_out.append(fields.arrays(batch.filter(mask)))
     except BaseException:
         train.discard()
         held_out.discard()
         raise
-    return Rows(layout, train.finish()), Rows(layout, held_out.finish())
+    return Rows(fields, train.finish()), Rows(fields, held_out.finish())
 
 
 def row_counts(batches: Iterable[pa.RecordBatch]) -> tuple[int, int]:

@@ -17,7 +17,7 @@ iterator's autotuning thread to wake on its own, up to its optimization period (
 an epoch of 21 s took 41 s, in plain Keras too.
 
     >>> dataset = epoch_dataset(lambda epoch: settings.chunks(rows, rank, epoch * steps, (epoch + 1) * steps),
-    ...                         example=rows.read(np.arange(1)), to_keras=layout.keras_batch,
+    ...                         example=rows.read(np.arange(1)), to_keras=rows.fields.keras_batch,
     ...                         first_epoch=0, steps=steps)
 """
 
@@ -44,7 +44,7 @@ def epoch_dataset(
 
     ``chunks_of_epoch(epoch)`` yields that epoch's chunks, ``steps`` steps in all; ``example`` holds
     arrays by field like theirs (a string field's as ``bytes`` objects); ``to_keras`` turns one step's
-    tensors by field into what ``model.fit`` takes (``Layout.keras_batch``).
+    tensors by field into what ``model.fit`` takes (``Fields.keras_batch``).
     """
     import tensorflow as tf
 

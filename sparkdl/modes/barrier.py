@@ -119,7 +119,7 @@ def run_barrier_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, 
     import keras  # noqa: F401 -- loads TensorFlow unless this Python worker has it already
 
     reporter.phase("import")
-    rows, held_out = read_partition(task.settings.layout, batches)
+    rows, held_out = read_partition(task.settings.fields, batches)
     reporter.phase("read")
     with task.plan.connect(reporter, task) as comm:
         settings, counts = _rows_of_shards(comm, rows, held_out, task.settings, task.plan.shard_ranks(comm.size))

@@ -7,7 +7,7 @@
 | ``Option``     | a setting only some modes take (``push_every``, ``sync_every``, ...)         |
 | ``TaskLayout`` | the tasks a mode runs: each one's role and which rows it reads               |
 | ``Mode``       | a mode's names and options; ``configure`` makes the plan of one fit          |
-| ``Plan``       | one variant, configured: its checks, layout, reporting, saving and ``run``   |
+| ``Plan``       | one variant, configured: its checks, task layout, reporting, saving, ``run`` |
 | ``ModeResult`` | the trained model, the history it trained, the mode's counters               |
 
 ``api.fit`` validates, asks ``MODES[mode].configure`` for a ``Plan``, prepares a ``Job`` and calls
@@ -27,7 +27,7 @@ import numpy as np
 
 from sparkdl import data, schedule
 from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore
-from sparkdl.data.fields import Layout
+from sparkdl.data.fields import Fields
 from sparkdl.launch.layout import TaskLayout
 from sparkdl.progress import ProgressMonitor
 
@@ -36,7 +36,7 @@ from sparkdl.progress import ProgressMonitor
 class Settings:
     """The settings every mode's tasks need: small and picklable, shipped in the tasks' closures."""
 
-    layout: Layout  # the arrays Keras receives: inputs, targets, sample weights
+    fields: Fields  # what the workers read and the arrays Keras receives: inputs, targets, sample weights
     num_workers: int
     epochs: int
     batch_size: int
@@ -61,11 +61,11 @@ class Settings:
         shards: int | None = None,
         **rest,
     ) -> Settings:
-        """The settings of a fit over ``training``: its layout, the steps per epoch rows evenly split into
+        """The settings of a fit over ``training``: its fields, the steps per epoch rows evenly split into
         ``shards`` (default: one per worker) would take (:func:`sparkdl.schedule.estimated_steps`), and
         validation when it holds rows out."""
         return cls(
-            layout=training.layout,
+            fields=training.fields,
             num_workers=num_workers,
             epochs=epochs,
             batch_size=batch_size,
@@ -100,7 +100,7 @@ class Settings:
         return epoch_dataset(
             lambda epoch: self.chunks(rows, rank, start=epoch * steps, stop=(epoch + 1) * steps),
             example=rows.read(np.arange(1)),
-            to_keras=rows.layout.keras_batch,
+            to_keras=rows.fields.keras_batch,
             first_epoch=initial_epoch,
             steps=steps,
         )

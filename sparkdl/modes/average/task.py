@@ -70,7 +70,7 @@ def round_task(
     """One worker's round: set the shipped state, train its steps, send the delta; returns its rows."""
     use_tensorflow_backend()  # before anything in this worker imports Keras
     settings = rounds.settings
-    rows, held_out = read_partition(settings.layout, batches)
+    rows, held_out = read_partition(settings.fields, batches)
     rank = partition_id()
     schedule.require_rows({rank: len(rows)})
     cached, state = _load_state(rounds, model_broadcast, state_broadcast)
@@ -113,7 +113,7 @@ def evaluate_task(
 ) -> Iterator[pa.RecordBatch]:
     """The evaluation-only pass after the last round: the final averaged state on this worker's held-out rows."""
     use_tensorflow_backend()
-    _, held_out = read_partition(rounds.settings.layout, batches)
+    _, held_out = read_partition(rounds.settings.fields, batches)
     out = _empty_rows()
     if len(held_out):
         cached, _ = _load_state(rounds, model_broadcast, state_broadcast)

@@ -105,7 +105,7 @@ def run_parameter_server_task(
 
     settings, plan = task.settings, task.plan
     rank = partition_id()
-    rows, held_out = read_partition(settings.layout, batches)
+    rows, held_out = read_partition(settings.fields, batches)
     schedule.require_rows({rank: len(rows)})
     limit_threads_to_task_cpus()
     if task.beside_servers:  # where the servers start from (a retried stage: the newest checkpoint), then train from
