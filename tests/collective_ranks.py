@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import secrets
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -16,7 +17,8 @@ def run_ranks(size, body, *, timeout=10.0, secrets_by_rank=None, capture=False, 
     """``body(comm)`` on every rank of a job of ``size`` threads; their results by rank.
 
     ``connect`` goes to :meth:`SparkdlCommunicator.connect` (``shared_memory=False`` unless given). With
-    ``capture``, a rank's exception is its result instead of being raised.
+    ``capture``, a rank's exception is its result instead of being raised; otherwise the first rank to fail raises
+    its exception (the cause: the others' are its consequences), noting every failed rank's error.
     """
     listeners = [Listener("127.0.0.1") for _ in range(size)]
     addresses = [listener.address for listener in listeners]
@@ -34,12 +36,20 @@ def run_ranks(size, body, *, timeout=10.0, secrets_by_rank=None, capture=False, 
         except Exception as exc:
             if capture:
                 return exc
+            failures.append((time.monotonic(), rank, exc))
             raise
 
+    failures: list[tuple[float, int, Exception]] = []
     try:
         with ThreadPoolExecutor(max_workers=size) as pool:
             futures = [pool.submit(rank_main, rank) for rank in range(size)]
-            return [future.result(timeout=120) for future in futures]
+            wait(futures, timeout=120)
+        if failures:
+            _, _, first = min(failures, key=lambda failure: failure[0])
+            for _, rank, exc in sorted(failures, key=lambda failure: failure[0]):
+                first.add_note(f"rank {rank} failed: {type(exc).__name__}: {exc}")
+            raise first
+        return [future.result(timeout=0) for future in futures]
     finally:
         for listener in listeners:
             listener.close()
