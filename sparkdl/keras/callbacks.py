@@ -74,19 +74,23 @@ def progress_callback(
             self._reported_at, self._reported_step = now, step
 
         def on_epoch_end(self, epoch, logs=None):
-            seconds = max(time.monotonic() - self._epoch_started, 1e-9)
-            report(
-                {
-                    "event": "epoch",
-                    "epoch": epoch,
-                    "logs": numeric_logs(logs),
-                    "samples_per_second": rows_per_epoch / seconds,
-                    "samples": rows_per_epoch,
-                    "validation_rows": validation_rows,
-                }
-            )
+            seconds = time.monotonic() - self._epoch_started
+            report(epoch_event(epoch, numeric_logs(logs), rows_per_epoch, validation_rows, seconds))
 
     return ReportProgress()
+
+
+def epoch_event(epoch: int, logs: dict, samples: int, validation_rows: int, seconds: float) -> dict:
+    """The progress event of an epoch's end: its ``logs``, the training ``samples`` and ``validation_rows`` behind
+    them (which weigh them when the driver combines workers) and the throughput of its ``seconds``."""
+    return {
+        "event": "epoch",
+        "epoch": epoch,
+        "logs": logs,
+        "samples_per_second": samples / max(seconds, 1e-9),
+        "samples": samples,
+        "validation_rows": validation_rows,
+    }
 
 
 def checkpoint_callback(checkpointer: Checkpointer):

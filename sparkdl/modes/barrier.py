@@ -29,7 +29,7 @@ import pyarrow as pa
 from sparkdl import schedule
 from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore
 from sparkdl.data import Rows, read_partition
-from sparkdl.keras import serialization
+from sparkdl.keras import callbacks, serialization
 from sparkdl.keras.prebuilt import PrebuiltModel
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
 from sparkdl.launch import payloads, run_tasks
@@ -170,7 +170,7 @@ class Ranks:
         driver's start (a stage Spark retried after its failed attempt saved one): found by the writer, read by
         every rank that asks (None where training starts from the driver's offer)."""
         task, initial = self.task, self.task.settings.initial_epoch
-        newer = task.checkpoints.latest(newer_than=initial) if self.writer and task.checkpoints is not None else None
+        newer = self._writers_newer_checkpoint()
         found = np.array([newer.epoch if newer else initial], np.int64)
         epoch = int(self.comm.broadcast(found, root=self.writer_rank)[0])
         if epoch == initial:
@@ -189,8 +189,7 @@ class Ranks:
         start = None
         if self.writer:
             task = self.task
-            newer = task.checkpoints.latest(newer_than=task.settings.initial_epoch) if task.checkpoints else None
-            start = newer or Checkpoint(
+            start = self._writers_newer_checkpoint() or Checkpoint(
                 task.settings.initial_epoch, payloads.fetch(self.reporter, MODEL), task.start_history, mode
             )
         header = np.array([start.epoch, len(start.model_bytes)] if start else [0, 0], np.int64)
@@ -198,6 +197,12 @@ class Ranks:
         own = np.frombuffer(start.model_bytes, np.uint8) if start else np.empty(int(header[1]), np.uint8)
         model = comm.broadcast(own, root=root)
         return start or Checkpoint(int(header[0]), model.tobytes(), {}, mode)
+
+    def _writers_newer_checkpoint(self) -> Checkpoint | None:
+        """On the writer, the newest checkpoint after the driver's start (a retried stage's failed attempt saved it);
+        None on the other ranks and where there is none."""
+        checkpoints, initial = self.task.checkpoints, self.task.settings.initial_epoch
+        return checkpoints.latest(newer_than=initial) if self.writer and checkpoints is not None else None
 
     def part_start(self, epoch: int) -> Checkpoint:
         """The checkpoint of a rank that starts from the driver's offer of its own part of the model (no model
@@ -225,25 +230,14 @@ class Ranks:
         """The writer reports an epoch's end (its combined ``logs``, every shard's rows, its ``seconds``) to the
         driver, for a plan that runs a loop of its own; the other ranks report nothing."""
         if self.writer:
-            samples = int(self.counts[:, 0].sum())
-            self.reporter.progress(
-                {
-                    "event": "epoch",
-                    "epoch": epoch,
-                    "logs": logs,
-                    "samples_per_second": samples / max(seconds, 1e-9),
-                    "samples": samples,
-                    "validation_rows": int(self.counts[:, 1].sum()),
-                }
-            )
+            samples, validation_rows = int(self.counts[:, 0].sum()), int(self.counts[:, 1].sum())
+            self.reporter.progress(callbacks.epoch_event(epoch, logs, samples, validation_rows, seconds))
 
     def progress_callback(self):
         """The writer's Keras callback that reports each epoch (every shard's training and held-out rows) and step to
         the driver, for a plan whose ranks run Keras's ``fit`` on combined metrics; None on the other ranks."""
         if not self.writer:
             return None
-        from sparkdl.keras import callbacks
-
         return callbacks.progress_callback(
             self.reporter.progress,
             steps_per_epoch=self.settings.steps_per_epoch,
