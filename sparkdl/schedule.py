@@ -1,14 +1,19 @@
 """Which rows each worker trains on at each step: the one batch schedule every mode follows.
 
 Every training row is used exactly once per epoch, however unevenly Spark split the rows: a worker
-spreads its epoch's (seeded, per-epoch) permutation of its ``n`` rows over the epoch's ``steps``,
-step ``s`` taking positions ``[s*n//steps, (s+1)*n//steps)``, so its batches differ by at most one
+spreads its epoch's order of its ``n`` rows over the epoch's ``steps``, step ``s`` taking positions
+``[s*n//steps, (s+1)*n//steps)``, so its batches differ by at most one
 row and none is repeated or left out. Workers that step in lockstep (sync mode's ranks, average
 mode's rounds) share ``steps = ceil(max n / batch_size)``; a worker whose partition holds fewer rows
 than that has empty steps, where sync mode's rank still takes part in the collective (with a
 one-row *filler* batch whose gradient weighs nothing: :func:`gradient_scales`) and average mode's
 worker trains nothing. Any range of global steps (a resumed fit, an average-mode round) gives
 exactly the batches an uninterrupted run gives for those steps.
+
+An epoch's order is the rows sorted by a seeded mix of their keys (``sparkdl.data.ROW_KEY``): a bijection of the
+64-bit key for each ``(seed, epoch)`` (SplitMix64's finalizer), so no two rows tie, the order does not depend on
+the order the rows arrived in, and whoever holds a row's key knows where it falls in its epoch
+(``sparkdl.position``).
 """
 
 from __future__ import annotations
@@ -82,11 +87,33 @@ def warn_fillers(rows_per_rank: Sequence[int], steps: int) -> None:
             )
 
 
-def epoch_order(num_rows: int, *, seed: int, rank: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """A rank's rows in the order it trains on them in one epoch: each exactly once."""
+def epoch_order(keys: np.ndarray, *, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The rows of ``keys`` in the order they are trained in one epoch (each exactly once), as row numbers: by
+    :func:`sort_values`."""
+    return np.argsort(sort_values(keys, seed=seed, epoch=epoch, shuffle=shuffle), kind="stable")
+
+
+def sort_values(keys: np.ndarray, *, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """What orders the rows of ``keys`` in epoch ``epoch``: the keys themselves without ``shuffle``, else a
+    bijection of them seeded by ``(seed, epoch)``, as uint64 (distinct keys, distinct values)."""
+    unsigned = keys.astype(np.uint64)
     if not shuffle:
-        return np.arange(num_rows)
-    return np.random.default_rng([seed, rank, epoch]).permutation(num_rows)
+        return unsigned ^ np.uint64(1 << 63)  # the signed keys' order
+    salt = _mix(np.array([(seed & _MASK64) ^ _mix(np.array([epoch & _MASK64], np.uint64))[0]], np.uint64))[0]
+    with np.errstate(over="ignore"):
+        return _mix(unsigned + salt)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(values: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer: a bijection of uint64 whose outputs look independent of its inputs."""
+    with np.errstate(over="ignore"):
+        z = values + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,25 +121,27 @@ class EpochSteps:
     """Consecutive steps of one epoch: the rank's rows in the epoch's order, and each step's rows as a span of it.
 
     Readers that can plan (``sparkdl.data.windows``) read a whole part at once; a step's row indices are
-    ``order[start:stop]``; a filler step's span is ``(0, 1)``.
+    ``order[start:stop]``; a filler step's span is ``(0, 1)``. ``order`` is None for a task that holds no rows
+    and only needs the steps' sizes (a pipeline's middle stage).
     """
 
-    order: np.ndarray
+    order: np.ndarray | None
     spans: list[tuple[int, int]]
 
 
 def epoch_steps(
     num_rows: int,
     *,
+    keys: np.ndarray | None,
     steps: int,
     seed: int,
-    rank: int,
     shuffle: bool,
     start: int,
     stop: int,
     fillers: bool = True,
 ) -> Iterator[EpochSteps]:
-    """The one batch schedule of every mode: global steps ``start..stop-1``, a part per epoch they reach.
+    """The one batch schedule of every mode: global steps ``start..stop-1`` of a worker holding ``num_rows`` rows
+    whose keys are ``keys`` (None: the steps' sizes alone), a part per epoch they reach.
 
     An empty step (fewer rows than steps) is a one-row filler with ``fillers``, left out otherwise.
     """
@@ -127,5 +156,6 @@ def epoch_steps(
                 spans.append((int(bounds[step]), int(bounds[step + 1])))
             elif fillers:
                 spans.append((0, 1))
-        yield EpochSteps(epoch_order(num_rows, seed=seed, rank=rank, epoch=epoch, shuffle=shuffle), spans)
+        order = None if keys is None else epoch_order(keys, seed=seed, epoch=epoch, shuffle=shuffle)
+        yield EpochSteps(order, spans)
         position = end

@@ -46,7 +46,7 @@ class StepAveragePlan(BarrierPlan):
         with ranks.checkpointing(start) as checkpointer:
             for epoch in range(start.epoch, settings.epochs):
                 started, losses = time.monotonic(), []
-                for batch in settings.batches(ranks.rows, comm.rank, epoch * steps, (epoch + 1) * steps):
+                for batch in settings.batches(ranks.rows, epoch * steps, (epoch + 1) * steps):
                     losses.append(float(model.train_on_batch(*batch, return_dict=True)["loss"]))
                     for variable in averaged:
                         mean = comm.allreduce(np.asarray(variable), ReduceOp.MEAN, algorithm=self.average_with)

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 from frames import digits_frame
 from models import make_mlp
-from partitions import partitions_as_fit_sees_them
+from partitions import epoch_order, partitions_as_fit_sees_them
 
 import sparkdl
 from sparkdl import data, schedule
@@ -144,12 +144,13 @@ def test_rounds_longer_than_an_epoch_match_local_simulation(spark, digits):
     sums = {}
     for start in range(0, epochs * steps, sync_every):
         new_states = []
-        for rank, (px, py) in enumerate(parts):
+        for part in parts:
+            px, py = part
             for v, s in zip(variables, state):
                 v.assign(s)
             for g in range(start, min(start + sync_every, epochs * steps)):
                 epoch, step = divmod(g, steps)
-                order = np.random.default_rng([seed, rank, epoch]).permutation(len(px))  # the rule, written out
+                order = epoch_order(part.keys, seed=seed, epoch=epoch)  # the rule, written out
                 index = order[step * len(px) // steps : (step + 1) * len(px) // steps]
                 logs = local.train_on_batch(px[index], py[index], return_dict=True)
                 sums.setdefault(epoch, []).append(logs["loss"])

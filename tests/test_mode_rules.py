@@ -105,11 +105,12 @@ def test_metrics_are_weighted_by_the_samples_behind_them_and_weightless_values_n
 
 def _batches(num_rows, **settings):
     """The row indices of each step of the schedule, one array per step."""
-    return [part.order[start:stop] for part in schedule.epoch_steps(num_rows, **settings) for start, stop in part.spans]
+    parts = schedule.epoch_steps(num_rows, keys=np.arange(100, 100 + num_rows), **settings)
+    return [part.order[start:stop] for part in parts for start, stop in part.spans]
 
 
 def test_any_range_of_steps_gets_the_batches_of_the_uninterrupted_schedule():
-    settings = dict(steps=4, seed=5, rank=1, shuffle=True)
+    settings = dict(steps=4, seed=5, shuffle=True)
     whole = list(_batches(10, start=0, stop=12, **settings))
     pieces = [b for start, stop in ((0, 5), (5, 8), (8, 12)) for b in _batches(10, start=start, stop=stop, **settings)]
     assert len(whole) == 12 and [len(b) for b in whole[:4]] == [2, 3, 2, 3]
@@ -126,7 +127,7 @@ def test_every_row_once_per_epoch_in_batches_of_at_most_batch_size(rows, batch_s
     steps = schedule.steps_per_epoch(others, batch_size)
     assert steps == max(1, -(-(rows + 40) // batch_size))
     for shuffle in (True, False):
-        batches = list(_batches(rows, steps=steps, seed=3, rank=0, shuffle=shuffle, start=0, stop=2 * steps))
+        batches = list(_batches(rows, steps=steps, seed=3, shuffle=shuffle, start=0, stop=2 * steps))
         assert len(batches) == 2 * steps  # one per step: the ranks stay in lockstep
         for epoch in range(2):
             epoch_batches = batches[epoch * steps : (epoch + 1) * steps]
@@ -134,14 +135,12 @@ def test_every_row_once_per_epoch_in_batches_of_at_most_batch_size(rows, batch_s
             assert all(len(b) <= batch_size for b in epoch_batches)
             if rows >= steps:
                 assert sorted(np.concatenate(real).tolist()) == list(range(rows))
-        unfilled = list(
-            _batches(rows, steps=steps, seed=3, rank=0, shuffle=shuffle, start=0, stop=steps, fillers=False)
-        )
+        unfilled = list(_batches(rows, steps=steps, seed=3, shuffle=shuffle, start=0, stop=steps, fillers=False))
         assert sorted(np.concatenate(unfilled).tolist()) == list(range(rows))  # without fillers: exactly once
 
 
 def test_fillers_run_where_a_worker_has_fewer_rows_than_steps():
-    batches = list(_batches(3, steps=5, seed=0, rank=0, shuffle=False, start=0, stop=5))
+    batches = list(_batches(3, steps=5, seed=0, shuffle=False, start=0, stop=5))
     assert [len(b) for b in batches] == [1, 1, 1, 1, 1]  # two filler steps of one row
     assert schedule.step_sizes(3, 5).tolist() == [0, 1, 0, 1, 1]
     scales = schedule.gradient_scales([3, 10], rank=0, steps=5)

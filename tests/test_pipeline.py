@@ -2,7 +2,6 @@
 only its stage, the stages work at once (read from the events their tasks record), checkpoints hold the whole model,
 and what cannot work is refused on the driver."""
 
-import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -44,8 +43,7 @@ def _one_process(df, *, epochs, seed, validation_split=None, batch_size=32):
     held-out rows after each epoch: the model and its history, as ``fit`` reports one."""
     model = _sgd_mlp()
     training = data.prepare(df, model, "features", "label", 1, validation_split=validation_split, seed=seed)
-    trained_on = training.frame.filter(~F.col(data.VALIDATION)) if validation_split else training.frame
-    parts = partitions_as_fit_sees_them(dataclasses.replace(training, frame=trained_on), 1)
+    parts = partitions_as_fit_sees_them(training, 1)
     steps = -(-len(parts[0][1]) // batch_size)
     x, y, sizes = training_stream(parts, steps=steps, epochs=epochs, seed=seed)
     columns = [field.column for field in training.fields.all]

@@ -63,7 +63,9 @@ def test_closing_the_reading_half_way_stops_the_thread_and_closes_its_chunks():
 
 
 def _epoch(rows, steps):
-    return next(schedule.epoch_steps(rows, steps=steps, seed=3, rank=0, shuffle=True, start=0, stop=steps))
+    return next(
+        schedule.epoch_steps(rows, keys=np.arange(rows), steps=steps, seed=3, shuffle=True, start=0, stop=steps)
+    )
 
 
 def test_a_windowed_reading_dropped_half_way_lets_the_next_one_use_the_scratch_file(tmp_path, monkeypatch):

@@ -76,7 +76,7 @@ def test_a_windowed_epoch_gives_each_steps_strings(tmp_path, monkeypatch):
     windowed = []
     monkeypatch.setattr(spill, "read_in_windows", lambda *args: windowed.append(1) or windows.read_in_windows(*args))
     reader, expected = _spilled(tmp_path, 3000, mapped_bytes=0)
-    for part in schedule.epoch_steps(3000, steps=30, seed=3, rank=0, shuffle=True, start=0, stop=30):
+    for part in schedule.epoch_steps(3000, keys=np.arange(3000), steps=30, seed=3, shuffle=True, start=0, stop=30):
         chunks = list(reader.chunks(part.order, part.spans))
         assert len(chunks) == len(part.spans)  # strings are resolved a step at a time, never a whole window at once
         for chunk, (first, end) in zip(chunks, part.spans):

@@ -4,6 +4,7 @@ import math
 
 import keras
 import numpy as np
+import pyarrow as pa
 import pytest
 from models import make_mlp
 from pyspark.sql import functions as F
@@ -30,8 +31,9 @@ def held_out(df, seed, **validation):
 
 def held_out_rows(training):
     """The held-out rows of ``training`` as a worker holds them: spilled, read back by row number."""
-    table = training.frame.where(F.col(data.VALIDATION)).toArrow()
-    rows, _ = data.read_partition(training.fields, table.drop_columns([data.VALIDATION]).to_batches())
+    table = training.frame.where(F.col(data.VALIDATION)).toArrow().drop_columns([data.VALIDATION])
+    keyed = table.append_column(data.ROW_KEY, pa.array(range(table.num_rows), pa.int64()))
+    rows, _ = data.read_partition(training.fields, keyed.to_batches())
     return rows
 
 

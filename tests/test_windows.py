@@ -36,7 +36,9 @@ def _read_syscalls():
 
 def _read_steps(reader, rows, steps, start, stop):
     got, asked = [], []
-    for part in schedule.epoch_steps(rows, steps=steps, seed=7, rank=1, shuffle=True, start=start, stop=stop):
+    for part in schedule.epoch_steps(
+        rows, keys=np.arange(rows), steps=steps, seed=7, shuffle=True, start=start, stop=stop
+    ):
         got += [arrays for chunk in reader.chunks(part.order, part.spans) for arrays in chunk.step_arrays()]
         asked += [part.order[first:end] for first, end in part.spans]
     return got, asked
@@ -98,11 +100,12 @@ def test_a_windowed_epoch_keeps_the_resident_set_flat_and_a_dropped_reader_close
     rows = 400_000  # 112 MB of records
     reader, expected = _spilled(tmp_path, rows)
     del expected
+    keys = np.arange(rows)  # a worker holds its rows' keys (8 bytes a row) from the start
     gc.collect()
     anon, mapped = _status_mb("RssAnon"), _status_mb("RssFile")
     peak_anon = peak_mapped = 0.0
     steps = rows // 512
-    for part in schedule.epoch_steps(rows, steps=steps, seed=0, rank=0, shuffle=True, start=0, stop=steps):
+    for part in schedule.epoch_steps(rows, keys=keys, steps=steps, seed=0, shuffle=True, start=0, stop=steps):
         for chunk in read_ahead(reader.chunks(part.order, part.spans)):  # as workers read: a thread ahead
             for _ in chunk.step_arrays():  # Keras lets go of each step's rows: so do we
                 peak_anon = max(peak_anon, _status_mb("RssAnon") - anon)

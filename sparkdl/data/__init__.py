@@ -13,9 +13,10 @@
 
 from sparkdl.data.columns import features_array, features_column
 from sparkdl.data.plan import ColumnSpec, TrainingData, TrainingPlan, plan, validation_split_mask
-from sparkdl.data.rows import VALIDATION, Rows, read_partition, row_counts
+from sparkdl.data.rows import ROW_KEY, VALIDATION, Rows, read_partition, row_counts
 
 __all__ = [
+    "ROW_KEY",
     "VALIDATION",
     "ColumnSpec",
     "Rows",

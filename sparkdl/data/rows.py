@@ -19,13 +19,17 @@ from sparkdl.data.spill import FileRows, MappedRows, SpilledRows, spill_director
 from sparkdl.schedule import EpochSteps
 
 VALIDATION = "_sparkdl_validation"  # boolean; only present when rows are held out for validation
+ROW_KEY = "__sparkdl_row"  # bigint: the row's key, the same on every run over the same input (``launch.layout``)
 
 
 class Rows:
     """Some rows of a partition, one array per field; ``take`` gives the batches Keras trains on."""
 
-    def __init__(self, fields: Fields, rows: MappedRows | FileRows):
+    def __init__(self, fields: Fields, rows: MappedRows | FileRows, keys: np.ndarray):
+        if len(keys) != len(rows):
+            raise ValueError(f"Expected a key per row. Received: {len(keys)} keys for {len(rows)} rows")
         self.fields = fields
+        self.keys = keys  # each row's ``ROW_KEY`` (int64), by row number: what orders an epoch (``schedule``)
         self._rows = rows
         self._count = len(rows)
 
@@ -43,7 +47,7 @@ class Rows:
     def chunks(self, parts: Iterable[EpochSteps]) -> Iterator[Chunk]:
         """The schedule's ``parts`` (:func:`sparkdl.schedule.epoch_steps`) as chunks of consecutive steps' rows,
         read by a thread ahead of training (:func:`sparkdl.data.read_ahead.read_ahead`)."""
-        return read_ahead(chunk for part in parts for chunk in self._rows.chunks(part.order, part.spans))
+        return read_ahead(chunk for part in parts for chunk in self._rows.chunks(_order(part), part.spans))
 
     def batches(self, parts: Iterable[EpochSteps]) -> Iterator[tuple]:
         """Each step's rows of the schedule's ``parts`` (:func:`sparkdl.schedule.epoch_steps`), as :meth:`take`
@@ -53,29 +57,55 @@ class Rows:
                 yield self.fields.keras_batch(arrays)
 
 
-def read_partition(fields: Fields, batches: Iterable[pa.RecordBatch]) -> tuple[Rows, Rows]:
-    """A partition's Arrow batches as ``(training rows, held-out validation rows)``, spilled to local disk.
+def _order(part: EpochSteps) -> np.ndarray:
+    if part.order is None:
+        raise ValueError("Expected the steps of rows with keys (an EpochSteps with an order). Received: none")
+    return part.order
 
-    Without a ``VALIDATION`` column every row is a training row. One Arrow batch is in memory at a time.
+
+def read_partition(fields: Fields, batches: Iterable[pa.RecordBatch]) -> tuple[Rows, Rows]:
+    """A partition's Arrow batches as ``(training rows, held-out validation rows)``, spilled to local disk (their
+    keys in memory: 8 bytes a row).
+
+    Without a ``VALIDATION`` column every row is a training row. The ``ROW_KEY`` column (added where
+    ``launch.layout`` deals the rows) is required. One Arrow batch is in memory at a time.
     """
     directory = spill_directory()
-    train = SpilledRows(fields.all, directory)
-    held_out = SpilledRows(fields.all, directory)
+    parts = (_KeyedRows(fields, directory), _KeyedRows(fields, directory))
     try:
         for batch in batches:
             if batch.num_rows == 0:
                 continue
             if VALIDATION not in batch.schema.names:
-                train.append(fields.arrays(batch))
+                parts[0].append(batch)
                 continue
             mask = batch.column(VALIDATION)
-            train.append(fields.arrays(batch.filter(pc.invert(mask))))
-            held_out.append(fields.arrays(batch.filter(mask)))
+            parts[0].append(batch.filter(pc.invert(mask)))
+            parts[1].append(batch.filter(mask))
     except BaseException:
-        train.discard()
-        held_out.discard()
+        for part in parts:
+            part.rows.discard()
         raise
-    return Rows(fields, train.finish()), Rows(fields, held_out.finish())
+    return parts[0].finish(), parts[1].finish()
+
+
+class _KeyedRows:
+    """Rows being spilled, and their keys."""
+
+    def __init__(self, fields: Fields, directory: str):
+        self.fields = fields
+        self.rows = SpilledRows(fields.all, directory)
+        self.keys: list[np.ndarray] = []
+
+    def append(self, batch: pa.RecordBatch) -> None:
+        if ROW_KEY not in batch.schema.names:
+            raise ValueError(f"Expected the rows' keys in column {ROW_KEY!r}. Received columns: {batch.schema.names}")
+        self.rows.append(self.fields.arrays(batch))
+        self.keys.append(batch.column(ROW_KEY).to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
+
+    def finish(self) -> Rows:
+        keys = np.concatenate(self.keys) if self.keys else np.empty(0, np.int64)
+        return Rows(self.fields, self.rows.finish(), keys)
 
 
 def row_counts(batches: Iterable[pa.RecordBatch]) -> tuple[int, int]:

@@ -16,7 +16,7 @@ run a fit (Spark reuses its workers), dropping an iterator that was read for a w
 iterator's autotuning thread to wake on its own, up to its optimization period (a minute at most):
 an epoch of 21 s took 41 s, in plain Keras too.
 
-    >>> dataset = epoch_dataset(lambda epoch: settings.chunks(rows, rank, epoch * steps, (epoch + 1) * steps),
+    >>> dataset = epoch_dataset(lambda epoch: settings.chunks(rows, epoch * steps, (epoch + 1) * steps),
     ...                         example=rows.read(np.arange(1)), to_keras=rows.fields.keras_batch,
     ...                         first_epoch=0, steps=steps)
 """

@@ -1,11 +1,14 @@
 """Which tasks a stage runs and which rows each reads: a mode's task layout, and the partitions that deliver it.
 
-A data-parallel mode runs one worker per shard of the rows (``TaskLayout.data_parallel``): the rows are
-repartitioned round-robin into exactly that many partitions. Other modes declare tasks that read
-nothing (a server, a pipeline's middle stages) or share a shard (a pipeline's first and last stage read
-the same rows): there the rows are cut into shards round-robin, each row is copied to every task reading
-its shard, and each task's partition is sorted by the row's position, so that tasks of one shard see the
-same rows in the same order.
+Every row gets a key (``ROW_KEY``, Spark's ``monotonically_increasing_id`` of the input: its partition and its place
+there) and is dealt to shard ``key mod shards``. A data-parallel mode runs one worker per shard
+(``TaskLayout.data_parallel``). Other modes declare tasks that read nothing (a server, a pipeline's middle stages) or
+share a shard (a pipeline's first and last stage read the same rows): each row is copied to every task reading its
+shard. The deal is round-robin within each input partition (shards within one row per input partition of each
+other), and anyone who knows a row's key knows the shard it went to, on any number of shards: a fit resumed
+mid-epoch on another number of workers finds which rows the epoch has trained from the keys alone
+(``sparkdl.position``). The keys are the same on every run over the same input (a table, files), since Spark
+numbers rows by their input partition.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import dataclasses
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-_ROW, _KEY = "__sparkdl_row", "__sparkdl_task_key"
+from sparkdl.data import ROW_KEY
+
+_TASK_KEY = "__sparkdl_task_key"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,33 +69,54 @@ class TaskLayout:
 
 
 def task_input(frame: DataFrame, layout: TaskLayout) -> DataFrame:
-    """``frame`` in exactly ``layout.slots`` partitions, partition ``t`` holding the rows task ``t`` reads."""
+    """``frame`` with its rows' ``ROW_KEY`` in exactly ``layout.slots`` partitions, partition ``t`` holding the rows
+    task ``t`` reads."""
+    keyed = frame.withColumn(ROW_KEY, F.monotonically_increasing_id())
+    place = (F.pmod(F.col(ROW_KEY), F.lit(layout.shards)) + 1).cast("int")  # the row's shard, from 1
+    keys = [F.lit(key).cast("long") for key in partition_keys(layout.slots)]  # hashed as bigints, as computed
     if layout.is_data_parallel:
-        return frame.repartition(layout.slots)
-    keys = _partition_keys(frame, layout.slots)
-    readers = F.array(
-        *(F.array(*(F.lit(keys[t]).cast("long") for t in layout.readers(s))) for s in range(layout.shards))
-    )
-    copies = (
-        frame.repartition(layout.shards)  # round-robin: shards of equal size, as the data-parallel layout cuts them
-        .withColumn(_ROW, F.monotonically_increasing_id())
-        .withColumn(_KEY, F.explode(F.element_at(readers, F.spark_partition_id() + 1)))
-    )
-    return copies.repartition(layout.slots, _KEY).sortWithinPartitions(_ROW).drop(_ROW, _KEY)
+        task_key = F.element_at(F.array(*keys), place)
+        return keyed.withColumn(_TASK_KEY, task_key).repartition(layout.slots, _TASK_KEY).drop(_TASK_KEY)
+    readers = F.array(*(F.array(*(keys[t] for t in layout.readers(s))) for s in range(layout.shards)))
+    copies = keyed.withColumn(_TASK_KEY, F.explode(F.element_at(readers, place)))
+    return copies.repartition(layout.slots, _TASK_KEY).drop(_TASK_KEY)
 
 
-def _partition_keys(frame: DataFrame, slots: int) -> list[int]:
+def partition_keys(slots: int) -> list[int]:
     """For each partition ``t`` of ``repartition(slots, key)`` over a bigint ``key``, a key that Spark's hash
-    partitioning sends there (the keys must stay bigint: Spark hashes an int differently)."""
-    spark = frame.sparkSession
-    found = (
-        spark.range(64 * slots)
-        .groupBy(F.pmod(F.hash("id"), F.lit(slots)).alias("partition"))
-        .agg(F.min("id").alias("key"))
-        .collect()
-    )
-    keys = {row["partition"]: row["key"] for row in found}
-    missing = [t for t in range(slots) if t not in keys]
-    if missing:
-        raise RuntimeError(f"No key among {64 * slots} hashes to partitions {missing} of {slots}")
+    partitioning sends there: the smallest ``k >= 0`` with ``pmod(hash(k), slots) == t`` (Spark's ``hash`` is
+    Murmur3 with seed 42, :func:`spark_hash_long`)."""
+    keys: dict[int, int] = {}
+    candidate = 0
+    while len(keys) < slots:
+        keys.setdefault(spark_hash_long(candidate) % slots, candidate)
+        candidate += 1
     return [keys[t] for t in range(slots)]
+
+
+def spark_hash_long(value: int, seed: int = 42) -> int:
+    """Spark's ``hash`` of a bigint (``Murmur3_x86_32.hashLong``), as a signed 32-bit int."""
+
+    def mix_k1(k1: int) -> int:
+        k1 = (k1 * 0xCC9E2D51) & _MASK32
+        k1 = ((k1 << 15) | (k1 >> 17)) & _MASK32
+        return (k1 * 0x1B873593) & _MASK32
+
+    def mix_h1(h1: int, k1: int) -> int:
+        h1 ^= k1
+        h1 = ((h1 << 13) | (h1 >> 19)) & _MASK32
+        return (h1 * 5 + 0xE6546B64) & _MASK32
+
+    value &= (1 << 64) - 1
+    h1 = mix_h1(seed & _MASK32, mix_k1(value & _MASK32))
+    h1 = mix_h1(h1, mix_k1(value >> 32))
+    h1 ^= 8
+    h1 ^= h1 >> 16
+    h1 = (h1 * 0x85EBCA6B) & _MASK32
+    h1 ^= h1 >> 13
+    h1 = (h1 * 0xC2B2AE35) & _MASK32
+    h1 ^= h1 >> 16
+    return h1 - (1 << 32) if h1 >= 1 << 31 else h1
+
+
+_MASK32 = 0xFFFFFFFF

@@ -79,38 +79,36 @@ class Settings:
         """These settings with the exact steps per epoch of workers holding ``rows_per_worker`` training rows."""
         return dataclasses.replace(self, steps_per_epoch=schedule.steps_per_epoch(rows_per_worker, self.batch_size))
 
-    def batches(
-        self, rows: data.Rows, rank: int, start: int | None = None, stop: int | None = None, *, fillers: bool = True
-    ):
-        """Rank ``rank``'s batches of global steps ``start..stop-1`` (default: the epochs left to train), as
+    def batches(self, rows: data.Rows, start: int | None = None, stop: int | None = None, *, fillers: bool = True):
+        """The batches of global steps ``start..stop-1`` (default: the epochs left to train), as
         ``(x, y)`` or ``(x, y, sample_weight)`` tuples for Keras (see :func:`sparkdl.schedule.epoch_steps`)."""
-        return rows.batches(self._parts(rows, rank, start, stop, fillers))
+        return rows.batches(self._parts(rows, start, stop, fillers))
 
-    def chunks(self, rows: data.Rows, rank: int, start: int, stop: int):
+    def chunks(self, rows: data.Rows, start: int, stop: int):
         """The same steps as :meth:`batches` (fillers included), as chunks of consecutive steps' rows."""
-        return rows.chunks(self._parts(rows, rank, start, stop, True))
+        return rows.chunks(self._parts(rows, start, stop, True))
 
-    def epoch_stream(self, rows: data.Rows, rank: int, initial_epoch: int):
-        """Rank ``rank``'s training batches for Keras's ``fit``, epoch after epoch from ``initial_epoch``: the steps
+    def epoch_stream(self, rows: data.Rows, initial_epoch: int):
+        """The training batches of ``rows`` for Keras's ``fit``, epoch after epoch from ``initial_epoch``: the steps
         of :meth:`chunks`, as a ``tf.data.Dataset`` of one epoch that each iteration moves on by an epoch
         (``sparkdl.keras.epoch_dataset``; give ``fit`` no ``steps_per_epoch``)."""
         from sparkdl.keras.epoch_dataset import epoch_dataset
 
         steps = self.steps_per_epoch
         return epoch_dataset(
-            lambda epoch: self.chunks(rows, rank, start=epoch * steps, stop=(epoch + 1) * steps),
+            lambda epoch: self.chunks(rows, start=epoch * steps, stop=(epoch + 1) * steps),
             example=rows.read(np.arange(1)),
             to_keras=rows.fields.keras_batch,
             first_epoch=initial_epoch,
             steps=steps,
         )
 
-    def _parts(self, rows: data.Rows, rank: int, start: int | None, stop: int | None, fillers: bool):
+    def _parts(self, rows: data.Rows, start: int | None, stop: int | None, fillers: bool):
         return schedule.epoch_steps(
             len(rows),
+            keys=rows.keys,
             steps=self.steps_per_epoch,
             seed=self.seed,
-            rank=rank,
             shuffle=self.shuffle,
             start=self.initial_epoch * self.steps_per_epoch if start is None else start,
             stop=self.epochs * self.steps_per_epoch if stop is None else stop,

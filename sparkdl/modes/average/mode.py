@@ -9,7 +9,7 @@ Training runs in ROUNDS, each one ordinary (non-barrier) Spark job:
    optimizers continue where the last round left off. (Under Spark Connect,
    which has no broadcasts, the state and the model travel in the round's task
    closure instead: ``launch.session.ship``.)
-2. One task per partition of ``training.frame.repartition(num_workers)``
+2. One task per partition of the rows dealt to ``num_workers`` (``launch.layout.task_input``)
    (persisted once for the whole job) sets that state on a Keras model cached
    in its Python worker, trains ``sync_every`` steps on its own rows with the
    model's own optimizer, and adds its DELTA (new state - broadcast state) to
@@ -81,6 +81,7 @@ from sparkdl import _compat, data
 from sparkdl.checkpoint import Checkpointer
 from sparkdl.keras import serialization
 from sparkdl.launch import session
+from sparkdl.launch.layout import task_input
 from sparkdl.launch.task_context import partition_id
 from sparkdl.metrics import weighted_mean
 from sparkdl.modes.average import capacity
@@ -137,7 +138,7 @@ class AveragePlan(Plan):
         variables = state_variables(model)
         state = [read(v) for v in variables]
         capacity.check(spark, sum(array.nbytes for array in state), job.settings.num_workers)  # before any job
-        frame = job.training.frame.repartition(job.settings.num_workers).persist(StorageLevel.MEMORY_AND_DISK)
+        frame = task_input(job.training.frame, job.layout).persist(StorageLevel.MEMORY_AND_DISK)
         try:
             partition_rows, validation_rows = _rows_per_partition(frame, job.settings.num_workers)
         except BaseException:

@@ -87,7 +87,7 @@ def round_task(
         end = min(stop, (epoch + 1) * steps_per_epoch)
         totals: dict[str, float] = {}
         segment = 0
-        for batch in settings.batches(rows, rank, position, end, fillers=False):  # empty steps: nothing to train
+        for batch in settings.batches(rows, position, end, fillers=False):  # empty steps: nothing to train
             logs = model.train_on_batch(*batch, return_dict=True)  # this batch's metrics
             size = _batch_rows(batch)
             for name, value in logs.items():

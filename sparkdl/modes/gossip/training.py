@@ -45,7 +45,7 @@ def train(
     keras.utils.set_random_seed(settings.seed + comm.rank)  # dropout and the like differ per rank, by design
     model.jit_compile = False  # the rounds run through tf.numpy_function, which XLA cannot compile
     steps = settings.steps_per_epoch
-    stream = settings.epoch_stream(rows, comm.rank, initial_epoch)
+    stream = settings.epoch_stream(rows, initial_epoch)
     whole_replicas.run_steps_per_call(model, settings.callbacks)
     validation_data = validation.keras_data(rows, settings.batch_size) if validation is not None else None
     validation_rows = float(validation.rows_per_rank[comm.rank]) if validation is not None else 0.0

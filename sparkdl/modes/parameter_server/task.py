@@ -146,7 +146,7 @@ def run_parameter_server_task(
         push_pull = PushPull(client, spans, plan.compression, steps)
         hook = StepHook(model, spans, push_pull, plan.push_every, plan.compression)
         hook.assign(variables, push_pull.pull())
-        stream = settings.epoch_stream(rows, rank, settings.initial_epoch)
+        stream = settings.epoch_stream(rows, settings.initial_epoch)
         keras.utils.set_random_seed(settings.seed + rank)  # dropout and the like differ per worker, by design
         reporter.progress(
             {"event": "start", "initial_epoch": settings.initial_epoch, "steps_per_epoch": settings.steps_per_epoch}

@@ -99,15 +99,15 @@ class StageEpochs:
         start, stop = epoch * settings.steps_per_epoch, (epoch + 1) * settings.steps_per_epoch
         parts = schedule.epoch_steps(
             self.rows,
+            keys=None,
             steps=settings.steps_per_epoch,
             seed=settings.seed,
-            rank=self.replica,
             shuffle=settings.shuffle,
             start=start,
             stop=stop,
         )
         sizes = [end - begin for part in parts for begin, end in part.spans]
-        batches = iter(settings.batches(rows, self.replica, start, stop)) if rows is not None else None
+        batches = iter(settings.batches(rows, start, stop)) if rows is not None else None
         if self.metrics is not None:
             self.metrics.reset()
         total, reported, rows_since = 0.0, time.monotonic(), 0

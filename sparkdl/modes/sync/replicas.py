@@ -215,7 +215,7 @@ def train(
     model.jit_compile = False  # the allreduce runs through tf.numpy_function, which XLA cannot compile
     broadcast_weights(model, comm)
     steps = settings.steps_per_epoch
-    stream = settings.epoch_stream(rows, comm.rank, initial_epoch)
+    stream = settings.epoch_stream(rows, initial_epoch)
     # the user's callbacks: sparkdl's own take any number of steps per call
     whole_replicas.run_steps_per_call(model, settings.callbacks)
     validation_data = validation.keras_data(rows, settings.batch_size) if validation is not None else None
