@@ -1,0 +1,114 @@
+"""Where an epoch stands, found again on as many workers or on others: the rows a resumed epoch trains are exactly
+those it had not trained, counted by key, whatever the workers before and after (real communicators, one per rank).
+
+The trained rows are computed here from the rule (each worker's rows sorted by their sort value, the first
+``j * n // S`` of them after ``j`` of ``S`` steps), not with ``sparkdl.position``'s bisection.
+"""
+
+import collections
+
+import numpy as np
+import pytest
+from collective_ranks import run_ranks
+
+from sparkdl import schedule
+from sparkdl.position import EpochPosition, EpochRest, Segment, key_sum
+
+KEYS = np.arange(5, 5 + 997, dtype=np.int64) * 7919 + (np.int64(3) << 33)  # 997 rows, keys as Spark would number
+SEED, EPOCH, BATCH = 11, 2, 16
+
+
+def _dealt(keys, workers):
+    return [keys[np.mod(keys, workers) == rank] for rank in range(workers)]
+
+
+def _trained_by_rule(keys_by_rank, steps, done):
+    """The keys the first ``done`` of ``steps`` steps trained, each worker taking its sorted rows in order."""
+    trained = []
+    for keys in keys_by_rank:
+        values = schedule.sort_values(keys, seed=SEED, epoch=EPOCH, shuffle=True)
+        trained += keys[np.argsort(values)][: done * len(keys) // steps].tolist()
+    return trained
+
+
+def _left(rests, dealt, steps=None):
+    """The keys of the (first ``steps``) steps left of every rank's rest."""
+    return [
+        int(key)
+        for rank, rest in rests.items()
+        for part in rest.parts(fillers=False)
+        for a, b in part.spans[:steps]
+        for key in dealt[rank][part.order[a:b]]
+    ]
+
+
+def _first_position(workers, done):
+    """The position after ``done`` steps of an epoch run from its start on ``workers`` workers."""
+    rows = tuple(len(k) for k in _dealt(KEYS, workers))
+    steps = schedule.steps_per_epoch(rows, BATCH)
+    return EpochPosition(EPOCH, SEED, True, key_sum(KEYS), (Segment(workers, rows, steps, done),)), steps
+
+
+def _rests(position, workers):
+    """Every rank's ``EpochRest`` of ``position`` on ``workers`` ranks, each holding its dealt keys."""
+    dealt = _dealt(KEYS, workers)
+    results = run_ranks(
+        workers, lambda comm: EpochRest.resume(position, dealt[comm.rank], key_sum(KEYS), comm, batch_size=BATCH)
+    )
+    return dict(enumerate(results))
+
+
+@pytest.mark.parametrize("before, after", [(3, 2), (2, 3), (3, 3), (1, 3), (3, 1)])
+def test_a_resumed_epoch_trains_exactly_the_rows_it_had_not(before, after):
+    position, steps = _first_position(before, done=5)
+    trained = _trained_by_rule(_dealt(KEYS, before), steps, 5)
+    assert 0 < len(trained) < len(KEYS)
+    rests = _rests(position, after)
+    dealt = _dealt(KEYS, after)
+    left = _left(rests, dealt)
+    assert collections.Counter(trained + left) == collections.Counter(KEYS.tolist())  # none twice, none missed
+    steps_left = {rest.steps_left for rest in rests.values()}
+    assert len(steps_left) == 1  # the ranks stay in lockstep
+    if before == after:  # the same workers go on with the run's own steps: the batches of a run without the fault
+        assert steps_left == {steps - 5}
+        for rank, rest in rests.items():
+            values = schedule.sort_values(dealt[rank], seed=SEED, epoch=EPOCH, shuffle=True)
+            whole = dealt[rank][np.argsort(values)]
+            parts = list(
+                schedule.epoch_steps(
+                    len(whole),
+                    keys=dealt[rank],
+                    steps=steps,
+                    seed=SEED,
+                    shuffle=True,
+                    start=EPOCH * steps + 5,
+                    stop=(EPOCH + 1) * steps,
+                )
+            )
+            expected = [dealt[rank][parts[0].order[a:b]].tolist() for a, b in parts[0].spans]
+            got = [dealt[rank][rest.order[a:b]].tolist() for a, b in rest.parts()[0].spans]
+            assert got == expected and len(whole) == len(dealt[rank])
+
+
+def test_an_epoch_resumed_twice_on_other_workers_still_trains_every_row_once():
+    position, steps = _first_position(3, done=4)
+    first = _trained_by_rule(_dealt(KEYS, 3), steps, 4)
+    rests = _rests(position, 2)  # 3 workers -> 2, which train 3 of their steps and stop again
+    second = _left(rests, _dealt(KEYS, 2), steps=3)
+    again = rests[0].position_after(3)
+    assert [s.shards for s in again.segments] == [3, 2] and again.steps == 4 + 3
+    left = _left(_rests(again, 3), _dealt(KEYS, 3))
+    assert collections.Counter(first + second + left) == collections.Counter(KEYS.tolist())
+
+
+def test_a_position_taken_on_other_rows_is_refused():
+    position, _ = _first_position(2, done=3)
+    others = KEYS[:-1]
+    with pytest.raises(ValueError, match="Expected the rows the checkpoint of epoch 2"):
+        run_ranks(1, lambda comm: EpochRest.resume(position, others, key_sum(others), comm, batch_size=BATCH))
+
+
+def test_a_position_survives_its_vector_form():
+    position = EpochPosition(4, 9, False, 2**64 - 3, (Segment(3, (5, 6, 7), 4, 2), Segment(2, (3, 4), 3, 1)))
+    assert EpochPosition.from_vector(position.to_vector()) == position
+    assert position.steps == 3 and position.segments[0].trained == (2, 3, 3)
