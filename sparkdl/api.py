@@ -11,13 +11,13 @@ import time
 from pyspark.sql import DataFrame
 
 from sparkdl import data, launch, tracking
-from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore
+from sparkdl.checkpoint import DEFAULT_INTERVAL, Checkpoint, Checkpointer, CheckpointInterval, CheckpointStore
 from sparkdl.data import ColumnSpec
 from sparkdl.keras import serialization, shipped_objects
 from sparkdl.launch import probe
 from sparkdl.launch.phases import Phases
 from sparkdl.metrics import merge_histories
-from sparkdl.modes.base import Job, ModeResult, Settings
+from sparkdl.modes.base import Job, ModeResult, Plan, Settings
 from sparkdl.modes.keywords import with_mode_options
 from sparkdl.modes.registry import MODES as _REGISTRY
 from sparkdl.modes.registry import check_mode_options
@@ -82,6 +82,7 @@ def fit(
     timeout: float = 600.0,
     custom_objects: dict | None = None,
     checkpoint_dir: str | None = None,
+    checkpoint_every: int | str | None = None,
     callbacks: list | None = None,
     progress: bool = True,
     tensorboard_dir: str | None = None,
@@ -135,6 +136,11 @@ def fit(
             directory holding checkpoints continues from the newest one, and in sync mode a stage
             Spark retries after losing a task resumes from it. On a cluster it must be storage
             every executor reaches.
+        checkpoint_every: with ``checkpoint_dir``, also save mid-epoch: every so many steps (an int), or every so
+            long (``"30s"``, ``"10min"``, ``"2h"``; default ``"10min"`` in the modes that take it,
+            ``Plan.saves_step_checkpoints``). A fit resumed from such a checkpoint (a retried stage, or the same
+            call again) trains exactly the rows its epoch had not trained yet, on as many workers as it has
+            (``sparkdl.position``; docs/checkpoints.md).
         callbacks: Keras callbacks to run inside every worker (sync mode: after the metrics are
             averaged over workers, so every rank sees, and decides on, the same values).
         progress: show progress on the console: a bar where one can be seen (terminal, notebook) and
@@ -162,6 +168,7 @@ def fit(
     plan.check_fit(num_workers=num_workers, batch_size=batch_size, weighted=sample_weight_col is not None)
     layout = plan.layout(num_workers)
     check_validation(validation_col, validation_split)
+    interval = _checkpoint_interval(plan, checkpoint_dir, checkpoint_every)
     worker_callbacks = check_callbacks(callbacks, plan.refuses_callbacks())
     if not isinstance(progress, bool):
         raise ValueError(f"Expected `progress` to be True or False. Received: progress={progress!r}")
@@ -208,6 +215,8 @@ def fit(
             custom_objects=custom_objects,
             timeout=timeout,
             initial_epoch=resumed.epoch if resumed is not None else 0,
+            initial_position=resumed.checkpoint.position if resumed is not None else None,
+            checkpoint_every=interval,
             callbacks=worker_callbacks,
         )
         steps = settings.steps_per_epoch  # an estimate: the workers count their rows and report the exact steps
@@ -336,6 +345,27 @@ def _listeners(
             )
         )
     return listeners
+
+
+def _checkpoint_interval(plan: Plan, checkpoint_dir, checkpoint_every) -> CheckpointInterval | None:
+    """How often the fit saves step checkpoints (None: at epoch ends only); refuses ``checkpoint_every`` where the
+    mode cannot take it."""
+    if checkpoint_every is not None:
+        interval = CheckpointInterval.parse(checkpoint_every)
+        if not plan.saves_step_checkpoints:
+            raise ValueError(
+                f"Expected `checkpoint_every` only with a mode that saves step checkpoints. Received: "
+                f"checkpoint_every={checkpoint_every!r} with mode={plan.mode!r}, which checkpoints at epoch ends only."
+            )
+        if checkpoint_dir is None:
+            raise ValueError(
+                f"Expected `checkpoint_dir` with `checkpoint_every`. Received: checkpoint_every={checkpoint_every!r} "
+                "and no checkpoint_dir: say where the checkpoints go."
+            )
+        return interval
+    if checkpoint_dir is None or not plan.saves_step_checkpoints:
+        return None
+    return CheckpointInterval.parse(DEFAULT_INTERVAL)
 
 
 @dataclasses.dataclass(frozen=True)

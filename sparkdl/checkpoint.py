@@ -1,4 +1,5 @@
-"""Epoch checkpoints: the model (with its optimizer state), extra arrays and the history so far.
+"""Checkpoints: the model (with its optimizer state), extra arrays and the history so far, at an epoch's end or
+mid-epoch.
 
 A checkpoint directory is any location ``pyarrow.fs`` reaches: a local path, ``file://``,
 ``hdfs://``, ``s3://``, ``gs://``. Checkpoint ``e`` (``e`` complete epochs) is three files::
@@ -6,6 +7,10 @@ A checkpoint directory is any location ``pyarrow.fs`` reaches: a local path, ``f
     epoch-000005.keras   the model: weights, compile settings, optimizer state (loads with keras)
     epoch-000005.npz     extra state as plain arrays (the parameter-server shards' optimizers), optional
     epoch-000005.json    epoch, history, mode, step: written last, it is what makes the checkpoint complete
+
+A checkpoint taken ``s`` steps into epoch ``e`` (``e`` complete) is ``epoch-000005-step-000000120.*``, its ``.npz``
+holding where the epoch stands (``sparkdl.position.EpochPosition``: which rows it has trained). Checkpoints are
+ordered by their place, ``(epoch, steps into the next epoch)``.
 
 Every file is written under a temporary name and then moved into place, and the ``.json`` goes
 last, so a crash at any moment leaves either the previous complete checkpoint or the new one,
@@ -34,12 +39,15 @@ import time
 
 import numpy as np
 
+from sparkdl.position import EpochPosition
+
 logger = logging.getLogger(__name__)
 
 KEEP = 3
 _FORMAT = 1
-_NAME = re.compile(r"^epoch-(\d{6})\.json$")
+_NAME = re.compile(r"^(epoch-(\d{6})(?:-step-(\d{9}))?)\.json$")
 _TEMPORARY_PREFIX = ".tmp-"
+_POSITION = "sparkdl/position"  # the ``.npz`` array of a step checkpoint's ``EpochPosition``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +57,8 @@ class Checkpoint:
     ``step``: the global step the state was taken at when that is past the epoch's end (average
     mode saves the state after the round that finished the epoch, up to ``sync_every - 1`` steps
     into the next one); None (and in checkpoints written before it existed): the epoch's end.
+    ``position``: where epoch ``epoch`` stands when the state was taken mid-epoch (a step checkpoint); None at an
+    epoch's end.
     """
 
     epoch: int
@@ -57,6 +67,17 @@ class Checkpoint:
     mode: str
     arrays: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     step: int | None = None
+    position: EpochPosition | None = None
+
+    @property
+    def place(self) -> tuple[int, int]:
+        """``(complete epochs, steps into the next one)``: what orders checkpoints."""
+        return (self.epoch, self.position.steps if self.position is not None else 0)
+
+    @property
+    def stem(self) -> str:
+        epoch, steps = self.place
+        return f"epoch-{epoch:06d}" + (f"-step-{steps:09d}" if self.position is not None else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,56 +115,69 @@ class CheckpointStore:
         store._remove_temporaries(filesystem, path)
         return store
 
-    def latest(self, newer_than: int = -1) -> Checkpoint | None:
-        """The newest complete checkpoint (of more than ``newer_than`` epochs), or None."""
+    def latest(self, newer_than: tuple[int, int] = (-1, 0)) -> Checkpoint | None:
+        """The newest complete checkpoint (of a place after ``newer_than``: ``Checkpoint.place``), or None."""
         filesystem, path = self._filesystem()
-        for epoch in sorted((e for e in self._complete_epochs(filesystem, path) if e > newer_than), reverse=True):
+        for place, stem in sorted(self._complete(filesystem, path).items(), reverse=True):
+            if place <= newer_than:
+                break
             try:
-                return self._read(filesystem, path, epoch)
+                return self._read(filesystem, path, stem)
             except (OSError, ValueError, KeyError) as exc:  # removed or damaged by someone else: try the previous
-                logger.warning("sparkdl: skipping unreadable checkpoint %s/epoch-%06d: %s", self.uri, epoch, exc)
+                logger.warning("sparkdl: skipping unreadable checkpoint %s/%s: %s", self.uri, stem, exc)
         return None
 
-    def read(self, epoch: int) -> Checkpoint:
-        """Checkpoint ``epoch``, which another task found complete (an ``OSError`` if it is gone)."""
+    def read(self, place: tuple[int, int]) -> Checkpoint:
+        """The checkpoint at ``place``, which another task found complete (an ``OSError`` if it is gone)."""
         filesystem, path = self._filesystem()
-        return self._read(filesystem, path, epoch)
+        stem = self._complete(filesystem, path).get(place)
+        if stem is None:
+            raise FileNotFoundError(f"No complete checkpoint at epoch {place[0]}, step {place[1]} in {self.uri}")
+        return self._read(filesystem, path, stem)
 
     def save(self, checkpoint: Checkpoint) -> None:
         """Writes ``checkpoint`` (temporary names, then moves; the ``.json`` last) and prunes old ones."""
         filesystem, path = self._filesystem()
-        stem = f"epoch-{checkpoint.epoch:06d}"
+        stem = checkpoint.stem
         self._write(filesystem, path, f"{stem}.keras", checkpoint.model_bytes)
-        if checkpoint.arrays:
+        arrays = {**checkpoint.arrays, **({_POSITION: checkpoint.position.to_vector()} if checkpoint.position else {})}
+        if arrays:
             buffer = io.BytesIO()
-            np.savez(buffer, **checkpoint.arrays)  # type: ignore[arg-type]  # numpy's stub reads **arrays as its options
+            np.savez(buffer, **arrays)  # type: ignore[arg-type]  # numpy's stub reads **arrays as its options
             self._write(filesystem, path, f"{stem}.npz", buffer.getvalue())
         meta = {
             "format": _FORMAT,
             "epoch": checkpoint.epoch,
             "history": checkpoint.history,
             "mode": checkpoint.mode,
-            "arrays": sorted(checkpoint.arrays),
+            "arrays": sorted(arrays),
             "step": checkpoint.step,
+            "steps_into_epoch": checkpoint.place[1],
             "written": time.time(),
         }
         self._write(filesystem, path, f"{stem}.json", json.dumps(meta).encode())
-        for old in sorted(self._complete_epochs(filesystem, path))[:-KEEP]:
-            self._delete(filesystem, path, old)
+        complete = self._complete(filesystem, path)
+        for old in sorted(complete)[:-KEEP]:
+            self._delete(filesystem, path, complete[old])
 
     def _filesystem(self):
         from pyarrow import fs as pafs
 
         return pafs.FileSystem.from_uri(self.uri)
 
-    def _complete_epochs(self, filesystem, path) -> list[int]:
+    def _complete(self, filesystem, path) -> dict[tuple[int, int], str]:
+        """The complete checkpoints' stems, by place."""
         from pyarrow import fs as pafs
 
         names = {os.path.basename(info.path) for info in filesystem.get_file_info(pafs.FileSelector(path))}
-        return [int(m.group(1)) for name in names if (m := _NAME.match(name)) and f"epoch-{m.group(1)}.keras" in names]
+        return {
+            (int(m.group(2)), int(m.group(3) or 0)): m.group(1)
+            for name in names
+            if (m := _NAME.match(name)) and f"{m.group(1)}.keras" in names
+        }
 
-    def _read(self, filesystem, path, epoch: int) -> Checkpoint:
-        stem = f"{path}/epoch-{epoch:06d}"
+    def _read(self, filesystem, path, name: str) -> Checkpoint:
+        stem = f"{path}/{name}"
         with filesystem.open_input_stream(f"{stem}.json") as f:
             meta = json.loads(f.read().decode())
         if meta.get("format") != _FORMAT:
@@ -156,8 +190,16 @@ class CheckpointStore:
                 with np.load(io.BytesIO(f.read()), allow_pickle=False) as archive:
                     arrays = {name: archive[name] for name in meta["arrays"]}
         step = meta.get("step")
+        vector = arrays.pop(_POSITION, None)
+        position = EpochPosition.from_vector(vector) if vector is not None else None
         return Checkpoint(
-            int(meta["epoch"]), model_bytes, meta["history"], meta["mode"], arrays, None if step is None else int(step)
+            int(meta["epoch"]),
+            model_bytes,
+            meta["history"],
+            meta["mode"],
+            arrays,
+            None if step is None else int(step),
+            position,
         )
 
     @staticmethod
@@ -172,10 +214,10 @@ class CheckpointStore:
         filesystem.move(temporary, f"{path}/{name}")
 
     @staticmethod
-    def _delete(filesystem, path: str, epoch: int) -> None:
+    def _delete(filesystem, path: str, stem: str) -> None:
         for suffix in (".json", ".keras", ".npz"):  # the marker first: a half-deleted one is no longer "complete"
             try:
-                filesystem.delete_file(f"{path}/epoch-{epoch:06d}{suffix}")
+                filesystem.delete_file(f"{path}/{stem}{suffix}")
             except (FileNotFoundError, OSError):
                 pass
 
@@ -273,13 +315,53 @@ class Checkpointer:
             self._history.setdefault(name, []).append(value)
 
     def save(
-        self, epoch: int, model_bytes: bytes, arrays: dict[str, np.ndarray] | None = None, *, step: int | None = None
+        self,
+        epoch: int,
+        model_bytes: bytes,
+        arrays: dict[str, np.ndarray] | None = None,
+        *,
+        step: int | None = None,
+        position: EpochPosition | None = None,
     ) -> None:
+        """Saves the state after ``epoch`` complete epochs, or ``position`` into the next one (a step checkpoint)."""
         history = {name: list(values) for name, values in self._history.items()}
-        self._writer.save(Checkpoint(epoch, model_bytes, history, self._mode, arrays or {}, step))
+        self._writer.save(Checkpoint(epoch, model_bytes, history, self._mode, arrays or {}, step, position))
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self._writer.__exit__(*exc_info)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInterval:
+    """How often a fit saves a step checkpoint beside its epoch checkpoints: every ``steps`` steps, or every
+    ``seconds`` of training (at the first step that ends after it), whichever is set."""
+
+    steps: int | None = None
+    seconds: float | None = None
+
+    @classmethod
+    def parse(cls, value) -> CheckpointInterval:
+        """``checkpoint_every``: a number of steps (an int >= 1) or a time (``"30s"``, ``"10min"``, ``"2h"``)."""
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return cls(steps=value)
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*", value) if isinstance(value, str) else None
+        if match and match.group(2) in _TIME_UNITS and float(match.group(1)) > 0:
+            return cls(seconds=float(match.group(1)) * _TIME_UNITS[match.group(2)])
+        raise ValueError(
+            "Expected `checkpoint_every` to be a number of steps (an int >= 1) or a time such as '30s', '10min' or "
+            f"'2h'. Received: checkpoint_every={value!r}"
+        )
+
+    def due(self, steps_since: int, seconds_since: float) -> bool:
+        """Whether a checkpoint is due ``steps_since`` steps and ``seconds_since`` seconds after the last one."""
+        if self.steps is not None:
+            return steps_since >= self.steps
+        assert self.seconds is not None
+        return seconds_since >= self.seconds
+
+
+_TIME_UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}
+DEFAULT_INTERVAL = "10min"  # fit's checkpoint_every: what a fault costs at most, against what checkpoints cost

@@ -72,6 +72,29 @@ def gradient_scales(rows_per_rank: Sequence[int], rank: int, steps: int) -> np.n
     return sizes[rank] * len(rows_per_rank) / sizes.sum(axis=0)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepScales:
+    """What a rank's gradient weighs at each step of a fit, counted from the fit's first step: ``first`` for the
+    ``first_steps`` steps left of a resumed epoch (None: 1 each), then ``per_epoch`` (:func:`gradient_scales`;
+    None: 1 each) for every whole epoch after them."""
+
+    first: np.ndarray | None
+    first_steps: int
+    per_epoch: np.ndarray | None
+
+    @classmethod
+    def of(cls, per_epoch: np.ndarray | None, first: np.ndarray | None = None, first_steps: int = 0):
+        """The scales, or None where every step's scale is 1."""
+        return None if per_epoch is None and first is None else cls(first, first_steps, per_epoch)
+
+    def at(self, step: int) -> float:
+        if step < self.first_steps:
+            return 1.0 if self.first is None else float(self.first[step])
+        if self.per_epoch is None:
+            return 1.0
+        return float(self.per_epoch[(step - self.first_steps) % len(self.per_epoch)])
+
+
 def warn_fillers(rows_per_rank: Sequence[int], steps: int) -> None:
     """Logs the workers whose partitions are too small for ``steps`` steps (they run filler steps)."""
     for rank, rows in enumerate(rows_per_rank):

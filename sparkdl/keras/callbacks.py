@@ -1,4 +1,4 @@
-"""Worker-side Keras callbacks that tell the driver how training goes, and save epoch checkpoints.
+"""Worker-side Keras callbacks that tell the driver how training goes, and save epoch and step checkpoints.
 
 Both stay off the hot path: the progress callback reads the clock once per
 step and sends at most one small JSON event per ``interval`` seconds (plus one
@@ -11,9 +11,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from sparkdl.checkpoint import Checkpointer
+from sparkdl.checkpoint import Checkpointer, CheckpointInterval
 from sparkdl.keras import serialization
 from sparkdl.keras.optimizer_hooks import saved_form
+from sparkdl.position import EpochPosition
 
 # Seconds between two step reports of one worker (the driver's progress bar moves about this often).
 STEP_REPORT_SECONDS = 1.0
@@ -109,3 +110,39 @@ def checkpoint_callback(checkpointer: Checkpointer):
             checkpointer.save(epoch + 1, model_bytes)
 
     return SaveCheckpoint()
+
+
+def step_checkpoint_callback(
+    checkpointer: Checkpointer, interval: CheckpointInterval, position_at: Callable[[int, int], EpochPosition]
+):
+    """Saves the model with its optimizer state mid-epoch, every ``interval`` (never at an epoch's last step: the
+    epoch's own checkpoint follows), with where the epoch stands: ``position_at(epoch, steps)`` after ``steps`` of
+    the fit's steps in epoch ``epoch``. Its ``stats()``: the checkpoints saved and the seconds training waited for
+    them (the model's serialization; the storage is written in the background)."""
+    import keras
+
+    class SaveStepCheckpoint(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self._saved, self._seconds = 0, 0.0
+            self._since, self._last = 0, time.monotonic()
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._epoch, self._steps = epoch, 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            steps = batch + 1  # Keras numbers a call of several steps by its last
+            self._since, self._steps = self._since + steps - self._steps, steps
+            if steps >= self.params["steps"] or not interval.due(self._since, time.monotonic() - self._last):
+                return
+            started = time.perf_counter()
+            with saved_form(self.model):
+                model_bytes = serialization.model_to_bytes(self.model)
+            checkpointer.save(self._epoch, model_bytes, position=position_at(self._epoch, steps))
+            self._saved, self._seconds = self._saved + 1, self._seconds + time.perf_counter() - started
+            self._since, self._last = 0, time.monotonic()
+
+        def stats(self) -> dict:
+            return {"saved": self._saved, "seconds": round(self._seconds, 4)}
+
+    return SaveStepCheckpoint()

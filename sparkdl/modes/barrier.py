@@ -37,6 +37,7 @@ from sparkdl.launch.forward import TaskReporter
 from sparkdl.launch.session import encrypts_traffic
 from sparkdl.launch.stage import connect_collective
 from sparkdl.modes.base import Job, ModeResult, Plan, Settings
+from sparkdl.position import EpochPosition, EpochRest, Segment, key_sum
 
 MODEL = "model"  # the name under which the driver offers the model to start from
 
@@ -130,9 +131,11 @@ def run_barrier_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, 
 
 
 def _rows_of_shards(comm, rows: Rows, held_out: Rows, settings: Settings, shards: range):
-    """Every shard's ``(training, held-out)`` row counts, refusing a shard without rows or a fit without held-out
-    rows, and the ``settings`` for those rows (every rank: the same steps per epoch)."""
-    counts = comm.allgather(np.array([len(rows), len(held_out)], np.int64))[shards.start : shards.stop : shards.step]
+    """Every shard's ``(training, held-out)`` row counts and its training keys' ``position.key_sum``, refusing a shard
+    without rows or a fit without held-out rows, and the ``settings`` for those rows (every rank: the same steps per
+    epoch)."""
+    own = np.array([len(rows), len(held_out), np.uint64(key_sum(rows.keys)).view(np.int64)], np.int64)
+    counts = comm.allgather(own)[shards.start : shards.stop : shards.step]
     rows_per_shard = counts[:, 0].tolist()
     schedule.require_rows(dict(enumerate(rows_per_shard)))
     settings = settings.for_rows(rows_per_shard)
@@ -154,12 +157,39 @@ class Ranks:
     settings: Settings  # the task's settings with the shards' exact steps per epoch
     rows: Rows  # this task's training rows
     held_out: Rows  # this task's validation rows
-    counts: np.ndarray  # every shard's (training, held-out) row counts, in shard order
+    counts: np.ndarray  # every shard's (training, held-out) row counts and key sum (``position.key_sum``)
     writer: bool  # this rank reports progress, writes the checkpoints and returns the result
 
     @property
     def rank(self) -> int:
         return self.comm.rank
+
+    @property
+    def key_sum(self) -> int:
+        """All shards' training rows' ``sparkdl.position.key_sum``."""
+        return int(self.counts[:, 2].view(np.uint64).sum(dtype=np.uint64))
+
+    def epoch_rest(self, start: Checkpoint) -> EpochRest | None:
+        """Collective: what is left of the epoch ``start`` stopped in (a step checkpoint's), on this rank; None where
+        ``start`` is an epoch's end."""
+        if start.position is None:
+            return None
+        rest = EpochRest.resume(
+            start.position, self.rows.keys, self.key_sum, self.comm, batch_size=self.settings.batch_size
+        )
+        if self.writer:
+            self.reporter.progress(
+                {"event": "resumed", "epoch": rest.epoch, "step": start.position.steps, "steps_left": rest.steps_left}
+            )
+        return rest
+
+    def position_at(self, rest: EpochRest | None, epoch: int, steps: int) -> EpochPosition:
+        """Where epoch ``epoch`` stands after ``steps`` of this run's steps in it (``rest``: the epoch resumed)."""
+        if rest is not None and epoch == rest.epoch:
+            return rest.position_after(steps)
+        settings = self.settings
+        segment = Segment(len(self.counts), tuple(self.counts[:, 0].tolist()), settings.steps_per_epoch, steps)
+        return EpochPosition(epoch, settings.seed, settings.shuffle, self.key_sum, (segment,))
 
     @property
     def writer_rank(self) -> int:
@@ -177,7 +207,7 @@ class Ranks:
             return epoch, None
         if newer is None:  # every other rank reads the checkpoint the writer found
             assert task.checkpoints is not None
-            newer = task.checkpoints.latest(newer_than=initial)
+            newer = task.checkpoints.latest(newer_than=(initial, 0))
             if newer is None or newer.epoch != epoch:
                 raise RuntimeError(f"Rank {self.rank} found no checkpoint of epoch {epoch} in {task.checkpoints.uri}")
         return epoch, newer
@@ -190,19 +220,31 @@ class Ranks:
         if self.writer:
             task = self.task
             start = self._writers_newer_checkpoint() or Checkpoint(
-                task.settings.initial_epoch, payloads.fetch(self.reporter, MODEL), task.start_history, mode
+                task.settings.initial_epoch,
+                payloads.fetch(self.reporter, MODEL),
+                task.start_history,
+                mode,
+                position=task.settings.initial_position,
             )
-        header = np.array([start.epoch, len(start.model_bytes)] if start else [0, 0], np.int64)
+        where = start.position.to_vector() if start and start.position else np.empty(0, np.int64)
+        header = np.array([start.epoch, len(start.model_bytes), len(where)] if start else [0, 0, 0], np.int64)
         header = comm.broadcast(header, root=root)
         own = np.frombuffer(start.model_bytes, np.uint8) if start else np.empty(int(header[1]), np.uint8)
         model = comm.broadcast(own, root=root)
-        return start or Checkpoint(int(header[0]), model.tobytes(), {}, mode)
+        stood = None
+        if header[2]:
+            shared = comm.broadcast(where if start else np.empty(int(header[2]), np.int64), root=root)
+            stood = EpochPosition.from_vector(shared)
+        return start or Checkpoint(int(header[0]), model.tobytes(), {}, mode, position=stood)
 
     def _writers_newer_checkpoint(self) -> Checkpoint | None:
         """On the writer, the newest checkpoint after the driver's start (a retried stage's failed attempt saved it);
         None on the other ranks and where there is none."""
-        checkpoints, initial = self.task.checkpoints, self.task.settings.initial_epoch
-        return checkpoints.latest(newer_than=initial) if self.writer and checkpoints is not None else None
+        checkpoints, settings = self.task.checkpoints, self.task.settings
+        if not self.writer or checkpoints is None:
+            return None
+        initial = settings.initial_position.steps if settings.initial_position is not None else 0
+        return checkpoints.latest(newer_than=(settings.initial_epoch, initial))
 
     def part_start(self, epoch: int) -> Checkpoint:
         """The checkpoint of a rank that starts from the driver's offer of its own part of the model (no model

@@ -26,9 +26,10 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 
 from sparkdl import data, schedule
-from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore
+from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointInterval, CheckpointStore
 from sparkdl.data.fields import Fields
 from sparkdl.launch.layout import TaskLayout
+from sparkdl.position import EpochPosition, EpochRest
 from sparkdl.progress import ProgressMonitor
 
 
@@ -46,6 +47,8 @@ class Settings:
     custom_objects: dict | None = None
     timeout: float = 600.0
     initial_epoch: int = 0  # resumed from a checkpoint: epochs initial_epoch..epochs-1 are trained
+    initial_position: EpochPosition | None = None  # resumed from a step checkpoint: where epoch initial_epoch stands
+    checkpoint_every: CheckpointInterval | None = None  # step checkpoints (with a checkpoint directory)
     validate: bool = False  # rows are held out: the workers evaluate them at every epoch end
     callbacks: tuple = ()  # the user's Keras callbacks (modes with ``runs_callbacks`` only)
 
@@ -87,6 +90,19 @@ class Settings:
     def chunks(self, rows: data.Rows, start: int, stop: int):
         """The same steps as :meth:`batches` (fillers included), as chunks of consecutive steps' rows."""
         return rows.chunks(self._parts(rows, start, stop, True))
+
+    def rest_stream(self, rows: data.Rows, rest: EpochRest):
+        """The batches of the steps left of ``rest``'s epoch, as a ``tf.data.Dataset`` of those steps for Keras's
+        ``fit`` (``sparkdl.keras.epoch_dataset``)."""
+        from sparkdl.keras.epoch_dataset import epoch_dataset
+
+        return epoch_dataset(
+            lambda epoch: rows.chunks(rest.parts()),
+            example=rows.read(np.arange(1)),
+            to_keras=rows.fields.keras_batch,
+            first_epoch=rest.epoch,
+            steps=rest.steps_left,
+        )
 
     def epoch_stream(self, rows: data.Rows, initial_epoch: int):
         """The training batches of ``rows`` for Keras's ``fit``, epoch after epoch from ``initial_epoch``: the steps
@@ -230,6 +246,9 @@ class Plan:
     # raising its errors) or "tasks" (a task writes them to ``Job.checkpoints``, as sync's rank 0 does, so
     # that a stage Spark retries resumes from what its failed attempt saved).
     saves_checkpoints: ClassVar[str] = "driver"
+    # Whether the plan also saves step checkpoints (``checkpoint_every``) and resumes mid-epoch from one
+    # (``sparkdl.position``).
+    saves_step_checkpoints: ClassVar[bool] = False
 
     @classmethod
     def from_values(cls: type[_PlanT], name: str, values: dict) -> _PlanT:

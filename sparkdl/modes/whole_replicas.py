@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sparkdl import _compat
+from sparkdl.checkpoint import CheckpointInterval
 from sparkdl.data import Rows
 from sparkdl.metrics import combine_logs
 
@@ -40,13 +41,15 @@ class Validation:
         return in_batches(self.rows, batch_size) if len(self.rows) else training.take(np.arange(1))
 
 
-def run_steps_per_call(model, callbacks: Sequence) -> None:
+def run_steps_per_call(model, callbacks: Sequence, checkpoint_every: CheckpointInterval | None = None) -> None:
     """Lets Keras run up to :data:`STEPS_PER_CALL` steps per call of its train function.
 
     One call per step costs a Python round trip (Keras's loop, the logs, the callbacks) that a
     small model's step does not hide. The model's own ``compile(steps_per_execution=...)`` wins
     when the user set one; so does a user callback that acts on every batch, as it would
-    otherwise be called once per call only (Keras's rule for ``steps_per_execution``).
+    otherwise be called once per call only (Keras's rule for ``steps_per_execution``). Step checkpoints every so
+    many steps (``checkpoint_every``) take the largest divisor of that count as the steps per call, so that they
+    fall where asked.
     """
     import keras
 
@@ -56,7 +59,8 @@ def run_steps_per_call(model, callbacks: Sequence) -> None:
     for callback in callbacks:
         if any(getattr(type(callback), hook) is not getattr(keras.callbacks.Callback, hook) for hook in batch_hooks):
             return
-    model.steps_per_execution = STEPS_PER_CALL
+    every = checkpoint_every.steps if checkpoint_every is not None else None
+    model.steps_per_execution = max(d for d in range(1, STEPS_PER_CALL + 1) if every is None or every % d == 0)
 
 
 def combine_over_ranks(comm, logs: dict, samples: float, validation_rows: float) -> None:

@@ -72,12 +72,12 @@ def run_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, t
     # Where training starts: the driver's start, or a newer checkpoint a failed attempt of this stage left.
     resumed = None
     if shard == 0 and task.checkpoints is not None:
-        resumed = task.checkpoints.latest(newer_than=settings.initial_epoch)
+        resumed = task.checkpoints.latest(newer_than=(settings.initial_epoch, 0))
     proposal = {"epoch": resumed.epoch if resumed is not None else settings.initial_epoch} if shard == 0 else {}
     epoch = stage.start_epoch(stage.meet(reporter, proposal, settings.timeout), settings.num_workers)
     if epoch != settings.initial_epoch and resumed is None:
         assert task.checkpoints is not None, "only a checkpoint starts elsewhere than the driver's start"
-        resumed = task.checkpoints.read(epoch)  # the one server 0 found
+        resumed = task.checkpoints.read((epoch, 0))  # the one server 0 found
     if resumed is not None:
         model_bytes, arrays = resumed.model_bytes, resumed.arrays
     else:

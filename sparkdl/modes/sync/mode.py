@@ -40,6 +40,7 @@ class SyncPlan(BarrierPlan):
     profile: bool = False  # every rank times each step's phases (``step_profile``); rank 0 returns them
 
     shards_optimizer: ClassVar[bool] = False  # each rank keeps and updates 1/N of the optimizer state (``sharded``)
+    saves_step_checkpoints: ClassVar[bool] = True
 
     def connect(self, reporter: TaskReporter, task: BarrierTask) -> contextlib.AbstractContextManager:
         return trainer_communicator(self.backend, reporter, task.secret, task.settings.timeout, encrypt=task.encrypt)

@@ -28,6 +28,7 @@ import numpy as np
 from sparkdl.collective import compression as compressions
 from sparkdl.collective.api import ReduceOp
 from sparkdl.keras import compiled_update
+from sparkdl.schedule import StepScales
 
 #: Gradient bytes per bucket (on the wire): large enough that a bucket's fixed cost (two Python
 #: calls, one collective's latency) is small beside its transfer, small enough that several
@@ -38,8 +39,8 @@ BUCKET_BYTES = 4 << 20
 class GradientReducer:
     """The ``intercept`` for :func:`sparkdl.keras.optimizer_hooks.intercept_apply` that averages over ``comm``.
 
-    ``scales`` (per step of an epoch, from global step ``first_step`` on) weigh this rank's gradient
-    by its rows when the ranks' batches differ in size (``schedule.gradient_scales``). ``timeout``
+    ``scales`` (per step from the fit's first, ``schedule.StepScales``) weigh this rank's gradient
+    by its rows when the ranks' batches differ in size. ``timeout``
     bounds the wait for the buckets. ``profile`` (a :class:`~sparkdl.modes.sync.step_profile.StepProfile`)
     records when the gradients were ready and how long the exchange took.
     """
@@ -49,8 +50,7 @@ class GradientReducer:
         comm,
         *,
         timeout: float,
-        scales: np.ndarray | None = None,
-        first_step: int = 0,
+        scales: StepScales | None = None,
         compression: str | None = None,
         overlap: bool = True,
         bucket_bytes: int = BUCKET_BYTES,
@@ -58,7 +58,7 @@ class GradientReducer:
         profile=None,
     ):
         self._comm, self._timeout, self._scales = comm, timeout, scales
-        self._steps = itertools.count(first_step)
+        self._steps = itertools.count()
         self._compression = compression
         self._wire = np.dtype(np.float32) if compression is None else compressions.wire_dtype(compression)
         self._bucket_bytes = bucket_bytes if overlap else None
@@ -180,7 +180,7 @@ class GradientReducer:
 
     def _next_scale(self) -> np.float32:
         assert self._scales is not None  # called only when there are scales
-        return np.float32(self._scales[next(self._steps) % len(self._scales)])
+        return np.float32(self._scales.at(next(self._steps)))
 
     def _reduce_now(self, wire: np.ndarray, largest=None) -> np.ndarray:
         self._check(largest)

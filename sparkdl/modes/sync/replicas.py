@@ -26,6 +26,7 @@ from sparkdl.modes.base import Settings
 from sparkdl.modes.sync import sharded
 from sparkdl.modes.sync.reducer import GradientReducer
 from sparkdl.modes.sync.step_profile import StepProfile
+from sparkdl.position import EpochRest
 
 if TYPE_CHECKING:
     from sparkdl.modes.sync.mode import SyncPlan
@@ -41,8 +42,7 @@ _REPLICA_TOLERANCE = 1e-5
 def distributed_optimizer(
     optimizer,
     comm,
-    scales: np.ndarray | None = None,
-    first_step: int = 0,
+    scales: schedule.StepScales | None = None,
     *,
     compression: str | None = None,
     overlap: bool = True,
@@ -55,16 +55,16 @@ def distributed_optimizer(
     A communicator with its own in-graph collective (Horovod's) averages them there; otherwise
     :class:`~sparkdl.modes.sync.reducer.GradientReducer` sends them: ``compression`` (gradients on the wire as
     "bf16"/"fp16"), in buckets that start moving while backprop runs (``overlap``), each step timed by ``profile``.
-    ``scales`` (per step of an epoch, from global step ``first_step`` on: ``schedule.gradient_scales``)
-    weigh this rank's gradient by its rows when the ranks' batches differ in size. ``compile_update``:
+    ``scales`` (per step from the fit's first: ``schedule.StepScales``) weigh this rank's gradient by its rows when
+    the ranks' batches differ in size. ``compile_update``:
     the optimizer's update runs XLA-compiled (``sparkdl.keras.compiled_update``; not with Horovod).
     """
     if comm.capabilities.in_graph_allreduce:
-        steps = itertools.count(first_step)
+        steps = itertools.count()
 
         def next_scale() -> np.float32:
             assert scales is not None  # called only when there are scales
-            return np.float32(scales[next(steps) % len(scales)])
+            return np.float32(scales.at(next(steps)))
 
         def allreduce_in_graph(apply, grads, variables):
             if scales is not None:
@@ -80,7 +80,6 @@ def distributed_optimizer(
             comm,
             timeout=timeout,
             scales=scales,
-            first_step=first_step,
             compression=compression,
             overlap=overlap,
             compile_update=compile_update,
@@ -190,6 +189,7 @@ def train(
     settings: Settings,
     rows_per_rank: Sequence[int],
     initial_epoch: int,
+    rest: EpochRest | None = None,
     validation: whole_replicas.Validation | None = None,
     callbacks: Sequence = (),
     plan: SyncPlan,
@@ -200,14 +200,16 @@ def train(
 
     ``settings.steps_per_epoch`` is the ranks' common count (``Settings.for_rows(rows_per_rank)``):
     each rank trains each of its rows once per epoch, its gradient weighed by its rows at each step.
+    ``rest``: the steps left of epoch ``initial_epoch``, resumed mid-epoch (``sparkdl.position``), trained by a
+    ``fit`` of their own before the whole epochs after it.
 
     With ``validation``, every rank evaluates its held-out rows at each epoch end (Keras's own
     ``validation_data``) and the history gains the combined ``val_*`` metrics. Training runs
     epochs ``initial_epoch..epochs-1`` (the history holds those); ``callbacks`` run after the
     combination of metrics over ranks, so they see the global values. ``plan`` says how the
-    gradients travel (and whether each rank keeps 1/N of the optimizer state), ``profile`` times each step. ``saves_each_epoch``: rank 0's ``callbacks``
-    save the model at every epoch's end (a sharded optimizer's state is gathered for it first).
-    Returns the history and this mode's counters (every rank's, the same on every rank).
+    gradients travel (and whether each rank keeps 1/N of the optimizer state), ``profile`` times each step.
+    ``saves_each_epoch``: rank 0's ``callbacks`` save the model at every epoch's end (a sharded optimizer's state
+    is gathered for it first). Returns the history and this mode's counters (every rank's, the same on every rank).
     """
     import keras
 
@@ -215,22 +217,40 @@ def train(
     model.jit_compile = False  # the allreduce runs through tf.numpy_function, which XLA cannot compile
     broadcast_weights(model, comm)
     steps = settings.steps_per_epoch
-    stream = settings.epoch_stream(rows, initial_epoch)
     # the user's callbacks: sparkdl's own take any number of steps per call
-    whole_replicas.run_steps_per_call(model, settings.callbacks)
+    whole_replicas.run_steps_per_call(model, settings.callbacks, settings.checkpoint_every)
     validation_data = validation.keras_data(rows, settings.batch_size) if validation is not None else None
-    callback = _average_across_workers_callback(comm, samples=len(rows), steps_per_epoch=steps, validation=validation)
-    scales = schedule.gradient_scales(rows_per_rank, comm.rank, steps)
+    per_epoch = schedule.gradient_scales(rows_per_rank, comm.rank, steps)
+    if rest is not None:
+        scales = schedule.StepScales.of(per_epoch, rest.scales(comm.rank), rest.steps_left)
+    else:
+        scales = schedule.StepScales.of(per_epoch)
     compile_update = compiled_update.pays(model.optimizer, model.trainable_variables)
     first = []
     if profile is not None:  # an attribute of this replica only, removed before the model is saved
         model.train_step = profile.wrap_train_step(model.train_step)
         first.append(profile.callback())
         profile.compiled_update = compile_update
-    options: dict[str, Any] = dict(
-        timeout=settings.timeout, first_step=initial_epoch * steps, compile_update=compile_update
-    )
+    options: dict[str, Any] = dict(timeout=settings.timeout, compile_update=compile_update)
     stats: dict = {}
+    history: dict[str, list[float]] = {}
+
+    def fit(stream, epochs: range, steps_in_epoch: int) -> None:
+        combine = _average_across_workers_callback(
+            comm, samples=len(rows), steps_per_epoch=steps_in_epoch, validation=validation
+        )
+        done = model.fit(
+            stream,
+            epochs=epochs.stop,
+            initial_epoch=epochs.start,
+            shuffle=False,
+            verbose=0,
+            validation_data=validation_data,
+            callbacks=[*first, combine, *callbacks],
+        )
+        for name, values in done.history.items():
+            history.setdefault(name, []).extend(float(v) for v in values)
+
     try:
         exchanging: contextlib.AbstractContextManager[Any]
         traffic: dict[str, Any] = dict(compression=plan.compression, overlap=plan.overlap, profile=profile)
@@ -241,15 +261,12 @@ def train(
         with exchanging as state:
             if state is not None and saves_each_epoch:
                 first.append(state.consolidating_callback())
-            history = model.fit(
-                stream,
-                epochs=settings.epochs,
-                initial_epoch=initial_epoch,
-                shuffle=False,
-                verbose=0,
-                validation_data=validation_data,
-                callbacks=[*first, callback, *callbacks],
-            )
+            whole_from = initial_epoch
+            if rest is not None:
+                fit(settings.rest_stream(rows, rest), range(rest.epoch, rest.epoch + 1), rest.steps_left)
+                whole_from = rest.epoch + 1
+            if whole_from < settings.epochs:
+                fit(settings.epoch_stream(rows, whole_from), range(whole_from, settings.epochs), steps)
             if state is not None:
                 stats["sharded"] = state.summary()
                 state.finish()
@@ -257,4 +274,4 @@ def train(
         if profile is not None:
             del model.train_step
     check_replicas_identical(model, comm)
-    return {name: [float(v) for v in values] for name, values in history.history.items()}, stats
+    return history, stats

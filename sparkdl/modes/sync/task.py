@@ -23,10 +23,17 @@ def train(plan: SyncPlan, ranks: Ranks) -> bytes | None:
     model = serialization.model_from_bytes(start.model_bytes, settings.custom_objects)
     ranks.reporter.phase("model in")
     validation = whole_replicas.Validation(ranks.held_out, ranks.counts[:, 1]) if settings.validate else None
+    rest = ranks.epoch_rest(start)
     with ranks.checkpointing(start) as checkpointer:
         # the ranks hold the same model and (combined) metrics: one of them reports and saves
         progress = ranks.progress_callback()
         saving = [callbacks.checkpoint_callback(checkpointer)] if checkpointer is not None else []
+        step_saving = None
+        if checkpointer is not None and settings.checkpoint_every is not None:
+            step_saving = callbacks.step_checkpoint_callback(
+                checkpointer, settings.checkpoint_every, lambda epoch, steps: ranks.position_at(rest, epoch, steps)
+            )
+            saving.insert(0, step_saving)
         profile = StepProfile() if plan.profile else None
         history, stats = replicas.train(
             model,
@@ -35,6 +42,7 @@ def train(plan: SyncPlan, ranks: Ranks) -> bytes | None:
             settings=settings,
             rows_per_rank=ranks.counts[:, 0].tolist(),
             initial_epoch=start.epoch,
+            rest=rest,
             validation=validation,
             callbacks=[*saving, *([progress] if progress else []), *settings.callbacks],
             plan=plan,
@@ -43,6 +51,11 @@ def train(plan: SyncPlan, ranks: Ranks) -> bytes | None:
         )
     if profile is not None:
         stats["step_profile"] = profile.summary(comm)
+    if step_saving is not None:
+        stats["step_checkpoints"] = step_saving.stats()
+    if start.position is not None:  # where the epoch stood: the steps a fault cost are the steps since then
+        segments = [[s.shards, s.planned, s.done] for s in start.position.segments]
+        stats["resumed_at"] = {"epoch": start.epoch, "step": start.position.steps, "segments": segments}
     stats["wire_bytes"] = whole_replicas.wire_bytes(comm)
     ranks.reporter.phase("train")
     if not ranks.writer:

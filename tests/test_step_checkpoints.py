@@ -1,0 +1,200 @@
+"""Step checkpoints: a fit that loses a worker or its driver mid-epoch resumes inside the epoch, training exactly the
+rows the epoch had not trained (counted by row id, as the layer that saw them recorded them), with the weights of the
+fit without the fault where the workers are the same, and every row once per epoch where their number changed."""
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import keras
+import numpy as np
+import pytest
+from frames import digits_frame
+from models import CrashOnFirstAttempt
+
+import sparkdl
+from sparkdl.checkpoint import CheckpointStore
+
+ROWS, BATCH, EPOCHS = 300, 16, 2
+
+
+class RecordIds(keras.layers.Layer):
+    """Drops the first input column (a row id) after appending, in training, ``<attempt> <retry> <call> <id>`` lines
+    per row to ``<log_dir>/<pid>``: ``call`` counts this layer's calls in its task attempt, from 0 (one per step);
+    ``retry`` is 1 where ``marker`` (the crash's) existed at the attempt's first call."""
+
+    def __init__(self, log_dir, marker=None, **kwargs):
+        super().__init__(**kwargs)
+        self.log_dir, self.marker = log_dir, marker
+        self._attempt, self._calls = uuid.uuid4().hex, 0
+
+    def _record(self, ids):
+        from pyspark import TaskContext
+
+        if self._calls == 0:
+            self._retry = int(bool(self.marker) and os.path.exists(self.marker))
+        where = f"{self._attempt}-{TaskContext.get().partitionId()} {self._retry}"
+        with open(os.path.join(self.log_dir, str(os.getpid())), "a") as f:
+            f.writelines(f"{where} {self._calls} {int(i)}\n" for i in ids.ravel().tolist())
+        self._calls += 1
+        return ids
+
+    def call(self, x, training=None):
+        import tensorflow as tf
+
+        if training:
+            x = tf.concat(
+                [tf.ensure_shape(tf.numpy_function(self._record, [x[:, :1]], x.dtype), [None, 1]), x[:, 1:]], 1
+            )
+        return x[:, 1:]
+
+    def get_config(self):
+        return {**super().get_config(), "log_dir": self.log_dir, "marker": self.marker}
+
+
+def _model(log_dir, crash_at=0, marker=None):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((65,)),
+            RecordIds(str(log_dir), marker),
+            CrashOnFirstAttempt(partition=0 if crash_at else -1, at_call=crash_at, marker=marker),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "sparse_categorical_crossentropy")
+    return model
+
+
+@pytest.fixture(scope="module")
+def ids_df(spark, digits):
+    """Digits whose first feature is the row's id (0..ROWS-1), in 3 input partitions."""
+    x_train, _, y_train, _ = digits
+    x = np.concatenate([np.arange(ROWS, dtype=np.float32)[:, None], x_train[:ROWS]], 1)
+    return digits_frame(spark, x, y_train[:ROWS]).repartition(3).cache()
+
+
+def _attempts(log_dir):
+    """Each task attempt's recorded ``(call, id)`` pairs, by ``(attempt, retry)``."""
+    lines = collections.defaultdict(list)
+    for name in os.listdir(log_dir):
+        with open(os.path.join(log_dir, name)) as f:
+            for line in f:
+                attempt, retry, call, row = line.split()
+                lines[attempt, retry == "1"].append((int(call), int(row)))
+    return lines
+
+
+def _fit(df, model, **settings):
+    return sparkdl.fit(df, model, epochs=EPOCHS, batch_size=BATCH, seed=3, progress=False, **settings)
+
+
+def test_a_worker_lost_mid_epoch_costs_only_the_steps_since_the_last_step_checkpoint(ids_df, tmp_path):
+    clean_dir, faulty_dir = tmp_path / "clean", tmp_path / "faulty"
+    clean_dir.mkdir(), faulty_dir.mkdir()
+    clean = _fit(ids_df, _model(clean_dir), num_workers=2)
+    steps = clean.steps_per_epoch
+    crash = steps + steps // 2 + 2  # partition 0 dies inside epoch 1, after a step checkpoint
+
+    faulty = _fit(
+        ids_df,
+        _model(faulty_dir, crash_at=crash, marker=str(tmp_path / "crashed")),
+        num_workers=2,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=3,
+    )
+
+    assert (tmp_path / "crashed").exists(), "the worker never died"
+    resumed = faulty.stats["resumed_at"]
+    assert resumed["epoch"] == 1 and 0 < resumed["step"] < crash - steps  # mid-epoch, before the crash
+    saved = resumed["epoch"] * steps + resumed["step"]  # the global steps the checkpoint holds
+    attempts = _attempts(faulty_dir)
+    assert sorted(retry for _, retry in attempts) == [False, False, True, True]  # each partition's, and its retry
+    # the first attempts' calls are global steps (they started at step 0): the checkpoint holds those before `saved`
+    counted = collections.Counter(
+        row for (_, retry), calls in attempts.items() for call, row in calls if retry or call < saved
+    )
+    assert counted == collections.Counter({row: EPOCHS for row in range(ROWS)})  # none twice, none skipped
+    assert faulty.model.optimizer.iterations.numpy() == clean.model.optimizer.iterations.numpy() == EPOCHS * steps
+    for got, want in zip(faulty.model.get_weights(), clean.model.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert faulty.stats["step_checkpoints"]["saved"] >= 1
+
+
+DRIVER = """
+import sys, time
+sys.path[:0] = {paths!r}
+import keras, numpy as np
+from pyspark.sql import SparkSession
+from sklearn.datasets import load_digits
+import sparkdl
+from frames import digits_frame
+from test_step_checkpoints import ROWS, _fit, _model, _ids_frame
+
+class Slow(keras.callbacks.Callback):  # time for the test to see a step checkpoint and kill this driver
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(0.2)
+
+spark = SparkSession.builder.master("local[3]").config("spark.ui.enabled", "false").getOrCreate()
+_fit(_ids_frame(spark), _model({log_dir!r}, marker={marker!r}), num_workers={workers}, checkpoint_dir={ckpt!r}, checkpoint_every=2,
+     callbacks=[Slow()])
+print("finished")
+"""
+
+
+def _ids_frame(spark):
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = np.concatenate([np.arange(ROWS, dtype=np.float32)[:, None], (x[:ROWS] / 16.0).astype(np.float32)], 1)
+    # one input partition in row order, whatever the session's parallelism: the same row keys in both drivers
+    return digits_frame(spark, x, y[:ROWS].astype(np.int64)).coalesce(1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before, after", [(3, 2), (1, 2)])
+def test_a_driver_killed_mid_epoch_and_started_again_on_other_workers_trains_every_row_once(
+    spark, tmp_path, before, after
+):
+    """The driver dies (SIGKILL, its whole process group) inside epoch 1; the same call, on another number of
+    workers, resumes inside that epoch: the rows the killed run trained up to its last step checkpoint and the rows
+    the new run trained make every row once per epoch, none twice."""
+    ckpt, log_dir, second_run = tmp_path / "ckpt", tmp_path / "rows", tmp_path / "second-run"
+    log_dir.mkdir()
+    # the resumed fit trains the checkpoint's model, whose layer logs where the first one did: the lines of the
+    # second run are those whose attempt found `second_run`
+    script = DRIVER.format(
+        paths=[os.path.dirname(__file__)], log_dir=str(log_dir), marker=str(second_run), workers=before, ckpt=str(ckpt)
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240  # a bound on a wait, not a timing claim
+        while not (ckpt.exists() and any(n.startswith("epoch-000001-step-") for n in os.listdir(ckpt))):
+            assert driver.poll() is None, "the first driver ended before a step checkpoint of epoch 1"
+            assert time.monotonic() < deadline, "no step checkpoint of epoch 1 within 240 s"
+            time.sleep(0.05)
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+
+    second_run.touch()
+    resumed = _fit(_ids_frame(spark), _model(log_dir), num_workers=after, checkpoint_dir=str(ckpt))
+
+    at = resumed.stats["resumed_at"]
+    assert at["epoch"] == 1 and at["step"] > 0
+    saved = CheckpointStore.open(str(ckpt)).latest()
+    assert saved.epoch == EPOCHS and len(saved.history["loss"]) == EPOCHS
+    (shards, first_steps, done), *_ = at["segments"]
+    assert shards == before and done == at["step"]
+    kept = at["epoch"] * first_steps + at["step"]  # the killed run's steps the checkpoint holds (global, from 0)
+    attempts = _attempts(log_dir)
+    assert sorted(second for _, second in attempts) == [False] * before + [True] * after
+    counted = collections.Counter(
+        row for (_, second), calls in attempts.items() for call, row in calls if second or call < kept
+    )
+    assert counted == collections.Counter({row: EPOCHS for row in range(ROWS)})
