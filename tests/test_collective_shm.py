@@ -20,6 +20,8 @@ from functools import reduce
 import ml_dtypes
 import numpy as np
 import pytest
+from attackers import OTHER_USER, Squatter
+from collective_ranks import run_ranks
 
 from sparkdl.collective.shm import segment as shm_segment
 from sparkdl.collective.shm.group import INITIAL_DATA_BYTES, PIECE_BYTES, SharedMemoryGroup
@@ -249,6 +251,65 @@ def test_listener_refuses_strangers_and_lets_peers_in():
     assert results == {local: [6] * 10 for local in range(3)}
     if stranger is not None:
         assert stranger.stdout.strip() == "0", stranger
+
+
+def _elapsed_results(ranks):
+    """Every rank's result, and the seconds from starting the ranks' processes to the last result."""
+    started = time.monotonic()
+    ranks.start()
+    results = ranks.results()
+    return results, time.monotonic() - started
+
+
+@pytest.mark.parametrize("listening", [False, True])
+def test_a_squatted_name_is_avoided_by_every_rank_at_once(listening):
+    """Another user binds the group's name (and maybe listens on it) before the group opens: local rank 0 listens on
+    the next name and the others find it there, well within their timeout (was: rank 0 failed with "Address already
+    in use" and the others waited out their timeout)."""
+    if listening and OTHER_USER is None:
+        pytest.skip("a listener of this user would be taken for local rank 0's: needs another user (root)")
+    ranks = Ranks(3, "simple", timeout=60.0)
+    with Squatter([f"sparkdl-{ranks.name}"], listening=listening):
+        results, took = _elapsed_results(ranks)
+    assert results == {local: [6] * 10 for local in range(3)}
+    assert took < 30.0, took  # the processes' start included
+
+
+def test_every_rank_reports_at_once_when_every_name_is_squatted():
+    """Only the job secret tells the alternative names; a squatter who held them all is reported by every rank at
+    once, naming why, instead of the ranks but one waiting out their timeout."""
+    if OTHER_USER is None:
+        pytest.skip("needs another user (root) to listen on the names")
+    ranks = Ranks(3, "simple", timeout=60.0)
+    names = shm_segment.listener_names(ranks.name, shm_segment.group_key(ranks.secret, ranks.name))
+    with Squatter([name[1:] for name in names], listening=True):
+        results, took = _elapsed_results(ranks)
+    assert "Address already in use" in str(results[0]), results
+    for local in (1, 2):
+        assert "other processes listen on every name of the group" in str(results[local]), results
+    assert took < 30.0, took  # the processes' start included
+
+
+def test_a_retried_stage_opens_its_segment_though_another_user_squats_the_last_attempts_name():
+    """An attempt's segment name is listed in /proc/net/unix; another user binds it once the attempt is over. The
+    retry (same job secret and hosts, new listeners, as Spark's retry of a barrier stage has) opens its segment
+    under another name at once (was: the same name, so its local rank 0 failed and the others waited out their
+    timeout)."""
+    secret = secrets.token_bytes(32)
+
+    def name(comm):
+        return comm.segment.name
+
+    def attempt():
+        return run_ranks(3, name, shared_memory=True, secrets_by_rank=[secret] * 3, timeout=5.0)
+
+    (first,) = set(attempt())
+    with Squatter([f"sparkdl-{first}"], listening=OTHER_USER is not None):
+        started = time.monotonic()
+        (retried,) = set(attempt())
+        took = time.monotonic() - started
+    assert retried != first
+    assert took < 3.0, took
 
 
 def _holders(name):
