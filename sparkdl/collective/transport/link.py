@@ -27,6 +27,8 @@ from sparkdl.net.secure import Channel
 MAX_ABORT_BYTES = 2048
 #: Most bytes of frames received ahead of being asked for, per link, before the peer is refused.
 MAX_KEPT_BYTES = 4 << 30
+#: A kept frame's buffer grows by at most this many bytes a read: it holds what arrived, never what was announced.
+KEEP_CHUNK_BYTES = 1 << 20
 
 
 def _bytes_of(array: np.ndarray) -> memoryview:
@@ -79,6 +81,9 @@ class Link:
     def close(self) -> None:
         shutdown_and_close(self.channel.sock)
         self._sender.shutdown(wait=False, cancel_futures=True)
+        with self._state:  # nobody will ask for them now
+            self.kept.clear()
+            self._kept_bytes = 0
 
     def receive(self, key: tuple, op: int, out: np.ndarray | None, dtype: np.dtype | None) -> tuple[Header, np.ndarray]:
         """The next frame of ``key`` ((kind, group, seq or tag)), its payload in ``out`` if given, else a new array.
@@ -144,8 +149,16 @@ class Link:
                 f"rank {self.rank}: rank {self.peer} sent more than {MAX_KEPT_BYTES} bytes ahead of their "
                 f"receives while this rank waits in {operation_name(op)}; check the order of sends and receives"
             )
-        data = bytearray(header.nbytes)
-        self._read_exact(memoryview(data), op)
+        data = bytearray()
+        chunk = bytearray(min(header.nbytes, KEEP_CHUNK_BYTES))
+        try:
+            while len(data) < header.nbytes:
+                with memoryview(chunk)[: header.nbytes - len(data)] as arrived:
+                    self._read_exact(arrived, op)
+                    data += arrived  # grown as the bytes arrive: a silent peer's announced length costs nothing
+        except BaseException:
+            data.clear()  # not left to the traceback's frames until garbage collection
+            raise
         with self._state:
             self._kept_bytes += len(data)
             self.kept[key].append((header, data))
