@@ -85,8 +85,11 @@ class Link:
             self.kept.clear()
             self._kept_bytes = 0
 
-    def receive(self, key: tuple, op: int, out: np.ndarray | None, dtype: np.dtype | None) -> tuple[Header, np.ndarray]:
-        """The next frame of ``key`` ((kind, group, seq or tag)), its payload in ``out`` if given, else a new array.
+    def receive(
+        self, key: tuple, op: int, out: np.ndarray | None, dtype: np.dtype | None, *, most: int | None = None
+    ) -> tuple[Header, np.ndarray]:
+        """The next frame of ``key`` ((kind, group, seq or tag)), its payload in ``out`` if given, else a new array
+        (of at most ``most`` bytes: a longer frame is malformed).
 
         Several threads may receive at once (the streams of a communicator and of its subgroups share the link):
         one of them reads the socket, a frame at a time, keeping the frames of the others and waking them; the
@@ -107,12 +110,12 @@ class Link:
                 self._state.wait()
         if data is None:
             try:
-                return self._read_until(key, op, out, dtype)
+                return self._read_until(key, op, out, dtype, most)
             finally:
                 with self._state:
                     self._reading = False
                     self._state.notify_all()
-        self._check(header, op, out, dtype)
+        self._check(header, op, out, dtype, most)
         received = np.frombuffer(data, dtype=_payload_dtype(header, out, dtype))
         if out is None:
             return header, received
@@ -120,14 +123,14 @@ class Link:
         return header, out
 
     def _read_until(
-        self, key: tuple, op: int, out: np.ndarray | None, dtype: np.dtype | None
+        self, key: tuple, op: int, out: np.ndarray | None, dtype: np.dtype | None, most: int | None
     ) -> tuple[Header, np.ndarray]:
         """Reads frames (this thread alone) until the one of ``key``, keeping the others for their receivers."""
         while True:
             header = self._read_header(op)
             frame_key = (header.kind, header.group, header.tag if header.kind == Kind.MESSAGE else header.seq)
             if frame_key == key:
-                self._check(header, op, out, dtype)
+                self._check(header, op, out, dtype, most)
                 if out is None:
                     out = np.empty(
                         header.nbytes // _payload_dtype(header, out, dtype).itemsize, _payload_dtype(header, out, dtype)
@@ -164,7 +167,12 @@ class Link:
             self.kept[key].append((header, data))
             self._state.notify_all()
 
-    def _check(self, header: Header, op: int, out: np.ndarray | None, dtype: np.dtype | None) -> None:
+    def _check(self, header: Header, op: int, out: np.ndarray | None, dtype: np.dtype | None, most: int | None) -> None:
+        if most is not None and header.nbytes > most:
+            raise CollectiveError(
+                f"rank {self.rank}: malformed frame from rank {self.peer}: {operation_name(header.op)} of "
+                f"{header.nbytes} bytes where at most {most} may come"
+            )
         expected = out.dtype if out is not None else dtype
         wrong = header.op != op
         if expected is not None and header.dtype != dtype_code(expected):
