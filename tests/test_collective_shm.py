@@ -8,12 +8,14 @@ no rank stops early and leaves the others waiting.
 from __future__ import annotations
 
 import glob
+import json
 import multiprocessing as mp
 import os
 import secrets
 import signal
 import socket
 import subprocess
+import sys
 import time
 from functools import reduce
 
@@ -137,13 +139,26 @@ def stalled(group, queue, name):
         first = (type(exc).__name__, str(exc))
     else:
         return "allreduce returned"
+    held = segment_holdings(name)  # the group is open still, and failed
     if failed:
         open(os.path.join(failed, str(group.local_rank)), "w").close()
     try:
         group.barrier()
     except CollectiveError as exc:
-        return {"first": first, "later": (type(exc).__name__, str(exc))}
+        return {"first": first, "later": (type(exc).__name__, str(exc)), "held": held}
     return "barrier returned"
+
+
+def segment_holdings(name=""):
+    """(descriptors, mappings) of this process that hold a memfd of the group ``name`` (any group's by default)."""
+    fds = 0
+    for fd in glob.glob("/proc/self/fd/*"):
+        try:
+            fds += f"memfd:sparkdl-{name}" in os.readlink(fd)
+        except OSError:  # the descriptor glob itself read the directory with, closed since
+            pass
+    with open("/proc/self/maps") as maps:
+        return fds, sum(f"memfd:sparkdl-{name}" in line for line in maps)
 
 
 def simple(group, queue, name):
@@ -328,7 +343,9 @@ def _holders(name):
 
 @pytest.mark.parametrize("victim", [2, 0])  # 0: the rank that created the segments and holds the connections
 def test_killed_rank_is_named_and_nothing_leaks(victim):
-    """The others' allreduce ends because the killed rank's doorbell closed: their timeout (an hour) cannot end it."""
+    """The others' allreduce ends because the killed rank's doorbell closed: their timeout (an hour) cannot end it.
+    They hold nothing of the segment once they have the error (was: a descriptor and a mapping each, kept by the
+    failed group until garbage collection)."""
     ranks = Ranks(3, "stalled", timeout=3600.0, env={"SHM_TEST_STALLER": str(victim)})
     ranks.start()
     ranks.messages("ready", 3)
@@ -347,8 +364,68 @@ def test_killed_rank_is_named_and_nothing_leaks(victim):
         # refused at once, before waiting for anyone: the group remembers its failure
         assert later_kind == "CollectiveError" and "barrier failed: the shared memory group failed before" in later
         assert message in later
+        assert result["held"] == (0, 0)  # released with the failure, while the group is still open
     assert _holders(ranks.name) == []
     assert [path for path in glob.glob("/dev/shm/*") if ranks.name in path] == []
+
+
+_COMMUNICATOR_RANK = r"""
+import json, sys
+import numpy as np
+from test_collective_shm import segment_holdings
+from sparkdl.collective import CollectiveError, Listener, SparkdlCommunicator
+listener = Listener("127.0.0.1")
+print(json.dumps(listener.address), flush=True)
+job = json.loads(sys.stdin.readline())
+secret = bytes.fromhex(job["secret"])
+comm = SparkdlCommunicator.connect(job["rank"], job["addresses"], listener, secret, timeout=3600.0)
+x = np.ones(1 << 20, np.float32)
+comm.allreduce(x)  # through the segment: all ranks share this host
+print(json.dumps(segment_holdings()), flush=True)
+if job["rank"] == 2:
+    sys.stdin.read()  # until killed
+try:
+    comm.allreduce(x)
+except CollectiveError as exc:
+    print(json.dumps({"error": str(exc), "held": segment_holdings()}), flush=True)
+"""
+
+
+def test_survivors_of_a_killed_rank_release_the_communicators_segment_at_once():
+    """Three communicator processes on one host; rank 2 is killed while the others are in an allreduce through their
+    segment. Each survivor's communicator has failed, naming rank 2, and holds no descriptor or mapping of the
+    segment, though the communicator is still open (was: one descriptor and the data segment mapped, until garbage
+    collection)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, *sys.path])}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _COMMUNICATOR_RANK],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(3)
+    ]
+    try:
+        addresses = [json.loads(process.stdout.readline()) for process in processes]
+        secret = secrets.token_hex(32)
+        for rank, process in enumerate(processes):
+            process.stdin.write(json.dumps({"rank": rank, "addresses": addresses, "secret": secret}) + "\n")
+            process.stdin.flush()
+        ready = [json.loads(process.stdout.readline()) for process in processes]
+        time.sleep(0.3)  # the survivors now wait in their allreduce
+        processes[2].kill()
+        survivors = [json.loads(process.stdout.readline()) for process in processes[:2]]
+    finally:
+        for process in processes:
+            process.kill()
+            process.communicate(timeout=30)
+    assert all(fds > 0 and maps > 0 for fds, maps in ready), ready  # what is looked for is there to be seen
+    for rank, survivor in enumerate(survivors):
+        assert survivor["error"].startswith(f"rank {rank}: ") and "rank 2" in survivor["error"], survivor
+        assert survivor["held"] == [0, 0], survivor
 
 
 def test_rank_that_never_arrives_times_out_by_name(tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import traceback
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -62,7 +63,11 @@ class _Job:
         self.failure: BaseException | None = None
 
     def fail(self, exc: BaseException, why: str) -> None:
-        """Poisons every communicator of this rank: its peers are told ``why``, every segment is closed."""
+        """Poisons every communicator of this rank: its peers are told ``why``, every segment is closed.
+
+        Called as ``exc`` leaves the operation: the frames it left are done, and their locals (views of a segment
+        among them) are dropped, so that the segment is unmapped now rather than with the exception."""
+        traceback.clear_frames(exc.__traceback__)
         self.failure = exc
         self.links.close(reason=f"rank {self.links.rank} failed in {why}: {exc}")
         self.close_segments()
