@@ -255,6 +255,27 @@ def test_silent_peer_times_out_with_descriptive_message():
         assert part in message
 
 
+def test_a_receive_that_times_out_says_so_naming_its_source():
+    """Rank 1 waits for a message rank 0 never sends: its error says the recv timed out, from rank 0 (was: "send
+    timed out", the name of the frames it waited for)."""
+    timed_out = threading.Event()
+
+    def body(comm):
+        if comm.rank == 0:
+            assert timed_out.wait(30)  # its links open until then: the wait ends by the clock
+            return None
+        try:
+            with pytest.raises(CollectiveTimeout) as info:
+                comm.recv(0, tag=3)
+        finally:
+            timed_out.set()
+        return str(info.value)
+
+    message = run_ranks(2, body, timeout=0.5)[1]
+    assert message.startswith("rank 1: recv timed out after 0.5s waiting to receive from rank 0"), message
+    assert "send" not in message, message
+
+
 def test_async_work_wait_is_bounded_by_its_own_timeout():
     release = threading.Event()
 

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from sparkdl.collective.api import operation_name
+from sparkdl.collective.api import OP_CODES, operation_name
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout
 from sparkdl.net.frames import HEADER, FrameError, Header, Kind, dtype_code, dtype_name
 from sparkdl.net.io import shutdown_and_close
@@ -63,7 +63,7 @@ class Link:
                 self.bytes_sent += header.nbytes
                 self.sent_by_operation[header.op, header.dtype] += header.nbytes
         except OSError as exc:
-            raise self._error(header.op, "send to", exc) from exc
+            raise self._error(operation_name(header.op), "send to", exc) from exc
 
     def abort(self, reason: str) -> None:
         """Tells the peer, if the link is free within a moment, why this rank gives up; then closes."""
@@ -150,7 +150,7 @@ class Link:
         if self._kept_bytes + header.nbytes > MAX_KEPT_BYTES:
             raise CollectiveError(
                 f"rank {self.rank}: rank {self.peer} sent more than {MAX_KEPT_BYTES} bytes ahead of their "
-                f"receives while this rank waits in {operation_name(op)}; check the order of sends and receives"
+                f"receives while this rank waits in {_receiving_in(op)}; check the order of sends and receives"
             )
         data = bytearray()
         chunk = bytearray(min(header.nbytes, KEEP_CHUNK_BYTES))
@@ -194,12 +194,12 @@ class Link:
         try:
             header = Header.unpack(self._header, source=f"rank {self.peer}")
         except FrameError as exc:
-            raise CollectiveError(f"rank {self.rank}: {operation_name(op)}: {exc}") from None
+            raise CollectiveError(f"rank {self.rank}: {_receiving_in(op)}: {exc}") from None
         if header.kind == Kind.ABORT:
             reason = bytearray(min(header.nbytes, MAX_ABORT_BYTES))
             self._read_exact(memoryview(reason), op)
             raise CollectiveError(
-                f"rank {self.rank}: {operation_name(op)} failed: rank {self.peer} gave up: "
+                f"rank {self.rank}: {_receiving_in(op)} failed: rank {self.peer} gave up: "
                 f"{reason.decode(errors='replace')}"
             )
         return header
@@ -208,23 +208,29 @@ class Link:
         try:
             received = self.channel.recv_into(view)
         except OSError as exc:
-            raise self._error(op, "receive from", exc) from exc
+            raise self._error(_receiving_in(op), "receive from", exc) from exc
         if received < len(view):
             raise CollectiveError(
-                f"rank {self.rank}: rank {self.peer} closed the connection during {operation_name(op)}; "
+                f"rank {self.rank}: rank {self.peer} closed the connection during {_receiving_in(op)}; "
                 "check whether that rank's process failed or closed its communicator"
             )
 
-    def _error(self, op: int, action: str, exc: OSError) -> CollectiveError:
+    def _error(self, operation: str, action: str, exc: OSError) -> CollectiveError:
         if isinstance(exc, TimeoutError):
             return CollectiveTimeout(
-                f"rank {self.rank}: {operation_name(op)} timed out after {self.timeout}s waiting to {action} "
+                f"rank {self.rank}: {operation} timed out after {self.timeout}s waiting to {action} "
                 f"rank {self.peer}; check that rank {self.peer} is alive and makes the same calls, or raise the timeout"
             )
         return CollectiveError(
-            f"rank {self.rank}: {operation_name(op)} failed to {action} rank {self.peer}: {exc}; "
+            f"rank {self.rank}: {operation} failed to {action} rank {self.peer}: {exc}; "
             "check whether that rank's process failed"
         )
+
+
+def _receiving_in(op: int) -> str:
+    """The operation a rank reading frames of ``op`` is in, for its errors: a message's frames are a send's, read
+    by a recv."""
+    return "recv" if op == OP_CODES["send"] else operation_name(op)
 
 
 def _payload_dtype(header: Header, out: np.ndarray | None, dtype: np.dtype | None) -> np.dtype:
