@@ -1,5 +1,5 @@
-"""Real attackers for the network tests: connections that hog a listener, its rate-limited log read back, and
-parameter-server frames made by hand."""
+"""Real attackers for the network tests: connections that hog a listener, its rate-limited log read back,
+parameter-server frames made by hand, and another user's process squatting Unix socket names."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import re
 import selectors
 import socket
+import subprocess
 import threading
 
 from sparkdl.net import refusals
@@ -85,6 +86,47 @@ class Hog:
         for key in list(self._selector.get_map().values()):
             key.fileobj.close()
         self._selector.close()
+
+
+#: Another user where the tests run as root (their uid otherwise): any local user may bind an abstract socket name.
+OTHER_USER = 65534 if os.geteuid() == 0 else None
+
+_SQUAT = r"""
+import socket, sys
+held = []
+for name in sys.argv[2:]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind("\0" + name)
+    if sys.argv[1] == "listening":
+        sock.listen(1)
+    held.append(sock)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+class Squatter:
+    """A process of :data:`OTHER_USER` that binds the abstract Unix socket ``names`` (without their leading NUL, as
+    /proc/net/unix lists them after an @), and listens on them if ``listening``, until :meth:`close`."""
+
+    def __init__(self, names: list[str], *, listening: bool):
+        self.process = subprocess.Popen(
+            ["/usr/bin/python3", "-c", _SQUAT, "listening" if listening else "bound", *names],
+            user=OTHER_USER,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout.readline() == "held\n", "the squatter could not bind every name"
+
+    def __enter__(self) -> Squatter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.process.communicate("", timeout=30)
 
 
 def logged_refusals(records, reason: str = "") -> int:

@@ -19,6 +19,8 @@ import pytest
 from collective_ranks import run_ranks
 
 from sparkdl.collective import CollectiveError, CollectiveTimeout, Listener, SparkdlCommunicator
+from sparkdl.collective.api import OP_CODES
+from sparkdl.net.frames import Header, Kind, dtype_code
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -192,6 +194,44 @@ def test_a_process_dying_mid_allreduce_fails_every_survivor_fast(tmp_path, death
         assert "timed out" not in message, message
 
 
+def _array_header(dims: list[int], dtype: int, nbytes: int | None = None) -> tuple[Header, bytes]:
+    """The shape frame of a message (tag 5) as send_array makes it, with any dims, dtype code and length."""
+    meta = np.array(dims, np.int64).tobytes()
+    return Header(Kind.MESSAGE, OP_CODES["send"], len(meta) if nbytes is None else nbytes, dtype, tag=5), meta
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        _array_header([], dtype_code(np.float32), nbytes=2**64 - 1),  # a shape frame of 2^64-1 bytes
+        _array_header([2, 2**62, 2**62], dtype_code(np.float32)),  # a size that overflows
+        _array_header([1, 4], 200),  # no such dtype
+        _array_header([1, 2**50], dtype_code(np.float64)),  # 8 PiB
+    ],
+    ids=["length 2^64-1", "size overflows", "dtype code 200", "8 PiB"],
+)
+def test_a_malformed_message_header_fails_the_receiver_naming_its_sender(frame):
+    """Rank 0 sends a message whose shape frame is malformed: rank 1's recv fails its communicator, naming rank 0,
+    and rank 0 is told at once (was: a ValueError from numpy, the communicator untouched, the link open and rank 0
+    waiting out its timeout; or, for a bad dtype or a huge shape, errors naming nobody)."""
+
+    def body(comm):
+        if comm.rank == 0:
+            comm._job.links.link(1).send(*frame).result(10)
+            with pytest.raises(CollectiveError) as info:
+                comm.recv(1, tag=6)
+            return str(info.value)
+        with pytest.raises(CollectiveError) as info:
+            comm.recv(0, tag=5)
+        with pytest.raises(CollectiveError, match="already failed"):
+            comm.barrier()
+        return str(info.value)
+
+    sender, receiver = run_ranks(2, body, timeout=5.0)
+    assert receiver.startswith("rank 1: ") and "from rank 0" in receiver, receiver
+    assert "rank 1 gave up" in sender and "timed out" not in sender, sender
+
+
 def test_silent_peer_times_out_with_descriptive_message():
     timed_out = threading.Event()
 
@@ -213,6 +253,27 @@ def test_silent_peer_times_out_with_descriptive_message():
     message = run_ranks(2, body, timeout=0.5)[0]
     for part in ("rank 0", "rank 1", "allreduce", "0.5"):
         assert part in message
+
+
+def test_a_receive_that_times_out_says_so_naming_its_source():
+    """Rank 1 waits for a message rank 0 never sends: its error says the recv timed out, from rank 0 (was: "send
+    timed out", the name of the frames it waited for)."""
+    timed_out = threading.Event()
+
+    def body(comm):
+        if comm.rank == 0:
+            assert timed_out.wait(30)  # its links open until then: the wait ends by the clock
+            return None
+        try:
+            with pytest.raises(CollectiveTimeout) as info:
+                comm.recv(0, tag=3)
+        finally:
+            timed_out.set()
+        return str(info.value)
+
+    message = run_ranks(2, body, timeout=0.5)[1]
+    assert message.startswith("rank 1: recv timed out after 0.5s waiting to receive from rank 0"), message
+    assert "send" not in message, message
 
 
 def test_async_work_wait_is_bounded_by_its_own_timeout():

@@ -8,18 +8,22 @@ no rank stops early and leaves the others waiting.
 from __future__ import annotations
 
 import glob
+import json
 import multiprocessing as mp
 import os
 import secrets
 import signal
 import socket
 import subprocess
+import sys
 import time
 from functools import reduce
 
 import ml_dtypes
 import numpy as np
 import pytest
+from attackers import OTHER_USER, Squatter
+from collective_ranks import run_ranks
 
 from sparkdl.collective.shm import segment as shm_segment
 from sparkdl.collective.shm.group import INITIAL_DATA_BYTES, PIECE_BYTES, SharedMemoryGroup
@@ -135,13 +139,26 @@ def stalled(group, queue, name):
         first = (type(exc).__name__, str(exc))
     else:
         return "allreduce returned"
+    held = segment_holdings(name)  # the group is open still, and failed
     if failed:
         open(os.path.join(failed, str(group.local_rank)), "w").close()
     try:
         group.barrier()
     except CollectiveError as exc:
-        return {"first": first, "later": (type(exc).__name__, str(exc))}
+        return {"first": first, "later": (type(exc).__name__, str(exc)), "held": held}
     return "barrier returned"
+
+
+def segment_holdings(name=""):
+    """(descriptors, mappings) of this process that hold a memfd of the group ``name`` (any group's by default)."""
+    fds = 0
+    for fd in glob.glob("/proc/self/fd/*"):
+        try:
+            fds += f"memfd:sparkdl-{name}" in os.readlink(fd)
+        except OSError:  # the descriptor glob itself read the directory with, closed since
+            pass
+    with open("/proc/self/maps") as maps:
+        return fds, sum(f"memfd:sparkdl-{name}" in line for line in maps)
 
 
 def simple(group, queue, name):
@@ -251,6 +268,65 @@ def test_listener_refuses_strangers_and_lets_peers_in():
         assert stranger.stdout.strip() == "0", stranger
 
 
+def _elapsed_results(ranks):
+    """Every rank's result, and the seconds from starting the ranks' processes to the last result."""
+    started = time.monotonic()
+    ranks.start()
+    results = ranks.results()
+    return results, time.monotonic() - started
+
+
+@pytest.mark.parametrize("listening", [False, True])
+def test_a_squatted_name_is_avoided_by_every_rank_at_once(listening):
+    """Another user binds the group's name (and maybe listens on it) before the group opens: local rank 0 listens on
+    the next name and the others find it there, well within their timeout (was: rank 0 failed with "Address already
+    in use" and the others waited out their timeout)."""
+    if listening and OTHER_USER is None:
+        pytest.skip("a listener of this user would be taken for local rank 0's: needs another user (root)")
+    ranks = Ranks(3, "simple", timeout=60.0)
+    with Squatter([f"sparkdl-{ranks.name}"], listening=listening):
+        results, took = _elapsed_results(ranks)
+    assert results == {local: [6] * 10 for local in range(3)}
+    assert took < 30.0, took  # the processes' start included
+
+
+def test_every_rank_reports_at_once_when_every_name_is_squatted():
+    """Only the job secret tells the alternative names; a squatter who held them all is reported by every rank at
+    once, naming why, instead of the ranks but one waiting out their timeout."""
+    if OTHER_USER is None:
+        pytest.skip("needs another user (root) to listen on the names")
+    ranks = Ranks(3, "simple", timeout=60.0)
+    names = shm_segment.listener_names(ranks.name, shm_segment.group_key(ranks.secret, ranks.name))
+    with Squatter([name[1:] for name in names], listening=True):
+        results, took = _elapsed_results(ranks)
+    assert "Address already in use" in str(results[0]), results
+    for local in (1, 2):
+        assert "other processes listen on every name of the group" in str(results[local]), results
+    assert took < 30.0, took  # the processes' start included
+
+
+def test_a_retried_stage_opens_its_segment_though_another_user_squats_the_last_attempts_name():
+    """An attempt's segment name is listed in /proc/net/unix; another user binds it once the attempt is over. The
+    retry (same job secret and hosts, new listeners, as Spark's retry of a barrier stage has) opens its segment
+    under another name at once (was: the same name, so its local rank 0 failed and the others waited out their
+    timeout)."""
+    secret = secrets.token_bytes(32)
+
+    def name(comm):
+        return comm.segment.name
+
+    def attempt():
+        return run_ranks(3, name, shared_memory=True, secrets_by_rank=[secret] * 3, timeout=5.0)
+
+    (first,) = set(attempt())
+    with Squatter([f"sparkdl-{first}"], listening=OTHER_USER is not None):
+        started = time.monotonic()
+        (retried,) = set(attempt())
+        took = time.monotonic() - started
+    assert retried != first
+    assert took < 3.0, took
+
+
 def _holders(name):
     """Processes whose descriptors or mappings still hold the group's memfds."""
     found = []
@@ -267,7 +343,9 @@ def _holders(name):
 
 @pytest.mark.parametrize("victim", [2, 0])  # 0: the rank that created the segments and holds the connections
 def test_killed_rank_is_named_and_nothing_leaks(victim):
-    """The others' allreduce ends because the killed rank's doorbell closed: their timeout (an hour) cannot end it."""
+    """The others' allreduce ends because the killed rank's doorbell closed: their timeout (an hour) cannot end it.
+    They hold nothing of the segment once they have the error (was: a descriptor and a mapping each, kept by the
+    failed group until garbage collection)."""
     ranks = Ranks(3, "stalled", timeout=3600.0, env={"SHM_TEST_STALLER": str(victim)})
     ranks.start()
     ranks.messages("ready", 3)
@@ -286,8 +364,68 @@ def test_killed_rank_is_named_and_nothing_leaks(victim):
         # refused at once, before waiting for anyone: the group remembers its failure
         assert later_kind == "CollectiveError" and "barrier failed: the shared memory group failed before" in later
         assert message in later
+        assert result["held"] == (0, 0)  # released with the failure, while the group is still open
     assert _holders(ranks.name) == []
     assert [path for path in glob.glob("/dev/shm/*") if ranks.name in path] == []
+
+
+_COMMUNICATOR_RANK = r"""
+import json, sys
+import numpy as np
+from test_collective_shm import segment_holdings
+from sparkdl.collective import CollectiveError, Listener, SparkdlCommunicator
+listener = Listener("127.0.0.1")
+print(json.dumps(listener.address), flush=True)
+job = json.loads(sys.stdin.readline())
+secret = bytes.fromhex(job["secret"])
+comm = SparkdlCommunicator.connect(job["rank"], job["addresses"], listener, secret, timeout=3600.0)
+x = np.ones(1 << 20, np.float32)
+comm.allreduce(x)  # through the segment: all ranks share this host
+print(json.dumps(segment_holdings()), flush=True)
+if job["rank"] == 2:
+    sys.stdin.read()  # until killed
+try:
+    comm.allreduce(x)
+except CollectiveError as exc:
+    print(json.dumps({"error": str(exc), "held": segment_holdings()}), flush=True)
+"""
+
+
+def test_survivors_of_a_killed_rank_release_the_communicators_segment_at_once():
+    """Three communicator processes on one host; rank 2 is killed while the others are in an allreduce through their
+    segment. Each survivor's communicator has failed, naming rank 2, and holds no descriptor or mapping of the
+    segment, though the communicator is still open (was: one descriptor and the data segment mapped, until garbage
+    collection)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, *sys.path])}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _COMMUNICATOR_RANK],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(3)
+    ]
+    try:
+        addresses = [json.loads(process.stdout.readline()) for process in processes]
+        secret = secrets.token_hex(32)
+        for rank, process in enumerate(processes):
+            process.stdin.write(json.dumps({"rank": rank, "addresses": addresses, "secret": secret}) + "\n")
+            process.stdin.flush()
+        ready = [json.loads(process.stdout.readline()) for process in processes]
+        time.sleep(0.3)  # the survivors now wait in their allreduce
+        processes[2].kill()
+        survivors = [json.loads(process.stdout.readline()) for process in processes[:2]]
+    finally:
+        for process in processes:
+            process.kill()
+            process.communicate(timeout=30)
+    assert all(fds > 0 and maps > 0 for fds, maps in ready), ready  # what is looked for is there to be seen
+    for rank, survivor in enumerate(survivors):
+        assert survivor["error"].startswith(f"rank {rank}: ") and "rank 2" in survivor["error"], survivor
+        assert survivor["held"] == [0, 0], survivor
 
 
 def test_rank_that_never_arrives_times_out_by_name(tmp_path):

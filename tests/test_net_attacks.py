@@ -32,6 +32,7 @@ from shards import LR, SGDShard
 import sparkdl
 from sparkdl.collective import Listener
 from sparkdl.collective.api import OP_CODES
+from sparkdl.collective.transport.link import MAX_KEPT_BYTES
 from sparkdl.collective.transport.mesh import Links
 from sparkdl.launch import payloads
 from sparkdl.launch.forward import TaskReporter, _Forwarder
@@ -356,6 +357,74 @@ def test_parameter_server_answers_a_2_to_the_64_length_and_keeps_serving():
             worker.push([np.ones(2, np.float32)])
         assert ps.stats()["protocol_errors"] == 3
     np.testing.assert_array_equal(shard.w, [-LR, -LR])
+
+
+_KEEP_WHILE_WAITING = r"""
+import json, sys
+import numpy as np
+from sparkdl.collective import CollectiveError, Listener
+from sparkdl.collective.api import OP_CODES
+from sparkdl.collective.transport.mesh import Links
+from sparkdl.net.frames import Kind
+secret, timeout = bytes.fromhex(sys.argv[1]), float(sys.argv[2])
+listener = Listener("127.0.0.1")
+links = Links(1, ["127.0.0.1:1", listener.address], listener, secret, timeout, encrypt=False)
+print(json.dumps(listener.address), flush=True)
+link = links.link(0)
+try:  # waits for an allreduce frame; whatever else arrives meanwhile is kept
+    link.receive((Kind.COLLECTIVE, 0, 0), OP_CODES["allreduce"], np.empty(4, np.float32), None)
+except CollectiveError as exc:
+    print(json.dumps(str(exc)), flush=True)
+links.close()
+print(json.dumps("closed"), flush=True)
+sys.stdin.read()  # until the test is done
+"""
+
+
+def _resident_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        (line,) = [line for line in status if line.startswith("VmRSS:")]
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.parametrize("announced", [1 << 30, (4 << 30) - 1])
+def test_an_announced_length_commits_no_memory_until_its_bytes_arrive(announced):
+    """A peer sends a message of 16 MiB, then announces one nobody waits for (1 GiB, 4 GiB-1) and sends 1 MiB of
+    it: the rank waiting for its allreduce keeps what arrived, not what was announced (was: 1,024 and 4,096 MB more
+    resident at the timeout), and gives it all back when its links close."""
+    secret = secrets.token_bytes(32)
+    process = subprocess.Popen(
+        [sys.executable, "-c", _KEEP_WHILE_WAITING, secret.hex(), "2"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    own = Listener(HOST)
+    links = Links(0, [own.address, json.loads(process.stdout.readline())], own, secret, 30.0, encrypt=False)
+    try:
+        link = links.link(1)
+        before = _resident_mb(process.pid)
+        whole = Header(Kind.MESSAGE, OP_CODES["send"], 16 << 20, tag=98)
+        announcement = Header(Kind.MESSAGE, OP_CODES["send"], announced, tag=99)
+        link.channel.send([whole.pack(), bytes(16 << 20), announcement.pack(), bytes(1 << 20)])
+        deadline, waiting = time.monotonic() + 1.0, before
+        while time.monotonic() < deadline:  # while the rank waits in its receive, the frame's 1 MiB arrived
+            waiting = max(waiting, _resident_mb(process.pid))
+            time.sleep(0.01)
+        error = json.loads(process.stdout.readline())
+        timed_out = _resident_mb(process.pid)
+        assert json.loads(process.stdout.readline()) == "closed"
+        closed = _resident_mb(process.pid)
+    finally:
+        links.close()
+        process.communicate("", timeout=60)
+    if announced + (16 << 20) <= MAX_KEPT_BYTES:
+        assert "allreduce timed out after 2.0s waiting to receive from rank 0" in error, error
+    else:  # refused at its header
+        assert f"rank 0 sent more than {MAX_KEPT_BYTES} bytes ahead of their receives" in error, error
+    grown = {"waiting": waiting - before, "timed out": timed_out - before, "closed": closed - before}
+    assert grown["waiting"] < 64 and grown["timed out"] < 64 and grown["closed"] < 8, grown
 
 
 def test_relay_ignores_malformed_and_foreign_error_reports():

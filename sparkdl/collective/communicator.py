@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import traceback
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -62,7 +63,11 @@ class _Job:
         self.failure: BaseException | None = None
 
     def fail(self, exc: BaseException, why: str) -> None:
-        """Poisons every communicator of this rank: its peers are told ``why``, every segment is closed."""
+        """Poisons every communicator of this rank: its peers are told ``why``, every segment is closed.
+
+        Called as ``exc`` leaves the operation: the frames it left are done, and their locals (views of a segment
+        among them) are dropped, so that the segment is unmapped now rather than with the exception."""
+        traceback.clear_frames(exc.__traceback__)
         self.failure = exc
         self.links.close(reason=f"rank {self.links.rank} failed in {why}: {exc}")
         self.close_segments()
@@ -199,11 +204,13 @@ class SparkdlCommunicator(BaseCommunicator):
     def _open_segment(self) -> None:
         """Opens this communicator's own segment among its ranks on this host, where every host holds as many of its
         ranks and this one holds more than one; local rank 0 creates it, the others join (collective among them).
-        Its name is the job secret's, this host's and this communicator's, so no other job's or group's meets it."""
+        Its name is the job secret's, this host's and this communicator's, so no other job's or group's meets it, and
+        this attempt's: every rank's listener address (new ports each time a stage is retried), so a name seen in
+        /proc/net/unix and squatted by another user is never used again."""
         job, rank = self._job, self._job.links.rank
         local = job.topology.local(self.members, rank)
         if job.shared_memory and len(local) > 1 and job.topology.balanced(self.members):
-            self._shared = _open_shared(local, rank, job.secret, job.topology.hosts[rank], self.group, job.timeout)
+            self._shared = _open_shared(local, rank, job, self.group)
             job.segments.append(self._shared)
 
     # -- running an operation -----------------------------------------------------------------------
@@ -399,11 +406,11 @@ def _group_id(parent: int, name: str) -> int:
     return zlib.crc32(f"{parent} {name}".encode()) or 1
 
 
-def _open_shared(
-    local: list[int], rank: int, secret: bytes, host: str, group: int, timeout: float
-) -> shm.SharedMemoryGroup:
-    name = hashlib.sha256(secret + f" shared memory {host} group {group}".encode()).hexdigest()[:32]
-    return shm.SharedMemoryGroup.open(local.index(rank), local, name=name, secret=secret, timeout=timeout)
+def _open_shared(local: list[int], rank: int, job: _Job, group: int) -> shm.SharedMemoryGroup:
+    attempt = " ".join(job.links.addresses)
+    about = f" shared memory {job.topology.hosts[rank]} group {group} listeners {attempt}"
+    name = hashlib.sha256(job.secret + about.encode()).hexdigest()[:32]
+    return shm.SharedMemoryGroup.open(local.index(rank), local, name=name, secret=job.secret, timeout=job.timeout)
 
 
 class _KeptBuffer:

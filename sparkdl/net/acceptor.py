@@ -2,11 +2,15 @@
 
 No thread waits on an unauthenticated connection: :class:`HandshakeAcceptor`
 advances every pending handshake from one selector and drops each after a
-short deadline.  When its pending slots are full, a new connection evicts the
-oldest pending one of the peer address that holds the most slots: idle
-connections that re-take freed slots cannot lock a real peer out, and a flood
-from one host evicts its own connections, never a slow peer's from another
-host (on one host all share an address: then the oldest goes).  A connection
+short deadline.  When its pending slots are full, a new connection from an
+address holding fewer slots than another evicts the oldest pending one of the
+address that holds the most: a flood from one host never evicts a slow peer's
+connection from another host.  A new connection from the address holding the
+most waits in line, not greeted yet, until one of that address's connections
+has been idle for :data:`CROWDED_HANDSHAKE_TIMEOUT` and is evicted for it: so
+a real peer sharing a flood's address (on one host, all do) is greeted in its
+turn and has that long to say hello, where evicting the oldest on every
+arrival let the flood's reconnections evict it within milliseconds.  A connection
 dropped before its hello was read is closed with a reset, so that the client
 can tell it from a refused secret (:mod:`sparkdl.net.auth`).  ``accept()``
 errors such as EMFILE are survived: a pending connection is evicted to free a
@@ -37,6 +41,9 @@ HANDSHAKE_TIMEOUT = 5.0
 MAX_PENDING = 64
 #: Longest pause of accepting after an ``accept()`` error such as EMFILE.
 MAX_ACCEPT_BACKOFF = 1.0
+#: Seconds a pending connection keeps its slot while connections from its address wait in line for one (a real
+#: peer's hello takes milliseconds: the issue's probe sent it 20 ms late).
+CROWDED_HANDSHAKE_TIMEOUT = 0.1
 
 
 #: (blocking tuned socket, client rank, the server proof still to send) of a client that proved the secret.
@@ -48,9 +55,18 @@ class _Pending:
     """Server-side state of one not yet authenticated connection."""
 
     nonce: bytes
+    greeted: float
     deadline: float
     peer: str  # the client's address (its host, without the port)
     received: bytearray = field(default_factory=bytearray)
+
+
+@dataclass
+class _Waiting:
+    """A connection accepted while every slot was taken, not greeted yet: it waits for a slot of its address."""
+
+    peer: str
+    accepted: float
 
 
 class HandshakeAcceptor:
@@ -84,10 +100,12 @@ class HandshakeAcceptor:
         self._secret, self._server_rank, self._client_ranks = secret, server_rank, client_ranks
         self.handshake_timeout = handshake_timeout
         self.max_pending = max_pending
+        self._evicted = f"evicted: more than {max_pending} pending connections"  # why a slot was taken from one
         self._admit = admit
         self._refusals = RefusalLog(name)
         self._pending: dict[socket.socket, _Pending] = {}  # insertion order: oldest first
         self._pending_per_peer: Counter[str] = Counter()
+        self._waiting: dict[socket.socket, _Waiting] = {}  # in line for a slot, first come first
         self._selector = selectors.DefaultSelector()
         self._waker_r, self._waker_w = socket.socketpair()
         self._waker_r.setblocking(False)
@@ -129,6 +147,11 @@ class HandshakeAcceptor:
         now = time.monotonic()
         for conn, state in [(c, state) for c, state in self._pending.items() if now >= state.deadline]:
             self._drop(conn, f"no authentication within {self.handshake_timeout}s", f"from {state.peer}", unread=True)
+        for conn, waiting in [(c, w) for c, w in self._waiting.items() if now >= w.accepted + self.handshake_timeout]:
+            del self._waiting[conn]
+            close_with_reset(conn)
+            self.refuse(f"no authentication within {self.handshake_timeout}s", f"from {waiting.peer}, in line")
+        self._greet_waiting(now)
         self._refusals.flush(now)
         if not self._accepting and now >= self._resume_at:
             self._selector.register(self._sock, selectors.EVENT_READ)
@@ -138,6 +161,8 @@ class HandshakeAcceptor:
             wake = min(wake, next(iter(self._pending.values())).deadline)
         if not self._accepting:
             wake = min(wake, self._resume_at)
+        if self._waiting:
+            wake = min(wake, self._slot_frees_at(next(iter(self._waiting.values())).peer))
         authenticated = []
         accept = False
         for key, _ in self._selector.select(max(0.0, wake - now)):
@@ -154,6 +179,7 @@ class HandshakeAcceptor:
                     authenticated.append(result)
         if accept:  # after the hellos that arrived: a burst of new connections must not evict those first
             self._accept_all()
+        self._greet_waiting(time.monotonic())
         return authenticated
 
     def close(self) -> None:
@@ -161,6 +187,9 @@ class HandshakeAcceptor:
         for conn in list(self._pending):
             self._selector.unregister(conn)
             close_with_reset(conn)
+        for conn in self._waiting:
+            close_with_reset(conn)
+        self._waiting.clear()
         self._pending.clear()
         self._pending_per_peer.clear()
         self._refusals.flush(time.monotonic(), final=True)
@@ -198,7 +227,20 @@ class HandshakeAcceptor:
 
     def _start(self, conn: socket.socket, peer: str) -> None:
         if len(self._pending) >= self.max_pending:
-            self._evict(f"evicted: more than {self.max_pending} pending connections")
+            if self._holds_the_most(peer):  # in line for a slot of its address (module doc)
+                if len(self._waiting) >= self.max_pending:
+                    close_with_reset(conn)
+                    self.refuse(f"dropped: {self.max_pending} connections pending and as many in line", f"from {peer}")
+                else:
+                    self._waiting[conn] = _Waiting(peer, time.monotonic())
+                return
+            self._evict(self._evicted)
+        self._greet(conn, peer)
+
+    def _holds_the_most(self, peer: str) -> bool:
+        return self._pending_per_peer[peer] >= max(self._pending_per_peer.values(), default=0)
+
+    def _greet(self, conn: socket.socket, peer: str) -> None:
         conn.setblocking(False)
         nonce, hello = auth.server_hello()
         try:
@@ -207,9 +249,34 @@ class HandshakeAcceptor:
         except OSError:
             conn.close()
             return
-        self._pending[conn] = _Pending(nonce, time.monotonic() + self.handshake_timeout, peer)
+        now = time.monotonic()  # deadlines in greeting order: the oldest is due first
+        self._pending[conn] = _Pending(nonce, now, now + self.handshake_timeout, peer)
         self._pending_per_peer[peer] += 1
         self._selector.register(conn, selectors.EVENT_READ)
+
+    def _slot_frees_at(self, peer: str) -> float:
+        """When a connection in line from ``peer`` gets a slot: now where one is free or ``peer`` holds fewer than
+        another address, else once ``peer``'s oldest pending connection has been idle its crowded time."""
+        if len(self._pending) < self.max_pending or not self._holds_the_most(peer):
+            return 0.0
+        oldest = next(state for state in self._pending.values() if state.peer == peer)
+        return oldest.greeted + CROWDED_HANDSHAKE_TIMEOUT
+
+    def _greet_waiting(self, now: float) -> None:
+        """Greets the connections in line, first come first, as slots free (evicting for them as the module says)."""
+        while self._waiting:
+            conn, waiting = next(iter(self._waiting.items()))
+            if self._slot_frees_at(waiting.peer) > now:
+                return
+            if len(self._pending) >= self.max_pending:
+                if self._holds_the_most(waiting.peer):
+                    oldest = next(c for c, state in self._pending.items() if state.peer == waiting.peer)
+                    detail = f"idle {CROWDED_HANDSHAKE_TIMEOUT}s while connections from {waiting.peer} wait"
+                    self._drop(oldest, self._evicted, detail, unread=True)
+                else:
+                    self._evict(self._evicted)
+            del self._waiting[conn]
+            self._greet(conn, waiting.peer)
 
     def _evict(self, reason: str) -> None:
         """Drops the oldest pending connection of the peer address holding the most pending slots (ties: the oldest

@@ -332,8 +332,12 @@ class SharedMemoryGroup:
         try:
             yield self._progress if self._membership is not None else None
         except BaseException as exc:  # the counters no longer match the peers': none of this group's calls can run
+            # What it was, without its traceback, whose frames hold views of the segment: the segment goes with the
+            # caller's exception, not with this group (a cycle through it, kept until garbage collection).
             self._failure = (
-                exc if isinstance(exc, CollectiveError) else CollectiveError(f"{me}: interrupted by {exc!r}")
+                type(exc)(str(exc))
+                if isinstance(exc, CollectiveError)
+                else CollectiveError(f"{me}: interrupted by {exc!r}")
             )
             if self._membership is not None:
                 self._progress.mark(seg.FAILED)  # unless the wait that failed left why

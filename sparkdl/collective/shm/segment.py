@@ -6,7 +6,9 @@ host fails at setup rather than with SIGBUS mid-step): the control segment, one
 the data segment, which rank 0 may later replace by a bigger one.  Nothing
 exists on disk or in /dev/shm; the kernel frees a memfd with its last holder,
 even one killed.  Rank 0 listens on an abstract Unix socket named after the
-group; a connection must come from our uid (``SO_PEERCRED``) and prove the job
+group, or, where another process holds that name, on the first free one of a few
+alternatives that only the job secret tells (:func:`listener_names`; the others
+try them all, so a squatted name costs no rank its timeout); a connection must come from our uid (``SO_PEERCRED``) and prove the job
 secret (:mod:`sparkdl.net.auth`'s HMAC challenge/response, keyed for this
 group).  Handshakes run on the acceptor every sparkdl listener runs
 (:mod:`sparkdl.net.acceptor`), so idle or forged connections keep no peer out.  Rank 0 then passes every rank the memfds
@@ -17,8 +19,10 @@ that peer is gone (:class:`Progress`).
 from __future__ import annotations
 
 import array
+import errno
 import hashlib
 import hmac
+import logging
 import math
 import mmap
 import os
@@ -41,6 +45,10 @@ SPIN = 100
 _SETUP, _GROW = struct.Struct("!4sIQQ"), struct.Struct("!4sQ")  # magic, local size, control, data bytes | data bytes
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _RING = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
+#: Abstract names a group's listener may take: its own, then alternatives for when another process holds one.
+NAMES = 4
+
+_log = logging.getLogger(__name__)
 
 
 def align(size: int, to: int = mmap.PAGESIZE) -> int:
@@ -112,6 +120,16 @@ def group_key(secret: bytes, name: str) -> bytes:
     return hmac.new(secret, b"sparkdl shared memory " + name.encode(), hashlib.sha256).digest()
 
 
+def listener_names(name: str, key: bytes) -> list[str]:
+    """The abstract socket names of the group's listener, in the order rank 0 tries them: ``@sparkdl-<name>``, then
+    alternatives drawn from ``key`` (:func:`group_key`), which no one can foresee from the names seen in
+    /proc/net/unix."""
+    alternatives = [
+        hmac.new(key, f"alternative {i}".encode(), hashlib.sha256).hexdigest()[:32] for i in range(1, NAMES)
+    ]
+    return ["\0sparkdl-" + part for part in [name, *alternatives]]
+
+
 def setup(local_rank: int, ranks: list[int], name: str, secret: bytes, timeout: float, data_bytes: int) -> Membership:
     """Join the group's segments and doorbells; CollectiveError (CollectiveTimeout past ``timeout``) naming who failed."""
     deadline = time.monotonic() + timeout
@@ -132,10 +150,7 @@ def _serve(ranks: list[int], name: str, key: bytes, deadline: float, timeout: fl
     segments, pairs = list[Segment](), dict[tuple[int, int], tuple[socket.socket, socket.socket]]()
     acceptor = None
     try:
-        try:
-            listener.bind("\0sparkdl-" + name)
-        except OSError as exc:
-            raise CollectiveError(f"cannot listen on @sparkdl-{name} ({exc}): is a group of this name open?") from None
+        _bind_free_name(listener, listener_names(name, key))
         listener.listen(MAX_PENDING)
         acceptor = HandshakeAcceptor(
             listener,
@@ -197,22 +212,35 @@ def _serve(ranks: list[int], name: str, key: bytes, deadline: float, timeout: fl
             pair[1].close()
 
 
+def _bind_free_name(listener: socket.socket, names: list[str]) -> None:
+    """Binds ``listener`` to the first of ``names`` that no other process holds; CollectiveError if all are held."""
+    for path in names:
+        try:
+            listener.bind(path)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            _log.warning("sparkdl shared memory: @%s is held by another process; trying the next name", path[1:])
+            continue
+        return
+    raise CollectiveError(
+        f"cannot listen on @{names[0][1:]} nor on its {len(names) - 1} alternatives: other processes hold every "
+        "one (Address already in use)"
+    )
+
+
+class _HeldByAnother(Exception):
+    """A name of the group has a listener that is not local rank 0's: another user's, or one that accepts nobody."""
+
+
 def _join(local_rank: int, ranks: list[int], name: str, key: bytes, deadline: float, timeout: float) -> Membership:
-    delay, last_error = 0.002, "no attempt made"
+    delay, names = 0.002, listener_names(name, key)
     while True:
+        sock, last_error = _connect_any(names, local_rank, ranks, key, deadline)
+        if sock is not None:
+            break
         if time.monotonic() >= deadline:
             raise CollectiveTimeout(f"timed out after {timeout}s joining {describe(ranks, 0)}: {last_error}")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            sock.connect("\0sparkdl-" + name)
-            if _another_user(sock) is not None:
-                raise auth.HandshakeFailed("the listener runs as another user")
-            auth.client_handshake(sock, local_rank, 0, key)
-            break
-        except (OSError, auth.HandshakeFailed) as exc:  # not listening yet, or busy: retry
-            sock.close()
-            last_error = str(exc) or type(exc).__name__
         time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
         delay = min(2 * delay, 0.1)
     size, fds, owned = len(ranks), list[int](), list[Segment]()
@@ -238,6 +266,48 @@ def _join(local_rank: int, ranks: list[int], name: str, key: bytes, deadline: fl
             raise CollectiveTimeout(f"timed out after {timeout}s waiting for {describe(ranks, 0)}'s segments") from None
         if isinstance(exc, OSError):
             raise CollectiveError(f"{describe(ranks, 0)} closed the connection in setup ({exc}; it died?)") from None
+        raise
+
+
+def _connect_any(
+    names: list[str], local_rank: int, ranks: list[int], key: bytes, deadline: float
+) -> tuple[socket.socket | None, str]:
+    """(An authenticated connection to rank 0's listener, tried at each of ``names``; or None and why not yet).
+    CollectiveError at once when other processes listen on every name: rank 0 can listen on none."""
+    held, last_error = 0, "no attempt made"
+    for path in names:
+        try:
+            return _connect(path, local_rank, key, deadline), ""
+        except _HeldByAnother as exc:
+            held, last_error = held + 1, str(exc)
+        except (OSError, auth.HandshakeFailed) as exc:  # not listening yet, or busy: tried again
+            last_error = str(exc) or type(exc).__name__
+    if held == len(names):
+        raise CollectiveError(
+            f"cannot join {describe(ranks, 0)}: other processes listen on every name of the group (last: {last_error})"
+        )
+    return None, last_error
+
+
+def _connect(path: str, local_rank: int, key: bytes, deadline: float) -> socket.socket:
+    """An authenticated connection to the listener at ``path``; OSError or HandshakeFailed while it is not rank 0's
+    yet, :class:`_HeldByAnother` when another process listens there: another user's, or one whose queue is full
+    (rank 0's accepts every connection at once, and closes those of other users)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)  # a full queue refuses at once: no wait on a listener that never accepts
+        try:
+            sock.connect(path)
+        except BlockingIOError:
+            raise _HeldByAnother(f"@{path[1:]} has a listener that accepts nobody") from None
+        stranger = _another_user(sock)
+        if stranger is not None:
+            raise _HeldByAnother(f"@{path[1:]} is held by {stranger}")
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        auth.client_handshake(sock, local_rank, 0, key)
+        return sock
+    except BaseException:
+        sock.close()
         raise
 
 

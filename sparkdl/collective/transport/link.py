@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from sparkdl.collective.api import operation_name
+from sparkdl.collective.api import OP_CODES, operation_name
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout
 from sparkdl.net.frames import HEADER, FrameError, Header, Kind, dtype_code, dtype_name
 from sparkdl.net.io import shutdown_and_close
@@ -27,6 +27,8 @@ from sparkdl.net.secure import Channel
 MAX_ABORT_BYTES = 2048
 #: Most bytes of frames received ahead of being asked for, per link, before the peer is refused.
 MAX_KEPT_BYTES = 4 << 30
+#: A kept frame's buffer grows by at most this many bytes a read: it holds what arrived, never what was announced.
+KEEP_CHUNK_BYTES = 1 << 20
 
 
 def _bytes_of(array: np.ndarray) -> memoryview:
@@ -61,7 +63,7 @@ class Link:
                 self.bytes_sent += header.nbytes
                 self.sent_by_operation[header.op, header.dtype] += header.nbytes
         except OSError as exc:
-            raise self._error(header.op, "send to", exc) from exc
+            raise self._error(operation_name(header.op), "send to", exc) from exc
 
     def abort(self, reason: str) -> None:
         """Tells the peer, if the link is free within a moment, why this rank gives up; then closes."""
@@ -79,9 +81,15 @@ class Link:
     def close(self) -> None:
         shutdown_and_close(self.channel.sock)
         self._sender.shutdown(wait=False, cancel_futures=True)
+        with self._state:  # nobody will ask for them now
+            self.kept.clear()
+            self._kept_bytes = 0
 
-    def receive(self, key: tuple, op: int, out: np.ndarray | None, dtype: np.dtype | None) -> tuple[Header, np.ndarray]:
-        """The next frame of ``key`` ((kind, group, seq or tag)), its payload in ``out`` if given, else a new array.
+    def receive(
+        self, key: tuple, op: int, out: np.ndarray | None, dtype: np.dtype | None, *, most: int | None = None
+    ) -> tuple[Header, np.ndarray]:
+        """The next frame of ``key`` ((kind, group, seq or tag)), its payload in ``out`` if given, else a new array
+        (of at most ``most`` bytes: a longer frame is malformed).
 
         Several threads may receive at once (the streams of a communicator and of its subgroups share the link):
         one of them reads the socket, a frame at a time, keeping the frames of the others and waking them; the
@@ -102,12 +110,12 @@ class Link:
                 self._state.wait()
         if data is None:
             try:
-                return self._read_until(key, op, out, dtype)
+                return self._read_until(key, op, out, dtype, most)
             finally:
                 with self._state:
                     self._reading = False
                     self._state.notify_all()
-        self._check(header, op, out, dtype)
+        self._check(header, op, out, dtype, most)
         received = np.frombuffer(data, dtype=_payload_dtype(header, out, dtype))
         if out is None:
             return header, received
@@ -115,14 +123,14 @@ class Link:
         return header, out
 
     def _read_until(
-        self, key: tuple, op: int, out: np.ndarray | None, dtype: np.dtype | None
+        self, key: tuple, op: int, out: np.ndarray | None, dtype: np.dtype | None, most: int | None
     ) -> tuple[Header, np.ndarray]:
         """Reads frames (this thread alone) until the one of ``key``, keeping the others for their receivers."""
         while True:
             header = self._read_header(op)
             frame_key = (header.kind, header.group, header.tag if header.kind == Kind.MESSAGE else header.seq)
             if frame_key == key:
-                self._check(header, op, out, dtype)
+                self._check(header, op, out, dtype, most)
                 if out is None:
                     out = np.empty(
                         header.nbytes // _payload_dtype(header, out, dtype).itemsize, _payload_dtype(header, out, dtype)
@@ -142,16 +150,29 @@ class Link:
         if self._kept_bytes + header.nbytes > MAX_KEPT_BYTES:
             raise CollectiveError(
                 f"rank {self.rank}: rank {self.peer} sent more than {MAX_KEPT_BYTES} bytes ahead of their "
-                f"receives while this rank waits in {operation_name(op)}; check the order of sends and receives"
+                f"receives while this rank waits in {_receiving_in(op)}; check the order of sends and receives"
             )
-        data = bytearray(header.nbytes)
-        self._read_exact(memoryview(data), op)
+        data = bytearray()
+        chunk = bytearray(min(header.nbytes, KEEP_CHUNK_BYTES))
+        try:
+            while len(data) < header.nbytes:
+                with memoryview(chunk)[: header.nbytes - len(data)] as arrived:
+                    self._read_exact(arrived, op)
+                    data += arrived  # grown as the bytes arrive: a silent peer's announced length costs nothing
+        except BaseException:
+            data.clear()  # not left to the traceback's frames until garbage collection
+            raise
         with self._state:
             self._kept_bytes += len(data)
             self.kept[key].append((header, data))
             self._state.notify_all()
 
-    def _check(self, header: Header, op: int, out: np.ndarray | None, dtype: np.dtype | None) -> None:
+    def _check(self, header: Header, op: int, out: np.ndarray | None, dtype: np.dtype | None, most: int | None) -> None:
+        if most is not None and header.nbytes > most:
+            raise CollectiveError(
+                f"rank {self.rank}: malformed frame from rank {self.peer}: {operation_name(header.op)} of "
+                f"{header.nbytes} bytes where at most {most} may come"
+            )
         expected = out.dtype if out is not None else dtype
         wrong = header.op != op
         if expected is not None and header.dtype != dtype_code(expected):
@@ -173,12 +194,12 @@ class Link:
         try:
             header = Header.unpack(self._header, source=f"rank {self.peer}")
         except FrameError as exc:
-            raise CollectiveError(f"rank {self.rank}: {operation_name(op)}: {exc}") from None
+            raise CollectiveError(f"rank {self.rank}: {_receiving_in(op)}: {exc}") from None
         if header.kind == Kind.ABORT:
             reason = bytearray(min(header.nbytes, MAX_ABORT_BYTES))
             self._read_exact(memoryview(reason), op)
             raise CollectiveError(
-                f"rank {self.rank}: {operation_name(op)} failed: rank {self.peer} gave up: "
+                f"rank {self.rank}: {_receiving_in(op)} failed: rank {self.peer} gave up: "
                 f"{reason.decode(errors='replace')}"
             )
         return header
@@ -187,23 +208,29 @@ class Link:
         try:
             received = self.channel.recv_into(view)
         except OSError as exc:
-            raise self._error(op, "receive from", exc) from exc
+            raise self._error(_receiving_in(op), "receive from", exc) from exc
         if received < len(view):
             raise CollectiveError(
-                f"rank {self.rank}: rank {self.peer} closed the connection during {operation_name(op)}; "
+                f"rank {self.rank}: rank {self.peer} closed the connection during {_receiving_in(op)}; "
                 "check whether that rank's process failed or closed its communicator"
             )
 
-    def _error(self, op: int, action: str, exc: OSError) -> CollectiveError:
+    def _error(self, operation: str, action: str, exc: OSError) -> CollectiveError:
         if isinstance(exc, TimeoutError):
             return CollectiveTimeout(
-                f"rank {self.rank}: {operation_name(op)} timed out after {self.timeout}s waiting to {action} "
+                f"rank {self.rank}: {operation} timed out after {self.timeout}s waiting to {action} "
                 f"rank {self.peer}; check that rank {self.peer} is alive and makes the same calls, or raise the timeout"
             )
         return CollectiveError(
-            f"rank {self.rank}: {operation_name(op)} failed to {action} rank {self.peer}: {exc}; "
+            f"rank {self.rank}: {operation} failed to {action} rank {self.peer}: {exc}; "
             "check whether that rank's process failed"
         )
+
+
+def _receiving_in(op: int) -> str:
+    """The operation a rank reading frames of ``op`` is in, for its errors: a message's frames are a send's, read
+    by a recv."""
+    return "recv" if op == OP_CODES["send"] else operation_name(op)
 
 
 def _payload_dtype(header: Header, out: np.ndarray | None, dtype: np.dtype | None) -> np.dtype:

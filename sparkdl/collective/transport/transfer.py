@@ -11,16 +11,21 @@ while still being sent.
 from __future__ import annotations
 
 import collections
+import math
 from concurrent.futures import Future
 
 import numpy as np
 
 from sparkdl.collective.transport.mesh import Links
 from sparkdl.net.errors import CollectiveError
-from sparkdl.net.frames import Header, Kind, dtype_code, dtype_of
+from sparkdl.net.frames import FrameError, Header, Kind, dtype_code, dtype_of
 
 #: Most dimensions an array sent with its shape may have.
 MAX_DIMS = 32
+#: Most bytes an array's shape frame may hold: its number of dimensions, then each dimension (int64s).
+MAX_SHAPE_BYTES = (MAX_DIMS + 1) * 8
+#: Most bytes one array may hold (numpy's limit).
+MAX_ARRAY_BYTES = int(np.iinfo(np.intp).max)
 
 
 class Transfer:
@@ -75,16 +80,33 @@ class Transfer:
         self.send(peer, array.reshape(-1))
 
     def recv_array(self, peer: int, *, out: np.ndarray | None = None) -> np.ndarray:
-        """The array group rank ``peer`` sent with :meth:`send_array`; into ``out`` when given (it must match)."""
+        """The array group rank ``peer`` sent with :meth:`send_array`; into ``out`` when given (it must match).
+
+        A malformed shape frame (its length, dtype or shape) is a CollectiveError naming ``peer``, as any malformed
+        frame is: the communicator fails, whatever numpy would have made of it."""
         self._surface_failed_sends()
         link = self.links.link(self.members[peer])
-        header, meta = link.receive(self._key, self.op, None, None)
+        header, meta = link.receive(self._key, self.op, None, None, most=MAX_SHAPE_BYTES)
+        malformed = f"rank {self.links.rank}: malformed array header from rank {self.members[peer]}"
         dims = meta.view(np.int64) if meta.nbytes % 8 == 0 else np.empty(0, np.int64)
         if not 1 <= dims.size <= MAX_DIMS + 1 or dims[0] != dims.size - 1 or (dims[1:] < 0).any():
-            raise CollectiveError(f"rank {self.links.rank}: malformed array shape from rank {self.members[peer]}")
-        dtype, shape = dtype_of(header.dtype), tuple(int(d) for d in dims[1:])
+            raise CollectiveError(f"{malformed}: shape frame {dims.tolist()}")
+        try:
+            dtype = dtype_of(header.dtype)
+        except FrameError as exc:
+            raise CollectiveError(f"{malformed}: {exc}") from None
+        shape = tuple(int(d) for d in dims[1:])
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > MAX_ARRAY_BYTES:
+            raise CollectiveError(f"{malformed}: a {dtype} array of shape {shape} would hold {nbytes} bytes")
         if out is None:
-            out = np.empty(shape, dtype)
+            try:
+                out = np.empty(shape, dtype)
+            except MemoryError:
+                raise CollectiveError(
+                    f"rank {self.links.rank}: no memory for the {dtype} array of shape {shape} ({nbytes} bytes) "
+                    f"announced from rank {self.members[peer]}"
+                ) from None
         elif out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
             raise CollectiveError(
                 f"rank {self.links.rank}: rank {self.members[peer]} sent a {dtype} array of shape {shape}; "
