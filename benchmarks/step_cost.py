@@ -94,16 +94,7 @@ def _measure(spark, workload, args, directory: str) -> None:
         df.count()
 
     def fit(**options):
-        return sparkdl.fit(
-            df,
-            workload.model(),
-            num_workers=args.workers,
-            epochs=workload.epochs,
-            batch_size=workload.batch_size,
-            seed=0,
-            progress=False,
-            **options,
-        )
+        return workload.fit(df, args.workers, **options)
 
     sparkdl.fit(df.limit(4 * args.workers * workload.batch_size), workload.model(), num_workers=args.workers)
     reads, trains, walls = [], [], {variant: [] for variant in args.variants}

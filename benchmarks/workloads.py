@@ -68,6 +68,21 @@ class Workload:
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
         return model
 
+    def fit(self, df, workers: int, **options):
+        """``sparkdl.fit`` of this workload's model on ``df`` with ``workers`` workers (seed 0, no progress bar)."""
+        import sparkdl
+
+        return sparkdl.fit(
+            df,
+            self.model(),
+            num_workers=workers,
+            epochs=self.epochs,
+            batch_size=self.batch_size,
+            seed=0,
+            progress=False,
+            **options,
+        )
+
     def parquet(self, directory: str, files: int = 8) -> str:
         """The rows written as Parquet (``features array<float>``, ``label``) under ``directory``; its path."""
         import pyarrow as pa
