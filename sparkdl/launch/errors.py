@@ -45,3 +45,17 @@ def _error_class(type_name: str) -> type:
         return type(type_name, (WorkerError, builtin), {"__module__": __name__})
     except TypeError:  # a built-in whose instance layout cannot be combined (e.g. some OSError subclasses)
         return WorkerError
+
+
+class SlotsLost(RuntimeError):
+    """A barrier stage lost task slots (an executor that did not come back) and could not run again with all its
+    tasks within the fit's ``timeout``: ``needed`` slots, ``available`` now."""
+
+    def __init__(self, needed: int, available: int, seconds: float):
+        super().__init__(
+            f"Expected {needed} task slots for the training stage. Received: the cluster has had {available} since "
+            f"an executor was lost, for {seconds:.0f}s (timeout), so the stage cannot run again with all its tasks. "
+            f"Give the cluster its executors back, or let the fit go on with fewer workers: "
+            f"min_workers={available} or less (with checkpoint_dir)."
+        )
+        self.needed, self.available, self.seconds = needed, available, seconds

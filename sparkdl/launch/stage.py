@@ -15,7 +15,11 @@ raising (a lost executor) is left to Spark's retries.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import secrets
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 import pyarrow as pa
@@ -26,7 +30,7 @@ from sparkdl import _compat
 from sparkdl._tf_log import quiet_tensorflow
 from sparkdl.collective import Listener, SparkdlCommunicator, topology
 from sparkdl.launch import gpu, payloads, rendezvous, session
-from sparkdl.launch.errors import worker_error
+from sparkdl.launch.errors import SlotsLost, worker_error
 from sparkdl.launch.forward import TaskReporter, forward_output
 from sparkdl.launch.layout import TaskLayout, task_input
 from sparkdl.launch.phases import Phases
@@ -53,6 +57,9 @@ TaskFunction = Callable[[Iterable[pa.RecordBatch], TaskReporter], bytes | None]
 
 # How long the driver waits, after a failed job, for the tasks' last output and error reports.
 _REPORT_GRACE_SECONDS = 10.0
+_SLOT_POLL_SECONDS = 1.0  # how often a barrier job's SlotWatch counts the cluster's slots
+
+logger = logging.getLogger(__name__)
 
 
 def run_tasks(
@@ -146,10 +153,13 @@ def run_tasks(
         # Spark retries a failed barrier stage only when it is a shuffle-map stage (a failed barrier
         # result stage aborts the job): the shuffle makes the training stage retryable after a lost task.
         results = results.repartition(1)
+    watch = SlotWatch(spark, num_tasks, timeout, tag) if barrier else contextlib.nullcontext()
     try:
-        with tag:
+        with tag, watch:
             table = _compat.collect_arrow(results)
     except Exception:
+        if isinstance(watch, SlotWatch) and watch.lost is not None:
+            raise watch.lost from None
         relay.wait_until_quiet(_REPORT_GRACE_SECONDS)
         report = relay.first_error()
         if report is None:
@@ -161,6 +171,45 @@ def run_tasks(
         return _results(table, None if spark_results else exchange)
     finally:
         exchange.discard_rest()
+
+
+class SlotWatch:
+    """While a barrier job runs: where the cluster has had fewer task slots than the stage's tasks (an executor lost
+    and not replaced) for ``timeout`` seconds, cancels the job and keeps a ``SlotsLost`` for the caller, which Spark
+    would otherwise leave waiting for the slots without end. Knows nothing of slots where Spark does not say
+    (``session.task_slots`` None: Spark Connect without the server's settings)."""
+
+    def __init__(self, spark, needed: int, timeout: float, tag: session.JobTag):
+        self._spark, self._needed, self._timeout, self._tag = spark, needed, timeout, tag
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sparkdl-slot-watch", daemon=True)
+        self.lost: SlotsLost | None = None
+
+    def __enter__(self) -> SlotWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        short_since = None
+        while not self._stop.wait(_SLOT_POLL_SECONDS):
+            try:
+                slots = session.task_slots(self._spark)
+            except Exception:  # the session is stopping: nothing left to watch
+                return
+            if slots is None or slots >= self._needed:
+                short_since = None
+                continue
+            now = time.monotonic()
+            short_since = now if short_since is None else short_since
+            if now - short_since >= self._timeout:
+                self.lost = SlotsLost(self._needed, slots, now - short_since)
+                logger.warning("sparkdl: %s", self.lost)
+                self._tag.cancel()
+                return
 
 
 def _results(table: pa.Table, exchange: payloads.PayloadExchange | None) -> dict[int, bytes]:
