@@ -15,6 +15,7 @@ from sparkdl.checkpoint import DEFAULT_INTERVAL, Checkpoint, Checkpointer, Check
 from sparkdl.data import ColumnSpec
 from sparkdl.keras import serialization, shipped_objects
 from sparkdl.launch import probe
+from sparkdl.launch.errors import SlotsLost
 from sparkdl.launch.phases import Phases
 from sparkdl.metrics import merge_histories
 from sparkdl.modes.base import Job, ModeResult, Plan, Settings
@@ -83,6 +84,7 @@ def fit(
     custom_objects: dict | None = None,
     checkpoint_dir: str | None = None,
     checkpoint_every: int | str | None = None,
+    min_workers: int | None = None,
     callbacks: list | None = None,
     progress: bool = True,
     tensorboard_dir: str | None = None,
@@ -141,6 +143,12 @@ def fit(
             ``Plan.saves_step_checkpoints``). A fit resumed from such a checkpoint (a retried stage, or the same
             call again) trains exactly the rows its epoch had not trained yet, on as many workers as it has
             (``sparkdl.position``; docs/checkpoints.md).
+        min_workers: the fewest workers the fit goes on with (default: ``num_workers``, as before). Where a lost
+            executor's task slots do not come back within ``timeout``, a fit of a mode that resumes mid-epoch
+            (``checkpoint_every``; needs ``checkpoint_dir``) starts again from its newest checkpoint on the slots
+            there are, at least ``min_workers``: the epoch's untrained rows dealt over them, the global batch kept
+            where ``num_workers * batch_size`` divides among them (each worker's batch grows), else the nearest
+            larger one; the log and ``FitResult.stats["workers_lost"]`` say what changed.
         callbacks: Keras callbacks to run inside every worker (sync mode: after the metrics are
             averaged over workers, so every rank sees, and decides on, the same values).
         progress: show progress on the console: a bar where one can be seen (terminal, notebook) and
@@ -161,6 +169,7 @@ def fit(
         ...                      num_workers=2, epochs=20, batch_size=16, seed=0)
         >>> result.history["loss"][-1]
     """
+    arguments = dict(locals())  # this call's, for a fit that goes on with fewer workers (``_with_fewer_workers``)
     phases = Phases()
     check_settings(df, model, num_workers=num_workers, epochs=epochs, batch_size=batch_size, timeout=timeout, seed=seed)
     values = check_mode_options(mode, **mode_options)
@@ -169,6 +178,7 @@ def fit(
     layout = plan.layout(num_workers)
     check_validation(validation_col, validation_split)
     interval = _checkpoint_interval(plan, checkpoint_dir, checkpoint_every)
+    _check_min_workers(plan, min_workers, num_workers, checkpoint_dir)
     worker_callbacks = check_callbacks(callbacks, plan.refuses_callbacks())
     if not isinstance(progress, bool):
         raise ValueError(f"Expected `progress` to be True or False. Received: progress={progress!r}")
@@ -180,117 +190,127 @@ def fit(
 
     # Prepare: the slots, the data, the executors' Python, the job.
     # The slots are held from here to the end of the fit: other fits running now cannot take them.
-    with launch.claim_slots(df.sparkSession, layout.slots, why=plan.why_all_at_once, timeout=timeout):
-        seed = secrets.randbelow(2**31) if seed is None else seed
-        planned = data.plan(
-            df,
-            model,
-            features_col,
-            label_col,
-            sample_weight_col=sample_weight_col,
-            validation_col=validation_col,
-            validation_split=validation_split,
-            seed=seed,
-        )  # the columns, matched to the model's inputs and outputs: no Spark job yet
-        # The executors' Python is checked (and TensorFlow loaded into it) while the driver checks the rows.
-        asked = time.perf_counter()
-        workers = probe.start_check(df.sparkSession, layout.slots, timeout)
-        phases.end("slots")
-        try:
-            training = planned.check(layout.shards)
-        except Exception:
-            workers.wait()  # a broken executor Python fails the checks job too: the probe's error names why
-            raise
-        phases.end("checks")
-        waited = workers.wait()
-        phases.end("probe")
-        settings = Settings.for_data(
-            training,
-            num_workers=num_workers,
-            shards=layout.shards,
-            epochs=epochs,
-            batch_size=batch_size,
-            seed=seed,
-            shuffle=shuffle,
-            custom_objects=custom_objects,
-            timeout=timeout,
-            initial_epoch=resumed.epoch if resumed is not None else 0,
-            initial_position=resumed.checkpoint.position if resumed is not None else None,
-            checkpoint_every=interval,
-            callbacks=worker_callbacks,
-        )
-        steps = settings.steps_per_epoch  # an estimate: the workers count their rows and report the exact steps
-        if resumed is not None and resumed.epoch >= epochs:
-            logger.info(
-                "sparkdl: %s already holds %d trained epochs (epochs=%d): nothing to train",
-                checkpoint_dir,
-                resumed.epoch,
-                epochs,
-            )
-            return _result(
-                ModeResult(resumed.model, {}, {}, resumed.epoch),
-                resumed.checkpoint,
+    try:
+        with launch.claim_slots(df.sparkSession, layout.slots, why=plan.why_all_at_once, timeout=timeout):
+            seed = secrets.randbelow(2**31) if seed is None else seed
+            planned = data.plan(
+                df,
+                model,
+                features_col,
+                label_col,
+                sample_weight_col=sample_weight_col,
+                validation_col=validation_col,
+                validation_split=validation_split,
+                seed=seed,
+            )  # the columns, matched to the model's inputs and outputs: no Spark job yet
+            # The executors' Python is checked (and TensorFlow loaded into it) while the driver checks the rows.
+            asked = time.perf_counter()
+            workers = probe.start_check(df.sparkSession, layout.slots, timeout)
+            phases.end("slots")
+            try:
+                training = planned.check(layout.shards)
+            except Exception:
+                workers.wait()  # a broken executor Python fails the checks job too: the probe's error names why
+                raise
+            phases.end("checks")
+            waited = workers.wait()
+            phases.end("probe")
+            settings = Settings.for_data(
+                training,
                 num_workers=num_workers,
+                shards=layout.shards,
+                epochs=epochs,
+                batch_size=batch_size,
+                seed=seed,
+                shuffle=shuffle,
+                custom_objects=custom_objects,
+                timeout=timeout,
+                initial_epoch=resumed.epoch if resumed is not None else 0,
+                initial_position=resumed.checkpoint.position if resumed is not None else None,
+                checkpoint_every=interval,
+                callbacks=worker_callbacks,
+            )
+            steps = settings.steps_per_epoch  # an estimate: the workers count their rows and report the exact steps
+            if resumed is not None and resumed.epoch >= epochs:
+                logger.info(
+                    "sparkdl: %s already holds %d trained epochs (epochs=%d): nothing to train",
+                    checkpoint_dir,
+                    resumed.epoch,
+                    epochs,
+                )
+                return _result(
+                    ModeResult(resumed.model, {}, {}, resumed.epoch),
+                    resumed.checkpoint,
+                    num_workers=num_workers,
+                    steps_per_epoch=steps,
+                    seconds=0.0,
+                    validation_rows=training.validation_rows,
+                    phases=phases,
+                )
+            start = (
+                resumed.checkpoint
+                if resumed is not None
+                else Checkpoint(0, serialization.model_to_bytes(model), {}, mode)
+            )
+            logger.info(
+                "sparkdl: %s training on %d workers, %d rows (%d held out for validation), about %d steps/epoch x %d "
+                "epochs%s",
+                mode,
+                num_workers,
+                training.num_rows,
+                training.validation_rows,
+                steps,
+                epochs,
+                f", resuming after epoch {start.epoch}" if start.epoch else "",
+            )
+            monitor = ProgressMonitor(
+                epochs=epochs,
                 steps_per_epoch=steps,
-                seconds=0.0,
+                initial_epoch=start.epoch,
+                reporting_ranks=plan.reporting_ranks(num_workers),
+                console=progress,
+                listeners=_listeners(tensorboard_dir, log_to_mlflow, mode=mode, settings=settings, values=values),
+                description=f"sparkdl {mode} x{num_workers}",
+                watch=phases.watch,
+            )
+            phases.end("serialize")
+
+            # Run the mode; the driver's checkpointer (for modes that save there) is closed once it returns,
+            # raising what it could not write.
+            started = time.perf_counter()
+            on_driver = checkpoints if plan.saves_checkpoints == "driver" else None
+            with (
+                monitor,
+                Checkpointer(on_driver, start, mode) if on_driver else contextlib.nullcontext() as checkpointer,
+            ):
+                result = plan.run(
+                    Job(
+                        training=training,
+                        start=start,
+                        settings=settings,
+                        plan=plan,
+                        monitor=monitor,
+                        layout=layout,
+                        checkpoints=checkpoints,
+                        checkpointer=checkpointer,
+                    )
+                )
+            seconds = time.perf_counter() - started
+            phases.end("result")
+            logger.info("sparkdl: phases %s; %s", phases, workers.summary(waited, asked))
+            return _result(
+                result,
+                start,
+                num_workers=num_workers,
+                steps_per_epoch=monitor.steps_per_epoch,
+                seconds=seconds,
                 validation_rows=training.validation_rows,
                 phases=phases,
             )
-        start = (
-            resumed.checkpoint if resumed is not None else Checkpoint(0, serialization.model_to_bytes(model), {}, mode)
-        )
-        logger.info(
-            "sparkdl: %s training on %d workers, %d rows (%d held out for validation), about %d steps/epoch x %d "
-            "epochs%s",
-            mode,
-            num_workers,
-            training.num_rows,
-            training.validation_rows,
-            steps,
-            epochs,
-            f", resuming after epoch {start.epoch}" if start.epoch else "",
-        )
-        monitor = ProgressMonitor(
-            epochs=epochs,
-            steps_per_epoch=steps,
-            initial_epoch=start.epoch,
-            reporting_ranks=plan.reporting_ranks(num_workers),
-            console=progress,
-            listeners=_listeners(tensorboard_dir, log_to_mlflow, mode=mode, settings=settings, values=values),
-            description=f"sparkdl {mode} x{num_workers}",
-            watch=phases.watch,
-        )
-        phases.end("serialize")
-
-        # Run the mode; the driver's checkpointer (for modes that save there) is closed once it returns,
-        # raising what it could not write.
-        started = time.perf_counter()
-        on_driver = checkpoints if plan.saves_checkpoints == "driver" else None
-        with monitor, Checkpointer(on_driver, start, mode) if on_driver else contextlib.nullcontext() as checkpointer:
-            result = plan.run(
-                Job(
-                    training=training,
-                    start=start,
-                    settings=settings,
-                    plan=plan,
-                    monitor=monitor,
-                    layout=layout,
-                    checkpoints=checkpoints,
-                    checkpointer=checkpointer,
-                )
-            )
-        seconds = time.perf_counter() - started
-        phases.end("result")
-        logger.info("sparkdl: phases %s; %s", phases, workers.summary(waited, asked))
-        return _result(
-            result,
-            start,
-            num_workers=num_workers,
-            steps_per_epoch=monitor.steps_per_epoch,
-            seconds=seconds,
-            validation_rows=training.validation_rows,
-            phases=phases,
-        )
+    except SlotsLost as lost:
+        if min_workers is None or min_workers >= num_workers or lost.available < min_workers:
+            raise
+        return _with_fewer_workers(arguments, lost)
 
 
 def _result(
@@ -345,6 +365,49 @@ def _listeners(
             )
         )
     return listeners
+
+
+def _check_min_workers(plan: Plan, min_workers, num_workers: int, checkpoint_dir) -> None:
+    if min_workers is None:
+        return
+    if isinstance(min_workers, bool) or not isinstance(min_workers, int) or not 1 <= min_workers <= num_workers:
+        raise ValueError(
+            f"Expected `min_workers` to be an int from 1 to num_workers={num_workers}. Received: "
+            f"min_workers={min_workers!r}"
+        )
+    if min_workers < num_workers and (checkpoint_dir is None or not plan.saves_step_checkpoints):
+        raise ValueError(
+            f"Expected `checkpoint_dir` and a mode that resumes mid-epoch with min_workers={min_workers} < "
+            f"num_workers={num_workers}: the fit goes on with fewer workers from its newest checkpoint. Received: "
+            f"mode={plan.mode!r}, checkpoint_dir={checkpoint_dir!r}."
+        )
+
+
+def _with_fewer_workers(arguments: dict, lost: SlotsLost) -> FitResult:
+    """The fit of ``arguments`` again, from its newest checkpoint, on the ``lost.available`` workers the cluster
+    has left: each worker's batch grown to keep the global batch where it divides, else the nearest larger."""
+    num_workers, batch_size = arguments["num_workers"], arguments["batch_size"]
+    workers = lost.available
+    global_batch = num_workers * batch_size
+    grown = -(-global_batch // workers)
+    changed = {"num_workers": [num_workers, workers], "batch_size": [batch_size, grown]}
+    changed["global_batch"] = [global_batch, workers * grown]
+    logger.warning(
+        "sparkdl: going on with %d workers instead of %d (min_workers=%d), from the newest checkpoint: batch_size "
+        "%d -> %d a worker, global batch %d -> %d",
+        workers,
+        num_workers,
+        arguments["min_workers"],
+        batch_size,
+        grown,
+        global_batch,
+        workers * grown,
+    )
+    settings = {name: value for name, value in arguments.items() if name != "mode_options"}
+    again = {**settings, **arguments["mode_options"], "num_workers": workers, "batch_size": grown}
+    result = fit(**again)
+    result.stats.setdefault("workers_lost", []).insert(0, changed)
+    return result
 
 
 def _checkpoint_interval(plan: Plan, checkpoint_dir, checkpoint_every) -> CheckpointInterval | None:
