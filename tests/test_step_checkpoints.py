@@ -64,6 +64,7 @@ def _model(log_dir, crash_at=0, marker=None):
             RecordIds(str(log_dir), marker),
             CrashOnFirstAttempt(partition=0 if crash_at else -1, at_call=crash_at, marker=marker),
             keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dropout(0.2),  # its random state resumes too: the same masks as the run without the fault
             keras.layers.Dense(10, activation="softmax"),
         ]
     )

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from sparkdl.checkpoint import Checkpointer, CheckpointInterval
-from sparkdl.keras import serialization
+from sparkdl.keras import random_state, serialization
 from sparkdl.keras.optimizer_hooks import saved_form
 from sparkdl.position import EpochPosition
 
@@ -107,7 +107,7 @@ def checkpoint_callback(checkpointer: Checkpointer):
             checkpointer.record(numeric_logs(logs))
             with saved_form(self.model):  # saved as the user's own optimizer
                 model_bytes = serialization.model_to_bytes(self.model)
-            checkpointer.save(epoch + 1, model_bytes)
+            checkpointer.save(epoch + 1, model_bytes, {random_state.DRAWS: random_state.draws(self.model)})
 
     return SaveCheckpoint()
 
@@ -138,7 +138,8 @@ def step_checkpoint_callback(
             started = time.perf_counter()
             with saved_form(self.model):
                 model_bytes = serialization.model_to_bytes(self.model)
-            checkpointer.save(self._epoch, model_bytes, position=position_at(self._epoch, steps))
+            draws = {random_state.DRAWS: random_state.draws(self.model)}
+            checkpointer.save(self._epoch, model_bytes, draws, position=position_at(self._epoch, steps))
             self._saved, self._seconds = self._saved + 1, self._seconds + time.perf_counter() - started
             self._since, self._last = 0, time.monotonic()
 

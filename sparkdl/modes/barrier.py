@@ -29,7 +29,7 @@ import pyarrow as pa
 from sparkdl import schedule
 from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore
 from sparkdl.data import Rows, read_partition
-from sparkdl.keras import callbacks, serialization
+from sparkdl.keras import callbacks, random_state, serialization
 from sparkdl.keras.prebuilt import PrebuiltModel
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
 from sparkdl.launch import payloads, run_tasks
@@ -106,12 +106,15 @@ class BarrierTask:
     start_history: dict = dataclasses.field(default_factory=dict)  # of the epochs a resumed fit trained already
     checkpoints: CheckpointStore | None = None  # the writer saves after every epoch (and a retried stage resumes)
     encrypt: bool = False  # seal the links: the session runs with spark.network.crypto.enabled
+    start_arrays: dict = dataclasses.field(default_factory=dict)  # the start checkpoint's random state (small)
 
     @classmethod
     def of(cls, job: Job, plan: BarrierPlan) -> BarrierTask:
         secret = secrets.token_bytes(32)
         encrypt = encrypts_traffic(job.training.frame.sparkSession)
-        return cls(job.settings, secret, plan, job.start.history, job.checkpoints, encrypt)
+        draws = job.start.arrays.get(random_state.DRAWS)
+        arrays = {random_state.DRAWS: draws} if draws is not None else {}
+        return cls(job.settings, secret, plan, job.start.history, job.checkpoints, encrypt, arrays)
 
 
 def run_barrier_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, task: BarrierTask) -> bytes | None:
@@ -224,18 +227,25 @@ class Ranks:
                 payloads.fetch(self.reporter, MODEL),
                 task.start_history,
                 mode,
+                task.start_arrays,
                 position=task.settings.initial_position,
             )
         where = start.position.to_vector() if start and start.position else np.empty(0, np.int64)
-        header = np.array([start.epoch, len(start.model_bytes), len(where)] if start else [0, 0, 0], np.int64)
-        header = comm.broadcast(header, root=root)
+        draws = start.arrays.get(random_state.DRAWS, np.empty(0, np.int64)) if start else np.empty(0, np.int64)
+        sizes = [len(start.model_bytes), len(where), len(draws)] if start else [0, 0, 0]
+        header = comm.broadcast(np.array([start.epoch if start else 0, *sizes], np.int64), root=root)
         own = np.frombuffer(start.model_bytes, np.uint8) if start else np.empty(int(header[1]), np.uint8)
         model = comm.broadcast(own, root=root)
-        stood = None
+        stood, arrays = None, {}
         if header[2]:
-            shared = comm.broadcast(where if start else np.empty(int(header[2]), np.int64), root=root)
-            stood = EpochPosition.from_vector(shared)
-        return start or Checkpoint(int(header[0]), model.tobytes(), {}, mode, position=stood)
+            stood = EpochPosition.from_vector(
+                comm.broadcast(where if start else np.empty(int(header[2]), np.int64), root=root)
+            )
+        if header[3]:
+            arrays[random_state.DRAWS] = comm.broadcast(
+                draws if start else np.empty(int(header[3]), np.int64), root=root
+            )
+        return start or Checkpoint(int(header[0]), model.tobytes(), {}, mode, arrays, position=stood)
 
     def _writers_newer_checkpoint(self) -> Checkpoint | None:
         """On the writer, the newest checkpoint after the driver's start (a retried stage's failed attempt saved it);

@@ -19,7 +19,7 @@ import numpy as np
 from sparkdl import _compat, schedule
 from sparkdl.collective.api import ReduceOp
 from sparkdl.data import Rows
-from sparkdl.keras import compiled_update
+from sparkdl.keras import compiled_update, random_state
 from sparkdl.keras.optimizer_hooks import intercept_apply
 from sparkdl.modes import whole_replicas
 from sparkdl.modes.base import Settings
@@ -190,6 +190,7 @@ def train(
     rows_per_rank: Sequence[int],
     initial_epoch: int,
     rest: EpochRest | None = None,
+    draws: np.ndarray | None = None,
     validation: whole_replicas.Validation | None = None,
     callbacks: Sequence = (),
     plan: SyncPlan,
@@ -201,7 +202,8 @@ def train(
     ``settings.steps_per_epoch`` is the ranks' common count (``Settings.for_rows(rows_per_rank)``):
     each rank trains each of its rows once per epoch, its gradient weighed by its rows at each step.
     ``rest``: the steps left of epoch ``initial_epoch``, resumed mid-epoch (``sparkdl.position``), trained by a
-    ``fit`` of their own before the whole epochs after it.
+    ``fit`` of their own before the whole epochs after it. ``draws``: the start checkpoint's count of its seed
+    generators' draws (``keras.random_state``), so that dropout goes on where it stopped.
 
     With ``validation``, every rank evaluates its held-out rows at each epoch end (Keras's own
     ``validation_data``) and the history gains the combined ``val_*`` metrics. Training runs
@@ -214,6 +216,7 @@ def train(
     import keras
 
     keras.utils.set_random_seed(settings.seed + comm.rank)  # dropout and the like differ per rank, by design
+    random_state.start(model, seed=settings.seed, rank=comm.rank, saved=draws)
     model.jit_compile = False  # the allreduce runs through tf.numpy_function, which XLA cannot compile
     broadcast_weights(model, comm)
     steps = settings.steps_per_epoch

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sparkdl.keras import callbacks, serialization
+from sparkdl.keras import callbacks, random_state, serialization
 from sparkdl.modes import whole_replicas
 from sparkdl.modes.barrier import Ranks
 from sparkdl.modes.sync import replicas, sharded
@@ -43,6 +43,7 @@ def train(plan: SyncPlan, ranks: Ranks) -> bytes | None:
             rows_per_rank=ranks.counts[:, 0].tolist(),
             initial_epoch=start.epoch,
             rest=rest,
+            draws=start.arrays.get(random_state.DRAWS),
             validation=validation,
             callbacks=[*saving, *([progress] if progress else []), *settings.callbacks],
             plan=plan,

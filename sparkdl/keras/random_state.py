@@ -1,0 +1,40 @@
+"""The random state of a model's layers (Dropout's and the like: Keras ``SeedGenerator`` s), which Keras's saving
+leaves out: set from the fit's seed on every rank, and carried in checkpoints as each generator's count of draws, so
+that a fit resumed from a checkpoint draws what the run without the fault would have drawn.
+
+Each rank's generators get their own seeds (``seed``, the rank and the generator's place in the model, mixed), as
+dropout masks should differ between replicas; their counts of draws are the same on every rank (every rank runs the
+same steps), so the writer's counts, saved beside its checkpoint (``DRAWS``), hold for all.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sparkdl import schedule
+
+DRAWS = "keras/seed_draws"  # a checkpoint's array: each generator's draws so far, in the model's order
+
+
+def generators(model) -> list:
+    """The state variables of the model's seed generators, in the model's order."""
+    return [v for v in model.variables if v.path.rsplit("/", 1)[-1] == "seed_generator_state"]
+
+
+def draws(model) -> np.ndarray:
+    """Each generator's draws so far."""
+    return np.array([int(state.numpy()[1]) for state in generators(model)], np.int64)
+
+
+def start(model, *, seed: int, rank: int, saved: np.ndarray | None = None) -> None:
+    """Seeds the model's generators for ``rank`` from ``seed``, at ``saved`` draws (a checkpoint's; None: none)."""
+    states = generators(model)
+    if saved is not None and len(saved) != len(states):
+        raise ValueError(
+            f"Expected a count of draws for each of the model's {len(states)} seed generators. Received: {len(saved)}"
+        )
+    keys = np.array([(rank << 20) + index for index in range(len(states))], np.int64)
+    words = schedule.sort_values(keys, seed=seed, epoch=0, shuffle=True) >> np.uint64(33)  # 31 bits: any seed dtype
+    for index, state in enumerate(states):
+        count = int(saved[index]) if saved is not None else 0
+        state.assign(np.array([int(words[index]), count]).astype(state.dtype))
