@@ -279,7 +279,7 @@ def test_a_fit_resumed_from_an_executor_servers_checkpoint_trains_the_uninterrup
         server_placement="executors",
     )
     first = sparkdl.fit(df, _sgd_mlp(), epochs=2, **common)
-    assert [CheckpointStore(common["checkpoint_dir"]).read(e).epoch for e in (1, 2)] == [1, 2]
+    assert [CheckpointStore(common["checkpoint_dir"]).read((e, 0)).epoch for e in (1, 2)] == [1, 2]
     (server,) = first.stats["servers"]
     assert server["pid"] != os.getpid() and first.stats["rounds"] == [2 * first.steps_per_epoch]
     resumed = sparkdl.fit(df, _sgd_mlp(), epochs=4, **common)
@@ -289,7 +289,7 @@ def test_a_fit_resumed_from_an_executor_servers_checkpoint_trains_the_uninterrup
     assert resumed.history["loss"][:2] == pytest.approx(first.history["loss"])
     assert_same_weights(resumed.model, straight)
     np.testing.assert_allclose(resumed.history["loss"], history["loss"], rtol=1e-4)
-    final = CheckpointStore(common["checkpoint_dir"]).read(4)
+    final = CheckpointStore(common["checkpoint_dir"]).read((4, 0))
     assert int(final.arrays["shard0/0"]) == 4 * len(x) // 32  # the shard's optimizer ran on from epoch 2
 
 
@@ -341,12 +341,12 @@ def test_a_killed_worker_restarts_the_stage_from_the_last_checkpoint(spark, digi
     assert faulty.initial_epoch == 2, "the retried stage should resume after epoch 2, not start over"
     assert len(faulty.history["loss"]) == 4
     store = CheckpointStore(str(directory))
-    assert store.read(4).epoch == 4
+    assert store.read((4, 0)).epoch == 4
     # Epochs 1 and 2, the first attempt's: Keras's from the start.
     start = model(-1, None).fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
     np.testing.assert_allclose(faulty.history["loss"][:2], start["loss"], rtol=1e-5)
     # Epochs 3 and 4, the retried stage's: Keras's from the checkpoint of epoch 2, its server's Adam state included.
-    saved = store.read(2)
+    saved = store.read((2, 0))
     resumed = serialization.model_from_bytes(saved.model_bytes)
     resumed.optimizer.build(resumed.trainable_variables)
     assert len(saved.arrays) == len(resumed.optimizer.variables)
