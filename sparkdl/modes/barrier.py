@@ -12,7 +12,8 @@ A task of the stage (``run_barrier_task``) loads Keras, reads its partition, con
 same decisions with no further talk) and hands a ``Ranks`` to its plan's ``train``. One rank, the writer
 (``BarrierPlan.writer``), speaks for all: it reports progress, writes the checkpoints and returns the result. A
 stage Spark retries after losing a task resumes from the newest checkpoint its failed attempt saved
-(``Ranks.newest_epoch``).
+(``Ranks.newest_epoch``), inside its epoch where that is a step checkpoint (``Ranks.epoch_rest``;
+``Ranks.step_checkpoints`` says when the ranks take them).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from sparkdl import schedule
-from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore
+from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore, StepCheckpoints
 from sparkdl.data import Rows, read_partition
 from sparkdl.keras import callbacks, serialization
 from sparkdl.keras.prebuilt import PrebuiltModel
@@ -190,6 +191,31 @@ class Ranks:
         settings = self.settings
         segment = Segment(len(self.counts), tuple(self.counts[:, 0].tolist()), settings.steps_per_epoch, steps)
         return EpochPosition(epoch, settings.seed, settings.shuffle, self.key_sum, (segment,))
+
+    def step_checkpoints(self, *, every_rank: bool) -> StepCheckpoints | None:
+        """When the fit takes step checkpoints, where it is asked to (``Settings.checkpoint_every``, with
+        checkpoints): on the writer alone, where it saves alone; else (``every_rank``: the ranks take part in each
+        save) on every rank, at the writer's steps (``StepCheckpoints``' agreement). None elsewhere."""
+        interval = self.settings.checkpoint_every
+        if interval is None or self.task.checkpoints is None or not (every_rank or self.writer):
+            return None
+        return StepCheckpoints(interval, self._writers_decision if every_rank else None)
+
+    def _writers_decision(self, due: bool) -> bool:
+        """Collective: the writer's ``due``, on every rank."""
+        return bool(self.comm.broadcast(np.array([due], np.uint8), root=self.writer_rank)[0])
+
+    def checkpoint_stats(self, start: Checkpoint, checkpoints: StepCheckpoints | None) -> dict:
+        """The stats every barrier mode reports of its step checkpoints: those it saved and the seconds training
+        waited for them (``step_checkpoints``), and where in its epoch it resumed (``resumed_at``: the epoch, its
+        steps done, and each segment's shards, steps planned and done), where it did."""
+        stats = {}
+        if checkpoints is not None:
+            stats["step_checkpoints"] = checkpoints.stats()
+        if start.position is not None:  # where the epoch stood: the steps a fault cost are the steps since then
+            segments = [[s.shards, s.planned, s.done] for s in start.position.segments]
+            stats["resumed_at"] = {"epoch": start.epoch, "step": start.position.steps, "segments": segments}
+        return stats
 
     @property
     def writer_rank(self) -> int:

@@ -11,7 +11,7 @@ import contextlib
 import hashlib
 import itertools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -195,6 +195,7 @@ def train(
     plan: SyncPlan,
     profile: StepProfile | None = None,
     saves_each_epoch: bool = False,
+    step_saving: Callable[[Callable[[], contextlib.AbstractContextManager] | None], Any] | None = None,
 ) -> tuple[dict[str, list[float]], dict]:
     """Trains ``model`` in place on this rank's rows, in lockstep with the other ranks; returns the history.
 
@@ -209,7 +210,9 @@ def train(
     combination of metrics over ranks, so they see the global values. ``plan`` says how the
     gradients travel (and whether each rank keeps 1/N of the optimizer state), ``profile`` times each step.
     ``saves_each_epoch``: rank 0's ``callbacks`` save the model at every epoch's end (a sharded optimizer's state
-    is gathered for it first). Returns the history and this mode's counters (every rank's, the same on every rank).
+    is gathered for it first). ``step_saving(around_save)``: the Keras callback that saves the step checkpoints,
+    around each save on every rank ``around_save()`` (a sharded optimizer's state gathered; None: nothing). Returns
+    the history and this mode's counters (every rank's, the same on every rank).
     """
     import keras
 
@@ -261,6 +264,8 @@ def train(
         with exchanging as state:
             if state is not None and saves_each_epoch:
                 first.append(state.consolidating_callback())
+            if step_saving is not None:
+                first.append(step_saving(state.consolidated if state is not None else None))
             whole_from = initial_epoch
             if rest is not None:
                 fit(settings.rest_stream(rows, rest), range(rest.epoch, rest.epoch + 1), rest.steps_left)
