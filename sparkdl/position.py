@@ -168,6 +168,11 @@ class EpochRest:
     def steps_left(self) -> int:
         return self.segment.planned - self.segment.done
 
+    @property
+    def rows_left(self) -> int:
+        """This worker's rows the steps left train."""
+        return len(self.order)
+
     def position_after(self, steps: int) -> EpochPosition:
         """The position once ``steps`` more of the segment's steps are trained."""
         segments = (*self.earlier, self.segment.after(self.segment.done + steps))
@@ -189,6 +194,15 @@ class EpochRest:
         """Per step left, what this worker's gradient weighs (``schedule.gradient_scales`` of the segment)."""
         full = schedule.gradient_scales(self.segment.rows, rank, self.segment.planned)
         return None if full is None else full[self.segment.done :]
+
+
+def step_scales(per_epoch: np.ndarray | None, rest: EpochRest | None, shard: int) -> schedule.StepScales | None:
+    """What shard ``shard``'s gradient weighs at each step of a fit, from its first (``schedule.StepScales``): the
+    steps left of a resumed epoch (``rest``, where it resumed mid-epoch) by their own segment's rows, then every
+    whole epoch's by ``per_epoch`` (``schedule.gradient_scales``)."""
+    if rest is None:
+        return schedule.StepScales.of(per_epoch)
+    return schedule.StepScales.of(per_epoch, rest.scales(shard), rest.steps_left)
 
 
 def _trained_by(segment: Segment, keys: np.ndarray, values: np.ndarray, before: np.ndarray, comm) -> np.ndarray:

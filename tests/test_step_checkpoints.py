@@ -32,13 +32,15 @@ class Case:
     options: dict
     calls_per_step: int = 1  # times the id layer runs in one training step (per micro-batch, or again in backward)
     calls_per_row: int = 1  # times it sees each row of a step
-    recording: int = 2  # the tasks that run the id layer (a pipeline's first stage only)
+    recording: int = 2  # the tasks that run the id layer
     exact: bool = True  # the killed fit ends with the clean fit's weights (updates in a fixed order)
 
 
 CASES = {
     "sync": Case({"mode": "sync"}),
     "sharded": Case({"mode": "sharded"}),
+    # a unit runs again in its backward pass
+    "sharded, shard_weights": Case({"mode": "sharded", "shard_weights": True}, calls_per_step=2, calls_per_row=2),
 }
 
 

@@ -12,8 +12,8 @@ A task of the stage (``run_barrier_task``) loads Keras, reads its partition, con
 same decisions with no further talk) and hands a ``Ranks`` to its plan's ``train``. One rank, the writer
 (``BarrierPlan.writer``), speaks for all: it reports progress, writes the checkpoints and returns the result. A
 stage Spark retries after losing a task resumes from the newest checkpoint its failed attempt saved
-(``Ranks.newest_epoch``), inside its epoch where that is a step checkpoint (``Ranks.epoch_rest``;
-``Ranks.step_checkpoints`` says when the ranks take them).
+(``Ranks.whole_model_start``, ``Ranks.newer_checkpoint``), inside its epoch where that is a step checkpoint
+(``Ranks.epoch_rest``; ``Ranks.step_checkpoints`` says when the ranks take them).
 """
 
 from __future__ import annotations
@@ -221,22 +221,19 @@ class Ranks:
     def writer_rank(self) -> int:
         return self.task.plan.writer(self.comm.size)
 
-    def newest_epoch(self) -> tuple[int, Checkpoint | None]:
-        """Collective: the epoch training starts from, and the checkpoint of that epoch where it is newer than the
-        driver's start (a stage Spark retried after its failed attempt saved one): found by the writer, read by
-        every rank that asks (None where training starts from the driver's offer)."""
-        task, initial = self.task, self.task.settings.initial_epoch
+    def newer_checkpoint(self) -> Checkpoint | None:
+        """Collective: the checkpoint training starts from where it is newer than the driver's start (a stage Spark
+        retried after its failed attempt saved one): found by the writer, read by every rank; None where training
+        starts from the driver's offer."""
         newer = self._writers_newer_checkpoint()
-        found = np.array([newer.epoch if newer else initial], np.int64)
-        epoch = int(self.comm.broadcast(found, root=self.writer_rank)[0])
-        if epoch == initial:
-            return epoch, None
+        found = np.array(newer.place if newer is not None else (-1, 0), np.int64)
+        epoch, steps = self.comm.broadcast(found, root=self.writer_rank).tolist()
+        if epoch < 0:
+            return None
         if newer is None:  # every other rank reads the checkpoint the writer found
-            assert task.checkpoints is not None
-            newer = task.checkpoints.latest(newer_than=(initial, 0))
-            if newer is None or newer.epoch != epoch:
-                raise RuntimeError(f"Rank {self.rank} found no checkpoint of epoch {epoch} in {task.checkpoints.uri}")
-        return epoch, newer
+            assert self.task.checkpoints is not None
+            newer = self.task.checkpoints.read((epoch, steps))
+        return newer
 
     def whole_model_start(self) -> Checkpoint:
         """Collective: the whole model every rank starts from, fetched (or a newer checkpoint read) by the writer and
@@ -272,10 +269,13 @@ class Ranks:
         initial = settings.initial_position.steps if settings.initial_position is not None else 0
         return checkpoints.latest(newer_than=(settings.initial_epoch, initial))
 
-    def part_start(self, epoch: int) -> Checkpoint:
+    def part_start(self) -> Checkpoint:
         """The checkpoint of a rank that starts from the driver's offer of its own part of the model (no model
         bytes: ``whole_model`` fetches them where the writer needs them)."""
-        return Checkpoint(epoch, b"", self.task.start_history, self.task.plan.mode)
+        task, settings = self.task, self.task.settings
+        return Checkpoint(
+            settings.initial_epoch, b"", task.start_history, task.plan.mode, position=settings.initial_position
+        )
 
     def whole_model(self, start: Checkpoint):
         """The whole model of ``start`` (the driver's offer where ``start`` holds no bytes), as a Keras model: the

@@ -22,7 +22,7 @@ from sparkdl.launch import payloads
 from sparkdl.modes.barrier import Ranks
 from sparkdl.modes.pipeline import state, timeline
 from sparkdl.modes.pipeline.cut import build_stage
-from sparkdl.modes.pipeline.epoch import StageEpochs, StageMetrics, train_epochs
+from sparkdl.modes.pipeline.epoch import AssembledCheckpoints, StageEpochs, StageMetrics, train_epochs
 
 if TYPE_CHECKING:
     from sparkdl.modes.pipeline.mode import PipelinePlan
@@ -81,17 +81,18 @@ def train(plan: PipelinePlan, ranks: Ranks) -> bytes | None:
     with ranks.checkpointing(start) as checkpointer:
         whole = None  # the writer's whole model, for checkpoints
 
-        def save(epoch: int, logs: dict) -> None:
+        def assemble():
             nonlocal whole
             states = _gather_states(pipeline, model, ranks.writer)  # replica 0's stages send theirs to the writer
-            if checkpointer is not None:
-                whole = whole or ranks.whole_model(start)
-                state.assemble_state(whole, plan.stages, states)
-                checkpointer.record(logs)
-                checkpointer.save(epoch + 1, serialization.model_to_bytes(whole))
+            if checkpointer is None:
+                return None
+            whole = whole or ranks.whole_model(start)
+            state.assemble_state(whole, plan.stages, states)
+            return whole
 
         saving = ranks.task.checkpoints is not None and replica == 0
-        history = train_epochs(epochs, ranks, start.epoch, own_rows, save if saving else None)
+        saves = AssembledCheckpoints(ranks, checkpointer, assemble, None) if saving else None
+        history = train_epochs(epochs, ranks, start.epoch, own_rows, saves)
     rows_of_stats = comm.allgather(epochs.summary_row())
     timelines = pipeline.gather(events.array(), root=stages - 1) if events is not None else None
     epochs.close()
@@ -122,10 +123,10 @@ def _optimizer_state(model) -> dict[str, np.ndarray]:
 def _starting_point(plan: PipelinePlan, ranks: Ranks, stage: int) -> tuple[Checkpoint, tuple]:
     """The checkpoint training starts from (the writer's view of it) and this stage's ``(weights, optimizer
     arrays)``: the driver's offer, or this stage's part of a newer checkpoint."""
-    epoch, newer = ranks.newest_epoch()
+    newer = ranks.newer_checkpoint()
     if newer is None:
         weights, optimizer, _ = state.from_bytes(payloads.fetch(ranks.reporter, stage_payload(stage)))
-        return ranks.part_start(epoch), (weights, optimizer)
+        return ranks.part_start(), (weights, optimizer)
     whole = serialization.model_from_bytes(newer.model_bytes, ranks.settings.custom_objects)
     weights, optimizer, _ = state.from_bytes(state.stage_states(whole, plan.stages, [stage])[0])
     return newer, (weights, optimizer)

@@ -26,7 +26,7 @@ from sparkdl.modes.base import Settings
 from sparkdl.modes.sync import sharded
 from sparkdl.modes.sync.reducer import GradientReducer
 from sparkdl.modes.sync.step_profile import StepProfile
-from sparkdl.position import EpochRest
+from sparkdl.position import EpochRest, step_scales
 
 if TYPE_CHECKING:
     from sparkdl.modes.sync.mode import SyncPlan
@@ -223,11 +223,7 @@ def train(
     # the user's callbacks: sparkdl's own take any number of steps per call
     whole_replicas.run_steps_per_call(model, settings.callbacks, settings.checkpoint_every)
     validation_data = validation.keras_data(rows, settings.batch_size) if validation is not None else None
-    per_epoch = schedule.gradient_scales(rows_per_rank, comm.rank, steps)
-    if rest is not None:
-        scales = schedule.StepScales.of(per_epoch, rest.scales(comm.rank), rest.steps_left)
-    else:
-        scales = schedule.StepScales.of(per_epoch)
+    scales = step_scales(schedule.gradient_scales(rows_per_rank, comm.rank, steps), rest, comm.rank)
     compile_update = compiled_update.pays(model.optimizer, model.trainable_variables)
     first = []
     if profile is not None:  # an attribute of this replica only, removed before the model is saved
