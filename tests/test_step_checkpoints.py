@@ -32,7 +32,7 @@ class Case:
     options: dict
     calls_per_step: int = 1  # times the id layer runs in one training step (per micro-batch, or again in backward)
     calls_per_row: int = 1  # times it sees each row of a step
-    recording: int = 2  # the tasks that run the id layer
+    recording: int = 2  # the tasks that run the id layer (a pipeline's first stage only)
     exact: bool = True  # the killed fit ends with the clean fit's weights (updates in a fixed order)
 
 
@@ -41,6 +41,10 @@ CASES = {
     "sharded": Case({"mode": "sharded"}),
     # a unit runs again in its backward pass
     "sharded, shard_weights": Case({"mode": "sharded", "shard_weights": True}, calls_per_step=2, calls_per_row=2),
+    # one replica of two stages: the first (partition 0) reads the ids, each step in two micro-batches
+    "pipeline": Case(
+        {"mode": "pipeline", "num_stages": 2, "micro_batches": 2, "cut_points": ["head"]}, calls_per_step=2, recording=1
+    ),
 }
 
 

@@ -59,6 +59,11 @@ class BarrierPlan(Plan):
         """The ranks whose rows are the shards of the training rows, one each (by default every rank)."""
         return range(size)
 
+    def shard_of(self, rank: int, size: int) -> int:
+        """The shard whose steps rank ``rank`` walks: the one whose rows it reads, or holds a copy of, or whose
+        batches' sizes it follows (by default its own)."""
+        return rank
+
     def writer(self, size: int) -> int:
         """The rank that reports progress, writes the checkpoints and returns the result (by default rank 0)."""
         return 0
@@ -175,8 +180,15 @@ class Ranks:
         ``start`` is an epoch's end."""
         if start.position is None:
             return None
+        plan, size = self.task.plan, self.comm.size
         rest = EpochRest.resume(
-            start.position, self.rows.keys, self.key_sum, self.comm, batch_size=self.settings.batch_size
+            start.position,
+            self.rows.keys,
+            self.key_sum,
+            self.comm,
+            batch_size=self.settings.batch_size,
+            shards=plan.shard_ranks(size),
+            shard=plan.shard_of(self.rank, size),
         )
         if self.writer:
             self.reporter.progress(

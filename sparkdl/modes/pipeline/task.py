@@ -6,7 +6,10 @@ all stages of a replica walk one schedule: the first stage feeds each step's fea
 labels, and the middle ones, which hold no rows, know each step's size from the shard's count
 (``schedule.epoch_steps``). The last stage of replica 0 (the writer) reports progress and, with
 checkpoints, gathers replica 0's stages into the whole model once an epoch and saves it; a stage
-Spark retries resumes from the newest checkpoint, each task taking its own stage of it.
+Spark retries resumes from the newest checkpoint, each task taking its own stage of it. Step checkpoints
+(``checkpoint_every``) are taken the same way mid-epoch, at the steps every task agrees on
+(``Ranks.step_checkpoints``); a stage that resumes from one trains the epoch's steps left first
+(``sparkdl.position``: the replicas are its shards), then the whole epochs.
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ def train(plan: PipelinePlan, ranks: Ranks) -> bytes | None:
     )
     ranks.reporter.phase("model in")
     own_rows = (ranks.rows, ranks.held_out) if stage in (0, stages - 1) else (None, None)
+    rest = ranks.epoch_rest(start)  # the replicas are the shards: each one's first and last stage hold its rows
+    step_checkpoints = ranks.step_checkpoints(every_rank=True)  # replica 0's stages send their state for each
     with ranks.checkpointing(start) as checkpointer:
         whole = None  # the writer's whole model, for checkpoints
 
@@ -91,8 +96,10 @@ def train(plan: PipelinePlan, ranks: Ranks) -> bytes | None:
             return whole
 
         saving = ranks.task.checkpoints is not None and replica == 0
-        saves = AssembledCheckpoints(ranks, checkpointer, assemble, None) if saving else None
-        history = train_epochs(epochs, ranks, start.epoch, own_rows, saves)
+        saves = AssembledCheckpoints(ranks, checkpointer, assemble, rest) if saving else None
+        history = train_epochs(
+            epochs, ranks, start.epoch, own_rows, saves, rest=rest, step_checkpoints=step_checkpoints
+        )
     rows_of_stats = comm.allgather(epochs.summary_row())
     timelines = pipeline.gather(events.array(), root=stages - 1) if events is not None else None
     epochs.close()
@@ -106,7 +113,7 @@ def train(plan: PipelinePlan, ranks: Ranks) -> bytes | None:
             stats["timeline"] = timeline.events(timelines)
         report = {
             "history": history,
-            "stats": {"pipeline": stats},
+            "stats": {"pipeline": stats, **ranks.checkpoint_stats(start, step_checkpoints)},
             "initial_epoch": start.epoch,
             "resumed_history": start.history if start.epoch != settings.initial_epoch else None,
         }
