@@ -34,10 +34,13 @@ class Case:
     calls_per_row: int = 1  # times it sees each row of a step
     recording: int = 2  # the tasks that run the id layer (a pipeline's first stage only)
     exact: bool = True  # the killed fit ends with the clean fit's weights (updates in a fixed order)
+    slow: bool = False  # runs with -m slow: the default suite keeps the cases whose saves differ most
 
 
 CASES = {
     "sync": Case({"mode": "sync"}),
+    # a checkpoint holds the replicas' average: the resumed replicas start there, not where each one was
+    "gossip": Case({"mode": "gossip"}, exact=False, slow=True),
     "sharded": Case({"mode": "sharded"}),
     # a unit runs again in its backward pass
     "sharded, shard_weights": Case({"mode": "sharded", "shard_weights": True}, calls_per_step=2, calls_per_row=2),
@@ -120,7 +123,9 @@ def _fit(df, model, **settings):
     return sparkdl.fit(df, model, epochs=EPOCHS, batch_size=BATCH, seed=3, progress=False, **settings)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=[pytest.mark.slow] if case.slow else []) for name, case in sorted(CASES.items())]
+)
 def test_a_worker_lost_mid_epoch_costs_only_the_steps_since_the_last_step_checkpoint(ids_df, tmp_path, name):
     case = CASES[name]
     clean_dir, faulty_dir = tmp_path / "clean", tmp_path / "faulty"

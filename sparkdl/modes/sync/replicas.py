@@ -232,23 +232,12 @@ def train(
         profile.compiled_update = compile_update
     options: dict[str, Any] = dict(timeout=settings.timeout, compile_update=compile_update)
     stats: dict = {}
-    history: dict[str, list[float]] = {}
 
-    def fit(stream, epochs: range, steps_in_epoch: int) -> None:
+    def callbacks_of(steps_in_epoch: int) -> list:
         combine = _average_across_workers_callback(
             comm, samples=len(rows), steps_per_epoch=steps_in_epoch, validation=validation
         )
-        done = model.fit(
-            stream,
-            epochs=epochs.stop,
-            initial_epoch=epochs.start,
-            shuffle=False,
-            verbose=0,
-            validation_data=validation_data,
-            callbacks=[*first, combine, *callbacks],
-        )
-        for name, values in done.history.items():
-            history.setdefault(name, []).extend(float(v) for v in values)
+        return [*first, combine, *callbacks]
 
     try:
         exchanging: contextlib.AbstractContextManager[Any]
@@ -262,12 +251,9 @@ def train(
                 first.append(state.consolidating_callback())
             if step_saving is not None:
                 first.append(step_saving(state.consolidated if state is not None else None))
-            whole_from = initial_epoch
-            if rest is not None:
-                fit(settings.rest_stream(rows, rest), range(rest.epoch, rest.epoch + 1), rest.steps_left)
-                whole_from = rest.epoch + 1
-            if whole_from < settings.epochs:
-                fit(settings.epoch_stream(rows, whole_from), range(whole_from, settings.epochs), steps)
+            history = whole_replicas.fit_epochs(
+                model, rows, settings, initial_epoch, rest, callbacks_of, validation_data=validation_data
+            )
             if state is not None:
                 stats["sharded"] = state.summary()
                 state.finish()
