@@ -46,15 +46,19 @@ CASES = {
     "sharded, shard_weights": Case({"mode": "sharded", "shard_weights": True}, calls_per_step=2, calls_per_row=2),
     # one replica of two stages: the first (partition 0) reads the ids, each step in two micro-batches
     "pipeline": Case(
-        {"mode": "pipeline", "num_stages": 2, "micro_batches": 2, "cut_points": ["head"]}, calls_per_step=2, recording=1
+        {"mode": "pipeline", "num_stages": 2, "micro_batches": 2, "cut_points": ["head"]},
+        calls_per_step=2,
+        recording=1,
+        slow=True,  # its position's logic is tests/test_positions.py's, its saves ZeRO-3's
     ),
 }
 
 
 class RecordIds(keras.layers.Layer):
     """Drops the first input column (a row id) after appending, in training, ``<attempt> <retry> <call> <id>`` lines
-    per row to ``<log_dir>/<pid>``: ``call`` counts this layer's calls in its task attempt, from 0 (one per step);
-    ``retry`` is 1 where ``marker`` (the crash's) existed at the attempt's first call."""
+    per row to ``<log_dir>/<pid>``: ``call`` counts this layer's calls in its task attempt, from 0
+    (``Case.calls_per_step`` a step); ``retry`` is 1 where ``marker`` (the crash's) existed at the attempt's first
+    call."""
 
     def __init__(self, log_dir, marker=None, **kwargs):
         super().__init__(**kwargs)
