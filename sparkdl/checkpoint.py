@@ -28,6 +28,7 @@ the directory must be storage every executor reaches (HDFS, S3, NFS).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import io
 import json
@@ -36,6 +37,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -361,6 +363,46 @@ class CheckpointInterval:
             return steps_since >= self.steps
         assert self.seconds is not None
         return seconds_since >= self.seconds
+
+
+class StepCheckpoints:
+    """The steps a fit takes its step checkpoints at (every ``interval``), and what taking them cost.
+
+    The ranks that take part in a save (a sharded optimizer's state gathered, the replicas averaged, a model's parts
+    assembled) must take it at the same steps: every so many steps they count alike; every so long each would read
+    its own clock, so ``agree`` (with a time interval only: every rank, at every step it asks) makes the writer's
+    decision theirs (a broadcast of one byte)."""
+
+    def __init__(self, interval: CheckpointInterval, agree: Callable[[bool], bool] | None = None):
+        self.interval, self._agree = interval, agree
+        self._saved, self._seconds = 0, 0.0
+        self._since, self._last = 0, time.monotonic()
+        self._epoch: int | None = None
+        self._steps = 0  # this run's steps into epoch ``_epoch`` so far
+
+    def due(self, epoch: int, steps: int, planned: int) -> bool:
+        """Whether a step checkpoint is due after ``steps`` of the ``planned`` steps this run trains of epoch
+        ``epoch``; never after the last of them (the epoch's own checkpoint follows)."""
+        if epoch != self._epoch:
+            self._epoch, self._steps = epoch, 0
+        self._since, self._steps = self._since + steps - self._steps, steps
+        if steps >= planned:
+            return False
+        due = self.interval.due(self._since, time.monotonic() - self._last)
+        return self._agree(due) if self._agree is not None and self.interval.seconds is not None else due
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around a save: its seconds (what training waited for it) counted, the interval started again after it."""
+        started = time.perf_counter()
+        yield
+        self._saved, self._seconds = self._saved + 1, self._seconds + time.perf_counter() - started
+        self._since, self._last = 0, time.monotonic()
+
+    def stats(self) -> dict:
+        """``FitResult.stats["step_checkpoints"]``: the checkpoints saved and the seconds training waited for them (the
+        storage is written in the background)."""
+        return {"saved": self._saved, "seconds": round(self._seconds, 4)}
 
 
 _TIME_UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}

@@ -18,7 +18,10 @@ it) is refused. Then:
 - otherwise a new segment deals the epoch's untrained rows over the workers there are now (each worker's own rows,
   not trained yet, in their sort order), over the steps its largest share needs at ``batch_size`` rows a step.
 
-The epochs after it are whole again (``schedule.epoch_steps``).
+The epochs after it are whole again (``schedule.epoch_steps``). Where the shards are not the ranks (a pipeline's
+replicas: its first and last stage hold a copy of their replica's shard, its middle stages none), the ranks whose rows
+are the shards count, one each; a rank holding a copy finds the same rows from the same counts, and one holding none
+walks its shard's steps by their sizes (``EpochRest.parts``).
 """
 
 from __future__ import annotations
@@ -104,13 +107,15 @@ class EpochPosition:
 
 @dataclasses.dataclass(frozen=True)
 class EpochRest:
-    """On one worker, what is left of an epoch: the segment it trains (every worker's rows in it, its steps planned
-    and done) and its own rows of that segment in order (row numbers)."""
+    """On one worker, what is left of an epoch: the segment it trains (every shard's rows in it, its steps planned
+    and done), the shard whose steps it walks and its own rows of that shard's part of the segment in order (row
+    numbers; none on a worker that holds none of its shard's rows)."""
 
     start: EpochPosition  # the epoch's identity (and, resumed, where it stood); its segments are not read here
     earlier: tuple[Segment, ...]  # segments of earlier runs, complete as far as this one is concerned
     segment: Segment  # the segment this run trains, from step ``segment.done``
     order: np.ndarray  # this worker's rows of the segment, in the order they are trained
+    shard: int  # the shard of the segment whose steps this worker walks
 
     @classmethod
     def whole(
@@ -120,19 +125,40 @@ class EpochRest:
         rows_per_rank: Sequence[int],
         key_sum: int,
         *,
+        rank: int,
         steps: int,
         seed: int,
         shuffle: bool,
     ) -> EpochRest:
-        """A whole epoch, from its first step: the regular schedule's (``key_sum``: all workers' keys')."""
+        """A whole epoch, from its first step, on worker ``rank``: the regular schedule's (``key_sum``: all workers'
+        keys')."""
         order = schedule.epoch_order(keys, seed=seed, epoch=epoch, shuffle=shuffle)
         segment = Segment(len(rows_per_rank), tuple(rows_per_rank), steps, 0)
-        return cls(EpochPosition(epoch, seed, shuffle, key_sum, ()), (), segment, order)
+        return cls(EpochPosition(epoch, seed, shuffle, key_sum, ()), (), segment, order, rank)
 
     @classmethod
-    def resume(cls, position: EpochPosition, keys: np.ndarray, key_sum: int, comm, *, batch_size: int) -> EpochRest:
-        """Collective: the rest of ``position``'s epoch on this worker of ``comm``, holding ``keys`` of all workers'
-        ``key_sum`` (see the module's docstring)."""
+    def resume(
+        cls,
+        position: EpochPosition,
+        keys: np.ndarray,
+        key_sum: int,
+        comm,
+        *,
+        batch_size: int,
+        shards: range | None = None,
+        shard: int | None = None,
+    ) -> EpochRest:
+        """Collective: the rest of ``position``'s epoch on this worker of ``comm``, holding ``keys`` of all shards'
+        ``key_sum`` (see the module's docstring).
+
+        ``shards``: the ranks of ``comm`` whose rows are the shards, one each in order (default: every rank);
+        ``shard``: the shard whose steps this rank walks (default: its own rank's place in ``shards``). A rank outside
+        ``shards`` holds a copy of its shard's rows (``keys``), or none, and adds nothing to the counts.
+        """
+        shards = range(comm.size) if shards is None else shards
+        counted = comm.rank in shards
+        if shard is None:
+            shard = shards.index(comm.rank)
         if key_sum != position.key_sum:
             raise ValueError(
                 f"Expected the rows the checkpoint of epoch {position.epoch} (step {position.steps}) was taken on. "
@@ -142,23 +168,22 @@ class EpochRest:
         values = schedule.sort_values(keys, seed=position.seed, epoch=position.epoch, shuffle=position.shuffle)
         trained = np.zeros(len(keys), bool)
         last = position.segments[-1]
-        goes_on = last.shards == comm.size
+        goes_on = last.shards == len(shards)
         done_before = position.segments[:-1] if goes_on else position.segments
         for segment in done_before:
-            trained |= _trained_by(segment, keys, values, trained, comm)
+            trained |= _trained_by(segment, keys, values, trained, comm, counted)
         left = np.flatnonzero(~trained)
         order = left[np.argsort(values[left], kind="stable")]
+        counts = comm.allgather(np.array([len(order)], np.int64))[list(shards), 0].tolist()
         if goes_on:
-            counts = comm.allgather(np.array([len(order)], np.int64))[:, 0]
-            if tuple(counts.tolist()) != last.rows:
+            if tuple(counts) != last.rows:
                 raise ValueError(
                     f"Expected the rows the checkpoint of epoch {position.epoch} was saved on: {list(last.rows)} "
-                    f"rows per worker in its last segment. Received: {counts.tolist()}. The input changed since."
+                    f"rows per worker in its last segment. Received: {counts}. The input changed since."
                 )
-            return cls(position, position.segments[:-1], last, order)
-        counts = comm.allgather(np.array([len(order)], np.int64))[:, 0].tolist()
+            return cls(position, position.segments[:-1], last, order, shard)
         steps = schedule.steps_per_epoch([max(1, n) for n in counts], batch_size)
-        return cls(position, position.segments, Segment(comm.size, tuple(counts), steps, 0), order)
+        return cls(position, position.segments, Segment(len(shards), tuple(counts), steps, 0), order, shard)
 
     @property
     def epoch(self) -> int:
@@ -168,14 +193,21 @@ class EpochRest:
     def steps_left(self) -> int:
         return self.segment.planned - self.segment.done
 
+    @property
+    def rows_left(self) -> int:
+        """The rows of this worker's shard the steps left train."""
+        segment, n = self.segment, self.segment.rows[self.shard]
+        return n - segment.done * n // segment.planned
+
     def position_after(self, steps: int) -> EpochPosition:
         """The position once ``steps`` more of the segment's steps are trained."""
         segments = (*self.earlier, self.segment.after(self.segment.done + steps))
         return dataclasses.replace(self.start, segments=segments)
 
     def parts(self, *, fillers: bool = True) -> list[schedule.EpochSteps]:
-        """This worker's steps left, as the schedule's one part (``schedule.EpochSteps``)."""
-        segment, n = self.segment, len(self.order)
+        """This worker's steps left, as the schedule's one part (``schedule.EpochSteps``: its shard's steps, whose
+        spans a worker holding none of the shard's rows reads for their sizes only)."""
+        segment, n = self.segment, self.segment.rows[self.shard]
         bounds = np.arange(segment.planned + 1, dtype=np.int64) * n // segment.planned
         spans = []
         for step in range(segment.done, segment.planned):
@@ -191,10 +223,23 @@ class EpochRest:
         return None if full is None else full[self.segment.done :]
 
 
-def _trained_by(segment: Segment, keys: np.ndarray, values: np.ndarray, before: np.ndarray, comm) -> np.ndarray:
-    """Collective: the rows (of this worker's ``keys``) ``segment`` trained, among those not trained ``before``."""
+def step_scales(per_epoch: np.ndarray | None, rest: EpochRest | None, shard: int) -> schedule.StepScales | None:
+    """What shard ``shard``'s gradient weighs at each step of a fit, from its first (``schedule.StepScales``): the
+    steps left of a resumed epoch (``rest``, where it resumed mid-epoch) by their own segment's rows, then every
+    whole epoch's by ``per_epoch`` (``schedule.gradient_scales``)."""
+    if rest is None:
+        return schedule.StepScales.of(per_epoch)
+    return schedule.StepScales.of(per_epoch, rest.scales(shard), rest.steps_left)
+
+
+def _trained_by(
+    segment: Segment, keys: np.ndarray, values: np.ndarray, before: np.ndarray, comm, counted: bool
+) -> np.ndarray:
+    """Collective: the rows (of this worker's ``keys``) ``segment`` trained, among those not trained ``before``; the
+    counts are of the ``counted`` workers' rows (a worker holding a copy of another's finds the same rows)."""
     shard = np.mod(keys, segment.shards)
     candidates = ~before
+    counts_of = candidates & counted  # the rows this worker adds to the counts
     wanted = np.array(segment.trained, np.int64)
     # the smallest threshold t per shard with count(value <= t) >= wanted, over every worker's candidates
     low = np.zeros(segment.shards, np.uint64)
@@ -202,13 +247,14 @@ def _trained_by(segment: Segment, keys: np.ndarray, values: np.ndarray, before: 
     for _ in range(_BITS):
         middle = low + (high - low) // np.uint64(2)
         below = values <= middle[shard]
-        counts = np.bincount(shard[candidates & below], minlength=segment.shards).astype(np.int64)
+        counts = np.bincount(shard[counts_of & below], minlength=segment.shards).astype(np.int64)
         counts = comm.allreduce(counts, ReduceOp.SUM)
         enough = counts >= wanted
         high = np.where(enough, middle, high)
         low = np.where(enough, low, middle + np.uint64(1))
     marked = candidates & (values <= high[shard]) & (wanted[shard] > 0)
-    found = comm.allreduce(np.bincount(shard[marked], minlength=segment.shards).astype(np.int64), ReduceOp.SUM)
+    found = np.bincount(shard[marked & counts_of], minlength=segment.shards).astype(np.int64)
+    found = comm.allreduce(found, ReduceOp.SUM)
     if not np.array_equal(found, wanted):
         raise ValueError(
             f"Expected the rows a checkpoint's segment trained: {wanted.tolist()} per shard of {segment.shards}. "

@@ -11,6 +11,7 @@ from sparkdl.keras import deferred
 from sparkdl.modes.fully_sharded import state, units
 from sparkdl.modes.fully_sharded.engine import FullyShardedReplica
 from sparkdl.modes.pipeline.cut import build_stage
+from sparkdl.schedule import StepScales
 
 STEPS = 3
 
@@ -132,7 +133,7 @@ def test_compressed_unoverlapped_and_scaled_steps_train_as_one_process():
     def body(comm):
         model = _model(keras.optimizers.SGD(0.1))
         model.set_weights(initial)
-        replica = _replica(model, comm, compression="bf16", overlap=False, scales=scales[comm.rank])
+        replica = _replica(model, comm, compression="bf16", overlap=False, scales=StepScales.of(scales[comm.rank]))
         for step in range(STEPS):
             replica.train_step(*_batch(comm.rank, step))
         gathered = replica.gather_state()

@@ -112,3 +112,42 @@ def test_a_position_survives_its_vector_form():
     position = EpochPosition(4, 9, False, 2**64 - 3, (Segment(3, (5, 6, 7), 4, 2), Segment(2, (3, 4), 3, 1)))
     assert EpochPosition.from_vector(position.to_vector()) == position
     assert position.steps == 3 and position.segments[0].trained == (2, 3, 3)
+
+
+@pytest.mark.parametrize("before, replicas", [(2, 2), (2, 3), (3, 1)])
+def test_a_pipelines_stages_walk_their_replicas_rest_whatever_rows_they_hold(before, replicas):
+    """The shards are a pipeline's replicas (3 stages each): a replica's first stage holds its shard's rows, its last
+    stage a copy of them (arrived in another order), its middle stage none. The first stages' rows are counted once;
+    each last stage trains the same rows at the same steps, and each middle stage walks the same steps' sizes."""
+    stages = 3
+    position, steps = _first_position(before, done=5)
+    trained = _trained_by_rule(_dealt(KEYS, before), steps, 5)
+    dealt = _dealt(KEYS, replicas)
+    rng = np.random.default_rng(0)
+    held = {}
+    for rank in range(replicas * stages):
+        replica, stage = divmod(rank, stages)
+        keys = dealt[replica] if stage in (0, stages - 1) else np.empty(0, np.int64)
+        held[rank] = rng.permutation(keys) if stage == stages - 1 else keys
+
+    def rest(comm):
+        shards, shard = range(0, comm.size, stages), comm.rank // stages
+        return EpochRest.resume(
+            position, held[comm.rank], key_sum(KEYS), comm, batch_size=BATCH, shards=shards, shard=shard
+        )
+
+    rests = dict(enumerate(run_ranks(replicas * stages, rest)))
+
+    def steps_of(rank):
+        return [held[rank][rests[rank].order[a:b]].tolist() for part in rests[rank].parts() for a, b in part.spans]
+
+    def sizes_of(rank):
+        return [b - a for part in rests[rank].parts() for a, b in part.spans]
+
+    for replica in range(replicas):
+        first, middle, last = (replica * stages + stage for stage in range(stages))
+        assert steps_of(last) == steps_of(first) and sizes_of(middle) == sizes_of(first)
+    left = _left({replica: rests[replica * stages] for replica in range(replicas)}, dealt)
+    assert collections.Counter(trained + left) == collections.Counter(KEYS.tolist())
+    steps_left = {rest.steps_left for rest in rests.values()}
+    assert len(steps_left) == 1 and (before != replicas or steps_left == {steps - 5})

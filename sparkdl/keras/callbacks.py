@@ -8,10 +8,11 @@ upload to the checkpointer's background thread (``checkpoint.Checkpointer``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
-from sparkdl.checkpoint import Checkpointer, CheckpointInterval
+from sparkdl.checkpoint import Checkpointer, StepCheckpoints
 from sparkdl.keras import random_state, serialization
 from sparkdl.keras.optimizer_hooks import saved_form
 from sparkdl.position import EpochPosition
@@ -113,37 +114,32 @@ def checkpoint_callback(checkpointer: Checkpointer):
 
 
 def step_checkpoint_callback(
-    checkpointer: Checkpointer, interval: CheckpointInterval, position_at: Callable[[int, int], EpochPosition]
+    checkpoints: StepCheckpoints,
+    checkpointer: Checkpointer | None,
+    position_at: Callable[[int, int], EpochPosition],
+    around_save: Callable[[], contextlib.AbstractContextManager] | None = None,
 ):
-    """Saves the model with its optimizer state mid-epoch, every ``interval`` (never at an epoch's last step: the
-    epoch's own checkpoint follows), with where the epoch stands: ``position_at(epoch, steps)`` after ``steps`` of
-    the fit's steps in epoch ``epoch``. Its ``stats()``: the checkpoints saved and the seconds training waited for
-    them (the model's serialization; the storage is written in the background)."""
+    """Saves the model with its optimizer state mid-epoch, at the steps ``checkpoints`` says, with where the epoch
+    stands: ``position_at(epoch, steps)`` after ``steps`` of the fit's steps in epoch ``epoch``.
+
+    On a writer that saves alone (the replicas are one model) it is the writer's only. Where every rank takes part in
+    a save, every rank runs it: the save runs inside ``around_save()`` (collective: a sharded optimizer's state
+    gathered, the replicas' average held), and the writer, the rank with a ``checkpointer``, writes it."""
     import keras
 
     class SaveStepCheckpoint(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self._saved, self._seconds = 0, 0.0
-            self._since, self._last = 0, time.monotonic()
-
         def on_epoch_begin(self, epoch, logs=None):
-            self._epoch, self._steps = epoch, 0
+            self._epoch = epoch
 
         def on_train_batch_end(self, batch, logs=None):
             steps = batch + 1  # Keras numbers a call of several steps by its last
-            self._since, self._steps = self._since + steps - self._steps, steps
-            if steps >= self.params["steps"] or not interval.due(self._since, time.monotonic() - self._last):
+            if not checkpoints.due(self._epoch, steps, self.params["steps"]):
                 return
-            started = time.perf_counter()
-            with saved_form(self.model):
-                model_bytes = serialization.model_to_bytes(self.model)
-            draws = {random_state.DRAWS: random_state.draws(self.model)}
-            checkpointer.save(self._epoch, model_bytes, draws, position=position_at(self._epoch, steps))
-            self._saved, self._seconds = self._saved + 1, self._seconds + time.perf_counter() - started
-            self._since, self._last = 0, time.monotonic()
-
-        def stats(self) -> dict:
-            return {"saved": self._saved, "seconds": round(self._seconds, 4)}
+            with checkpoints.saving(), around_save() if around_save is not None else contextlib.nullcontext():
+                if checkpointer is not None:
+                    with saved_form(self.model):
+                        model_bytes = serialization.model_to_bytes(self.model)
+                    draws = {random_state.DRAWS: random_state.draws(self.model)}
+                    checkpointer.save(self._epoch, model_bytes, draws, position=position_at(self._epoch, steps))
 
     return SaveStepCheckpoint()

@@ -12,7 +12,8 @@ A task of the stage (``run_barrier_task``) loads Keras, reads its partition, con
 same decisions with no further talk) and hands a ``Ranks`` to its plan's ``train``. One rank, the writer
 (``BarrierPlan.writer``), speaks for all: it reports progress, writes the checkpoints and returns the result. A
 stage Spark retries after losing a task resumes from the newest checkpoint its failed attempt saved
-(``Ranks.newest_epoch``).
+(``Ranks.whole_model_start``, ``Ranks.newer_checkpoint``), inside its epoch where that is a step checkpoint
+(``Ranks.epoch_rest``; ``Ranks.step_checkpoints`` says when the ranks take them).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from sparkdl import schedule
-from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore
+from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore, StepCheckpoints
 from sparkdl.data import Rows, read_partition
 from sparkdl.keras import callbacks, random_state, serialization
 from sparkdl.keras.prebuilt import PrebuiltModel
@@ -57,6 +58,11 @@ class BarrierPlan(Plan):
     def shard_ranks(self, size: int) -> range:
         """The ranks whose rows are the shards of the training rows, one each (by default every rank)."""
         return range(size)
+
+    def shard_of(self, rank: int, size: int) -> int:
+        """The shard whose steps rank ``rank`` walks: the one whose rows it reads, or holds a copy of, or whose
+        batches' sizes it follows (by default its own)."""
+        return rank
 
     def writer(self, size: int) -> int:
         """The rank that reports progress, writes the checkpoints and returns the result (by default rank 0)."""
@@ -177,8 +183,15 @@ class Ranks:
         ``start`` is an epoch's end."""
         if start.position is None:
             return None
+        plan, size = self.task.plan, self.comm.size
         rest = EpochRest.resume(
-            start.position, self.rows.keys, self.key_sum, self.comm, batch_size=self.settings.batch_size
+            start.position,
+            self.rows.keys,
+            self.key_sum,
+            self.comm,
+            batch_size=self.settings.batch_size,
+            shards=plan.shard_ranks(size),
+            shard=plan.shard_of(self.rank, size),
         )
         if self.writer:
             self.reporter.progress(
@@ -194,26 +207,48 @@ class Ranks:
         segment = Segment(len(self.counts), tuple(self.counts[:, 0].tolist()), settings.steps_per_epoch, steps)
         return EpochPosition(epoch, settings.seed, settings.shuffle, self.key_sum, (segment,))
 
+    def step_checkpoints(self, *, every_rank: bool) -> StepCheckpoints | None:
+        """When the fit takes step checkpoints, where it is asked to (``Settings.checkpoint_every``, with
+        checkpoints): on the writer alone, where it saves alone; else (``every_rank``: the ranks take part in each
+        save) on every rank, at the writer's steps (``StepCheckpoints``' agreement). None elsewhere."""
+        interval = self.settings.checkpoint_every
+        if interval is None or self.task.checkpoints is None or not (every_rank or self.writer):
+            return None
+        return StepCheckpoints(interval, self._writers_decision if every_rank else None)
+
+    def _writers_decision(self, due: bool) -> bool:
+        """Collective: the writer's ``due``, on every rank."""
+        return bool(self.comm.broadcast(np.array([due], np.uint8), root=self.writer_rank)[0])
+
+    def checkpoint_stats(self, start: Checkpoint, checkpoints: StepCheckpoints | None) -> dict:
+        """The stats every barrier mode reports of its step checkpoints: those it saved and the seconds training
+        waited for them (``step_checkpoints``), and where in its epoch it resumed (``resumed_at``: the epoch, its
+        steps done, and each segment's shards, steps planned and done), where it did."""
+        stats = {}
+        if checkpoints is not None:
+            stats["step_checkpoints"] = checkpoints.stats()
+        if start.position is not None:  # where the epoch stood: the steps a fault cost are the steps since then
+            segments = [[s.shards, s.planned, s.done] for s in start.position.segments]
+            stats["resumed_at"] = {"epoch": start.epoch, "step": start.position.steps, "segments": segments}
+        return stats
+
     @property
     def writer_rank(self) -> int:
         return self.task.plan.writer(self.comm.size)
 
-    def newest_epoch(self) -> tuple[int, Checkpoint | None]:
-        """Collective: the epoch training starts from, and the checkpoint of that epoch where it is newer than the
-        driver's start (a stage Spark retried after its failed attempt saved one): found by the writer, read by
-        every rank that asks (None where training starts from the driver's offer)."""
-        task, initial = self.task, self.task.settings.initial_epoch
+    def newer_checkpoint(self) -> Checkpoint | None:
+        """Collective: the checkpoint training starts from where it is newer than the driver's start (a stage Spark
+        retried after its failed attempt saved one): found by the writer, read by every rank; None where training
+        starts from the driver's offer."""
         newer = self._writers_newer_checkpoint()
-        found = np.array([newer.epoch if newer else initial], np.int64)
-        epoch = int(self.comm.broadcast(found, root=self.writer_rank)[0])
-        if epoch == initial:
-            return epoch, None
+        found = np.array(newer.place if newer is not None else (-1, 0), np.int64)
+        epoch, steps = self.comm.broadcast(found, root=self.writer_rank).tolist()
+        if epoch < 0:
+            return None
         if newer is None:  # every other rank reads the checkpoint the writer found
-            assert task.checkpoints is not None
-            newer = task.checkpoints.latest(newer_than=(initial, 0))
-            if newer is None or newer.epoch != epoch:
-                raise RuntimeError(f"Rank {self.rank} found no checkpoint of epoch {epoch} in {task.checkpoints.uri}")
-        return epoch, newer
+            assert self.task.checkpoints is not None
+            newer = self.task.checkpoints.read((epoch, steps))
+        return newer
 
     def whole_model_start(self) -> Checkpoint:
         """Collective: the whole model every rank starts from, fetched (or a newer checkpoint read) by the writer and
@@ -256,10 +291,13 @@ class Ranks:
         initial = settings.initial_position.steps if settings.initial_position is not None else 0
         return checkpoints.latest(newer_than=(settings.initial_epoch, initial))
 
-    def part_start(self, epoch: int) -> Checkpoint:
+    def part_start(self) -> Checkpoint:
         """The checkpoint of a rank that starts from the driver's offer of its own part of the model (no model
         bytes: ``whole_model`` fetches them where the writer needs them)."""
-        return Checkpoint(epoch, b"", self.task.start_history, self.task.plan.mode)
+        task, settings = self.task, self.task.settings
+        return Checkpoint(
+            settings.initial_epoch, b"", task.start_history, task.plan.mode, position=settings.initial_position
+        )
 
     def whole_model(self, start: Checkpoint):
         """The whole model of ``start`` (the driver's offer where ``start`` holds no bytes), as a Keras model: the

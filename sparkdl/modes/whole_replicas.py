@@ -1,5 +1,6 @@
 """What the barrier modes whose every rank trains a whole replica with Keras's ``fit`` share (sync, sharded, gossip):
-the held-out rows, the steps per call, the metrics combined over ranks, and the bytes each rank sent.
+the held-out rows, the steps per call, the fits of a resumed epoch's rest and of the whole epochs, the metrics
+combined over ranks, and the bytes each rank sent.
 
 The frame around them (the ranks' rows, the starting point, checkpoints, the result) is every barrier mode's
 (``modes.barrier``).
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -17,6 +19,10 @@ from sparkdl import _compat
 from sparkdl.checkpoint import CheckpointInterval
 from sparkdl.data import Rows
 from sparkdl.metrics import combine_logs
+from sparkdl.position import EpochRest
+
+if TYPE_CHECKING:
+    from sparkdl.modes.base import Settings
 
 #: Steps Keras runs per call of its train function, unless the model or a callback says otherwise.
 STEPS_PER_CALL = 16
@@ -61,6 +67,43 @@ def run_steps_per_call(model, callbacks: Sequence, checkpoint_every: CheckpointI
             return
     every = checkpoint_every.steps if checkpoint_every is not None else None
     model.steps_per_execution = max(d for d in range(1, STEPS_PER_CALL + 1) if every is None or every % d == 0)
+
+
+def fit_epochs(
+    model,
+    rows: Rows,
+    settings: Settings,
+    initial_epoch: int,
+    rest: EpochRest | None,
+    callbacks: Callable[[int], list],
+    **options,
+) -> dict[str, list[float]]:
+    """Keras's ``fit`` of ``model`` on this rank's ``rows``: a fit of the steps left of a resumed epoch first (``rest``,
+    where the fit resumed mid-epoch), then one of the whole epochs after it (from ``initial_epoch`` otherwise); the
+    history of both. ``callbacks(steps)``: the callbacks of a fit whose epochs take ``steps`` steps; ``options``: the
+    other arguments of both fits (``validation_data``)."""
+    runs = []
+    whole_from = initial_epoch
+    if rest is not None:
+        runs.append((lambda: settings.rest_stream(rows, rest), range(rest.epoch, rest.epoch + 1), rest.steps_left))
+        whole_from = rest.epoch + 1
+    if whole_from < settings.epochs:
+        whole = range(whole_from, settings.epochs)
+        runs.append((lambda: settings.epoch_stream(rows, whole_from), whole, settings.steps_per_epoch))
+    history: dict[str, list[float]] = {}
+    for stream, epochs, steps in runs:
+        done = model.fit(
+            stream(),
+            epochs=epochs.stop,
+            initial_epoch=epochs.start,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks(steps),
+            **options,
+        )
+        for name, values in done.history.items():
+            history.setdefault(name, []).extend(float(v) for v in values)
+    return history
 
 
 def combine_over_ranks(comm, logs: dict, samples: float, validation_rows: float) -> None:

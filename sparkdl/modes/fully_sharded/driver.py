@@ -28,6 +28,7 @@ class Zero3Plan(BarrierPlan):
     sharding: ShardLayout | None = None  # where each unit's weights lie in each rank's shard: set by ``run``
 
     runs_callbacks: ClassVar[bool] = False
+    saves_step_checkpoints: ClassVar[bool] = True
 
     @classmethod
     def configure(cls, name: str, model, values: dict) -> Zero3Plan:

@@ -38,6 +38,7 @@ from sparkdl.modes.pipeline.cut import StagePlan, build_stage
 from sparkdl.modes.pipeline.engine import stream_of
 from sparkdl.modes.step_clock import StepClock
 from sparkdl.modes.sync.sharded import SHARD, ShardLayout
+from sparkdl.schedule import StepScales
 
 _Pending = tuple[Work, np.ndarray] | None  # a gather under way: its work and the rows it fills
 
@@ -48,10 +49,10 @@ class FullyShardedReplica:
     shards as ``slot:<name>``, its own variables as ``global:<name>``), ``statistics``: each unit's non-trainable
     weights, whole (chain order).
 
-    ``scales`` (per step of an epoch, from global step ``first_step`` on: ``schedule.gradient_scales``) weigh
-    this rank's gradient by its rows. ``overlap``: gathers run ahead and reduce-scatters behind the compute
-    (else each waits where it is started). ``observe``: the metrics' update, with each batch's labels and outputs.
-    It runs a step as the pipeline's stage runner does (``pipeline.epoch.StageEpochs``), as both stages' ends.
+    ``scales`` (per step from the replica's first: ``schedule.StepScales``) weigh this rank's gradient by its rows.
+    ``overlap``: gathers run ahead and reduce-scatters behind the compute (else each waits where it is started).
+    ``observe``: the metrics' update, with each batch's labels and outputs. It runs a step as the pipeline's stage
+    runner does (``pipeline.epoch.StageEpochs``), as both stages' ends.
     """
 
     first = last = True
@@ -68,8 +69,7 @@ class FullyShardedReplica:
         optimizer: keras.optimizers.Optimizer,
         optimizer_arrays: dict[str, np.ndarray],
         loss: Any,
-        scales: np.ndarray | None = None,
-        first_step: int = 0,
+        scales: StepScales | None = None,
         compression: str | None = None,
         overlap: bool = True,
         timeout: float = 300.0,
@@ -78,7 +78,7 @@ class FullyShardedReplica:
         count = len(unit_models)
         self.units = [Unit(m, loss, last=u == count - 1, first=u == 0) for u, m in enumerate(unit_models)]
         self.layout, self.comm, self.timeout, self.overlap = layout, comm, timeout, overlap
-        self._scales, self._step, self.observe = scales, first_step, observe
+        self._scales, self._step, self.observe = scales, 0, observe
         self._compression = compression
         self._wire = np.dtype(np.float32) if compression is None else compressions.wire_dtype(compression)
         self.statistics = [unit.starting_statistics(values) for unit, values in zip(self.units, statistics)]
@@ -299,7 +299,7 @@ class FullyShardedReplica:
                 variable.assign(arrays[key])
 
     def _next_scale(self) -> float:
-        scale = 1.0 if self._scales is None else float(self._scales[self._step % len(self._scales)])
+        scale = 1.0 if self._scales is None else self._scales.at(self._step)
         self._step += 1
         return scale
 

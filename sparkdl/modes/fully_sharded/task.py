@@ -6,8 +6,10 @@ units without weights (``engine.FullyShardedReplica``). Its epochs run as a pipe
 (``pipeline.epoch.StageEpochs``, the whole model being one stage): each rank's rows on the schedule
 every mode follows, its gradient weighed by its rows, the loss and metrics combined over the ranks by
 rows, BatchNorm's statistics averaged after each epoch's last step. Rank 0 gathers the shards into the
-whole model for each checkpoint and for the result; a stage Spark retries resumes from the newest
-checkpoint, each rank cutting its own part of it.
+whole model for each checkpoint (at epoch ends, and mid-epoch at the steps every rank agrees on:
+``Ranks.step_checkpoints``) and for the result; a stage Spark retries resumes from the newest
+checkpoint, each rank cutting its own part of it, inside its epoch where that is a step checkpoint (the
+epoch's steps left, ``sparkdl.position``, then the whole epochs).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from sparkdl.launch import payloads
 from sparkdl.modes import whole_replicas
 from sparkdl.modes.barrier import Ranks
 from sparkdl.modes.fully_sharded import state
-from sparkdl.modes.pipeline.epoch import StageEpochs, StageMetrics, train_epochs
+from sparkdl.modes.pipeline.epoch import AssembledCheckpoints, StageEpochs, StageMetrics, train_epochs
 from sparkdl.modes.sync import sharded
+from sparkdl.position import step_scales
 
 if TYPE_CHECKING:
     from sparkdl.modes.fully_sharded.driver import Zero3Plan
@@ -45,14 +48,15 @@ def train(plan: Zero3Plan, ranks: Ranks) -> bytes | None:
     keras.utils.set_random_seed(settings.seed + comm.rank)  # dropout differs per rank, as in sync mode
     sharded.count_optimizers_from_now()  # an earlier fit's in this reused worker are not this one's
     start, part = _starting_point(plan, ranks)
+    rest = ranks.epoch_rest(start)
+    per_epoch = schedule.gradient_scales(ranks.counts[:, 0].tolist(), comm.rank, settings.steps_per_epoch)
     replica = FullyShardedReplica.from_part(
         plan.units,
         plan.sharding,
         comm,
         part,
         plan.compile_config,
-        scales=schedule.gradient_scales(ranks.counts[:, 0].tolist(), comm.rank, settings.steps_per_epoch),
-        first_step=start.epoch * settings.steps_per_epoch,
+        scales=step_scales(per_epoch, rest, comm.rank),
         compression=plan.compression,
         overlap=plan.overlap,
         timeout=settings.timeout,
@@ -74,19 +78,23 @@ def train(plan: Zero3Plan, ranks: Ranks) -> bytes | None:
     )
     ranks.reporter.phase("model in")
     whole = None  # the writer's whole model, for checkpoints and the result
+    step_checkpoints = ranks.step_checkpoints(every_rank=True)  # every rank sends its shards for each
     with ranks.checkpointing(start) as checkpointer:
 
-        def save(epoch: int, logs: dict) -> None:
+        def assemble():
             nonlocal whole
             gathered = replica.gather_state()  # collective: every rank takes part
-            if checkpointer is not None:
-                whole = _assembled(whole, plan, ranks, start, gathered)
-                checkpointer.record(logs)
-                checkpointer.save(epoch + 1, serialization.model_to_bytes(whole))
+            if checkpointer is None:
+                return None
+            whole = _assembled(whole, plan, ranks, start, gathered)
+            return whole
 
-        saving = ranks.task.checkpoints is not None
-        history = train_epochs(epochs, ranks, start.epoch, (ranks.rows, ranks.held_out), save if saving else None)
-    stats: dict = {"fully_sharded": _stats(replica, comm)}
+        saves = AssembledCheckpoints(ranks, checkpointer, assemble, rest) if ranks.task.checkpoints else None
+        own_rows = (ranks.rows, ranks.held_out)
+        history = train_epochs(
+            epochs, ranks, start.epoch, own_rows, saves, rest=rest, step_checkpoints=step_checkpoints
+        )
+    stats: dict = {"fully_sharded": _stats(replica, comm), **ranks.checkpoint_stats(start, step_checkpoints)}
     gathered = replica.gather_state()
     stats["wire_bytes"] = whole_replicas.wire_bytes(comm)
     replica.close()
@@ -103,9 +111,9 @@ def _starting_point(plan: Zero3Plan, ranks: Ranks) -> tuple[Checkpoint, dict]:
     """The checkpoint training starts from (the writer's view of it) and this rank's part of the model: the driver's
     offer, or this rank's part of a newer checkpoint (each rank loads it whole for a moment to cut its part)."""
     assert plan.sharding is not None
-    epoch, newer = ranks.newest_epoch()
+    newer = ranks.newer_checkpoint()
     if newer is None:
-        return ranks.part_start(epoch), state.read_part(payloads.fetch(ranks.reporter, rank_payload(ranks.rank)))
+        return ranks.part_start(), state.read_part(payloads.fetch(ranks.reporter, rank_payload(ranks.rank)))
     whole = serialization.model_from_bytes(newer.model_bytes, ranks.settings.custom_objects)
     return newer, state.read_part(state.rank_part(whole, plan.units, plan.sharding, ranks.rank))
 

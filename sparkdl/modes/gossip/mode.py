@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from sparkdl.modes.barrier import BarrierPlan, Ranks
 from sparkdl.modes.base import Mode, Option
@@ -28,12 +29,14 @@ class GossipPlan(BarrierPlan):
     per step. The result is the average of the replicas.
 
     Rank 0 reports progress (the metrics are combined over ranks at each epoch end) and writes the
-    checkpoints, of the replicas' average, from inside the stage, so that a stage Spark retries after
-    losing a task resumes from what the failed attempt saved.
+    checkpoints, of the replicas' average (at epoch ends, and mid-epoch at the steps every rank agrees on), from
+    inside the stage, so that a stage Spark retries after losing a task resumes from what the failed attempt saved.
     """
 
     gossip_every: int = 1  # local steps between two rounds
     peers: str = peers.RING  # "ring" or "random" (``peers``)
+
+    saves_step_checkpoints: ClassVar[bool] = True
 
     def train(self, ranks: Ranks) -> bytes | None:
         return task.train(self, ranks)

@@ -3,6 +3,7 @@ its replica, averaged with its peers'; rank 0's result, the replicas' average.""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,18 +25,31 @@ def train(plan: GossipPlan, ranks: Ranks) -> bytes | None:
     model = serialization.model_from_bytes(start.model_bytes, settings.custom_objects)
     ranks.reporter.phase("model in")
     validation = whole_replicas.Validation(ranks.held_out, ranks.counts[:, 1]) if settings.validate else None
+    rest = ranks.epoch_rest(start)
+    step_checkpoints = ranks.step_checkpoints(every_rank=True)  # each holds the replicas' average: every rank's
     with ranks.checkpointing(start) as checkpointer:  # the metrics are combined on every rank: the writer reports
         progress = ranks.progress_callback()
+        step_saving = []
+        if step_checkpoints is not None:
+            step_saving.append(
+                callbacks.step_checkpoint_callback(
+                    step_checkpoints,
+                    checkpointer,
+                    functools.partial(ranks.position_at, rest),
+                    functools.partial(replicas.averaged, model, comm),  # the writer, rank 0, holds the average
+                )
+            )
         history, counters = training.train(
             model,
             ranks.rows,
             comm=comm,
             settings=settings,
             initial_epoch=start.epoch,
+            rest=rest,
             gossip_every=plan.gossip_every,
             peers=plan.peers,
             validation=validation,
-            callbacks=[*([progress] if progress else []), *settings.callbacks],
+            callbacks=[*step_saving, *([progress] if progress else []), *settings.callbacks],
             save=_saver(model, checkpointer) if checkpointer is not None else None,
             saves_each_epoch=ranks.task.checkpoints is not None,
         )
@@ -45,7 +59,7 @@ def train(plan: GossipPlan, ranks: Ranks) -> bytes | None:
     ranks.reporter.phase("train")
     if result is None:
         return None
-    answer = ranks.result(result, history, start, {"gossip": stats})
+    answer = ranks.result(result, history, start, {"gossip": stats, **ranks.checkpoint_stats(start, step_checkpoints)})
     ranks.reporter.phase("model out")
     return answer
 

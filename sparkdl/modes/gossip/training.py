@@ -17,6 +17,7 @@ from sparkdl.modes.base import Settings
 from sparkdl.modes.gossip import replicas
 from sparkdl.modes.gossip.exchange import Gossip
 from sparkdl.modes.gossip.hook import GossipHook
+from sparkdl.position import EpochRest
 
 
 def train(
@@ -26,6 +27,7 @@ def train(
     comm,
     settings: Settings,
     initial_epoch: int,
+    rest: EpochRest | None = None,
     gossip_every: int,
     peers: str,
     validation: whole_replicas.Validation | None = None,
@@ -35,7 +37,9 @@ def train(
 ) -> tuple[dict[str, list[float]], dict]:
     """Trains this rank's replica in place on its rows, averaging with its neighbours every ``gossip_every`` steps.
 
-    ``callbacks`` run after the metrics were combined over ranks. With ``saves_each_epoch`` (every
+    ``rest``: the steps left of epoch ``initial_epoch``, resumed mid-epoch (``sparkdl.position``), trained by a
+    ``fit`` of their own before the whole epochs after it; the global steps that number the rounds go on from
+    there. ``callbacks`` run after the metrics were combined over ranks. With ``saves_each_epoch`` (every
     rank, where checkpoints are asked for) the replicas are averaged at each epoch end and
     ``save(epoch, logs)`` (rank 0's) called while rank 0's model holds the average. Returns the
     history and this rank's counters (``rounds``, ``bytes_sent``, ``wait_seconds``, ``spreads``).
@@ -45,15 +49,17 @@ def train(
     keras.utils.set_random_seed(settings.seed + comm.rank)  # dropout and the like differ per rank, by design
     model.jit_compile = False  # the rounds run through tf.numpy_function, which XLA cannot compile
     steps = settings.steps_per_epoch
-    stream = settings.epoch_stream(rows, initial_epoch)
-    whole_replicas.run_steps_per_call(model, settings.callbacks)
+    whole_replicas.run_steps_per_call(model, settings.callbacks, settings.checkpoint_every)
     validation_data = validation.keras_data(rows, settings.batch_size) if validation is not None else None
     validation_rows = float(validation.rows_per_rank[comm.rank]) if validation is not None else 0.0
     epoch_end = replicas.epoch_end_callback(
         comm, samples=len(rows), validation_rows=validation_rows, saves=saves_each_epoch, save=save
     )
     gossip = Gossip(comm, peers, seed=settings.seed, timeout=settings.timeout)
-    hook = GossipHook(gossip, every=gossip_every, first_step=initial_epoch * steps, stop_step=settings.epochs * steps)
+    # a resumed epoch's steps left are the last of its global steps (those of the run without the fault, on as many
+    # workers as it had)
+    first_step = initial_epoch * steps if rest is None else (rest.epoch + 1) * steps - rest.steps_left
+    hook = GossipHook(gossip, every=gossip_every, first_step=first_step, stop_step=settings.epochs * steps)
     # On an error the streams are left to the communicator they came from: closing it (the task does) fails a
     # round still in flight at once, where closing a stream would wait for that round's receives.
     _compat.build_optimizer(model.optimizer, model.trainable_variables)
@@ -61,14 +67,14 @@ def train(
     if not alone:
         hook.begin(model.trainable_weights)
     with contextlib.nullcontext() if alone else intercept_apply(model.optimizer, hook):
-        history = model.fit(
-            stream,
-            epochs=settings.epochs,
-            initial_epoch=initial_epoch,
-            shuffle=False,
-            verbose=0,
+        history = whole_replicas.fit_epochs(
+            model,
+            rows,
+            settings,
+            initial_epoch,
+            rest,
+            lambda steps: [epoch_end, *callbacks],
             validation_data=validation_data,
-            callbacks=[epoch_end, *callbacks],
         )
     if not alone:
         hook.end()
@@ -79,4 +85,4 @@ def train(
         "wait_seconds": gossip.wait_seconds,
         "spreads": epoch_end.spreads,
     }
-    return {name: [float(v) for v in values] for name, values in history.history.items()}, counters
+    return history, counters

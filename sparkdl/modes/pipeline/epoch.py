@@ -11,28 +11,73 @@ import numpy as np
 
 from sparkdl import schedule
 from sparkdl.collective import ReduceOp
+from sparkdl.keras import serialization
 from sparkdl.keras.callbacks import STEP_REPORT_SECONDS
 
 if TYPE_CHECKING:
+    from sparkdl.checkpoint import Checkpointer, StepCheckpoints
     from sparkdl.modes.barrier import Ranks
+    from sparkdl.position import EpochRest
 
 
 def train_epochs(
-    epochs: StageEpochs, ranks: Ranks, first_epoch: int, own_rows: tuple, save: Callable[[int, dict], None] | None
+    epochs: StageEpochs,
+    ranks: Ranks,
+    first_epoch: int,
+    own_rows: tuple,
+    saves: AssembledCheckpoints | None,
+    *,
+    rest: EpochRest | None = None,
+    step_checkpoints: StepCheckpoints | None = None,
 ) -> dict[str, list[float]]:
     """Runs ``epochs`` from ``first_epoch`` on ``own_rows`` (``(training, held-out)``, or ``(None, None)`` for a stage
-    that reads none); the writer reports each epoch's end, and ``save(epoch, logs)`` runs after each epoch (where
-    checkpoints are written: every rank that contributes to them calls it). Returns the history."""
+    that reads none): first the steps left of a resumed epoch (``rest``, where it resumed mid-epoch), then the whole
+    epochs. The writer reports each epoch's end, and ``saves`` saves after each epoch (on every rank that contributes
+    to the checkpoints). Every rank asks ``step_checkpoints`` after each step (they agree on the steps), and where a
+    step checkpoint is due ``saves`` saves one. Returns the history."""
     history: dict[str, list[float]] = {}
+
+    def after_step(epoch: int, steps: int, planned: int) -> None:
+        if step_checkpoints is None or not step_checkpoints.due(epoch, steps, planned):
+            return
+        with step_checkpoints.saving():
+            if saves is not None:
+                saves.save_step(epoch, steps)
+
     for epoch in range(first_epoch, ranks.settings.epochs):
         started = time.monotonic()
-        logs = epochs.run(epoch, *own_rows)
+        steps = rest if rest is not None and rest.epoch == epoch else None
+        logs = epochs.run(epoch, *own_rows, rest=steps, after_step=after_step)
         for name, value in logs.items():
             history.setdefault(name, []).append(value)
         ranks.report_epoch(epoch, logs, time.monotonic() - started)
-        if save is not None:
-            save(epoch, logs)
+        if saves is not None:
+            saves.save(epoch, logs)
     return history
+
+
+class AssembledCheckpoints:
+    """The checkpoints of a fit whose writer assembles the whole model from the ranks' parts (a pipeline's stages, a
+    fully sharded replica's shards): ``assemble()``, run on every rank that holds a part (collective), gives the
+    writer's whole model (None on the other ranks), which the writer's ``checkpointer`` saves (None elsewhere),
+    mid-epoch with where the epoch stands (``rest``: the epoch the fit resumed inside, if it did)."""
+
+    def __init__(self, ranks: Ranks, checkpointer: Checkpointer | None, assemble: Callable, rest: EpochRest | None):
+        self.ranks, self.checkpointer, self.assemble, self.rest = ranks, checkpointer, assemble, rest
+
+    def save(self, epoch: int, logs: dict) -> None:
+        """After epoch ``epoch``, whose combined metrics are ``logs``."""
+        whole = self.assemble()
+        if self.checkpointer is not None:
+            self.checkpointer.record(logs)
+            self.checkpointer.save(epoch + 1, serialization.model_to_bytes(whole))
+
+    def save_step(self, epoch: int, steps: int) -> None:
+        """After ``steps`` of the fit's steps in epoch ``epoch``."""
+        whole = self.assemble()
+        if self.checkpointer is not None:
+            position = self.ranks.position_at(self.rest, epoch, steps)
+            self.checkpointer.save(epoch, serialization.model_to_bytes(whole), position=position)
 
 
 class StageMetrics:
@@ -84,30 +129,46 @@ class StageEpochs:
         self.report = report  # the reporting task's: a progress event (at most one a second, for the steps)
         self.settle, self.validation_steps = settle, validation_steps
 
-    def run(self, epoch: int, rows, held_out) -> dict[str, float]:
-        """Trains epoch ``epoch`` (``rows``/``held_out``: the shard's, on the first and last stage; None elsewhere);
-        its logs, complete on the last stage (loss, metrics, ``val_*``), the loss alone elsewhere."""
-        logs = self._train(epoch, rows)
+    def run(
+        self,
+        epoch: int,
+        rows,
+        held_out,
+        *,
+        rest: EpochRest | None = None,
+        after_step: Callable[[int, int, int], None] | None = None,
+    ) -> dict[str, float]:
+        """Trains epoch ``epoch`` (``rows``/``held_out``: the shard's, on the first and last stage; None elsewhere),
+        its steps left only where it resumed mid-epoch (``rest``); its logs, complete on the last stage (loss, metrics,
+        ``val_*``), the loss alone elsewhere. ``after_step(epoch, steps, planned)`` after each of its ``planned``
+        steps."""
+        logs = self._train(epoch, rows, rest, after_step)
         if self.settle is not None:
             self.settle()
         if self.settings.validate:
             logs.update(self._validate(held_out))
         return logs
 
-    def _train(self, epoch: int, rows) -> dict[str, float]:
+    def _train(self, epoch: int, rows, rest: EpochRest | None, after_step) -> dict[str, float]:
         settings, runner = self.settings, self.runner
-        start, stop = epoch * settings.steps_per_epoch, (epoch + 1) * settings.steps_per_epoch
-        parts = schedule.epoch_steps(
-            self.rows,
-            keys=None,
-            steps=settings.steps_per_epoch,
-            seed=settings.seed,
-            shuffle=settings.shuffle,
-            start=start,
-            stop=stop,
-        )
+        if rest is None:
+            start, stop = epoch * settings.steps_per_epoch, (epoch + 1) * settings.steps_per_epoch
+            parts = list(
+                schedule.epoch_steps(
+                    self.rows,
+                    keys=None,
+                    steps=settings.steps_per_epoch,
+                    seed=settings.seed,
+                    shuffle=settings.shuffle,
+                    start=start,
+                    stop=stop,
+                )
+            )
+            batches = iter(settings.batches(rows, start, stop)) if rows is not None else None
+        else:
+            parts = rest.parts()
+            batches = iter(rows.batches(parts)) if rows is not None else None
         sizes = [end - begin for part in parts for begin, end in part.spans]
-        batches = iter(settings.batches(rows, start, stop)) if rows is not None else None
         if self.metrics is not None:
             self.metrics.reset()
         total, reported, rows_since = 0.0, time.monotonic(), 0
@@ -121,11 +182,14 @@ class StageEpochs:
                 rate = rows_since / (now - reported)
                 self.report({"event": "step", "epoch": epoch, "step": step + 1, "logs": {}, "samples_per_second": rate})
                 reported, rows_since = now, 0
+            if after_step is not None:
+                after_step(epoch, step + 1, len(sizes))
         metrics = self.metrics.result() if self.metrics is not None else {}
+        weight = self.rows if rest is None else rest.rows_left  # the shard's rows these steps trained
         if self.pipeline is None:  # this replica's own loss: combined over the replicas like its metrics
-            return self._over_replicas({"loss": total / sum(sizes), **metrics}, self.rows)
+            return self._over_replicas({"loss": total / sum(sizes), **metrics}, weight)
         loss = float(self.pipeline.allreduce(np.array([total], np.float64), ReduceOp.SUM)[0]) / sum(sizes)
-        return {"loss": loss, **self._over_replicas(metrics, self.rows)} if self.metrics is not None else {"loss": loss}
+        return {"loss": loss, **self._over_replicas(metrics, weight)} if self.metrics is not None else {"loss": loss}
 
     def _validate(self, held_out) -> dict[str, float]:
         runner, batch, count = self.runner, self.settings.batch_size, self.validation_rows

@@ -56,6 +56,7 @@ class PipelinePlan(BarrierPlan):
     profile: bool = False  # each stage records its micro-batches' events (FitResult.stats["pipeline"]["timeline"])
 
     runs_callbacks: ClassVar[bool] = False  # its stages run their own loop (``epoch.StageEpochs``), not Keras's fit
+    saves_step_checkpoints: ClassVar[bool] = True
 
     def check_fit(self, *, num_workers: int, batch_size: int, weighted: bool) -> None:
         stages = self.stages.num_stages
@@ -85,6 +86,9 @@ class PipelinePlan(BarrierPlan):
 
     def shard_ranks(self, size: int) -> range:
         return range(0, size, self.stages.num_stages)  # each replica's first stage reads its shard
+
+    def shard_of(self, rank: int, size: int) -> int:
+        return rank // self.stages.num_stages  # every stage of a replica walks its shard's steps
 
     def writer(self, size: int) -> int:
         return self.stages.num_stages - 1  # the last stage of replica 0

@@ -6,7 +6,10 @@ all stages of a replica walk one schedule: the first stage feeds each step's fea
 labels, and the middle ones, which hold no rows, know each step's size from the shard's count
 (``schedule.epoch_steps``). The last stage of replica 0 (the writer) reports progress and, with
 checkpoints, gathers replica 0's stages into the whole model once an epoch and saves it; a stage
-Spark retries resumes from the newest checkpoint, each task taking its own stage of it.
+Spark retries resumes from the newest checkpoint, each task taking its own stage of it. Step checkpoints
+(``checkpoint_every``) are taken the same way mid-epoch, at the steps every task agrees on
+(``Ranks.step_checkpoints``); a stage that resumes from one trains the epoch's steps left first
+(``sparkdl.position``: the replicas are its shards), then the whole epochs.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from sparkdl.launch import payloads
 from sparkdl.modes.barrier import Ranks
 from sparkdl.modes.pipeline import state, timeline
 from sparkdl.modes.pipeline.cut import build_stage
-from sparkdl.modes.pipeline.epoch import StageEpochs, StageMetrics, train_epochs
+from sparkdl.modes.pipeline.epoch import AssembledCheckpoints, StageEpochs, StageMetrics, train_epochs
 
 if TYPE_CHECKING:
     from sparkdl.modes.pipeline.mode import PipelinePlan
@@ -78,20 +81,25 @@ def train(plan: PipelinePlan, ranks: Ranks) -> bytes | None:
     )
     ranks.reporter.phase("model in")
     own_rows = (ranks.rows, ranks.held_out) if stage in (0, stages - 1) else (None, None)
+    rest = ranks.epoch_rest(start)  # the replicas are the shards: each one's first and last stage hold its rows
+    step_checkpoints = ranks.step_checkpoints(every_rank=True)  # replica 0's stages send their state for each
     with ranks.checkpointing(start) as checkpointer:
         whole = None  # the writer's whole model, for checkpoints
 
-        def save(epoch: int, logs: dict) -> None:
+        def assemble():
             nonlocal whole
             states = _gather_states(pipeline, model, ranks.writer)  # replica 0's stages send theirs to the writer
-            if checkpointer is not None:
-                whole = whole or ranks.whole_model(start)
-                state.assemble_state(whole, plan.stages, states)
-                checkpointer.record(logs)
-                checkpointer.save(epoch + 1, serialization.model_to_bytes(whole))
+            if checkpointer is None:
+                return None
+            whole = whole or ranks.whole_model(start)
+            state.assemble_state(whole, plan.stages, states)
+            return whole
 
         saving = ranks.task.checkpoints is not None and replica == 0
-        history = train_epochs(epochs, ranks, start.epoch, own_rows, save if saving else None)
+        saves = AssembledCheckpoints(ranks, checkpointer, assemble, rest) if saving else None
+        history = train_epochs(
+            epochs, ranks, start.epoch, own_rows, saves, rest=rest, step_checkpoints=step_checkpoints
+        )
     rows_of_stats = comm.allgather(epochs.summary_row())
     timelines = pipeline.gather(events.array(), root=stages - 1) if events is not None else None
     epochs.close()
@@ -105,7 +113,7 @@ def train(plan: PipelinePlan, ranks: Ranks) -> bytes | None:
             stats["timeline"] = timeline.events(timelines)
         report = {
             "history": history,
-            "stats": {"pipeline": stats},
+            "stats": {"pipeline": stats, **ranks.checkpoint_stats(start, step_checkpoints)},
             "initial_epoch": start.epoch,
             "resumed_history": start.history if start.epoch != settings.initial_epoch else None,
         }
@@ -122,10 +130,10 @@ def _optimizer_state(model) -> dict[str, np.ndarray]:
 def _starting_point(plan: PipelinePlan, ranks: Ranks, stage: int) -> tuple[Checkpoint, tuple]:
     """The checkpoint training starts from (the writer's view of it) and this stage's ``(weights, optimizer
     arrays)``: the driver's offer, or this stage's part of a newer checkpoint."""
-    epoch, newer = ranks.newest_epoch()
+    newer = ranks.newer_checkpoint()
     if newer is None:
         weights, optimizer, _ = state.from_bytes(payloads.fetch(ranks.reporter, stage_payload(stage)))
-        return ranks.part_start(epoch), (weights, optimizer)
+        return ranks.part_start(), (weights, optimizer)
     whole = serialization.model_from_bytes(newer.model_bytes, ranks.settings.custom_objects)
     weights, optimizer, _ = state.from_bytes(state.stage_states(whole, plan.stages, [stage])[0])
     return newer, (weights, optimizer)

@@ -27,7 +27,6 @@ class Zero1Plan(SyncPlan):
     (``sharded``): the same weights, 1/N of the optimizer's memory and work per rank. Sparkdl's collectives only."""
 
     shards_optimizer: ClassVar[bool] = True
-    saves_step_checkpoints: ClassVar[bool] = False  # its optimizer state would be gathered from every rank
 
 
 class ShardedMode(Mode):

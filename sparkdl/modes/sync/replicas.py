@@ -11,7 +11,7 @@ import contextlib
 import hashlib
 import itertools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,7 +26,7 @@ from sparkdl.modes.base import Settings
 from sparkdl.modes.sync import sharded
 from sparkdl.modes.sync.reducer import GradientReducer
 from sparkdl.modes.sync.step_profile import StepProfile
-from sparkdl.position import EpochRest
+from sparkdl.position import EpochRest, step_scales
 
 if TYPE_CHECKING:
     from sparkdl.modes.sync.mode import SyncPlan
@@ -196,6 +196,7 @@ def train(
     plan: SyncPlan,
     profile: StepProfile | None = None,
     saves_each_epoch: bool = False,
+    step_saving: Callable[[Callable[[], contextlib.AbstractContextManager] | None], Any] | None = None,
 ) -> tuple[dict[str, list[float]], dict]:
     """Trains ``model`` in place on this rank's rows, in lockstep with the other ranks; returns the history.
 
@@ -211,7 +212,9 @@ def train(
     combination of metrics over ranks, so they see the global values. ``plan`` says how the
     gradients travel (and whether each rank keeps 1/N of the optimizer state), ``profile`` times each step.
     ``saves_each_epoch``: rank 0's ``callbacks`` save the model at every epoch's end (a sharded optimizer's state
-    is gathered for it first). Returns the history and this mode's counters (every rank's, the same on every rank).
+    is gathered for it first). ``step_saving(around_save)``: the Keras callback that saves the step checkpoints,
+    around each save on every rank ``around_save()`` (a sharded optimizer's state gathered; None: nothing). Returns
+    the history and this mode's counters (every rank's, the same on every rank).
     """
     import keras
 
@@ -223,11 +226,7 @@ def train(
     # the user's callbacks: sparkdl's own take any number of steps per call
     whole_replicas.run_steps_per_call(model, settings.callbacks, settings.checkpoint_every)
     validation_data = validation.keras_data(rows, settings.batch_size) if validation is not None else None
-    per_epoch = schedule.gradient_scales(rows_per_rank, comm.rank, steps)
-    if rest is not None:
-        scales = schedule.StepScales.of(per_epoch, rest.scales(comm.rank), rest.steps_left)
-    else:
-        scales = schedule.StepScales.of(per_epoch)
+    scales = step_scales(schedule.gradient_scales(rows_per_rank, comm.rank, steps), rest, comm.rank)
     compile_update = compiled_update.pays(model.optimizer, model.trainable_variables)
     first = []
     if profile is not None:  # an attribute of this replica only, removed before the model is saved
@@ -236,23 +235,12 @@ def train(
         profile.compiled_update = compile_update
     options: dict[str, Any] = dict(timeout=settings.timeout, compile_update=compile_update)
     stats: dict = {}
-    history: dict[str, list[float]] = {}
 
-    def fit(stream, epochs: range, steps_in_epoch: int) -> None:
+    def callbacks_of(steps_in_epoch: int) -> list:
         combine = _average_across_workers_callback(
             comm, samples=len(rows), steps_per_epoch=steps_in_epoch, validation=validation
         )
-        done = model.fit(
-            stream,
-            epochs=epochs.stop,
-            initial_epoch=epochs.start,
-            shuffle=False,
-            verbose=0,
-            validation_data=validation_data,
-            callbacks=[*first, combine, *callbacks],
-        )
-        for name, values in done.history.items():
-            history.setdefault(name, []).extend(float(v) for v in values)
+        return [*first, combine, *callbacks]
 
     try:
         exchanging: contextlib.AbstractContextManager[Any]
@@ -264,12 +252,11 @@ def train(
         with exchanging as state:
             if state is not None and saves_each_epoch:
                 first.append(state.consolidating_callback())
-            whole_from = initial_epoch
-            if rest is not None:
-                fit(settings.rest_stream(rows, rest), range(rest.epoch, rest.epoch + 1), rest.steps_left)
-                whole_from = rest.epoch + 1
-            if whole_from < settings.epochs:
-                fit(settings.epoch_stream(rows, whole_from), range(whole_from, settings.epochs), steps)
+            if step_saving is not None:
+                first.append(step_saving(state.consolidated if state is not None else None))
+            history = whole_replicas.fit_epochs(
+                model, rows, settings, initial_epoch, rest, callbacks_of, validation_data=validation_data
+            )
             if state is not None:
                 stats["sharded"] = state.summary()
                 state.finish()

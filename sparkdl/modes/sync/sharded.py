@@ -292,6 +292,12 @@ class ShardedOptimizer:
             self._model.optimizer = full
             _compiled_with(self._model, full)
 
+    @contextlib.contextmanager
+    def consolidated(self) -> Iterator[None]:
+        """Collective: the state gathered (``consolidate``) for a save inside the block, which takes it on rank 0."""
+        self.consolidate()
+        yield
+
     def consolidating_callback(self):
         """A Keras callback that gathers the state at every epoch's end (for rank 0's checkpoint after it)."""
         import keras

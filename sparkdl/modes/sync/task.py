@@ -3,6 +3,7 @@ its replica, kept one model with the others by averaged gradients; rank 0's resu
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from sparkdl.keras import callbacks, random_state, serialization
@@ -24,16 +25,18 @@ def train(plan: SyncPlan, ranks: Ranks) -> bytes | None:
     ranks.reporter.phase("model in")
     validation = whole_replicas.Validation(ranks.held_out, ranks.counts[:, 1]) if settings.validate else None
     rest = ranks.epoch_rest(start)
+    # the ranks hold the same model and (combined) metrics: one of them reports and saves, where the others take part
+    # in a step checkpoint only to gather a sharded optimizer's state for it
+    step_checkpoints = ranks.step_checkpoints(every_rank=plan.shards_optimizer)
     with ranks.checkpointing(start) as checkpointer:
-        # the ranks hold the same model and (combined) metrics: one of them reports and saves
         progress = ranks.progress_callback()
         saving = [callbacks.checkpoint_callback(checkpointer)] if checkpointer is not None else []
         step_saving = None
-        if checkpointer is not None and settings.checkpoint_every is not None:
-            step_saving = callbacks.step_checkpoint_callback(
-                checkpointer, settings.checkpoint_every, lambda epoch, steps: ranks.position_at(rest, epoch, steps)
+        if step_checkpoints is not None:  # made by ``replicas.train`` once a sharded optimizer exists
+            position_at = functools.partial(ranks.position_at, rest)
+            step_saving = functools.partial(
+                callbacks.step_checkpoint_callback, step_checkpoints, checkpointer, position_at
             )
-            saving.insert(0, step_saving)
         profile = StepProfile() if plan.profile else None
         history, stats = replicas.train(
             model,
@@ -49,14 +52,11 @@ def train(plan: SyncPlan, ranks: Ranks) -> bytes | None:
             plan=plan,
             profile=profile,
             saves_each_epoch=ranks.task.checkpoints is not None,
+            step_saving=step_saving,
         )
     if profile is not None:
         stats["step_profile"] = profile.summary(comm)
-    if step_saving is not None:
-        stats["step_checkpoints"] = step_saving.stats()
-    if start.position is not None:  # where the epoch stood: the steps a fault cost are the steps since then
-        segments = [[s.shards, s.planned, s.done] for s in start.position.segments]
-        stats["resumed_at"] = {"epoch": start.epoch, "step": start.position.steps, "segments": segments}
+    stats.update(ranks.checkpoint_stats(start, step_checkpoints))
     stats["wire_bytes"] = whole_replicas.wire_bytes(comm)
     ranks.reporter.phase("train")
     if not ranks.writer:
