@@ -133,10 +133,11 @@ def fit(
             the driver's script or notebook, or registered at run time) are found on the driver and sent with the
             job (``sparkdl.keras.shipped_objects``); one that cannot be found is refused before any Spark job.
         checkpoint_dir: a directory (local path, ``file://``, ``hdfs://``, ``s3://``, ...) where the
-            model, its optimizer state and the history are saved after every epoch (by rank 0 in
-            sync mode, by the driver otherwise; see ``sparkdl.checkpoint``). A fit pointed at a
-            directory holding checkpoints continues from the newest one, and in sync mode a stage
-            Spark retries after losing a task resumes from it. On a cluster it must be storage
+            model, its optimizer state and the history are saved after every epoch (by the writer rank
+            inside the stage in the barrier modes, by the driver in the others; see ``sparkdl.checkpoint``),
+            and mid-epoch every ``checkpoint_every``. A fit pointed at a directory holding checkpoints
+            continues from the newest one, and a barrier stage Spark retries after losing a task resumes
+            from it. On a cluster it must be storage
             every executor reaches.
         checkpoint_every: with ``checkpoint_dir``, also save mid-epoch: every so many steps (an int), or every so
             long (``"30s"``, ``"10min"``, ``"2h"``; default ``"10min"`` in the modes that take it,

@@ -370,13 +370,17 @@ class StepCheckpoints:
 
     The ranks that take part in a save (a sharded optimizer's state gathered, the replicas averaged, a model's parts
     assembled) must take it at the same steps: every so many steps they count alike; every so long each would read
-    its own clock, so ``agree`` (with a time interval only: every rank, at every step it asks) makes the writer's
-    decision theirs (a broadcast of one byte)."""
+    its own clock, so ``agree`` (with a time interval only: every rank, at the first step it asks after every
+    ``AGREE_STEPS`` steps, which every rank counts alike) makes the writer's decision theirs (a broadcast of one
+    byte), so that a rank waits for the writer once in so many steps, not at every one."""
+
+    AGREE_STEPS = 16
 
     def __init__(self, interval: CheckpointInterval, agree: Callable[[bool], bool] | None = None):
         self.interval, self._agree = interval, agree
         self._saved, self._seconds = 0, 0.0
         self._since, self._last = 0, time.monotonic()
+        self._asked_at = 0  # the value of ``_since`` when the ranks last agreed
         self._epoch: int | None = None
         self._steps = 0  # this run's steps into epoch ``_epoch`` so far
 
@@ -389,7 +393,12 @@ class StepCheckpoints:
         if steps >= planned:
             return False
         due = self.interval.due(self._since, time.monotonic() - self._last)
-        return self._agree(due) if self._agree is not None and self.interval.seconds is not None else due
+        if self._agree is None or self.interval.seconds is None:
+            return due
+        if self._since < self._asked_at + self.AGREE_STEPS:
+            return False
+        self._asked_at = self._since
+        return self._agree(due)
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
@@ -397,7 +406,7 @@ class StepCheckpoints:
         started = time.perf_counter()
         yield
         self._saved, self._seconds = self._saved + 1, self._seconds + time.perf_counter() - started
-        self._since, self._last = 0, time.monotonic()
+        self._since, self._last, self._asked_at = 0, time.monotonic(), 0
 
     def stats(self) -> dict:
         """``FitResult.stats["step_checkpoints"]``: the checkpoints saved and the seconds training waited for them (the

@@ -27,7 +27,6 @@ walks its shard's steps by their sizes (``EpochRest.parts``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -118,25 +117,6 @@ class EpochRest:
     shard: int  # the shard of the segment whose steps this worker walks
 
     @classmethod
-    def whole(
-        cls,
-        epoch: int,
-        keys: np.ndarray,
-        rows_per_rank: Sequence[int],
-        key_sum: int,
-        *,
-        rank: int,
-        steps: int,
-        seed: int,
-        shuffle: bool,
-    ) -> EpochRest:
-        """A whole epoch, from its first step, on worker ``rank``: the regular schedule's (``key_sum``: all workers'
-        keys')."""
-        order = schedule.epoch_order(keys, seed=seed, epoch=epoch, shuffle=shuffle)
-        segment = Segment(len(rows_per_rank), tuple(rows_per_rank), steps, 0)
-        return cls(EpochPosition(epoch, seed, shuffle, key_sum, ()), (), segment, order, rank)
-
-    @classmethod
     def resume(
         cls,
         position: EpochPosition,
@@ -183,6 +163,8 @@ class EpochRest:
                 )
             return cls(position, position.segments[:-1], last, order, shard)
         steps = schedule.steps_per_epoch([max(1, n) for n in counts], batch_size)
+        if not len(order) and len(keys):  # nothing of the epoch left here: filler steps on one of its rows
+            order = np.zeros(1, np.int64)
         return cls(position, position.segments, Segment(len(shards), tuple(counts), steps, 0), order, shard)
 
     @property
@@ -213,7 +195,7 @@ class EpochRest:
         for step in range(segment.done, segment.planned):
             if bounds[step] < bounds[step + 1]:
                 spans.append((int(bounds[step]), int(bounds[step + 1])))
-            elif fillers and n:
+            elif fillers:  # a one-row step whose gradient weighs nothing (``scales``), as the schedule's fillers
                 spans.append((0, 1))
         return [schedule.EpochSteps(self.order, spans)] if spans else []
 

@@ -151,3 +151,22 @@ def test_a_pipelines_stages_walk_their_replicas_rest_whatever_rows_they_hold(bef
     assert collections.Counter(trained + left) == collections.Counter(KEYS.tolist())
     steps_left = {rest.steps_left for rest in rests.values()}
     assert len(steps_left) == 1 and (before != replicas or steps_left == {steps - 5})
+
+
+def test_a_worker_left_without_rows_of_the_epoch_still_steps_with_the_others():
+    """Resumed on more workers one step before the epoch's end, some workers hold none of the rows left: they run
+    one-row filler steps (weighing nothing) so that every worker runs the same steps."""
+    steps = len(KEYS)  # one row a step: one row left after the last but one
+    position = EpochPosition(EPOCH, SEED, True, key_sum(KEYS), (Segment(1, (len(KEYS),), steps, steps - 1),))
+    rests = _rests(position, 3)
+    counts = [rest.segment.rows[rank] for rank, rest in rests.items()]
+    assert 0 in counts and sum(counts) > 0
+    assert len({rest.steps_left for rest in rests.values()}) == 1
+    for rank, rest in rests.items():
+        spans = [span for part in rest.parts() for span in part.spans]
+        assert len(spans) == rest.steps_left  # fillers included: the ranks stay in lockstep
+        if counts[rank] == 0:
+            assert set(spans) == {(0, 1)} and (rest.scales(rank) == 0).all()
+    left = _left(rests, _dealt(KEYS, 3))
+    trained = _trained_by_rule(_dealt(KEYS, 1), steps, steps - 1)
+    assert collections.Counter(trained + left) == collections.Counter(KEYS.tolist())
