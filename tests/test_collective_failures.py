@@ -309,6 +309,35 @@ def test_closed_peer_fails_collective():
         )
 
 
+def test_a_rank_that_closed_its_communicator_fails_no_rank_still_opening_a_link():
+    """Rank 4 of 5 waits for rank 2 to open their link while rank 3, linked to it, has finished and closed its
+    communicator: rank 4 must go on waiting, not take the closed link for a failed job (gossip's rounds end so when
+    the ranks that sit out the last ones leave first). Ranks 2 and 4 are linked on first use: neither the ring nor
+    connect's barrier (a binomial tree from rank 0) links them. Rank 2 connects well after rank 3 closed (5 of the
+    waiting rank's checks of its links), so the close always falls inside the wait."""
+    waiting, closed, received = threading.Event(), threading.Event(), threading.Event()
+
+    def body(comm):
+        if comm.rank == 2:
+            assert closed.wait(30)
+            time.sleep(1.0)
+            comm.send(np.arange(5.0), 4)
+        elif comm.rank == 3:
+            assert waiting.wait(30)
+            comm.close()
+            closed.set()
+        elif comm.rank == 4:
+            waiting.set()
+            message = comm.recv(2).tolist()
+            received.set()
+            return message
+        else:
+            assert received.wait(30)
+        return None
+
+    assert run_ranks(5, body, timeout=FOREVER)[4] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
 def test_a_failure_poisons_the_subgroups_too():
     def body(comm):
         local = comm.local()

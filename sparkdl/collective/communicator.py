@@ -133,8 +133,8 @@ class SparkdlCommunicator(BaseCommunicator):
             comm._open_segment()
             if comm.size > 1:  # as NCCL's init: no rank returns (and may leave) before every rank is linked
                 comm.barrier()
-        except BaseException:
-            links.close()
+        except BaseException as exc:
+            links.close(reason=f"rank {rank} failed to join the job: {exc}")
             job.close_segments()
             raise
         return comm

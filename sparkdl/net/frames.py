@@ -47,6 +47,8 @@ class Kind(enum.IntEnum):
     ABORT = 3
     REQUEST = 4
     RESPONSE = 5
+    #: a rank closed its communicator: nothing more comes on this link, and the rank has not failed
+    CLOSE = 6
 
 
 class FrameError(ConnectionError):

@@ -67,18 +67,25 @@ class Link:
 
     def abort(self, reason: str) -> None:
         """Tells the peer, if the link is free within a moment, why this rank gives up; then closes."""
+        message = reason.encode()[:MAX_ABORT_BYTES]
+        self._end(Header(Kind.ABORT, 0, len(message)), message)
+
+    def close(self) -> None:
+        """Tells the peer, if the link is free within a moment, that this rank closed its communicator (it has not
+        failed: see ``Links``, whose ranks waiting for a connection take a link closed without a word for a failure);
+        then closes."""
+        self._end(Header(Kind.CLOSE, 0, 0), b"")
+
+    def _end(self, header: Header, payload: bytes) -> None:
+        """Sends the link's last frame, if no other frame is being sent for a moment; then closes the socket."""
         if self._send_lock.acquire(timeout=0.5):
             try:
                 self.channel.sock.settimeout(1.0)
-                message = reason.encode()[:MAX_ABORT_BYTES]
-                self.channel.send([Header(Kind.ABORT, 0, len(message)).pack(), message])
+                self.channel.send([header.pack(), payload])
             except OSError:
                 pass
             finally:
                 self._send_lock.release()
-        self.close()
-
-    def close(self) -> None:
         shutdown_and_close(self.channel.sock)
         self._sender.shutdown(wait=False, cancel_futures=True)
         with self._state:  # nobody will ask for them now
@@ -201,6 +208,11 @@ class Link:
             raise CollectiveError(
                 f"rank {self.rank}: {_receiving_in(op)} failed: rank {self.peer} gave up: "
                 f"{reason.decode(errors='replace')}"
+            )
+        if header.kind == Kind.CLOSE:
+            raise CollectiveError(
+                f"rank {self.rank}: rank {self.peer} closed the connection during {operation_name(op)}: it closed "
+                "its communicator; all ranks must make the same calls"
             )
         return header
 

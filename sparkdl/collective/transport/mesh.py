@@ -4,7 +4,8 @@ Each pair of ranks shares one connection (a :class:`~sparkdl.collective.transpor
 used in both directions; the lower rank connects, the higher one accepts (on a
 thread that keeps accepting for the communicator's life, so links can open on
 first use: the ring's at connect, a star's or a mesh's when an algorithm needs
-them).
+them). A rank that closes its links says so first (a CLOSE frame), so that a rank still
+waiting for a connection can tell a peer that finished from one that failed.
 """
 
 from __future__ import annotations
@@ -159,7 +160,9 @@ class Links:
             return self._accepted.pop(peer)
 
     def _a_peer_has_gone(self) -> int | None:
-        """A linked peer whose end of the link is closed (it failed: nobody else will connect now), if any."""
+        """A linked peer whose end of the link closed with nothing left unread (it died, or failed without a word:
+        nobody else will connect now), if any. A peer that closed its communicator is not gone: ranks finish at
+        different times while others still open links on first use, and its CLOSE frame stays unread here."""
         for peer, link in list(self._links.items()):
             sock = link.channel.sock
             try:
@@ -207,7 +210,8 @@ class Links:
         return total
 
     def close(self, reason: str | None = None) -> None:
-        """Closes every link (telling each peer ``reason`` first, if given) and stops accepting."""
+        """Closes every link, telling each peer why this rank gives up (``reason``), or else that it closed its
+        communicator; stops accepting."""
         if self._closed:
             return
         with self._changed:
