@@ -35,6 +35,7 @@ class Case:
     resumes_at_checkpoint: bool = True  # a killed worker's stage starts again at the last checkpoint (else the lost
     # task alone trains its rows again, from the first step)
     exact_resume: bool = True  # the killed fit ends with the clean fit's weights (updates in a fixed order)
+    checkpoint_every: int | None = None  # the killed fit's step checkpoints (steps)
     not_covered: str = ""  # why the mode is not trained here
 
 
@@ -50,8 +51,9 @@ CASES = {
     "sync_ps": Case("sync_ps", resumes_at_checkpoint=False),
     # the server task beside the one worker: two task slots
     "sync_ps, servers on executors": Case("sync_ps", {"server_placement": "executors"}, num_workers=1),
-    # the first round ends after the kill: a worker caches its model between rounds, and the kill counts its calls
-    "average": Case("average", {"sync_every": 12}, resumes_at_checkpoint=False),
+    # the first round ends after the kill: a worker caches its model between rounds, and the kill counts its calls;
+    # the lost task's round is trained again by its retry (its step checkpoints are tests/test_step_checkpoints.py's)
+    "average": Case("average", {"sync_every": 12}, resumes_at_checkpoint=False, checkpoint_every=3),
     # a checkpoint holds the replicas' average: a resumed stage starts every replica there, not where each one was
     "gossip": Case("gossip", exact_resume=False),
     "tally": Case("tally", not_covered="tests/tally_mode.py's mode trains nothing: it only reports the rows it read"),
@@ -255,7 +257,9 @@ def test_every_mode_finishes_a_fit_whose_worker_was_killed_mid_epoch(
     log_dir.mkdir()
     model = _model(user_module, log_dir, crash_at=(steps + steps // 2) * case.calls_per_step, marker=str(marker))
 
-    faulty = _fit(case, strings_df, model, checkpoint_dir=str(tmp_path / "ckpt"))
+    every = {} if case.checkpoint_every is None else {"checkpoint_every": case.checkpoint_every}
+
+    faulty = _fit(case, strings_df, model, checkpoint_dir=str(tmp_path / "ckpt"), **every)
 
     assert marker.exists(), "the worker never died"
     trained, lost = _trained(log_dir)
