@@ -21,6 +21,7 @@ from models import CrashOnFirstAttempt
 
 import sparkdl
 from sparkdl.checkpoint import CheckpointInterval, CheckpointStore, StepCheckpoints
+from sparkdl.ps.positions import WorkerPositions
 
 ROWS, BATCH, EPOCHS = 300, 16, 2
 
@@ -293,19 +294,24 @@ def test_a_driver_killed_mid_epoch_and_started_again_on_other_workers_trains_eve
 
 #: The modes whose driver saves the step checkpoints: their options, their workers, whether a resumed fit's weights
 #: are the uninterrupted fit's (updates in a fixed order), and whether the model trains through Dropout (average mode
-#: seeds each round's draws by its first step).
+#: seeds each round's draws by its first step; a parameter-server worker's draws are its own, not in the checkpoint).
+#: The server task beside one worker: two task slots.
 DRIVER_SAVES = {
+    "sync_ps": ({}, 2, True, False),
+    "sync_ps, servers on executors": ({"server_placement": "executors"}, 1, True, False),
     "average": ({"sync_every": 3}, 2, True, True),
+    "async": ({"num_servers": 2}, 2, False, False),
 }
 
 
 @pytest.mark.parametrize("case", list(DRIVER_SAVES))
 def test_the_same_call_again_resumes_at_a_step_checkpoint_of_the_driver(ids_df, tmp_path, case):
-    """The driver saves step checkpoints every 3 steps (average: after the rounds). The same call again, after a
-    driver that died right after the oldest step checkpoint of epoch 1 (the later ones removed, as if never
-    written), trains on from it: each worker's rows of the steps before its position there, trained by the first
-    fit, and the rows the second fit trained make every row once per epoch, none twice; where updates come in a
-    fixed order, the weights are the uninterrupted fit's."""
+    """The driver saves step checkpoints every 3 steps (sync_ps: rounds; average: after the rounds; async: of each
+    worker's steps, its positions in the checkpoint). The same call again, after a driver that died right after the
+    oldest step checkpoint of epoch 1 (the later ones removed, as if never written), trains on from it: each
+    worker's rows of the steps before its position there, trained by the first fit, and the rows the second fit
+    trained make every row once per epoch, none twice; where updates come in a fixed order, the weights are the
+    uninterrupted fit's."""
     options, workers, exact, dropout = DRIVER_SAVES[case]
     mode = case.split(",")[0]
     ckpt, log_dir, second = tmp_path / "ckpt", tmp_path / "rows", tmp_path / "second-run"
@@ -334,8 +340,12 @@ def test_the_same_call_again_resumes_at_a_step_checkpoint_of_the_driver(ids_df, 
     for partition in range(workers):  # the first fit's rows of each worker's steps before where the checkpoint had it
         rows = ordered[False, partition]
         per_worker = len(rows) // EPOCHS
-        # every worker at the checkpoint's global step of the one schedule
-        steps, step = first.steps_per_epoch, saved.epoch * first.steps_per_epoch + saved.position.steps
+        if mode == "average":  # every worker at the checkpoint's global step of the one schedule
+            steps, step = first.steps_per_epoch, saved.epoch * first.steps_per_epoch + saved.position.steps
+        else:  # the worker's own position (sync_ps: every worker's), on its schedule, and where it resumed
+            positions = WorkerPositions.from_vector(saved.arrays[WorkerPositions.ARRAY])
+            steps, step = positions.steps_per_epoch(BATCH)[partition], positions.resumed(partition)
+            assert resumed.stats["resumed_at"]["workers"][partition] == step
         kept += rows[: (step // steps) * per_worker + (step % steps) * per_worker // steps]
     counted = collections.Counter(kept + [row for p in range(workers) for row in ordered.get((True, p), [])])
     assert counted == collections.Counter({row: EPOCHS for row in range(ROWS)})  # none twice, none skipped
@@ -346,11 +356,12 @@ def test_the_same_call_again_resumes_at_a_step_checkpoint_of_the_driver(ids_df, 
 
 def test_a_step_checkpoint_resumes_on_its_own_workers_only_in_the_driver_saving_modes(tmp_path):
     """Their tasks share no collective that could find which rows an epoch trained on other workers
-    (``sparkdl.position``): average mode refuses a step checkpoint of another number of workers on the driver,
-    naming what it expects."""
+    (``sparkdl.position``): average mode and the parameter-server modes refuse a step checkpoint of another number
+    of workers, or of another schedule, on the driver, naming what they expect."""
     from sparkdl.checkpoint import Checkpoint
     from sparkdl.modes.average.rounds import position_step
     from sparkdl.modes.base import Settings
+    from sparkdl.modes.parameter_server.checkpoints import resume_positions
     from sparkdl.position import EpochPosition, Segment
 
     settings = Settings(fields=None, num_workers=2, epochs=2, batch_size=16, steps_per_epoch=10, seed=3)
@@ -360,3 +371,11 @@ def test_a_step_checkpoint_resumes_on_its_own_workers_only_in_the_driver_saving_
     with pytest.raises(ValueError, match=r"3 workers holding \[50, 50, 50\] rows.* Received: 2 workers"):
         position_step(settings, checkpoint, [75, 75], 7)
     assert position_step(dataclasses.replace(settings, num_workers=3, steps_per_epoch=4), checkpoint, [50] * 3, 7) == 6
+
+    lockstep = WorkerPositions(3, True, True, (80, 70), (1, 6), ((12, 12),))
+    ps = Checkpoint(1, b"", {}, "sync_ps", {WorkerPositions.ARRAY: lockstep.to_vector()}, position=position)
+    assert resume_positions(ps, settings, lockstep=True, num_servers=2).next_steps == ((12, 12), (12, 12))
+    with pytest.raises(ValueError, match="Expected a step checkpoint of this mode's schedule and 3 workers"):
+        resume_positions(ps, dataclasses.replace(settings, num_workers=3), lockstep=True, num_servers=1)
+    with pytest.raises(ValueError, match="'sync_ps''s checkpoint epoch-000001-step-000000002"):
+        resume_positions(ps, settings, lockstep=False, num_servers=1)  # async's steps are each worker's own
