@@ -376,7 +376,9 @@ def _check_min_workers(plan: Plan, min_workers, num_workers: int, checkpoint_dir
             f"Expected `min_workers` to be an int from 1 to num_workers={num_workers}. Received: "
             f"min_workers={min_workers!r}"
         )
-    if min_workers < num_workers and (checkpoint_dir is None or not plan.saves_step_checkpoints):
+    if min_workers < num_workers and (
+        checkpoint_dir is None or not plan.saves_step_checkpoints or not plan.resumes_on_other_workers
+    ):
         raise ValueError(
             f"Expected `checkpoint_dir` and a mode that resumes mid-epoch with min_workers={min_workers} < "
             f"num_workers={num_workers}: the fit goes on with fewer workers from its newest checkpoint. Received: "

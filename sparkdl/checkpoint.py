@@ -56,9 +56,10 @@ _POSITION = "sparkdl/position"  # the ``.npz`` array of a step checkpoint's ``Ep
 class Checkpoint:
     """The state after ``epoch`` complete epochs.
 
-    ``step``: the global step the state was taken at when that is past the epoch's end (average
-    mode saves the state after the round that finished the epoch, up to ``sync_every - 1`` steps
-    into the next one); None (and in checkpoints written before it existed): the epoch's end.
+    ``step``: in average mode's checkpoints written before positions were, the global step the state was taken at
+    when that is past the epoch's end (the state after the round that finished the epoch, up to
+    ``sync_every - 1`` steps into the next one; average mode now saves that as a ``position``); None: the epoch's
+    end.
     ``position``: where epoch ``epoch`` stands when the state was taken mid-epoch (a step checkpoint); None at an
     epoch's end.
     """
@@ -322,12 +323,11 @@ class Checkpointer:
         model_bytes: bytes,
         arrays: dict[str, np.ndarray] | None = None,
         *,
-        step: int | None = None,
         position: EpochPosition | None = None,
     ) -> None:
         """Saves the state after ``epoch`` complete epochs, or ``position`` into the next one (a step checkpoint)."""
         history = {name: list(values) for name, values in self._history.items()}
-        self._writer.save(Checkpoint(epoch, model_bytes, history, self._mode, arrays or {}, step, position))
+        self._writer.save(Checkpoint(epoch, model_bytes, history, self._mode, arrays or {}, position=position))
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -267,7 +267,10 @@ class ProgressMonitor:
         with self._lock:
             self._positions[rank] = (epoch + 1) * self._steps_per_epoch
             reports = self._epoch_reports.setdefault(epoch, {})
-            reports[rank] = event
+            if event.get("skipped"):  # a worker that resumed past the epoch: its earlier attempt's report is the one
+                reports.setdefault(rank, event)
+            else:
+                reports[rank] = event
             if len(reports) < self._reporting_ranks:
                 return
             del self._epoch_reports[epoch]

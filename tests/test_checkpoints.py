@@ -198,9 +198,9 @@ def test_resume_restores_adams_moments_not_only_its_step_count(spark, digits, tm
 @pytest.mark.slow  # three fits of 7 to 9 averaging rounds, each a Spark job
 def test_average_mode_resumes_exactly_from_a_checkpoint_taken_mid_round(digits_df, tmp_path):
     """sync_every=20 does not divide the 45-step epoch: the checkpoint of epoch 2 (step 90) is the averaged state
-    after the round of steps 80..99, 10 steps into epoch 3, and says so (step 100). A fit that died in epoch 3
-    resumes at step 100 with that state's optimizer, in the rounds of an uninterrupted fit: its weights are that
-    fit's, and nothing is trained twice."""
+    after the round of steps 80..99, 10 steps into epoch 3, and says so (its position: 10 steps into the epoch
+    after epoch 2). A fit that died in epoch 3 resumes at step 100 with that state's optimizer, in the rounds of an
+    uninterrupted fit: its weights are that fit's, and nothing is trained twice."""
     settings = dict(num_workers=2, mode="average", batch_size=16, seed=0, sync_every=20)
     first = sparkdl.fit(digits_df, make_mlp(), epochs=3, checkpoint_dir=str(tmp_path), **settings)
     steps = first.steps_per_epoch
@@ -208,10 +208,10 @@ def test_average_mode_resumes_exactly_from_a_checkpoint_taken_mid_round(digits_d
     for name in _files(tmp_path):  # as if the first fit had died during epoch 3
         if name.startswith("epoch-000003."):
             os.remove(tmp_path / name)
-    saved = keras.models.load_model(tmp_path / "epoch-000002.keras")
+    saved = keras.models.load_model(tmp_path / "epoch-000002-step-000000010.keras")
     assert int(saved.optimizer.iterations.numpy()) == 100  # the round that ended epoch 2 ran on to step 100
-    assert json.loads((tmp_path / "epoch-000002.json").read_text())["step"] == 100
-    assert json.loads((tmp_path / "epoch-000001.json").read_text())["step"] == 60  # round 40..59 ended epoch 1
+    assert CheckpointStore.open(str(tmp_path)).latest().position.steps == 10
+    assert (tmp_path / "epoch-000001-step-000000015.json").exists()  # round 40..59 ended epoch 1
 
     resumed = sparkdl.fit(digits_df, make_mlp(), epochs=4, checkpoint_dir=str(tmp_path), **settings)
     whole = sparkdl.fit(digits_df, make_mlp(), epochs=4, **settings)

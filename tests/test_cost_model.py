@@ -448,7 +448,7 @@ def _ps_step(pattern, n, k, options):
     from ps_servers import client, server
     from shards import make_shards
 
-    from sparkdl.modes.parameter_server.push_pull import PushPull, SyncSteps
+    from sparkdl.modes.parameter_server.push_pull import PushPull, PushSteps
     from sparkdl.net.frames import HEADER
     from sparkdl.ps.rules import Immediate, SyncRounds
     from sparkdl.ps.sharding import ShardSpans, assign_shards
@@ -467,7 +467,7 @@ def _ps_step(pattern, n, k, options):
         one.start()
     try:
         clients = [client(running if apart else running[0], w, sizes) for w in range(n)]
-        steps = SyncSteps(0, np.array([8])) if rule.synchronous else None
+        steps = PushSteps(0, 1, rows=np.array([8]) if rule.synchronous else None)
         exchanges = [PushPull(c, layout, None, steps) for c in clients]
         gradient = np.ones(layout.size, np.float32)
         with ThreadPoolExecutor(n) as pool:

@@ -35,23 +35,31 @@ class Case:
     resumes_at_checkpoint: bool = True  # a killed worker's stage starts again at the last checkpoint (else the lost
     # task alone trains its rows again, from the first step)
     exact_resume: bool = True  # the killed fit ends with the clean fit's weights (updates in a fixed order)
+    checkpoint_every: int | None = None  # the killed fit's step checkpoints (steps)
+    resumes_at_step: bool = False  # each lost task's next attempt goes on at the step after the last one that counts
+    # (its own: the parameter server's, or the step checkpoint's; ``stats["resumed_at"]``), not from an epoch's start
     not_covered: str = ""  # why the mode is not trained here
 
 
+#: async, hogwild and ssp: a lost worker's retry goes on at its own step; the updates come in no fixed order.
+AT_ITS_STEP = dict(resumes_at_checkpoint=False, exact_resume=False, checkpoint_every=3, resumes_at_step=True)
 CASES = {
     "sync": Case("sync"),
     "sharded": Case("sharded"),
     "sharded, shard_weights": Case("sharded", {"shard_weights": True}, calls_per_step=2, calls_per_row=2),
     # one replica of two stages; the model's head alone is stage 1, the strings and the custom class stay in stage 0
     "pipeline": Case("pipeline", {"num_stages": 2, "micro_batches": 2, "cut_points": ["head"]}, calls_per_step=2),
-    "async": Case("async", resumes_at_checkpoint=False, exact_resume=False),
-    "hogwild": Case("hogwild", {"num_servers": 2}, resumes_at_checkpoint=False, exact_resume=False),
-    "ssp": Case("ssp", {"max_staleness": 1}, resumes_at_checkpoint=False, exact_resume=False),
-    "sync_ps": Case("sync_ps", resumes_at_checkpoint=False),
-    # the server task beside the one worker: two task slots
-    "sync_ps, servers on executors": Case("sync_ps", {"server_placement": "executors"}, num_workers=1),
-    # the first round ends after the kill: a worker caches its model between rounds, and the kill counts its calls
-    "average": Case("average", {"sync_every": 12}, resumes_at_checkpoint=False),
+    "async": Case("async", **AT_ITS_STEP),
+    "hogwild": Case("hogwild", {"num_servers": 2}, **AT_ITS_STEP),
+    "ssp": Case("ssp", {"max_staleness": 1}, **AT_ITS_STEP),
+    "sync_ps": Case("sync_ps", resumes_at_checkpoint=False, checkpoint_every=3, resumes_at_step=True),
+    # the server task beside the one worker: two task slots; the retried stage goes on at the last step checkpoint
+    "sync_ps, servers on executors": Case(
+        "sync_ps", {"server_placement": "executors"}, num_workers=1, checkpoint_every=3, resumes_at_step=True
+    ),
+    # the first round ends after the kill: a worker caches its model between rounds, and the kill counts its calls;
+    # the lost task's round is trained again by its retry (its step checkpoints are tests/test_step_checkpoints.py's)
+    "average": Case("average", {"sync_every": 12}, resumes_at_checkpoint=False, checkpoint_every=3),
     # a checkpoint holds the replicas' average: a resumed stage starts every replica there, not where each one was
     "gossip": Case("gossip", exact_resume=False),
     "tally": Case("tally", not_covered="tests/tally_mode.py's mode trains nothing: it only reports the rows it read"),
@@ -153,9 +161,9 @@ def _fit(case, df, model, **settings):
     )
 
 
-def _trained(log_dir) -> tuple[dict[int, list[bytes]], int]:
-    """The strings each partition's successful task attempts trained on, in order, and how many task attempts
-    trained and were lost (an attempt is lost where a later one of the same stage and partition trained)."""
+def _trained(log_dir) -> tuple[dict[int, list[bytes]], list[tuple[int, list[bytes]]]]:
+    """The strings each partition's successful task attempts trained on, in order, and those of each task attempt
+    that trained and was lost (a later one of the same stage and partition trained), by partition, in order."""
     attempts: dict[tuple[int, int, int], list[bytes]] = defaultdict(list)  # (stage, attempt, partition): strings
     for name in os.listdir(log_dir):
         with open(os.path.join(log_dir, name)) as f:
@@ -166,10 +174,13 @@ def _trained(log_dir) -> tuple[dict[int, list[bytes]], int]:
     for stage, attempt, partition in attempts:
         last[stage, partition] = max(attempt, last.get((stage, partition), attempt))
     kept: dict[int, list[bytes]] = defaultdict(list)
+    lost = []
     for stage, attempt, partition in sorted(attempts):  # stages (average's rounds) in the order they ran
         if last[stage, partition] == attempt:
             kept[partition] += attempts[stage, attempt, partition]
-    return dict(kept), len(attempts) - len(last)
+        else:
+            lost.append((partition, attempts[stage, attempt, partition]))
+    return dict(kept), lost
 
 
 def _case(name) -> Case:
@@ -221,7 +232,7 @@ def test_every_mode_trains_every_string_once_per_epoch_through_a_class_shipped_b
     case = _case(name)
     result, log_dir = clean_fit(name)
     trained, lost = _trained(log_dir)
-    assert lost == 0
+    assert not lost
     expected = {text.encode(): EPOCHS * case.calls_per_row for text in STRINGS}
     assert Counter(value for values in trained.values() for value in values) == expected
     sizes = []
@@ -245,30 +256,45 @@ def test_every_mode_finishes_a_fit_whose_worker_was_killed_mid_epoch(
     clean_fit, user_module, strings_df, tmp_path, name
 ):
     """Partition 0's Python worker dies hard halfway through epoch 2: Spark runs it again, from the checkpoint of
-    epoch 1 where the mode resumes its stage from the checkpoints, else the lost task alone from its first step. The
-    attempts that trained to the end trained every row once per epoch they ran, and a mode whose updates come in a
-    fixed order ends with the weights, losses and optimizer steps of the fit without the fault."""
+    epoch 1 where the mode resumes its stage from the checkpoints, else the lost task alone from its first step; or,
+    where it resumes at a step (``resumes_at_step``), from the step after the last one the server applied, or the
+    last step checkpoint. The attempts that trained to the end, with the lost ones' steps before where their next
+    attempts went on, trained every row once per epoch they ran, and a mode whose updates come in a fixed order ends
+    with the weights, losses and optimizer steps of the fit without the fault."""
     case = _case(name)
-    clean, _ = clean_fit(name)
+    clean, clean_log = clean_fit(name)
     steps = clean.steps_per_epoch
     marker, log_dir = tmp_path / "crashed", tmp_path / "rows"
     log_dir.mkdir()
     model = _model(user_module, log_dir, crash_at=(steps + steps // 2) * case.calls_per_step, marker=str(marker))
+    every = {} if case.checkpoint_every is None else {"checkpoint_every": case.checkpoint_every}
 
-    faulty = _fit(case, strings_df, model, checkpoint_dir=str(tmp_path / "ckpt"))
+    faulty = _fit(case, strings_df, model, checkpoint_dir=str(tmp_path / "ckpt"), **every)
 
     assert marker.exists(), "the worker never died"
     trained, lost = _trained(log_dir)
-    assert lost >= 1, "no task attempt was lost"
+    assert lost, "no task attempt was lost"
     start = 1 if case.resumes_at_checkpoint else 0
     assert faulty.initial_epoch == start
+    counted = [value for values in trained.values() for value in values]
+    if case.resumes_at_step:  # what the lost attempts trained before the step their next ones started at counts
+        at, (rows_of, _) = faulty.stats["resumed_at"], _trained(clean_log)
+        for partition, values in lost:
+            rows, step, per_epoch = (
+                len(rows_of[partition]) // EPOCHS,
+                at["workers"][partition],
+                at["steps_per_epoch"][partition],
+            )
+            assert 0 < step < EPOCHS * per_epoch and values, (partition, step)  # the lost attempt started at step 0
+            counted += values[: (step // per_epoch) * rows + (step % per_epoch) * rows // per_epoch]
+        start = 0
     expected = {text.encode(): (EPOCHS - start) * case.calls_per_row for text in STRINGS}
-    assert Counter(value for values in trained.values() for value in values) == expected
+    assert Counter(counted) == expected
     assert len(faulty.history["loss"]) == EPOCHS
     assert json.loads((tmp_path / "ckpt" / f"epoch-{EPOCHS:06d}.json").read_text())["epoch"] == EPOCHS
     if case.exact_resume:
         assert int(faulty.model.optimizer.iterations.numpy()) == int(clean.model.optimizer.iterations.numpy())
         for got, want in zip(faulty.model.get_weights(), clean.model.get_weights(), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    if case.exact_resume and case.resumes_at_checkpoint:  # a lost task's retry reports the losses of its own steps
+    if case.exact_resume and case.resumes_at_checkpoint and not case.resumes_at_step:  # whole epochs' losses
         np.testing.assert_allclose(faulty.history["loss"], clean.history["loss"], rtol=1e-5)

@@ -41,8 +41,9 @@ def test_async_with_bf16_pushes_trains_as_well_at_half_the_push_bytes(spark, dig
     plain, narrowed = results[None].stats, results["bf16"].stats
     assert plain["pushes"] == narrowed["pushes"] and plain["pulls"] == narrowed["pulls"]
     parameters = sum(int(np.prod(w.shape)) for w in results[None].model.trainable_weights)
-    # Every request is a 40-byte header (sparkdl.net.frames.HEADER): the pushes, the pulls, each worker's "done".
-    headers = HEADER.size * (plain["pushes"] + plain["pulls"] + 2)
+    # Every request is a 40-byte header (sparkdl.net.frames.HEADER): the pushes, the pulls, each worker's "done" and
+    # its "resume" (with its rows and their keys' sum: 16 bytes).
+    headers = HEADER.size * (plain["pushes"] + plain["pulls"] + 2 + 2) + 16 * 2
     assert plain["bytes_in"] - headers == 4 * parameters * plain["pushes"]
     assert narrowed["bytes_in"] - headers == 2 * parameters * narrowed["pushes"]
     assert narrowed["bytes_out"] == plain["bytes_out"]  # every pull's float32 weights

@@ -154,8 +154,9 @@ def test_every_mode_trains_every_row_once_per_epoch_and_counts_its_pushes(spark,
 
 
 def test_worker_killed_mid_training_is_retried_and_the_job_completes(spark, digits_df, digits):
-    """Partition 0's Python worker dies hard in its first attempt; Spark retries the task, which rejoins the
-    still-running server (its earlier pushes are kept) and the job finishes as well trained as without the fault."""
+    """Partition 0's Python worker dies hard in its first attempt, in its 30th step; Spark retries the task, which
+    rejoins the still-running server (its earlier pushes are kept) at the step after the last one the server applied,
+    and the job finishes as well trained as without the fault."""
     _, x_test, _, y_test = digits
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
@@ -180,8 +181,9 @@ def test_worker_killed_mid_training_is_retried_and_the_job_completes(spark, digi
     )
 
     planned = 10 * result.steps_per_epoch * 2
-    assert result.stats["pushes"] == planned  # accumulators merge successful attempts only
-    assert result.stats["versions"][0] > planned  # the server also kept the lost attempt's pushes
+    assert result.stats["resumed_at"]["workers"] == [29, 0]  # the retry's first step: the lost attempt applied 0..28
+    assert result.stats["pushes"] == planned - 29  # the successful attempts' counters
+    assert result.stats["versions"][0] == planned  # every step applied once: the lost attempt's 29, the others
     accuracy = float(np.mean(result.model.predict(x_test, verbose=0).argmax(axis=1) == y_test))
     assert accuracy >= 0.95, accuracy
 

@@ -345,7 +345,7 @@ _REFUSED = {
     "non-zero status": (ps_request(_PULL, 7, 0, status=1), True, "reserved"),
     "non-zero group": (ps_request(_PULL, 7, 0, group=1), True, "reserved"),
     "non-zero tag": (ps_request(_PULL, 7, 0, tag=1), True, "reserved"),
-    "non-zero value": (ps_request(_PUSH, 7, 16, value=1), True, "reserved"),
+    "non-zero value": (ps_request(_PULL, 7, 0, value=1), True, "reserved"),  # (a push's is its step)
     "wrong length": (ps_request(_PUSH, 7, 12), True, "exactly 16"),
     "wrong version": (with_raw(ps_request(_PUSH, 7, 16), version=VERSION + 1), False, f"wire version {VERSION + 1}"),
     "bad magic": (with_raw(ps_request(_PUSH, 7, 16), magic=b"SDLP"), False, "bad magic"),
@@ -551,3 +551,30 @@ def test_fuzzed_garbage_never_disturbs_the_server():
     assert stats["refused_connections"] > 0 and stats["protocol_errors"] > 0
     for shard, want in zip(shards, initial):
         np.testing.assert_array_equal(shard.w, want)
+
+
+def test_a_worker_that_resumes_is_told_where_it_stands_and_each_step_is_applied_once_per_shard():
+    """async, two shards: a worker's task dies after its push of step 2 reached shard 0 only. Its next attempt tells
+    the shards its rows and asks where it stands: shard 0 says step 3, shard 1 step 2. It resumes at 2; shard 0 drops
+    that push (applied already) and each shard has applied each of its steps once. A worker whose rows changed since
+    is refused."""
+    sizes = [2, 2]
+    shards = make_shards(sizes)
+    with server(shards, num_workers=1) as ps:
+        first = client(ps, 0, sizes)
+        assert first.resume(10, 99) == [-1, -1]  # nothing applied yet: its first step
+        for step in range(2):
+            first.push([np.ones(n, np.float32) for n in sizes], step=step)
+        first.close()
+        only_first = client(ps, 0, sizes[:1], addresses=ps.addresses[:1])  # step 2 reaches shard 0: the task dies
+        only_first.push([np.ones(sizes[0], np.float32)], step=2)
+        only_first.close()
+        retry = client(ps, 0, sizes)
+        assert retry.resume(10, 99) == [3, 2]
+        retry.push([np.ones(n, np.float32) for n in sizes], step=2)
+        assert ps.stats()["versions"] == [3, 3] and ps.stats()["replayed_pushes"] == [1, 0]
+        with ps.holding_updates():
+            assert ps.positions() == ([10], [99], [[3], [3]])
+        with pytest.raises(CollectiveError, match="trains 11 rows, but the positions of its steps were taken on 10"):
+            client(ps, 0, sizes).resume(11, 99)
+        retry.close()

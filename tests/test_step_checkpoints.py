@@ -21,6 +21,7 @@ from models import CrashOnFirstAttempt
 
 import sparkdl
 from sparkdl.checkpoint import CheckpointInterval, CheckpointStore, StepCheckpoints
+from sparkdl.ps.positions import WorkerPositions
 
 ROWS, BATCH, EPOCHS = 300, 16, 2
 
@@ -60,10 +61,11 @@ CASES = {
 
 
 class RecordIds(keras.layers.Layer):
-    """Drops the first input column (a row id) after appending, in training, ``<attempt> <retry> <call> <id>`` lines
-    per row to ``<log_dir>/<pid>``: ``call`` counts this layer's calls in its task attempt, from 0
-    (``Case.calls_per_step`` a step); ``retry`` is 1 where ``marker`` (the crash's) existed at the attempt's first
-    call."""
+    """Drops the first input column (a row id) after appending, in training, ``<attempt> <retry> <call> <time> <id>``
+    lines per row to ``<log_dir>/<pid>``: ``attempt`` ends with ``-<partition>``; ``call`` counts this layer's calls
+    in its task attempt, from 0 (``Case.calls_per_step`` a step); ``time`` is the call's (``time.monotonic_ns``: one
+    clock for every process of the machine); ``retry`` is 1 where ``marker`` (the crash's) existed at the attempt's
+    first call."""
 
     def __init__(self, log_dir, marker=None, **kwargs):
         super().__init__(**kwargs)
@@ -76,8 +78,9 @@ class RecordIds(keras.layers.Layer):
         if self._calls == 0:
             self._retry = int(bool(self.marker) and os.path.exists(self.marker))
         where = f"{self._attempt}-{TaskContext.get().partitionId()} {self._retry}"
+        now = time.monotonic_ns()
         with open(os.path.join(self.log_dir, str(os.getpid())), "a") as f:
-            f.writelines(f"{where} {self._calls} {int(i)}\n" for i in ids.ravel().tolist())
+            f.writelines(f"{where} {self._calls} {now} {int(i)}\n" for i in ids.ravel().tolist())
         self._calls += 1
         return ids
 
@@ -126,9 +129,21 @@ def _attempts(log_dir):
     for name in os.listdir(log_dir):
         with open(os.path.join(log_dir, name)) as f:
             for line in f:
-                attempt, retry, call, row = line.split()
+                attempt, retry, call, _, row = line.split()
                 lines[attempt, retry == "1"].append((int(call), int(row)))
     return lines
+
+
+def _in_order(log_dir):
+    """The ids each partition trained on, in the order it trained them (over task attempts and processes), by
+    ``(retry, partition)``."""
+    lines = collections.defaultdict(list)
+    for name in os.listdir(log_dir):
+        with open(os.path.join(log_dir, name)) as f:
+            for line in f:
+                attempt, retry, _, at, row = line.split()
+                lines[retry == "1", int(attempt.rsplit("-", 1)[1])].append((int(at), int(row)))
+    return {where: [row for _, row in sorted(pairs, key=lambda pair: pair[0])] for where, pairs in lines.items()}
 
 
 def _fit(df, model, **settings):
@@ -275,3 +290,92 @@ def test_a_driver_killed_mid_epoch_and_started_again_on_other_workers_trains_eve
         row for (_, second), calls in attempts.items() for call, row in calls if second or call < kept
     )
     assert counted == collections.Counter({row: EPOCHS for row in range(ROWS)})
+
+
+#: The modes whose driver saves the step checkpoints: their options, their workers, whether a resumed fit's weights
+#: are the uninterrupted fit's (updates in a fixed order), and whether the model trains through Dropout (average mode
+#: seeds each round's draws by its first step; a parameter-server worker's draws are its own, not in the checkpoint).
+#: The server task beside one worker: two task slots.
+DRIVER_SAVES = {
+    "sync_ps": ({}, 2, True, False),
+    "sync_ps, servers on executors": ({"server_placement": "executors"}, 1, True, False),
+    "average": ({"sync_every": 3}, 2, True, True),
+    "async": ({"num_servers": 2}, 2, False, False),
+}
+
+
+@pytest.mark.parametrize("case", list(DRIVER_SAVES))
+def test_the_same_call_again_resumes_at_a_step_checkpoint_of_the_driver(ids_df, tmp_path, case):
+    """The driver saves step checkpoints every 3 steps (sync_ps: rounds; average: after the rounds; async: of each
+    worker's steps, its positions in the checkpoint). The same call again, after a driver that died right after the
+    oldest step checkpoint of epoch 1 (the later ones removed, as if never written), trains on from it: each
+    worker's rows of the steps before its position there, trained by the first fit, and the rows the second fit
+    trained make every row once per epoch, none twice; where updates come in a fixed order, the weights are the
+    uninterrupted fit's."""
+    options, workers, exact, dropout = DRIVER_SAVES[case]
+    mode = case.split(",")[0]
+    ckpt, log_dir, second = tmp_path / "ckpt", tmp_path / "rows", tmp_path / "second-run"
+    log_dir.mkdir()
+    settings = dict(num_workers=workers, mode=mode, checkpoint_dir=str(ckpt), checkpoint_every=3, **options)
+    first = _fit(ids_df, _model(log_dir, marker=str(second), dropout=dropout), **settings)
+    assert first.stats["step_checkpoints"]["saved"] >= 2
+    mid = sorted(
+        name[: -len(".json")]
+        for name in os.listdir(ckpt)
+        if name.startswith("epoch-000001-step-") and name.endswith(".json")
+    )
+    assert mid, sorted(os.listdir(ckpt))
+    for name in os.listdir(ckpt):  # as if the driver had died right after the oldest step checkpoint of epoch 1
+        if name.split(".")[0] > mid[0]:
+            os.remove(ckpt / name)
+    saved = CheckpointStore.open(str(ckpt)).latest()
+    assert saved.position is not None and saved.position.steps > 0 and saved.stem == mid[0]
+
+    second.touch()
+    resumed = _fit(ids_df, _model(log_dir, dropout=dropout), **settings)
+
+    assert resumed.initial_epoch == 1 and len(resumed.history["loss"]) == EPOCHS
+    ordered = _in_order(log_dir)
+    kept = []
+    for partition in range(workers):  # the first fit's rows of each worker's steps before where the checkpoint had it
+        rows = ordered[False, partition]
+        per_worker = len(rows) // EPOCHS
+        if mode == "average":  # every worker at the checkpoint's global step of the one schedule
+            steps, step = first.steps_per_epoch, saved.epoch * first.steps_per_epoch + saved.position.steps
+        else:  # the worker's own position (sync_ps: every worker's), on its schedule, and where it resumed
+            positions = WorkerPositions.from_vector(saved.arrays[WorkerPositions.ARRAY])
+            steps, step = positions.steps_per_epoch(BATCH)[partition], positions.resumed(partition)
+            assert resumed.stats["resumed_at"]["workers"][partition] == step
+        kept += rows[: (step // steps) * per_worker + (step % steps) * per_worker // steps]
+    counted = collections.Counter(kept + [row for p in range(workers) for row in ordered.get((True, p), [])])
+    assert counted == collections.Counter({row: EPOCHS for row in range(ROWS)})  # none twice, none skipped
+    if exact:
+        for got, want in zip(resumed.model.get_weights(), first.model.get_weights(), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_checkpoint_resumes_on_its_own_workers_only_in_the_driver_saving_modes(tmp_path):
+    """Their tasks share no collective that could find which rows an epoch trained on other workers
+    (``sparkdl.position``): average mode and the parameter-server modes refuse a step checkpoint of another number
+    of workers, or of another schedule, on the driver, naming what they expect."""
+    from sparkdl.checkpoint import Checkpoint
+    from sparkdl.modes.average.rounds import position_step
+    from sparkdl.modes.base import Settings
+    from sparkdl.modes.parameter_server.checkpoints import resume_positions
+    from sparkdl.position import EpochPosition, Segment
+
+    settings = Settings(fields=None, num_workers=2, epochs=2, batch_size=16, steps_per_epoch=10, seed=3)
+    segment = Segment(3, (50, 50, 50), 4, 2)
+    position = EpochPosition(1, 3, True, 7, (segment,))
+    checkpoint = Checkpoint(1, b"", {}, "average", position=position)
+    with pytest.raises(ValueError, match=r"3 workers holding \[50, 50, 50\] rows.* Received: 2 workers"):
+        position_step(settings, checkpoint, [75, 75], 7)
+    assert position_step(dataclasses.replace(settings, num_workers=3, steps_per_epoch=4), checkpoint, [50] * 3, 7) == 6
+
+    lockstep = WorkerPositions(3, True, True, (80, 70), (1, 6), ((12, 12),))
+    ps = Checkpoint(1, b"", {}, "sync_ps", {WorkerPositions.ARRAY: lockstep.to_vector()}, position=position)
+    assert resume_positions(ps, settings, lockstep=True, num_servers=2).next_steps == ((12, 12), (12, 12))
+    with pytest.raises(ValueError, match="Expected a step checkpoint of this mode's schedule and 3 workers"):
+        resume_positions(ps, dataclasses.replace(settings, num_workers=3), lockstep=True, num_servers=1)
+    with pytest.raises(ValueError, match="'sync_ps''s checkpoint epoch-000001-step-000000002"):
+        resume_positions(ps, settings, lockstep=False, num_servers=1)  # async's steps are each worker's own

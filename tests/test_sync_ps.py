@@ -333,8 +333,8 @@ def test_a_fit_resumed_from_a_mid_run_checkpoint_trains_the_uninterrupted_weight
 @pytest.mark.slow  # a retried task starts a Python worker and TensorFlow anew
 def test_a_worker_killed_mid_epoch_is_retried_alone_and_the_weights_are_the_uninterrupted_ones(spark, digits):
     """Partition 0's Python worker dies hard at its 12th step; Spark retries that task alone while the other waits at
-    the step it missed. The retry trains from the first step, its pushes of the 11 steps applied already dropped,
-    and the server applies each step once: the weights of a run without the fault."""
+    the step it missed. The retry asks the server where it stands and resumes at that step, after the 11 the server
+    applied, which applies each step once: the weights of a run without the fault."""
     x_train, _, y_train, _ = digits
     df = digits_frame(spark, x_train[:256], y_train[:256]).cache()
 
@@ -360,6 +360,39 @@ def test_a_worker_killed_mid_epoch_is_retried_alone_and_the_weights_are_the_unin
     assert_same_weights(crashed.model, steady.model)
     steps = 2 * steady.steps_per_epoch
     assert steady.stats["rounds"] == crashed.stats["rounds"] == [steps]
-    assert steady.stats["replayed_pushes"] == [0] and crashed.stats["replayed_pushes"] == [11]
-    assert crashed.stats["pushes"] == 2 * steps  # the successful attempts' counters
+    assert steady.stats["replayed_pushes"] == crashed.stats["replayed_pushes"] == [0]
+    assert crashed.stats["resumed_at"]["workers"] == [11, 0]  # the retry's first step
+    assert crashed.stats["pushes"] == 2 * steps - 11  # the successful attempts' counters
     df.unpersist()
+
+
+def test_a_hold_keeps_the_rounds_after_its_step_until_the_step_is_saved():
+    """A worker asking for a step checkpoint after step 1 holds every shard's later rounds: round 2 is complete but
+    not applied until the driver says the state after step 1 is saved; every shard's state until then is that
+    state, and a pull waiting for round 2 is answered after it."""
+    sizes = [3, 2]
+    shards = make_shards(sizes)
+    with ps_servers.server(shards, rule=SyncRounds()) as ps:
+        clients = [client(ps, w, sizes) for w in range(2)]
+        for step in range(2):
+            if step == 1:
+                clients[0].hold(1)
+            for c in clients:
+                c.push(gradients(sizes, 1.0), step=step, rows=1)
+        after_one = [shard.w.copy() for shard in shards]
+        for c in clients:
+            c.pull()
+            c.push(gradients(sizes, 1.0), step=2, rows=1)
+        waiting, out = in_thread(clients[0].pull)
+        time.sleep(0.3)
+        assert waiting.is_alive() and ps.stats()["rounds"] == [2, 2]
+        with ps.holding_updates():  # the driver reads the state after step 1
+            _, _, next_steps = ps.positions()
+            assert next_steps == [[2, 2], [2, 2]]
+            for shard, held in zip(shards, after_one):
+                np.testing.assert_array_equal(shard.w, held)
+        ps.step_saved()
+        waiting.join(5)
+        assert not waiting.is_alive() and ps.stats()["rounds"] == [3, 3]
+        for c in clients:
+            c.close()

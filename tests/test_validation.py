@@ -234,11 +234,12 @@ def test_average_mode_attributes_each_epoch_to_the_next_averaged_model():
 
 
 def test_parameter_server_histories_weigh_validation_by_rows():
+    fit = {"first_epoch": 0, "initial_step": 0, "steps_per_epoch": 4}  # trained from the fit's first step
     history = combine_histories(
         [
-            {"history": {"loss": [1.0, 0.5], "val_loss": [2.0, 1.0]}, "samples": 64, "validation_rows": 3},
-            {"history": {"loss": [3.0, 1.5], "val_loss": [4.0, 3.0]}, "samples": 64, "validation_rows": 1},
-            {"history": {"loss": [2.0, 1.0]}, "samples": 64, "validation_rows": 0},  # a worker without held-out rows
+            {**fit, "history": {"loss": [1.0, 0.5], "val_loss": [2.0, 1.0]}, "samples": [64, 64], "validation_rows": 3},
+            {**fit, "history": {"loss": [3.0, 1.5], "val_loss": [4.0, 3.0]}, "samples": [64, 64], "validation_rows": 1},
+            {**fit, "history": {"loss": [2.0, 1.0]}, "samples": [64, 64], "validation_rows": 0},  # none held out
         ]
     )
     assert history == {"loss": [2.0, 1.0], "val_loss": [2.5, 1.5]}

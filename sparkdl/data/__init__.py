@@ -13,7 +13,7 @@
 
 from sparkdl.data.columns import features_array, features_column
 from sparkdl.data.plan import ColumnSpec, TrainingData, TrainingPlan, plan, validation_split_mask
-from sparkdl.data.rows import ROW_KEY, VALIDATION, Rows, read_partition, row_counts
+from sparkdl.data.rows import ROW_KEY, VALIDATION, Rows, read_partition, training_keys
 
 __all__ = [
     "ROW_KEY",
@@ -27,7 +27,7 @@ __all__ = [
     "plan",
     "prepare",
     "read_partition",
-    "row_counts",
+    "training_keys",
     "validation_split_mask",
 ]
 

@@ -108,11 +108,14 @@ class _KeyedRows:
         return Rows(self.fields, self.rows.finish(), keys)
 
 
-def row_counts(batches: Iterable[pa.RecordBatch]) -> tuple[int, int]:
-    """A partition's ``(training rows, held-out validation rows)``, without converting any values."""
-    train = held_out = 0
+def training_keys(batches: Iterable[pa.RecordBatch]) -> tuple[np.ndarray, int]:
+    """A partition's training rows' keys (``ROW_KEY``) and its held-out validation row count, without converting any
+    other values."""
+    keys, held_out = [], 0
     for batch in batches:
-        validation = (pc.sum(batch.column(VALIDATION)).as_py() or 0) if VALIDATION in batch.schema.names else 0
-        train += batch.num_rows - validation
-        held_out += validation
-    return train, held_out
+        if VALIDATION in batch.schema.names:
+            mask = batch.column(VALIDATION)
+            held_out += pc.sum(mask).as_py() or 0
+            batch = batch.filter(pc.invert(mask))
+        keys.append(batch.column(ROW_KEY).to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
+    return (np.concatenate(keys) if keys else np.empty(0, np.int64)), held_out

@@ -249,6 +249,9 @@ class Plan:
     # Whether the plan also saves step checkpoints (``checkpoint_every``) and resumes mid-epoch from one
     # (``sparkdl.position``).
     saves_step_checkpoints: ClassVar[bool] = False
+    # Whether it resumes a step checkpoint on another number of workers too (its ranks find the epoch's untrained
+    # rows with collectives: ``sparkdl.position.EpochRest.resume``), as ``min_workers`` needs.
+    resumes_on_other_workers: ClassVar[bool] = True
 
     @classmethod
     def from_values(cls: type[_PlanT], name: str, values: dict) -> _PlanT:

@@ -94,6 +94,7 @@ class ParameterClient:
         )
         self._failed: Exception | None = None
         self.pushes = 0  # pushes completed
+        self._next_step = 0  # the step a push names where its caller names none: where it resumed, then one a push
         try:
             self._each(lambda conn: conn.connect())
         except BaseException:
@@ -140,12 +141,30 @@ class ParameterClient:
         self._run(self._conns[0], lambda conn: conn.request(Msg.JOIN, np.array([rows], protocol.ROWS), counts))
         return [int(n) for n in counts]
 
-    def push(self, gradients: list[np.ndarray], *, step: int = 0, rows: int = 0) -> None:
+    def resume(self, rows: int, key_sum: int) -> list[int]:
+        """Before the first push: tells every shard this worker's training rows and their keys' sum
+        (``sparkdl.position.key_sum``) and returns, per shard, the first of its steps the shard has not applied
+        (``sparkdl.ps.positions.UNKNOWN`` for none): where it resumes."""
+        told = np.array([rows, np.uint64(key_sum).view(np.int64)], protocol.ROWS)
+        answers = [np.empty(1, protocol.ROWS) for _ in self._conns]
+        self._exchange(Msg.RESUME, [told] * len(self._conns), answers)
+        steps = [int(answer[0]) for answer in answers]
+        self._next_step = min((step for step in steps if step >= 0), default=0)
+        return steps
+
+    def hold(self, step: int) -> None:
+        """sync_ps, before the push of ``step``: asks every shard to hold the rounds after it until the driver has
+        saved a step checkpoint of the state after it."""
+        self._exchange(Msg.HOLD, None, step=step)
+
+    def push(self, gradients: list[np.ndarray], *, step: int | None = None, rows: int = 0) -> None:
         """Send one gradient per shard (concurrently); advances this worker's clock by one.
 
         Each is sent as the server's push dtype: one already of that dtype as it is, any other
-        converted to float32 and, under ``compression``, narrowed. A synchronous server (sync_ps)
-        takes it as this worker's part of global step ``step``, weighed by its ``rows`` training rows.
+        converted to float32 and, under ``compression``, narrowed. ``step``: the worker's global step it belongs to
+        (the last it sums), which a shard that applied it already drops (``sparkdl.ps.positions``; None: the step
+        after the previous push's, from where :meth:`resume` said, or 0); a synchronous server (sync_ps) takes it as
+        this worker's part of that step, weighed by its ``rows`` training rows.
         """
         if len(gradients) != len(self._conns):
             raise ValueError(f"worker {self.worker}: push got {len(gradients)} gradients for {len(self._conns)} shards")
@@ -162,8 +181,10 @@ class ParameterClient:
                     f"worker {self.worker}: gradient for shard {i} has {array.size} values, shard_sizes[{i}] is {size}"
                 )
             flat.append(array)
+        step = self._next_step if step is None else step
         self._exchange(Msg.PUSH, flat, step=step, rows=rows)
         self.pushes += 1
+        self._next_step = step + 1
 
     def done(self) -> None:
         """This worker has finished; under ssp it no longer holds back the others."""
@@ -272,11 +293,15 @@ def fetch_state(
     epochs: int = 0,
     timeout: float = 600.0,
     encrypt: bool = False,
+    positions: np.ndarray | None = None,
 ) -> bytearray:
     """The controller's request (the driver's): shard ``shard``'s whole state at ``address``, its variables and its
     optimizer's end to end (``OptimizerShard.state``), exactly ``nbytes`` bytes, which the caller computes from its
     own copy of the shard; ``controller``: the rank the server takes it as (its ``num_workers``). ``epochs``: the
-    complete epochs the state is after (a synchronous server then runs the next epoch's rounds)."""
+    complete epochs the state is after, 0 for a step checkpoint (a synchronous server then runs the next epoch's
+    rounds, or those after the step it held). The workers' positions on the shard that follow the state in the
+    answer (``protocol.positions_nbytes``: each worker's next step, its rows, their keys' sum) land in
+    ``positions`` where given (int64, three per worker)."""
     where = f"the driver: shard {shard} at {address}"
     try:
         channel = connect_channel(
@@ -314,13 +339,20 @@ def fetch_state(
             text = bytearray(response.nbytes)
             channel.recv_into(memoryview(text))
             raise CollectiveError(f"{where}: the state request failed: {text.decode('utf-8', 'replace')}")
-        if response.nbytes != nbytes:
+        positions = np.empty(3 * controller, protocol.ROWS) if positions is None else positions
+        if positions.dtype != protocol.ROWS or positions.shape != (3 * controller,):
+            raise ValueError(f"positions must be an int64 array of shape ({3 * controller},): {positions.shape}")
+        if response.nbytes != nbytes + positions.nbytes:
             raise CollectiveError(
                 f"{where}: the state answer announced {response.nbytes} bytes, but the shard's variables and its "
-                f"optimizer's hold exactly {nbytes}: the server holds another model or optimizer"
+                f"optimizer's hold exactly {nbytes}, and the positions of {controller} workers {positions.nbytes}: "
+                "the server holds another model or optimizer, or serves another number of workers"
             )
         state = bytearray(nbytes)
-        if channel.recv_into(memoryview(state)) < nbytes:
+        if (
+            channel.recv_into(memoryview(state)) < nbytes
+            or channel.recv_into(positions.view(np.uint8).data) < positions.nbytes
+        ):
             raise CollectiveError(f"{where}: the server closed the connection while sending the state")
         return state
     except TimeoutError:

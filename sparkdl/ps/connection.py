@@ -115,7 +115,7 @@ class ShardConnection:
             op=msg,
             dtype=protocol.request_dtype(msg, self.client.push_dtype),
             seq=self.seq,
-            value=step,  # a synchronous push's step and rows; 0 otherwise
+            value=step,  # a push's step (its rows under sync_ps), a hold's; 0 otherwise
             tag=rows,
             nbytes=len(body),
         ).pack()
@@ -131,7 +131,7 @@ class ShardConnection:
 
     def receive(self, msg: Msg, out: np.ndarray | None = None) -> np.ndarray | None:
         """Second half of a request: read and check its response; a pull's weights land in ``out`` when given, a join's
-        row counts in ``out`` (int64, one per worker)."""
+        row counts in ``out`` (int64, one per worker), a resume's step in ``out`` (one int64)."""
         op = protocol.msg_name(msg)
         held = msg in (Msg.PULL, Msg.JOIN) and self.client.wait_grace > 0 and self._send_error is None
         with self._errors(msg):
@@ -168,7 +168,7 @@ class ShardConnection:
             if msg == Msg.PULL:
                 result = np.empty(self.size, dtype=FLOAT) if out is None else out
                 self._recv_exact(result.view(np.uint8).data, op)
-            elif msg == Msg.JOIN and out is not None:
+            elif msg in (Msg.JOIN, Msg.RESUME) and out is not None:
                 result = out
                 self._recv_exact(result.view(np.uint8).data, op)
             self.bytes_received += length

@@ -54,6 +54,7 @@ from typing import ClassVar
 import numpy as np
 
 from sparkdl.keras import adopted
+from sparkdl.ps.positions import UNKNOWN
 from sparkdl.ps.staleness import ClockTracker, ServerStopping
 
 _log = logging.getLogger(__name__)
@@ -103,9 +104,12 @@ class UpdateRule:
         """What the server's shards share beyond the clocks: nothing."""
         return None
 
-    def updates(self, shard: UpdatedShard, roster: Roster | None) -> ImmediateUpdates | RoundUpdates:
-        """``shard``'s side of the rule: each push applied as it arrives."""
-        return ImmediateUpdates(shard)
+    def updates(
+        self, shard: UpdatedShard, roster: Roster | None, next_steps: Sequence[int]
+    ) -> ImmediateUpdates | RoundUpdates:
+        """``shard``'s side of the rule: each push applied as it arrives. ``next_steps``: each worker's first step
+        the shard has not applied (``sparkdl.ps.positions``; ``UNKNOWN`` where none)."""
+        return ImmediateUpdates(shard, next_steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,24 +154,44 @@ class SyncRounds(UpdateRule):
         """The workers' rows, and (with ``epoch_steps``) the epochs whose rounds may run."""
         return Roster(num_workers, epoch_steps)
 
-    def updates(self, shard: UpdatedShard, roster: Roster | None) -> RoundUpdates:
+    def updates(self, shard: UpdatedShard, roster: Roster | None, next_steps: Sequence[int]) -> RoundUpdates:
         assert roster is not None, "SyncRounds.roster made one"
-        return RoundUpdates(shard, roster)
+        return RoundUpdates(shard, roster, next_steps)
 
 
 class ImmediateUpdates:
     """One shard's side of ``Immediate``, ``Hogwild`` and ``BoundedStaleness``: each push applied as it arrives, under
-    the shard's lock where it has one."""
+    the shard's lock where it has one, but one of a step the shard applied already from a worker that asked where
+    it resumes (an earlier attempt of it pushed the step: ``sparkdl.ps.positions``), which is dropped."""
 
-    numbered = False  # pushes carry no step and rows: their header's ``value`` and ``tag`` stay 0
+    carries_rows = False  # a push's header ``tag`` stays 0
 
-    def __init__(self, shard: UpdatedShard):
+    def __init__(self, shard: UpdatedShard, next_steps: Sequence[int]):
         self._shard = shard
+        self._next = list(next_steps)  # worker -> the first of its steps not applied here (UNKNOWN: none yet)
+        self._resumed: set[int] = set()  # the workers that asked where they resume: held to their steps
+        self.replayed = 0  # pushes of steps applied already, dropped
 
     def push(self, worker: int, gradient: np.ndarray, step: int, rows: int) -> int:
-        """Applies ``gradient``; returns the shard's version after it."""
+        """Applies ``gradient``, the worker's push of global ``step``; returns the shard's version after it."""
         with self._shard.locked():
-            return self._shard.apply(gradient)
+            if worker in self._resumed and step < self._next[worker]:
+                self.replayed += 1
+                return self._shard.version
+            version = self._shard.apply(gradient)
+            self._next[worker] = max(self._next[worker], step + 1)
+            return version
+
+    def resume(self, worker: int) -> int:
+        """Where ``worker`` resumes: the first of its steps this shard has not applied (``UNKNOWN``: none yet); from
+        now on its pushes of steps before that are dropped."""
+        with self._shard.locked():
+            self._resumed.add(worker)
+            return self._next[worker]
+
+    def next_steps(self) -> list[int]:
+        """Every worker's :meth:`next_step` (the caller holds the shard's lock, for a state of one moment)."""
+        return list(self._next)
 
     def admit_pull(self, worker: int, timeout: float) -> None:
         """A pull reads the weights as they are."""
@@ -177,8 +201,8 @@ class ImmediateUpdates:
         return False
 
     def stats(self) -> dict[str, int]:
-        """Counts of the rule's own, for the server's ``stats``: none."""
-        return {}
+        """``replayed_pushes``: pushes of steps applied already, dropped."""
+        return {"replayed_pushes": self.replayed}
 
     def stop(self) -> None:
         pass
@@ -198,6 +222,7 @@ class Roster:
         self._rows: list[int | None] = [None] * num_workers
         self._steps: int | None = None  # per epoch, once every worker joined (with epoch_steps)
         self._open_through: int | None = None  # the last epoch whose rounds may be applied
+        self._held_after: int | None = None  # a step checkpoint's step: later rounds wait until it is saved
         self._stopping = False
         self._cond = threading.Condition()
         self._rules: list[RoundUpdates] = []
@@ -240,6 +265,8 @@ class Roster:
         """Whether the round of ``step`` may be applied now (the first round asked about opens the fit's first
         epoch)."""
         with self._cond:
+            if self._held_after is not None and step > self._held_after:
+                return False
             if self._steps is None:
                 return True
             epoch = step // self._steps
@@ -261,6 +288,25 @@ class Roster:
         for rule in rules:
             rule.apply_if_ready()
 
+    def hold_after(self, step: int) -> None:
+        """A worker asked for a step checkpoint after ``step``: the rounds after it wait for :meth:`step_saved`, so
+        that every shard's state is the one after that step."""
+        with self._cond:
+            self._held_after = step
+
+    def held_after(self) -> int | None:
+        """The step after which the rounds wait for a step checkpoint, if any."""
+        with self._cond:
+            return self._held_after
+
+    def step_saved(self) -> None:
+        """The driver saved (or read, for its checkpoint) the state after the held step: the next rounds may run."""
+        with self._cond:
+            self._held_after = None
+            rules = list(self._rules)
+        for rule in rules:
+            rule.apply_if_ready()
+
     def attach(self, rule: RoundUpdates) -> None:
         with self._cond:
             self._rules.append(rule)
@@ -275,14 +321,16 @@ class RoundUpdates:
     """One shard's side of ``SyncRounds``, one round per step: every worker's push in, their row-weighted mean applied
     once."""
 
-    numbered = True  # a push's header carries its step (``value``) and rows (``tag``)
+    carries_rows = True  # a push's header ``tag`` carries the rows behind it
 
-    def __init__(self, shard: UpdatedShard, roster: Roster):
+    def __init__(self, shard: UpdatedShard, roster: Roster, next_steps: Sequence[int]):
         self._shard = shard
         self._roster = roster
         self._num_workers = roster.num_workers
         self._cond = threading.Condition(shard.lock)
-        self.step: int | None = None  # the step whose pushes are being collected (from the fit's first push)
+        # the step whose pushes are being collected: where the shard's positions resume (the same for every worker),
+        # else from the fit's first push
+        self.step: int | None = None if UNKNOWN in next_steps else min(next_steps)
         self.rounds = 0  # rounds applied
         self.replayed = 0  # pushes of steps applied already (a retried worker catching up), dropped
         self._pushes: dict[int, tuple[np.ndarray, int]] = {}  # worker -> (its gradient, its rows) for self.step
@@ -333,6 +381,16 @@ class RoundUpdates:
                     raise RoundTimeout(self._waiting(worker, timeout))
                 self._cond.wait(remaining)
 
+    def resume(self, worker: int) -> int:
+        """Where ``worker`` resumes: the first of its steps this shard has not applied, every worker's: the round being
+        collected (``UNKNOWN`` before the first push)."""
+        with self._cond:
+            return UNKNOWN if self.step is None else self.step
+
+    def next_steps(self) -> list[int]:
+        """Every worker's :meth:`next_step` (the caller holds the shard's lock, for a state of one moment)."""
+        return [UNKNOWN if self.step is None else self.step] * self._num_workers
+
     def holds(self, buffer: np.ndarray) -> bool:
         """Whether ``buffer`` holds a push of the round being collected (the connection must receive elsewhere)."""
         with self._cond:
@@ -346,7 +404,8 @@ class RoundUpdates:
     def apply_if_ready(self) -> None:
         """Applies the round being collected if it is complete and open (after :meth:`Roster.epoch_saved`)."""
         with self._cond, contextlib.suppress(RoundFailed):
-            self._apply_if_complete()
+            if self.step is not None:  # (before the first push: nothing to apply)
+                self._apply_if_complete()
 
     def stop(self) -> None:
         with self._cond:
@@ -400,6 +459,13 @@ class RoundUpdates:
         step = self.step
         missing = [w for w in range(self._num_workers) if w not in self._pushes]
         if not missing:
+            held = self._roster.held_after()
+            if held is not None and step is not None and step > held:
+                return (
+                    f"worker {worker} waited timeout={timeout}s for the update of step {step} on shard "
+                    f"{self._shard.index}, which waits until the driver has saved the step checkpoint after step "
+                    f"{held}; check the driver's log for a failed checkpoint, or raise timeout"
+                )
             epoch = self._roster.epoch_of(step) if step is not None else None
             return (
                 f"worker {worker} waited timeout={timeout}s for the update of step {step} on shard "

@@ -59,6 +59,7 @@ from sparkdl.net.acceptor import HANDSHAKE_TIMEOUT, MAX_PENDING
 from sparkdl.ps import wire
 from sparkdl.ps.attendance import Attendance
 from sparkdl.ps.counters import ServerCounters
+from sparkdl.ps.positions import UNKNOWN, WorkerPositions, WorkerRows
 from sparkdl.ps.rules import UpdateRule
 from sparkdl.ps.shard_server import Bookkeeping, Serving, Shard, ShardServer
 
@@ -82,11 +83,14 @@ class ParameterServer:
         epoch_steps: Callable[[list[int]], int] | None = None,
         first_shard: int = 0,
         controller: bool = False,
+        positions: WorkerPositions | None = None,
     ):
         """``epoch_steps`` (``SyncRounds``, where the driver checkpoints): the steps per epoch of workers holding the
         joined rows; the rounds of each epoch then wait for :meth:`epoch_saved` of the epoch before.
         ``first_shard``: the index of ``shards[0]`` in the model's whole layout (a server task hosting shard k of
-        several); ``controller``: take the driver's connection as rank ``num_workers`` for ``Msg.STATE``."""
+        several); ``controller``: take the driver's connection as rank ``num_workers`` for ``Msg.STATE``.
+        ``positions``: where the workers stood when the shards' state was saved (``sparkdl.ps.positions``: a
+        resumed fit's), for every shard of the layout; None: nowhere yet."""
         if not shards:
             raise ValueError("a parameter server needs at least one shard")
         if not host or host in ("0.0.0.0", "::"):
@@ -106,6 +110,13 @@ class ParameterServer:
                 raise ValueError(f"shard {i} has negative size {shard.size}")
         if first_shard < 0:
             raise ValueError(f"first_shard must be >= 0, got {first_shard}")
+        if positions is not None and (
+            positions.num_workers != num_workers or len(positions.next_steps) < first_shard + len(shards)
+        ):
+            raise ValueError(
+                f"positions of {positions.num_workers} workers on {len(positions.next_steps)} shards, for a server of "
+                f"{num_workers} workers hosting shards {first_shard}..{first_shard + len(shards) - 1}"
+            )
         self.host = host
         self.rule = rule
         self.num_workers = num_workers
@@ -127,8 +138,17 @@ class ParameterServer:
         self.roster = rule.roster(num_workers, epoch_steps)
         self.counters = ServerCounters()
         self.attendance = Attendance(num_workers)
-        books = Bookkeeping(self.counters, self.attendance, self.tracker, self.roster)
-        self._shards = [ShardServer(first_shard + i, shard, self.serving, books) for i, shard in enumerate(shards)]
+        if positions is None:
+            workers = WorkerRows.unknown(num_workers)
+            next_steps = [[UNKNOWN] * num_workers for _ in shards]
+        else:
+            workers = WorkerRows(positions.rows, positions.key_sums)
+            next_steps = [list(positions.next_steps[first_shard + i]) for i in range(len(shards))]
+        books = Bookkeeping(self.counters, self.attendance, self.tracker, workers, self.roster)
+        self._books = books
+        self._shards = [
+            ShardServer(first_shard + i, shard, self.serving, books, next_steps[i]) for i, shard in enumerate(shards)
+        ]
         self._started = False
         self._stopped = False
         self.addresses: list[str] = []
@@ -177,6 +197,13 @@ class ParameterServer:
                     stack.enter_context(shard.lock)
             yield
 
+    def positions(self) -> tuple[list[int], list[int], list[list[int]]]:
+        """Where the workers stand: their training rows and their keys' sums (``UNKNOWN`` rows: not told yet), and
+        per shard each worker's first step not applied (call it inside :meth:`holding_updates` for a state of one
+        moment)."""
+        rows, key_sums = self._books.workers.snapshot()
+        return rows, key_sums, [shard.updates.next_steps() for shard in self._shards]
+
     def wait_finished(self, poll: float = 1.0) -> bool:
         """Waits until every worker has said DONE and had its answer (True), or the server stops (False): how a
         server task knows its job is over. Spark ends the server tasks of a stage that fails; should a worker vanish
@@ -193,6 +220,12 @@ class ParameterServer:
         """``SyncRounds`` with ``epoch_steps``: the driver saved the state after ``epoch``, the next epoch's rounds may run."""
         if self.roster is not None:
             self.roster.epoch_saved(epoch)
+
+    def step_saved(self) -> None:
+        """``SyncRounds``: the driver saved the step checkpoint a worker held the rounds for (``Msg.HOLD``): the next
+        rounds may run."""
+        if self.roster is not None:
+            self.roster.step_saved()
 
     def stats(self) -> dict:
         """Counters since start.

@@ -182,13 +182,15 @@ class ServerModel:
 
         Returns False, changing nothing, when ``arrays`` do not fit (another number of shards, a
         checkpoint of sync or average mode, whose optimizer state is in the model itself). Where this
-        process hosts some shards only, the arrays of the others are left out of the comparison.
+        process hosts some shards only, the arrays of the others are left out of the comparison, as are arrays
+        of no shard (the workers' positions, ``sparkdl.ps.positions``).
         """
         variables = {
             f"shard{i}/{j}": v
             for i, shard in zip(self.hosted, self.shards)
             for j, v in enumerate(shard.optimizer_variables)
         }
+        arrays = {k: a for k, a in arrays.items() if k.startswith("shard")}
         if len(self.hosted) < len(self.spans.shards):
             arrays = {k: a for k, a in arrays.items() if k.split("/", 1)[0] in {f"shard{i}" for i in self.hosted}}
         if set(arrays) != set(variables) or any(arrays[k].shape != tuple(v.shape) for k, v in variables.items()):

@@ -33,6 +33,7 @@ from sparkdl.net.secure import Channel, IntegrityError
 from sparkdl.ps import protocol, wire
 from sparkdl.ps.attendance import Attendance
 from sparkdl.ps.counters import ServerCounters
+from sparkdl.ps.positions import RowsChanged, WorkerRows
 from sparkdl.ps.protocol import FLOAT, ROWS, Msg, Status
 from sparkdl.ps.rules import PushRefused, Roster, RoundFailed, RoundTimeout, UpdateRule
 from sparkdl.ps.staleness import ClockTracker, ServerStopping, StalenessTimeout
@@ -43,6 +44,7 @@ _log = logging.getLogger(__name__)
 #: message, the exception's own where None.
 _REFUSALS: dict[type[Exception], tuple[Status, str | None]] = {
     PushRefused: (Status.BAD_REQUEST, None),
+    RowsChanged: (Status.BAD_REQUEST, None),
     StalenessTimeout: (Status.STALENESS_TIMEOUT, None),
     RoundTimeout: (Status.ROUND_TIMEOUT, None),
     RoundFailed: (Status.SHARD_ERROR, None),
@@ -107,18 +109,20 @@ class Serving:
 @dataclasses.dataclass(frozen=True)
 class Bookkeeping:
     """What the shard servers of one server share: its counters, which workers finished, the worker clocks (and the
-    ssp gate), and under sync_ps the roster."""
+    ssp gate), the workers' rows, and under sync_ps the roster."""
 
     counters: ServerCounters
     attendance: Attendance
     tracker: ClockTracker
+    workers: WorkerRows
     roster: Roster | None
 
 
 class ShardServer:
     """Listener, accept thread and connection threads of one shard."""
 
-    def __init__(self, index: int, shard: Shard, serving: Serving, books: Bookkeeping):
+    def __init__(self, index: int, shard: Shard, serving: Serving, books: Bookkeeping, next_steps: Sequence[int]):
+        """``next_steps``: each worker's first step the shard has not applied (``sparkdl.ps.positions``)."""
         self.index = index
         self.shard = shard
         self.size = int(shard.size)
@@ -131,7 +135,7 @@ class ShardServer:
         self._closing = threading.Event()
         self.listener: ServingListener | None = None
         self.address = ""
-        self.updates = serving.rule.updates(self, books.roster)  # what a push does and when a pull may read
+        self.updates = serving.rule.updates(self, books.roster, next_steps)  # what a push does, when a pull may read
 
     def start(self) -> str:
         serving = self.serving
@@ -213,21 +217,27 @@ class ShardServer:
                     else f"a state request from worker {worker}: only the controller (the driver) asks for a shard's state",
                     reply=reply,
                 )
-            numbered = msg == Msg.PUSH and self.updates.numbered  # a synchronous push: its step and rows
+            rows_in_tag = msg == Msg.PUSH and self.updates.carries_rows  # a synchronous push: its rows
             if (
                 request.status
                 or request.group
-                or (not numbered and (request.tag or (msg != Msg.STATE and request.value)))
+                or (request.tag and not rows_in_tag)
+                or (request.value and msg not in (Msg.PUSH, Msg.STATE, Msg.HOLD))
             ):
                 raise _ProtocolViolation(
                     "non-zero reserved header fields (a request's status, group, tag and value are 0, but for a "
-                    "push's step and rows under mode='sync_ps' and a state request's epochs)",
+                    "push's step (and its rows under mode='sync_ps'), a hold's step and a state request's epochs)",
                     reply=reply,
                 )
             if msg == Msg.JOIN and (books.roster is None or self.index != serving.first_shard):
                 raise _ProtocolViolation(
                     f"a join, which only shard {serving.first_shard} of a mode='sync_ps' server takes (its first; "
                     f"this is shard {self.index} of a mode={serving.rule.name!r} server)",
+                    reply=reply,
+                )
+            if msg == Msg.HOLD and books.roster is None:
+                raise _ProtocolViolation(
+                    f"a hold, which only a mode='sync_ps' server takes (this is a mode={serving.rule.name!r} server)",
                     reply=reply,
                 )
             if length != expected:
@@ -248,6 +258,12 @@ class ShardServer:
                 self._join(channel, worker, seq)
             elif msg == Msg.STATE:
                 self._state(channel, seq, request.value)
+            elif msg == Msg.RESUME:
+                self._resume(channel, worker, seq)
+            elif msg == Msg.HOLD:
+                assert books.roster is not None  # checked above
+                books.roster.hold_after(request.value)
+                self._send(channel, msg, Status.OK, seq, self.version)
             else:
                 books.tracker.finish(worker)
                 self._send(channel, msg, Status.OK, seq, self.version)
@@ -298,11 +314,7 @@ class ShardServer:
         """sync_ps: this worker's training rows in; every worker's out, once all have joined."""
         roster = self.books.roster
         assert roster is not None
-        rows = np.empty(1, ROWS)
-        if not _recv_exact(channel, rows.view(np.uint8).data, at_boundary=False):
-            raise _Closed()
-        if rows[0] < 0:
-            raise _ProtocolViolation(f"a join with {int(rows[0])} training rows", reply=(Msg.JOIN, seq))
+        rows = self._rows_told(channel, Msg.JOIN, seq, 1)
         try:
             counts = roster.join(worker, int(rows[0]), self.serving.timeout)
         except _JOIN_REFUSALS as exc:
@@ -312,13 +324,16 @@ class ShardServer:
 
     def _state(self, channel: Channel, seq: int, epochs: int) -> None:
         """The controller's request: the shard's variables and its optimizer's, copied under its lock (as they are
-        under hogwild), sent end to end. ``epochs``: the complete epochs the state is after; where the server holds
-        its synchronous rounds for checkpoints, those of the next epoch may run once the state is read."""
+        under hogwild), sent end to end, then the workers' positions on it (``protocol.positions_nbytes``).
+        ``epochs``: the complete epochs the state is after (0: a step checkpoint's); where the server holds its
+        synchronous rounds for checkpoints, those of the next epoch, or after the held step, may run once the state
+        is read."""
         shard = typing.cast("StatefulShard", self.shard)  # one without state fails here, answered SHARD_ERROR
         try:
             nbytes = int(shard.state_nbytes)
             with self.locked():
                 parts = [np.ascontiguousarray(part).reshape(-1) for part in shard.state()]
+                next_steps = self.updates.next_steps()
             if sum(part.nbytes for part in parts) != nbytes:
                 raise ValueError(f"state() returned {sum(p.nbytes for p in parts)} bytes, state_nbytes is {nbytes}")
         except Exception as exc:
@@ -327,9 +342,38 @@ class ShardServer:
                 channel, Msg.STATE, seq, Status.SHARD_ERROR, f"shard {self.index} failed to read its state: {exc!r}"
             )
             return
-        if epochs > 0 and self.books.roster is not None:
-            self.books.roster.epoch_saved(epochs - 1)  # sync_ps: the rounds of the epoch after it may run
-        self._send(channel, Msg.STATE, Status.OK, seq, self.version, parts)
+        rows, key_sums = self.books.workers.snapshot()
+        sums = np.array(key_sums, np.uint64).view(np.int64)
+        positions = np.concatenate([np.array(next_steps, ROWS), np.array(rows, ROWS), sums.astype(ROWS)])
+        roster = self.books.roster
+        if roster is not None:  # sync_ps: the rounds of the epoch after it, or after the held step, may run
+            if epochs > 0:
+                roster.epoch_saved(epochs - 1)
+            roster.step_saved()
+        self._send(channel, Msg.STATE, Status.OK, seq, self.version, [*parts, positions])
+
+    def _resume(self, channel: Channel, worker: int, seq: int) -> None:
+        """A worker that starts: its training rows and their keys' sum in (refused where they are not those its
+        positions were taken on), the first of its steps this shard has not applied out."""
+        told = self._rows_told(channel, Msg.RESUME, seq, 2)
+        try:
+            self.books.workers.register(worker, int(told[0]), int(told[1:].view(np.uint64)[0]))
+        except RowsChanged as exc:
+            self._refuse(channel, Msg.RESUME, seq, exc)
+            return
+        if self.books.roster is not None:  # sync_ps: a hold of its failed attempt's, whose request may never come
+            self.books.roster.step_saved()
+        step = np.array([self.updates.resume(worker)], ROWS)
+        self._send(channel, Msg.RESUME, Status.OK, seq, self.version, [step])
+
+    def _rows_told(self, channel: Channel, msg: Msg, seq: int, count: int) -> np.ndarray:
+        """A join's or a resume's payload: ``count`` int64 values, the first a worker's training rows (not negative)."""
+        told = np.empty(count, ROWS)
+        if not _recv_exact(channel, told.view(np.uint8).data, at_boundary=False):
+            raise _Closed()
+        if told[0] < 0:
+            raise _ProtocolViolation(f"a {protocol.msg_name(msg)} with {int(told[0])} training rows", reply=(msg, seq))
+        return told
 
     def apply(self, gradient: np.ndarray) -> int:
         """Applies ``gradient`` to the shard (the caller holds :meth:`locked` where the rule says) and counts the update;

@@ -78,7 +78,7 @@ import pyarrow as pa
 from pyspark import StorageLevel
 
 from sparkdl import _compat, data
-from sparkdl.checkpoint import Checkpointer
+from sparkdl.checkpoint import Checkpointer, StepCheckpoints
 from sparkdl.keras import serialization
 from sparkdl.launch import session
 from sparkdl.launch.layout import task_input
@@ -89,12 +89,13 @@ from sparkdl.modes.average import rounds as schedule
 from sparkdl.modes.average.deltas import RoundDeltas
 from sparkdl.modes.average.task import METRICS_SCHEMA, evaluate_task, read, round_task, state_variables
 from sparkdl.modes.base import Job, Mode, ModeResult, Option, Plan
+from sparkdl.position import key_sum
 from sparkdl.progress import ProgressMonitor
 from sparkdl.schedule import require_rows
 
 logger = logging.getLogger(__name__)
 
-_ROWS_SCHEMA = "partition int, rows long, validation_rows long"
+_ROWS_SCHEMA = "partition int, rows long, validation_rows long, key_sum long"
 
 
 SYNC_EVERY = Option("sync_every", "local steps between two averagings (default: half an epoch's steps)")
@@ -105,12 +106,15 @@ class AveragePlan(Plan):
     """Workers train ``sync_every`` local steps, then the driver averages their models (and optimizer state).
 
     It trains with ``train_on_batch`` in rounds, not Keras's ``fit``: no user callbacks. The
-    driver reports progress and writes the checkpoints, each epoch once its metrics are complete.
+    driver reports progress and writes the checkpoints, each epoch once its metrics are complete, and step
+    checkpoints after the rounds where ``checkpoint_every`` is due.
     """
 
     sync_every: int | None = None  # local steps between two averagings (None: half an epoch)
 
     runs_callbacks: ClassVar[bool] = False
+    saves_step_checkpoints: ClassVar[bool] = True
+    resumes_on_other_workers: ClassVar[bool] = False  # its tasks share no collective (``rounds.position_step``)
 
     def why_all_at_once(self, slots: int) -> str:
         return (
@@ -122,8 +126,9 @@ class AveragePlan(Plan):
         """Trains in rounds from ``job.start``; the model returned holds the averaged weights and optimizer state.
 
         A checkpoint is the averaged state after the round in which its epoch ended, so it may
-        already hold up to ``sync_every - 1`` steps of the next epoch; it records that step, and a
-        resumed fit continues from it with the same rounds as an uninterrupted fit (the resumed
+        already hold up to ``sync_every - 1`` steps of the next epoch, or (``checkpoint_every``) after a round
+        inside an epoch; its position says where the epoch stands (``Rounds.position``), and a resumed fit, on the
+        same workers and rows, continues from it with the same rounds as an uninterrupted fit (the resumed
         epoch's training metrics then cover the steps after it). ``history[name][epoch]`` is the sample-weighted mean over workers
         of the training metric over that epoch's steps (like sync mode's history). ``stats`` holds
         ``rounds``, ``samples``, ``steps``, ``delta_bytes`` (summed over the tasks whose updates
@@ -140,19 +145,21 @@ class AveragePlan(Plan):
         capacity.check(spark, sum(array.nbytes for array in state), job.settings.num_workers)  # before any job
         frame = task_input(job.training.frame, job.layout).persist(StorageLevel.MEMORY_AND_DISK)
         try:
-            partition_rows, validation_rows = _rows_per_partition(frame, job.settings.num_workers)
+            partition_rows, validation_rows, key_sum = _rows_per_partition(frame, job.settings.num_workers)
+            settings = job.settings.for_rows(partition_rows)  # the rounds' common steps per epoch
+            position = job.start.position
+            if position is not None:  # the rest of its epoch in the order it was taken in
+                settings = dataclasses.replace(settings, seed=position.seed, shuffle=position.shuffle)
+                first_step = schedule.position_step(settings, job.start, partition_rows, key_sum)
+            else:
+                first_step = schedule.resume_step(settings, job.start.step)
         except BaseException:
             frame.unpersist()
             raise
-        settings = job.settings.for_rows(partition_rows)  # the rounds' common steps per epoch
         job.monitor.steps_known(0, settings.steps_per_epoch)
         sync_every = self.sync_every or schedule.recommended_sync_every(settings.steps_per_epoch)
         rounds = schedule.Rounds(
-            settings,
-            secrets.token_hex(16),
-            sync_every,
-            schedule.resume_step(settings, job.start.step),
-            tuple(partition_rows),
+            settings, secrets.token_hex(16), sync_every, first_step, tuple(partition_rows), key_sum
         )
         metrics = _Metrics()
         publisher = _EpochPublisher(rounds, job.monitor, job.checkpointer, model, variables, metrics)
@@ -217,7 +224,7 @@ class AveragePlan(Plan):
 
         _assign(variables, state)
         history = metrics.history(range(settings.initial_epoch, settings.epochs))
-        stats = {
+        stats: dict = {
             "rounds": rounds.count,
             "samples": int(totals[schedule.SAMPLES]),
             "steps": int(totals[schedule.STEPS]),
@@ -229,6 +236,11 @@ class AveragePlan(Plan):
             "partition_validation_rows": validation_rows,
             "seconds": time.perf_counter() - started,
         }
+        if (step_checkpoints := publisher.step_checkpoints()) is not None:
+            stats["step_checkpoints"] = step_checkpoints
+        if position is not None:  # where the epoch stood: the steps a fault cost are the steps since then
+            segments = [[s.shards, s.planned, s.done] for s in position.segments]
+            stats["resumed_at"] = {"epoch": position.epoch, "step": position.steps, "segments": segments}
         return ModeResult(model, history, stats, settings.initial_epoch)
 
 
@@ -271,10 +283,13 @@ class _Metrics:
 class _EpochPublisher:
     """After each round: progress for the monitor; each epoch whose metrics are complete goes to the
     monitor's epoch listeners and, with the averaged state after the round that ended it, to the
-    checkpointer.
+    checkpointer; and, every ``checkpoint_every``, the averaged state after a round inside an epoch (a step
+    checkpoint).
 
     An epoch's training metrics are complete with the round that ends it; its ``val_*`` metrics
-    come with the next round's job (or the final evaluation job), which evaluates that state.
+    come with the next round's job (or the final evaluation job), which evaluates that state. A
+    checkpoint's position is the averaged state's global step (``Rounds.position``): a state taken
+    after the round that ended an epoch may already hold steps of the next one.
     """
 
     def __init__(
@@ -294,6 +309,8 @@ class _EpochPublisher:
         self._metrics = metrics
         self._waiting: tuple[range, list, int] | None = None  # epochs awaiting val_* metrics, their state, its step
         self._samples_per_second = 0.0
+        interval = rounds.settings.checkpoint_every
+        self._step_checkpoints = StepCheckpoints(interval) if interval is not None and checkpointer else None
 
     def round_done(self, round_index: int, state: list, seconds: float) -> None:
         settings = self._rounds.settings
@@ -313,12 +330,30 @@ class _EpochPublisher:
             self._waiting = (finished, state, stop) if len(finished) else None
         elif len(finished):
             self._publish(finished, state, stop)
+        if not len(finished) and self._step_checkpoint_due(stop):  # (an epoch's own checkpoint holds that state)
+            assert self._step_checkpoints is not None
+            with self._step_checkpoints.saving():
+                self._save(state, stop)
 
     def finish(self) -> None:
         """Publishes the epochs still waiting for their validation metrics."""
         if self._waiting is not None:
             waiting, self._waiting = self._waiting, None
             self._publish(*waiting)
+
+    def step_checkpoints(self) -> dict | None:
+        """The step checkpoints saved, and the seconds the rounds waited for them (the model's serialization; the
+        storage is written in the background); None where the fit saves none."""
+        return self._step_checkpoints.stats() if self._step_checkpoints is not None else None
+
+    def _step_checkpoint_due(self, step: int) -> bool:
+        """Whether a step checkpoint is due after the round that ended at global ``step``."""
+        if self._step_checkpoints is None:
+            return False
+        steps_per_epoch = self._rounds.settings.steps_per_epoch
+        epoch = step // steps_per_epoch
+        start = max(self._rounds.first_step, epoch * steps_per_epoch)  # this fit's first step of the epoch
+        return self._step_checkpoints.due(epoch, step - start, (epoch + 1) * steps_per_epoch - start)
 
     def _publish(self, epochs: range, state: list, step: int) -> None:
         """Epochs ``epochs`` are complete; ``state`` is the averaged state at global ``step``."""
@@ -329,11 +364,14 @@ class _EpochPublisher:
             if self._checkpointer is not None:
                 self._checkpointer.record(logs)
         if self._checkpointer is not None:
-            _assign(self._variables, state)
-            end = (epochs[-1] + 1) * self._rounds.settings.steps_per_epoch
-            self._checkpointer.save(
-                epochs[-1] + 1, serialization.model_to_bytes(self._model), step=step if step != end else None
-            )
+            self._save(state, step)
+
+    def _save(self, state: list, step: int) -> None:
+        """Saves ``state``, the averaged state at global ``step``, after the epochs complete then."""
+        assert self._checkpointer is not None
+        _assign(self._variables, state)
+        epochs = step // self._rounds.settings.steps_per_epoch
+        self._checkpointer.save(epochs, serialization.model_to_bytes(self._model), position=self._rounds.position(step))
 
 
 def _assign(variables: list, values: list) -> None:
@@ -341,14 +379,27 @@ def _assign(variables: list, values: list) -> None:
         variable.assign(value)
 
 
-def _rows_per_partition(frame, num_workers: int) -> tuple[list[int], list[int]]:
-    """Training and held-out rows of each worker's partition (the rule: at least one training row each)."""
+def _rows_per_partition(frame, num_workers: int) -> tuple[list[int], list[int], int]:
+    """Training and held-out rows of each worker's partition (the rule: at least one training row each), and all
+    training rows' ``position.key_sum``."""
 
     def count(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        rows, held_out = data.row_counts(batches)
+        keys, held_out = data.training_keys(batches)
         yield pa.RecordBatch.from_pydict(
-            {"partition": [partition_id()], "rows": [rows], "validation_rows": [held_out]},
-            schema=pa.schema([("partition", pa.int32()), ("rows", pa.int64()), ("validation_rows", pa.int64())]),
+            {
+                "partition": [partition_id()],
+                "rows": [len(keys)],
+                "validation_rows": [held_out],
+                "key_sum": [int(np.uint64(key_sum(keys)).view(np.int64))],
+            },
+            schema=pa.schema(
+                [
+                    ("partition", pa.int32()),
+                    ("rows", pa.int64()),
+                    ("validation_rows", pa.int64()),
+                    ("key_sum", pa.int64()),
+                ]
+            ),
         )
 
     table = _compat.collect_arrow(frame.mapInArrow(count, _ROWS_SCHEMA))
@@ -358,4 +409,5 @@ def _rows_per_partition(frame, num_workers: int) -> tuple[list[int], list[int]]:
     rows = [int(by_partition.get(p, 0)) for p in range(num_workers)]
     held_out = [int(held_out_by_partition.get(p, 0)) for p in range(num_workers)]
     require_rows(dict(enumerate(rows)))
-    return rows, held_out
+    sums = np.array(table.column("key_sum").to_pylist(), np.int64).view(np.uint64)
+    return rows, held_out, int(sums.sum(dtype=np.uint64))

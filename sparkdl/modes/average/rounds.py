@@ -1,4 +1,5 @@
-"""Average mode's rounds: which global steps each trains, which epochs it finishes, how its deltas combine."""
+"""Average mode's rounds: which global steps each trains, which epochs it finishes, where the epoch stands after
+each (``sparkdl.position``), how its deltas combine."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import logging
 
 import numpy as np
 
+from sparkdl.checkpoint import Checkpoint
 from sparkdl.modes.base import Settings
+from sparkdl.position import EpochPosition, Segment
 from sparkdl.schedule import step_sizes
 
 logger = logging.getLogger(__name__)
@@ -25,6 +28,7 @@ class Rounds:
     sync_every: int
     first_step: int  # the global step training starts at: 0, or the step a resumed checkpoint's state was taken at
     partition_rows: tuple[int, ...] = ()  # training rows of each worker
+    key_sum: int = 0  # all workers' training rows' ``position.key_sum``
 
     def rows(self, start: int, stop: int, rank: int | None = None) -> int:
         """Rows trained in global steps ``start..stop-1`` by worker ``rank`` (all workers: None)."""
@@ -55,6 +59,17 @@ class Rounds:
         """Epochs whose last step falls in round ``round_index``: the averaged state after it is theirs."""
         start, stop = self.steps(round_index)
         return range(start // self.settings.steps_per_epoch, stop // self.settings.steps_per_epoch)
+
+    def position(self, step: int) -> EpochPosition | None:
+        """Where the epoch of global ``step`` stands once the steps before it are trained: every worker's first
+        ``step % steps_per_epoch`` steps of its order (the one lockstep segment of sync mode's ranks); None at an
+        epoch's start."""
+        settings = self.settings
+        epoch, done = divmod(step, settings.steps_per_epoch)
+        if not done:
+            return None
+        segment = Segment(len(self.partition_rows), self.partition_rows, settings.steps_per_epoch, done)
+        return EpochPosition(epoch, settings.seed, settings.shuffle, self.key_sum, (segment,))
 
 
 def apply_average(state: list[np.ndarray], delta_sums: list, counter_sums: list, round_index: int) -> list[np.ndarray]:
@@ -106,8 +121,34 @@ def recommended_sync_every(steps_per_epoch: int) -> int:
     return max(1, -(-steps_per_epoch // 2))
 
 
+def position_step(settings: Settings, start: Checkpoint, partition_rows: list[int], key_sum: int) -> int:
+    """The global step a checkpoint taken mid-epoch (``start.position``) resumes at, on the workers, rows and steps
+    per epoch it was taken with (``settings``: the fit's, with the checkpoint's seed and shuffle); refuses others.
+
+    The rounds' tasks share no communicator that could find, on other workers, which rows the epoch has trained
+    (``sparkdl.position.EpochRest.resume`` counts them with collectives), so the rest of the epoch resumes where
+    its workers' own schedules stood.
+    """
+    position = start.position
+    assert position is not None, "a step checkpoint's"
+    segments = position.segments
+    here = Segment(settings.num_workers, tuple(partition_rows), settings.steps_per_epoch, 0)
+    if position.key_sum != key_sum or len(segments) != 1 or segments[0].after(0) != here:
+        saved = "; ".join(
+            f"{s.shards} workers holding {list(s.rows)} rows, {s.planned} steps an epoch" for s in segments
+        )
+        raise ValueError(
+            f"Expected the workers and rows the checkpoint of epoch {position.epoch} (step {position.steps}) was "
+            f"taken on: {saved}. Received: {here.shards} workers holding {list(here.rows)} rows, {here.planned} steps "
+            f"an epoch{'' if position.key_sum == key_sum else ', and other rows (their keys differ)'}. mode='average' "
+            "resumes mid-epoch on the same workers and input only: train on those, or start another checkpoint_dir."
+        )
+    return position.epoch * settings.steps_per_epoch + position.steps
+
+
 def resume_step(settings: Settings, saved_step: int | None) -> int:
-    """The global step to resume at: where the checkpoint's state was taken, when that is inside its next epoch.
+    """The global step to resume at from a checkpoint without a position (written before positions were, as
+    ``Checkpoint.step``): where its state was taken, when that is inside its next epoch.
 
     The state after the round that finished epoch ``initial_epoch - 1`` already holds the first
     steps of epoch ``initial_epoch``: resuming at that round's end continues the uninterrupted

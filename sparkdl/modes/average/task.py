@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from sparkdl import _compat, schedule
 from sparkdl.data import Rows, read_partition
-from sparkdl.keras import serialization
+from sparkdl.keras import random_state, serialization
 from sparkdl.keras.held_out import in_batches
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
 from sparkdl.launch.task_context import partition_id
@@ -46,7 +46,6 @@ _MODEL_CACHE: dict[str, _CachedModel] = {}
 class _CachedModel:
     model: Any  # a keras.Model
     variables: list  # model.weights + optimizer.variables, the order of the broadcast state
-    seed_states: list  # (variable, initial value) of the layers' own SeedGenerators
 
 
 def state_variables(model) -> list:
@@ -178,21 +177,18 @@ def _cached_model(rounds: Rounds, model_broadcast) -> _CachedModel:
         settings = rounds.settings
         keras.utils.set_random_seed((settings.seed + partition_id()) % 2**32)  # as sync mode does
         model = serialization.model_from_bytes(model_broadcast.value, settings.custom_objects)
-        seed_states = [(v, read(v)) for v in model.non_trainable_variables if v.path.endswith("seed_generator_state")]
-        cached = _CachedModel(model, state_variables(model), seed_states)
+        cached = _CachedModel(model, state_variables(model))
         _MODEL_CACHE[rounds.token] = cached
     return cached
 
 
 def _seed_round(cached: _CachedModel, rounds: Rounds, rank: int, round_index: int) -> None:
-    """Randomness (dropout and the like) differs per worker and per round, reproducibly from ``seed``.
+    """Randomness (dropout and the like) differs per worker and per round, reproducibly from ``seed`` and the round's
+    first global step, so that a fit resumed at a checkpoint's step draws what the uninterrupted fit drew.
 
-    Layers draw from their own ``SeedGenerator`` (state ``[seed, counter]``), which is set here. The
+    Layers draw from their own ``SeedGenerator``, which is set here (``keras.random_state``). The
     global seed is set once per Python worker (``_cached_model``), not here: ``keras.utils.set_random_seed``
     makes TensorFlow retrace the train step, which would cost every round about 0.1-0.5 s.
     """
-    mix = (rounds.settings.seed + rank + rounds.settings.num_workers * round_index) % 2**31
-    for variable, initial in cached.seed_states:
-        value = initial.astype(np.int64)
-        value[0] = (value[0] + 7919 * (mix + 1)) % 2**31
-        variable.assign(value.astype(initial.dtype))
+    first = rounds.steps(round_index)[0]
+    random_state.start(cached.model, seed=(rounds.settings.seed << 32) + first, rank=rank)

@@ -8,14 +8,15 @@ state) on its relay, runs one barrier stage of ``num_workers`` workers and ``num
 model is assembled exactly as the driver's own server would have left it.
 
 Checkpoints (``checkpoint_dir``) are still the driver's: when every worker has finished an epoch (counted
-here per stage attempt, so that an epoch a retried stage trains again is saved again), the driver
-connects to each server task as the controller and reads its shard's state (``sparkdl.ps.client.fetch_state``:
+here per stage attempt, so that an epoch a retried stage trains again is saved again), and when workers
+ask for a step checkpoint (``step_requests``), the driver connects to each server task as the controller
+and reads its shard's state and the workers' positions on it (``sparkdl.ps.client.fetch_state``:
 authenticated with the job's secret, of exactly the size its own copy of the shard says), then saves
-the whole model and the shards' optimizer state in the driver placement's format: a checkpoint of one
-placement resumes in the other. The last epoch's checkpoint is saved from the state the server tasks
-return. When Spark retries the stage after a lost task, every task of the new attempt starts from the
-newest of these checkpoints (``server_task``): "retry and rejoin" here means the whole stage restarts
-from the last epoch saved, as sync mode's does.
+the whole model and the shards' optimizer state in the driver placement's format (``checkpoints``): a
+checkpoint of one placement resumes in the other. The last epoch's checkpoint is saved from the state the
+server tasks return. When Spark retries the stage after a lost task, every task of the new attempt starts
+from the newest of these checkpoints (``server_task``), each worker at its own step there: "retry and
+rejoin" here means the whole stage restarts from the last checkpoint saved, as sync mode's does.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
+
 from sparkdl.keras import serialization
 from sparkdl.launch import session
 from sparkdl.launch.layout import TaskLayout
@@ -35,7 +38,9 @@ from sparkdl.launch.task_context import partition_id
 from sparkdl.metrics import combine_logs
 from sparkdl.modes.base import Job
 from sparkdl.modes.parameter_server import server_task, stage
+from sparkdl.modes.parameter_server.checkpoints import ServerCheckpoints
 from sparkdl.modes.parameter_server.placement import Placement, Served, Servers, ServerSetup
+from sparkdl.modes.parameter_server.step_requests import REQUEST_EVENT
 from sparkdl.modes.parameter_server.task import MODEL, ParameterServerTask, run_parameter_server_task
 from sparkdl.ps.client import fetch_state
 from sparkdl.ps.server_model import ServerModel
@@ -84,10 +89,12 @@ class _Stage(Servers):
             encrypt=setup.encrypt,
             restored=setup.restored,
             checkpoints=job.checkpoints if job.checkpointer is not None else None,
+            start=job.start.place,
+            positions=setup.positions,
         )
         self._server_model = setup.server_model
         self._num_workers = job.settings.num_workers
-        self._controller = Controller(job, setup.server_model, setup.secret, setup.encrypt)
+        self._controller = Controller(job, plan, setup.server_model, setup.secret, setup.encrypt)
 
     def task(self, worker: ParameterServerTask) -> TaskFunction:
         num_workers, server = self._num_workers, self._server
@@ -112,7 +119,12 @@ class _Stage(Servers):
             reports.append(report)
         self._controller.save_last(history)
         first = reports[0]
-        return Served([report["stats"] for report in reports], first["initial_epoch"], first["resumed_history"])
+        return Served(
+            [report["stats"] for report in reports],
+            first["initial_epoch"],
+            first["resumed_history"],
+            self._controller.stats(),
+        )
 
 
 class Controller:
@@ -123,9 +135,13 @@ class Controller:
     forgets what the worker's earlier attempt reported.
     """
 
-    def __init__(self, job: Job, server_model: ServerModel, secret: bytes, encrypt: bool):
+    def __init__(self, job: Job, plan: ParameterServerPlan, server_model: ServerModel, secret: bytes, encrypt: bool):
         self._monitor = job.monitor
-        self._checkpointer = job.checkpointer
+        self._checkpoints = (
+            ServerCheckpoints(job.checkpointer, job.settings, lockstep=plan.rule.synchronous, start=job.start)
+            if job.checkpointer is not None
+            else None
+        )
         self._server_model = server_model
         self._secret = secret
         self._encrypt = encrypt
@@ -133,7 +149,6 @@ class Controller:
         self._epochs = job.settings.epochs
         self._timeout = job.settings.timeout
         self._lock = threading.Lock()
-        self._saving = threading.Lock()  # one epoch's state read and save at a time
         self._servers: dict[int, tuple[int, str]] = {}  # shard -> (task attempt id, address)
         self._reports: dict[int, dict[int, dict]] = {}  # epoch -> worker -> its epoch event
         self._last: tuple[int, dict[str, float]] | None = None  # the final epoch's logs (its state: the results)
@@ -151,11 +166,16 @@ class Controller:
                 for epoch, reports in self._reports.items():
                     if epoch >= int(event["initial_epoch"]):
                         reports.pop(rank, None)
+        elif kind == REQUEST_EVENT:
+            self._step_requested(rank)
         elif kind == "epoch":
             epoch = int(event["epoch"])
             with self._lock:
                 reports = self._reports.setdefault(epoch, {})
-                reports[rank] = event
+                if event.get("skipped"):  # its earlier attempt's report, if any, is the one with metrics
+                    reports.setdefault(rank, event)
+                else:
+                    reports[rank] = event
                 if len(reports) < self._num_workers:
                     return
                 del self._reports[epoch]
@@ -174,53 +194,79 @@ class Controller:
 
     def save_last(self, history: dict[str, list[float]]) -> None:
         """After the stage: the last epoch's checkpoint, of the state the server tasks returned (they stop once every
-        worker is done, so the driver cannot ask them); ``history``: the workers', for its logs if no event had them."""
-        if self._checkpointer is None:
+        worker is done, so the driver cannot ask them: every worker is at its last step, the checkpoint holds no
+        positions); ``history``: the workers', for its logs if no event had them."""
+        if self._checkpoints is None:
             return
         last = self._epochs - 1
         logs = self._last[1] if self._last is not None else {name: values[-1] for name, values in history.items()}
-        with self._saving:
-            self._checkpointer.record(logs, epoch=last)
-            self._save(last + 1)
+        with self._checkpoints.saving():
+            self._checkpoints.checkpointer.record(logs, epoch=last)
+            self._checkpoints.save(self._model_bytes(), self._server_model.optimizer_arrays(), None, epochs=last + 1)
+
+    def stats(self) -> dict:
+        """The step checkpoints' stats, where the driver saves checkpoints."""
+        return {"step_checkpoints": {"saved": self._checkpoints.step_saves}} if self._checkpoints is not None else {}
 
     def _epoch_done(self, epoch: int, logs: dict[str, float]) -> None:
-        if self._checkpointer is None:
+        if self._checkpoints is None:
             return
         if epoch + 1 >= self._epochs:
             self._last = (epoch, logs)
             return
-        with self._saving:
-            self._checkpointer.record(logs, epoch=epoch)
-            with self._lock:
-                servers = dict(self._servers)
-            try:
-                for k, shard in enumerate(self._server_model.shards):
-                    if k not in servers:
-                        raise RuntimeError(f"server task {k} has not said where it serves")
-                    shard.load_state(
-                        fetch_state(
-                            servers[k][1],
-                            shard=k,
-                            controller=self._num_workers,
-                            secret=self._secret,
-                            nbytes=shard.state_nbytes,
-                            epochs=epoch + 1,
-                            timeout=self._timeout,
-                            encrypt=self._encrypt,
-                        )
-                    )
-            except Exception as exc:  # their tasks have ended: the stage failed, or the workers finished meanwhile
-                logger.warning(
-                    "sparkdl: no checkpoint after epoch %d: the driver could not read the server tasks' state (%s); "
-                    "the stage failed (Spark retries it from the last checkpoint), or the workers finished training "
-                    "before the read (the last epoch's checkpoint is written from the server tasks' results)",
-                    epoch + 1,
-                    exc,
+        with self._checkpoints.saving():
+            self._checkpoints.checkpointer.record(logs, epoch=epoch)
+            positions = self._read_state(epoch + 1)
+            if positions is not None:
+                self._checkpoints.save(
+                    self._model_bytes(), self._server_model.optimizer_arrays(), positions, epochs=epoch + 1
                 )
-                return
-            self._save(epoch + 1)
 
-    def _save(self, epochs: int) -> None:
-        assert self._checkpointer is not None
-        model_bytes = serialization.model_to_bytes(self._server_model.model)
-        self._checkpointer.save(epochs, model_bytes, self._server_model.optimizer_arrays())
+    def _step_requested(self, worker: int) -> None:
+        """Worker ``worker`` asked for a step checkpoint (``step_requests``): the shards' state now (under sync_ps held
+        after the worker's step until read)."""
+        if self._checkpoints is None:
+            return
+        with self._checkpoints.saving():
+            if self._checkpoints.wants_step(worker) and (positions := self._read_state(0)) is not None:
+                self._checkpoints.save(self._model_bytes(), self._server_model.optimizer_arrays(), positions)
+
+    def _read_state(self, epochs: int) -> tuple[list[int], list[int], list[list[int]]] | None:
+        """Every shard's state, read from its server task into the driver's copy (``epochs``: the complete epochs it
+        is after, 0 for a step checkpoint), and the workers' positions (``ParameterServer.positions``'s form); None
+        where a server task could not be read (logged)."""
+        with self._lock:
+            servers = dict(self._servers)
+        next_steps = []
+        positions = np.empty(3 * self._num_workers, np.int64)  # each shard's, as fetch_state says
+        try:
+            for k, shard in enumerate(self._server_model.shards):
+                if k not in servers:
+                    raise RuntimeError(f"server task {k} has not said where it serves")
+                state = fetch_state(
+                    servers[k][1],
+                    shard=k,
+                    controller=self._num_workers,
+                    secret=self._secret,
+                    nbytes=shard.state_nbytes,
+                    epochs=epochs,
+                    timeout=self._timeout,
+                    encrypt=self._encrypt,
+                    positions=positions,
+                )
+                shard.load_state(state)
+                next_steps.append(positions[: self._num_workers].tolist())
+        except Exception as exc:  # their tasks have ended: the stage failed, or the workers finished meanwhile
+            logger.warning(
+                "sparkdl: no checkpoint %s: the driver could not read the server tasks' state (%s); the stage "
+                "failed (Spark retries it from the last checkpoint), or the workers finished training before the "
+                "read (the last epoch's checkpoint is written from the server tasks' results)",
+                f"after epoch {epochs}" if epochs else "of the step a worker asked for",
+                exc,
+            )
+            return None
+        workers = positions[self._num_workers :].reshape(2, self._num_workers)  # every worker told every server
+        return workers[0].tolist(), workers[1].view(np.uint64).tolist(), next_steps
+
+    def _model_bytes(self) -> bytes:
+        return serialization.model_to_bytes(self._server_model.model)

@@ -19,6 +19,7 @@ import json
 import logging
 import secrets
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 from sparkdl import launch, schedule
 from sparkdl.keras import serialization
@@ -26,12 +27,14 @@ from sparkdl.launch import session
 from sparkdl.launch.layout import TaskLayout
 from sparkdl.modes.base import Job, Mode, ModeResult, Option, Plan, Settings
 from sparkdl.modes.parameter_server import placement
+from sparkdl.modes.parameter_server.checkpoints import resume_positions
 from sparkdl.modes.parameter_server.driver_servers import DriverServers
 from sparkdl.modes.parameter_server.executor_servers import ExecutorServers
 from sparkdl.modes.parameter_server.placement import Placement
 from sparkdl.modes.parameter_server.task import COUNTERS, ParameterServerTask, combine_histories
 from sparkdl.modes.shared_options import COMPRESSION
 from sparkdl.ps import sharding
+from sparkdl.ps.positions import WorkerPositions
 from sparkdl.ps.rules import BoundedStaleness, Hogwild, Immediate, SyncRounds, UpdateRule
 from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.server_model import ServerModel
@@ -108,6 +111,9 @@ class ParameterServerPlan(Plan):
     compression: str | None = None  # pushes as "bf16"/"fp16" (``sparkdl.collective.compression``)
     placement: Placement = PLACEMENTS["driver"]  # where the shards run
 
+    saves_step_checkpoints: ClassVar[bool] = True  # the workers ask for them (``step_requests``)
+    resumes_on_other_workers: ClassVar[bool] = False  # its tasks share no collective (``checkpoints``)
+
     def layout(self, num_workers: int) -> TaskLayout:
         """A worker per shard of the rows; with ``server_placement="executors"`` the server tasks after them."""
         return self.placement.layout(num_workers, self.num_servers)
@@ -134,11 +140,13 @@ class ParameterServerPlan(Plan):
         checkpointed: bool,
         first_shard: int = 0,
         controller: bool = False,
+        positions: WorkerPositions | None = None,
     ) -> ParameterServer:
         """A server of ``shards`` (the first of them shard ``first_shard`` of the layout) under this plan's rule and
         compression, for the workers of ``settings``. ``checkpointed``: the driver saves the servers' state each
         time every worker has finished an epoch, which a synchronous rule's rounds of the next epoch wait for;
-        ``controller``: the driver reads the state over a connection of its own (the shards run elsewhere)."""
+        ``controller``: the driver reads the state over a connection of its own (the shards run elsewhere);
+        ``positions``: where the workers stood in the checkpoint the shards' state is from."""
         return ParameterServer(
             shards,
             host=host,
@@ -151,6 +159,7 @@ class ParameterServerPlan(Plan):
             epoch_steps=(lambda rows: schedule.steps_per_epoch(rows, settings.batch_size)) if checkpointed else None,
             first_shard=first_shard,
             controller=controller,
+            positions=positions,
         )
 
     def run(self, job: Job) -> ModeResult:
@@ -158,21 +167,32 @@ class ParameterServerPlan(Plan):
         saved by a server of the same layout (``ServerModel``, the driver's copy of the model cut into the fit's
         shards). The placement starts the servers; the stats are the workers' counters (``task.COUNTERS``) summed
         beside the servers' (``placement.SERVER_STATS``)."""
+        start = job.start
+        positions = resume_positions(start, job.settings, lockstep=self.rule.synchronous, num_servers=self.num_servers)
+        if positions is not None:  # each worker's next steps in the order they were taken in
+            job = dataclasses.replace(
+                job, settings=dataclasses.replace(job.settings, seed=positions.seed, shuffle=positions.shuffle)
+            )
         settings = job.settings
         server_model = ServerModel(
-            serialization.model_from_bytes(job.start.model_bytes, settings.custom_objects),
+            serialization.model_from_bytes(start.model_bytes, settings.custom_objects),
             self.num_servers,
             compiled=self.rule.locked,  # XLA's launch locks the variables: unlocked (hogwild) updates stay unfused
         )
-        restored = bool(job.start.epoch) and server_model.restore_optimizers(job.start.arrays)
-        if job.start.epoch and not restored:
+        from_checkpoint = bool(start.epoch) or start.position is not None
+        restored = from_checkpoint and server_model.restore_optimizers(start.arrays)
+        if from_checkpoint and not restored:
             logger.info(
                 "sparkdl: the checkpoint holds no optimizer state for %d server shard(s) of this model: the "
                 "shards' optimizers start afresh",
                 self.num_servers,
             )
         setup = placement.ServerSetup(
-            server_model, secrets.token_bytes(32), session.encrypts_traffic(job.training.frame.sparkSession), restored
+            server_model,
+            secrets.token_bytes(32),
+            session.encrypts_traffic(job.training.frame.sparkSession),
+            restored,
+            positions,
         )
         with self.placement.start(job, self, setup) as servers:
             worker = ParameterServerTask(
@@ -198,7 +218,15 @@ class ParameterServerPlan(Plan):
         stats = {
             **{name: sum(outcome["counters"][name] for outcome in outcomes) for name in COUNTERS},
             **placement.combine_reports(served.reports),
+            **served.stats,
         }
+        if any(outcome["first_step"] != outcome["initial_step"] for outcome in outcomes):
+            # where the workers' last attempts started: global steps of each one's schedule, past its first epoch's
+            stats["resumed_at"] = {
+                "epoch": served.initial_epoch,
+                "workers": [outcome["first_step"] for outcome in outcomes],
+                "steps_per_epoch": [outcome["steps_per_epoch"] for outcome in outcomes],
+            }
         return ModeResult(server_model.model, history, stats, served.initial_epoch, served.resumed_history)
 
 

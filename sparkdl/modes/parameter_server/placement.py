@@ -21,6 +21,7 @@ from sparkdl.launch.layout import TaskLayout
 from sparkdl.launch.stage import TaskFunction
 from sparkdl.modes.base import Job
 from sparkdl.modes.parameter_server.task import ParameterServerTask
+from sparkdl.ps.positions import WorkerPositions
 from sparkdl.ps.server import ParameterServer
 from sparkdl.ps.server_model import ServerModel
 
@@ -76,16 +77,19 @@ class ServerSetup:
     secret: bytes  # the job's: every connection to a shard proves it
     encrypt: bool  # seal the connections (the session encrypts its RPC)
     restored: bool  # the shards' optimizers hold the state ``Job.start`` saved
+    positions: WorkerPositions | None = None  # where the workers stood in ``Job.start`` (``checkpoints``)
 
 
 @dataclasses.dataclass(frozen=True)
 class Served:
-    """What the servers left after the stage: each one's :func:`report` (in shard order), and the epoch training
-    started from (with the history before it, where that is not ``Job.start``'s)."""
+    """What the servers left after the stage: each one's :func:`report` (in shard order), the epoch training
+    started from (with the history before it, where that is not ``Job.start``'s), and the step checkpoints' stats
+    (``{"step_checkpoints": {"saved": n}}`` where the fit saved them)."""
 
     reports: list[dict]
     initial_epoch: int
     resumed_history: dict[str, list[float]] | None = None
+    stats: dict = dataclasses.field(default_factory=dict)
 
 
 class Servers:

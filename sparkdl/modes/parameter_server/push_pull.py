@@ -20,20 +20,24 @@ With ``push_every=k`` the step adds its float32 gradient to a sum kept in the gr
 and every k-th step pushes the mean (narrowed once, then); until then the model keeps the
 weights it pulled, as the k steps must be taken at the same weights.
 
-Under ``mode="sync_ps"`` each push names its global step and the worker's rows in it
-(:class:`SyncSteps`), which weigh it in the server's mean of the step; the pull that follows
-returns once the server has applied that mean (``sparkdl.ps.rules.Rounds``).
+Each push names the worker's global step it belongs to (:class:`PushSteps`: the last of the steps
+it sums), by which a shard that applied it already drops it (``sparkdl.ps.positions``); under
+``mode="sync_ps"`` also the worker's rows in it, which weigh it in the server's mean of the step,
+and the pull that follows returns once the server has applied that mean (``sparkdl.ps.rules.Rounds``).
+A push may also ask for a step checkpoint of the state after it (``step_requests``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 import numpy as np
 
 from sparkdl.collective import compression as compressions
 from sparkdl.keras import adopted, compiled_update
+from sparkdl.modes.parameter_server.step_requests import StepRequests
 from sparkdl.ps import wire
 from sparkdl.ps.client import ParameterClient
 from sparkdl.ps.sharding import ShardSpans
@@ -43,29 +47,43 @@ POOLED_BUFFERS = 3
 
 
 @dataclasses.dataclass(frozen=True)
-class SyncSteps:
-    """sync_ps: the global step of a worker's first push, and its training rows at each step of an epoch (0 at a
-    filler step), from the schedule (``sparkdl.schedule.step_sizes``)."""
+class PushSteps:
+    """Which global steps a worker's pushes belong to: its attempt trains steps ``first..stop-1``, ``per_push`` to a
+    push (``push_every``); under sync_ps ``rows`` are its training rows at each step of an epoch (0 at a filler step,
+    ``sparkdl.schedule.step_sizes``), which weigh its push."""
 
     first: int
-    rows: np.ndarray
+    stop: int
+    per_push: int = 1
+    rows: np.ndarray | None = None
 
     def at(self, push: int) -> tuple[int, int]:
-        """The global step of the worker's ``push``-th push (from 0) and the rows behind it."""
-        step = self.first + push
-        return step, int(self.rows[step % len(self.rows)])
+        """The global step of the worker's ``push``-th push (from 0), the last it sums, and the rows behind it (0 but
+        under sync_ps)."""
+        step = min(self.first + (push + 1) * self.per_push, self.stop) - 1
+        return step, 0 if self.rows is None else int(self.rows[step % len(self.rows)])
+
+
+#: A push per step from step 0 on, not sync_ps's.
+EVERY_STEP = PushSteps(0, sys.maxsize)
 
 
 class PushPull:
     """The numpy side of a push: the fused gradient's spans pushed to their shards, then the server's weights."""
 
     def __init__(
-        self, client: ParameterClient, spans: ShardSpans, compression: str | None, steps: SyncSteps | None = None
+        self,
+        client: ParameterClient,
+        spans: ShardSpans,
+        compression: str | None,
+        steps: PushSteps = EVERY_STEP,
+        requests: StepRequests | None = None,
     ):
         self._client = client
         self._spans = spans
         self._compression = compression
-        self._steps = steps  # sync_ps: each push's step and rows
+        self._steps = steps  # each push's step (and rows, under sync_ps)
+        self._requests = requests  # when a push asks for a step checkpoint
         self._buffers = adopted.BufferPool(spans.size, np.float32, keep=POOLED_BUFFERS)
         self.pushes = self.pulls = 0
         self.push_seconds = self.pull_seconds = 0.0  # waiting for the server: sending, applying, receiving
@@ -75,12 +93,18 @@ class PushPull:
         float16's range under ``compression="fp16"``), then returns the server's weights."""
         if self._compression == "fp16":
             compressions.check_fits_float16(largest)
-        step, rows = self._steps.at(self.pushes) if self._steps is not None else (0, 0)
+        step, rows = self._steps.at(self.pushes)
+        asking = self._requests if self._requests is not None and self._requests.due(step) else None
         started = time.perf_counter()
+        if asking is not None and asking.holds:  # sync_ps: the rounds after this step wait for the driver's save
+            self._client.hold(step)
         self._client.push([fused[start:stop] for start, stop in self._spans.bounds], step=step, rows=rows)
         self.push_seconds += time.perf_counter() - started
         self.pushes += 1
-        return self.pull()
+        weights = self.pull()  # (sync_ps: once the step is applied on every shard)
+        if asking is not None:
+            asking.ask(step)
+        return weights
 
     def pull(self) -> np.ndarray:
         """The server's weights, shard by shard, in a buffer nothing else references (aligned: TensorFlow takes it

@@ -32,6 +32,7 @@ from sparkdl.launch.forward import TaskReporter
 from sparkdl.modes.base import Settings
 from sparkdl.modes.parameter_server import placement, stage
 from sparkdl.modes.parameter_server.task import MODEL
+from sparkdl.ps.positions import WorkerPositions
 
 if TYPE_CHECKING:
     from sparkdl.modes.parameter_server.mode import ParameterServerPlan
@@ -48,6 +49,8 @@ class ServerTask:
     encrypt: bool = False
     restored: bool = False  # the driver offers each shard's optimizer state (``stage.optimizer_payload``)
     checkpoints: CheckpointStore | None = None  # where the driver checkpoints (a retried stage resumes from there)
+    start: tuple[int, int] = (0, 0)  # the place of the driver's start (``Checkpoint.place``)
+    positions: WorkerPositions | None = None  # where the workers stood in the driver's start (``checkpoints``)
 
 
 def run_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, task: ServerTask) -> bytes:
@@ -71,17 +74,23 @@ def run_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, t
 
     # Where training starts: the driver's start, or a newer checkpoint a failed attempt of this stage left.
     resumed = None
-    if shard == 0 and task.checkpoints is not None:
-        resumed = task.checkpoints.latest(newer_than=(settings.initial_epoch, 0))
-    proposal = {"epoch": resumed.epoch if resumed is not None else settings.initial_epoch} if shard == 0 else {}
-    epoch = stage.start_epoch(stage.meet(reporter, proposal, settings.timeout), settings.num_workers)
-    if epoch != settings.initial_epoch and resumed is None:
+    proposal: dict = {}
+    if shard == 0:
+        if task.checkpoints is not None:
+            resumed = task.checkpoints.latest(newer_than=task.start)
+        epoch, steps = resumed.place if resumed is not None else task.start
+        proposal = {"epoch": epoch, "steps": steps}
+    place = stage.start_place(stage.meet(reporter, proposal, settings.timeout), settings.num_workers)
+    epoch = place[0]
+    if place != task.start and resumed is None:
         assert task.checkpoints is not None, "only a checkpoint starts elsewhere than the driver's start"
-        resumed = task.checkpoints.read((epoch, 0))  # the one server 0 found
-    if resumed is not None:
+        resumed = task.checkpoints.read(place)  # the one server 0 found
+    if resumed is not None:  # saved by this fit's driver: its workers' positions are this stage's
         model_bytes, arrays = resumed.model_bytes, resumed.arrays
+        vector = arrays.get(WorkerPositions.ARRAY)
+        positions = WorkerPositions.from_vector(vector).on_shards(plan.num_servers) if vector is not None else None
     else:
-        model_bytes = payloads.fetch(reporter, MODEL)
+        model_bytes, positions = payloads.fetch(reporter, MODEL), task.positions
         arrays = (
             stage.arrays_from_bytes(payloads.fetch(reporter, stage.optimizer_payload(shard))) if task.restored else {}
         )
@@ -106,6 +115,7 @@ def run_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, t
         checkpointed=saving,
         first_shard=shard,
         controller=saving,
+        positions=positions,
     ) as server:
         address = server.addresses[0]
         event = {"event": stage.SERVER_EVENT, "shard": shard, "address": address, "task": context.taskAttemptId()}
@@ -118,7 +128,7 @@ def run_server_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, t
     report = {
         "stats": stats,
         "initial_epoch": epoch,
-        "resumed_history": resumed.history if resumed is not None and epoch != settings.initial_epoch else None,
+        "resumed_history": resumed.history if resumed is not None and place != task.start else None,
     }
     flat = np.concatenate([np.ascontiguousarray(part).reshape(-1).view(np.uint8) for part in state])
     return stage.arrays_to_bytes({"state": flat, "report": np.frombuffer(json.dumps(report).encode(), np.uint8)})

@@ -9,9 +9,10 @@ with the machines instead of all sharing the driver's.
 The tasks meet twice at the stage's rendezvous on the driver's relay (``sparkdl.launch.rendezvous``,
 the one sync mode's ring uses; :func:`meet`):
 
-1. **the start**: server 0 names the epoch training starts from, the driver's (``Job.start``) or, when
-   Spark retried the stage after a lost task, the newest checkpoint the driver wrote meanwhile; every
-   server loads that one and every worker trains from it (:func:`start_epoch`);
+1. **the start**: server 0 names the checkpoint training starts from by its place (epoch, steps into
+   the next), the driver's (``Job.start``) or, when Spark retried the stage after a lost task, the
+   newest checkpoint the driver wrote meanwhile; every server loads that one and every worker trains
+   from its epoch, each at the step the servers say it stood (:func:`start_place`);
 2. **the addresses**: each server, listening by now, gives its shard's address, and the workers connect
    to them (:func:`server_addresses`).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import io
 import json
+import typing
 
 import numpy as np
 
@@ -69,12 +71,14 @@ def meet(reporter: TaskReporter, record: dict, timeout: float) -> list[dict]:
     return records
 
 
-def start_epoch(records: list[dict], num_workers: int) -> int:
-    """The epoch server 0 (task ``num_workers``) says training starts from."""
-    epoch = records[num_workers].get("epoch") if len(records) > num_workers else None
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-        raise ConnectionError(f"Server 0 named no epoch to start from at the stage's rendezvous: {records!r}")
-    return epoch
+def start_place(records: list[dict], num_workers: int) -> tuple[int, int]:
+    """The place (``Checkpoint.place``: epoch, steps into the next) of the checkpoint server 0 (task
+    ``num_workers``) says training starts from."""
+    record = records[num_workers] if len(records) > num_workers else {}
+    place = (record.get("epoch"), record.get("steps"))
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in place):
+        raise ConnectionError(f"Server 0 named no checkpoint to start from at the stage's rendezvous: {records!r}")
+    return typing.cast(tuple[int, int], place)
 
 
 def server_addresses(records: list[dict], num_workers: int) -> list[str]:
