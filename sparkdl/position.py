@@ -36,6 +36,13 @@ from sparkdl.collective.api import ReduceOp
 _BITS = 64
 
 
+def shard_of(keys: np.ndarray, shards: int) -> np.ndarray:
+    """The shard each row of ``keys`` is dealt to (``launch.layout``): its place in its input partition plus the
+    partition's number, modulo ``shards`` (a key is the partition's number << 33 plus the place), so that each input
+    partition's round-robin starts at another shard."""
+    return np.mod((keys & ((1 << 33) - 1)) + (keys >> 33), shards)
+
+
 def key_sum(keys: np.ndarray) -> int:
     """What identifies a set of rows by their keys: the sum of their keys' mix, modulo 2**64 (add workers' sums
     modulo 2**64 for all their rows)."""
@@ -219,7 +226,7 @@ def _trained_by(
 ) -> np.ndarray:
     """Collective: the rows (of this worker's ``keys``) ``segment`` trained, among those not trained ``before``; the
     counts are of the ``counted`` workers' rows (a worker holding a copy of another's finds the same rows)."""
-    shard = np.mod(keys, segment.shards)
+    shard = shard_of(keys, segment.shards)
     candidates = ~before
     counts_of = candidates & counted  # the rows this worker adds to the counts
     wanted = np.array(segment.trained, np.int64)

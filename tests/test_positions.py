@@ -12,14 +12,14 @@ import pytest
 from collective_ranks import run_ranks
 
 from sparkdl import schedule
-from sparkdl.position import EpochPosition, EpochRest, Segment, key_sum
+from sparkdl.position import EpochPosition, EpochRest, Segment, key_sum, shard_of
 
 KEYS = np.arange(5, 5 + 997, dtype=np.int64) * 7919 + (np.int64(3) << 33)  # 997 rows, keys as Spark would number
 SEED, EPOCH, BATCH = 11, 2, 16
 
 
 def _dealt(keys, workers):
-    return [keys[np.mod(keys, workers) == rank] for rank in range(workers)]
+    return [keys[shard_of(keys, workers) == rank] for rank in range(workers)]
 
 
 def _trained_by_rule(keys_by_rank, steps, done):

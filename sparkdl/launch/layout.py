@@ -1,7 +1,7 @@
 """Which tasks a stage runs and which rows each reads: a mode's task layout, and the partitions that deliver it.
 
 Every row gets a key (``ROW_KEY``, Spark's ``monotonically_increasing_id`` of the input: its partition and its place
-there) and is dealt to shard ``key mod shards``. A data-parallel mode runs one worker per shard
+there) and is dealt to shard ``(place + partition) mod shards`` (``sparkdl.position.shard_of``). A data-parallel mode runs one worker per shard
 (``TaskLayout.data_parallel``). Other modes declare tasks that read nothing (a server, a pipeline's middle stages) or
 share a shard (a pipeline's first and last stage read the same rows): each row is copied to every task reading its
 shard. The deal is round-robin within each input partition (shards within one row per input partition of each
@@ -72,7 +72,8 @@ def task_input(frame: DataFrame, layout: TaskLayout) -> DataFrame:
     """``frame`` with its rows' ``ROW_KEY`` in exactly ``layout.slots`` partitions, partition ``t`` holding the rows
     task ``t`` reads."""
     keyed = frame.withColumn(ROW_KEY, F.monotonically_increasing_id())
-    place = (F.pmod(F.col(ROW_KEY), F.lit(layout.shards)) + 1).cast("int")  # the row's shard, from 1
+    row = F.col(ROW_KEY)  # shard: (place in the input partition + the partition's number) mod shards, from 1
+    place = (F.pmod(row.bitwiseAND(F.lit((1 << 33) - 1)) + F.shiftright(row, 33), F.lit(layout.shards)) + 1).cast("int")
     keys = [F.lit(key).cast("long") for key in partition_keys(layout.slots)]  # hashed as bigints, as computed
     if layout.is_data_parallel:
         task_key = F.element_at(F.array(*keys), place)
