@@ -122,7 +122,8 @@ def sort_values(keys: np.ndarray, *, seed: int, epoch: int, shuffle: bool) -> np
     unsigned = keys.astype(np.uint64)
     if not shuffle:
         return unsigned ^ np.uint64(1 << 63)  # the signed keys' order
-    salt = _mix(np.array([(seed & _MASK64) ^ _mix(np.array([epoch & _MASK64], np.uint64))[0]], np.uint64))[0]
+    # np.uint64 on both sides of ^: NumPy 1 (the Horovod stack's) cannot mix a Python int with a uint64
+    salt = _mix(np.array([np.uint64(seed & _MASK64) ^ _mix(np.array([epoch & _MASK64], np.uint64))[0]]))[0]
     with np.errstate(over="ignore"):
         return _mix(unsigned + salt)
 
