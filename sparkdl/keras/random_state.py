@@ -17,8 +17,9 @@ DRAWS = "keras/seed_draws"  # a checkpoint's array: each generator's draws so fa
 
 
 def generators(model) -> list:
-    """The state variables of the model's seed generators, in the model's order."""
-    return [v for v in model.variables if v.path.rsplit("/", 1)[-1] == "seed_generator_state"]
+    """The state variables of the model's seed generators, in the model's order (none under tf.keras 2, the Horovod
+    stack's, whose layers draw from TensorFlow's op seeds and keep no state: nothing to carry there)."""
+    return [v for v in model.variables if getattr(v, "path", "").rsplit("/", 1)[-1] == "seed_generator_state"]
 
 
 def draws(model) -> np.ndarray:
