@@ -27,6 +27,8 @@ from hostnet.spark_cluster import SparkCluster
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
+    """``inject`` raises LookupError when the host holds nothing it could strike (no executor, no Python worker)."""
+
     name: str
     description: str
     inject: Callable[[SparkCluster, int, threading.Event], str]  # (cluster, host, stop) -> what it did
@@ -36,11 +38,12 @@ class Fault:
 def link_down(seconds: float) -> Fault:
     def inject(cluster: SparkCluster, host: int, stop: threading.Event) -> str:
         cluster.network.link(host, up=False)
+        down = time.monotonic()
         try:
             stop.wait(seconds)
         finally:
             cluster.network.link(host, up=True)
-        return f"host {host}'s link down, up again after {seconds:g} s"
+        return f"host {host}'s link down, up again after {time.monotonic() - down:.1f} s"
 
     return Fault(f"link down {seconds:g} s", f"host's link to the switch down for {seconds:g} s, then up", inject)
 
@@ -49,11 +52,12 @@ def packet_loss(fraction: float, seconds: float) -> Fault:
     def inject(cluster: SparkCluster, host: int, stop: threading.Event) -> str:
         delay, _ = cluster.network.impairment
         cluster.network.impair(delay=delay, loss=fraction)
+        began = time.monotonic()
         try:
             stop.wait(seconds)
         finally:
             cluster.network.impair(delay=delay)
-        return f"{fraction:.0%} of the packets arriving at every host dropped for {seconds:g} s"
+        return f"{fraction:.0%} of the packets arriving at every host dropped for {time.monotonic() - began:.1f} s"
 
     name = f"{fraction:.0%} loss {seconds:g} s"
     return Fault(name, f"{fraction:.0%} of every host's arriving packets dropped for {seconds:g} s", inject)
@@ -71,7 +75,7 @@ def kill_executor() -> Fault:
     def inject(cluster: SparkCluster, host: int, stop: threading.Event) -> str:
         pid = cluster.executor_pid(host)
         if pid is None:
-            return f"host {host} runs no executor: nothing killed"
+            raise LookupError(f"host {host} runs no executor: nothing killed")
         os.kill(pid, signal.SIGKILL)
         return f"host {host}'s executor JVM (pid {pid}) killed with SIGKILL"
 
@@ -80,17 +84,21 @@ def kill_executor() -> Fault:
 
 def stop_worker(seconds: float) -> Fault:
     def inject(cluster: SparkCluster, host: int, stop: threading.Event) -> str:
-        workers = cluster.python_workers(host)
-        if not workers:
-            return f"host {host} runs no Python worker: nothing stopped"
+        deadline = time.monotonic() + 10  # the host's task may start a moment after another host's reported
+        while not (workers := cluster.python_workers(host)):
+            if stop.is_set() or time.monotonic() > deadline:
+                raise LookupError(f"host {host} runs no Python worker: nothing stopped")
         pid = workers[0]
         os.kill(pid, signal.SIGSTOP)
+        began = time.monotonic()
         try:
             stop.wait(seconds)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-        return f"host {host}'s busiest Python worker (pid {pid}) stopped (SIGSTOP), continued after {seconds:g} s"
+        return (
+            f"host {host}'s busiest Python worker (pid {pid}) stopped, continued after {time.monotonic() - began:.1f} s"
+        )
 
     return Fault(
         f"worker SIGSTOP {seconds:g} s",
@@ -162,6 +170,8 @@ class Injection:
         self.struck = time.monotonic()
         try:
             self.done = self.fault.inject(self.cluster, self.host, self._stop)
+        except LookupError as nothing:  # nothing to strike there: the fit went on unharmed
+            self.struck, self.done = None, str(nothing)
         except BaseException as error:  # reported by the caller: a fault that could not be injected proves nothing
             self.error = error
 

@@ -79,7 +79,7 @@ class SparkCluster:
             self._start(f"worker {host}", self.network.exec_in(host), address, [
                 "org.apache.spark.deploy.worker.Worker", self.master_url, "--host", address,
                 "--port", str(WORKER_PORT), "--webui-port", str(WORKER_UI_PORT), "--cores", str(self.cores),
-                "--memory", "4g", "--work-dir", self.folder(f"host{host}", "work"),
+                "--memory", "4g", "--work-dir", self.folder(f"worker{host}", "work"),
             ])  # fmt: skip
         hosts = len(self.network.hosts)
         self._wait(lambda state: _alive_workers(state) == hosts, f"{hosts} workers to register with the master")
@@ -103,8 +103,8 @@ class SparkCluster:
             "PYSPARK_PYTHON": sys.executable,
             "SPARK_DAEMON_JAVA_OPTS": "-XX:TieredStopAtLevel=1",
         }
-        for name_ in ("PYSPARK_GATEWAY_PORT", "PYSPARK_GATEWAY_SECRET", "SPARK_REMOTE"):
-            env.pop(name_, None)
+        for variable in ("PYSPARK_GATEWAY_PORT", "PYSPARK_GATEWAY_SECRET", "SPARK_REMOTE"):  # this driver's own
+            env.pop(variable, None)
         log = open(os.path.join(self.folder(where, "logs"), "daemon.log"), "w")  # noqa: SIM115 (the process holds it)
         self._daemons[name] = subprocess.Popen(
             [*prefix, os.path.join(spark_home, "bin", "spark-class"), *arguments],
@@ -205,11 +205,14 @@ class SparkCluster:
         """The executor JVM of host ``host``, if one runs."""
         return next((pid for pid, line in self.host_processes(host).items() if EXECUTOR_MAIN in line), None)
 
-    def python_workers(self, host: int) -> list[int]:
-        """The Python workers of host ``host``'s executor (forked from its daemon), busiest (most CPU time) first."""
+    def python_workers(self, host: int, window: float = 0.3) -> list[int]:
+        """The Python workers of host ``host``'s executor (forked from its daemon), busiest first: by the CPU time each
+        used in the last ``window`` seconds (a worker that ran an earlier task waits idle for the next one)."""
         daemons = {pid for pid, line in self.host_processes(host).items() if DAEMON_MODULE in line}
         workers = [pid for pid in daemons if _parent(pid) in daemons]
-        return sorted(workers, key=_cpu_ticks, reverse=True)
+        before = {pid: _cpu_ticks(pid) for pid in workers}
+        time.sleep(window)
+        return sorted(workers, key=lambda pid: _cpu_ticks(pid) - before[pid], reverse=True)
 
     # -- the end ----------------------------------------------------------------------------
 

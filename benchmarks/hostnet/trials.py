@@ -3,7 +3,8 @@
 :func:`run_trial` runs the fit in a thread of its own while an :class:`~hostnet.faults.Injection` strikes host
 ``host`` once training has begun, and sorts the end into one :class:`Outcome`:
 
-- ``same weights``: the fit completed with the weights of the clean run it is compared with;
+- ``same weights``: the fit completed with the weights of the clean run it is compared with (to float32 rounding,
+  :data:`ROUNDING`; ``max_difference`` says how close);
 - ``different weights``: it completed with other weights (a defect: a silently different model);
 - ``failed``: it raised; ``names_host`` and ``names_rank`` say whether the error names the broken host (its
   address) and a rank;
@@ -29,6 +30,10 @@ from hostnet.leftovers import left_behind
 from hostnet.spark_cluster import SparkCluster
 
 RANK = re.compile(r"\brank \d+")
+#: The largest difference of a weight that still counts as the clean run's: float32 rounding. A retried stage whose
+#: ranks land on other hosts sums each step's gradients in another order (the hierarchical allreduce adds a host's
+#: ranks first), which moves the weights by a few units in the last place (7e-8 seen), not by what training does.
+ROUNDING = 1e-5
 CANCELLED_WITHIN = 60.0  # seconds a hung fit has to return once its jobs are cancelled
 
 
@@ -46,6 +51,7 @@ class Outcome:
     max_difference: float | None = None  # the largest difference of a weight from the clean run's
     epoch_seconds: float | None = None  # the median time between two epoch lines of the fit
     trained_until: float = 0.0  # seconds from the fit's call to its last epoch line (0: none)
+    epochs_before: int = 0  # epoch lines before the fault struck: between 1 and the fit's epochs, it struck mid-fit
     initial_epoch: int | None = None
     leftovers: list[str] = dataclasses.field(default_factory=list)
     stuck: bool = False  # a hang whose fit did not return even after its jobs were cancelled
@@ -79,7 +85,7 @@ def run_trial(
     checkpoint_dirs: Sequence[str] = (),
     hang_after: float = 300.0,
     after: float = 0.5,
-    tolerance: float = 0.0,
+    tolerance: float = ROUNDING,
 ) -> Outcome:
     """``fit()`` (a ``sparkdl.fit`` call) with ``fault`` struck at host ``host`` ``after`` seconds past the start of
     training; its weights compared with ``reference`` (None: not compared) to ``tolerance``."""
@@ -111,6 +117,7 @@ def run_trial(
         what=hit.done,
         epoch_seconds=training.epoch_seconds(),
         trained_until=max(training.epoch_ends, default=started) - started,
+        epochs_before=sum(1 for end in training.epoch_ends if hit.struck is not None and end < hit.struck),
         stuck=thread.is_alive(),
     )
     if not hung:
@@ -127,7 +134,7 @@ def _sort(outcome: Outcome, ended: dict, address: str, reference, tolerance: flo
         outcome.kind = "failed"
         outcome.error_type = type(error).__name__
         outcome.message = text[:8000]
-        outcome.names_host = address in text
+        outcome.names_host = re.search(rf"\b{re.escape(address)}(?![\d])", text) is not None  # not .2 in .254
         outcome.names_rank = RANK.search(text) is not None
         return
     result = outcome.result = ended["result"]
