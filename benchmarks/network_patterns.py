@@ -160,7 +160,7 @@ def main(argv=None) -> None:
     started = time.monotonic()
     runs = []
     try:
-        network.create()
+        network.start()
         print(
             f"machine: {os.cpu_count()} cores; {len(network.hosts)} host namespaces on one bridge, "
             f"addresses {network.subnet}.0/24; load average {os.getloadavg()[0]:.1f}; delay process: "

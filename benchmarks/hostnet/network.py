@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 
 from hostnet import nfqueue
-from hostnet.processes import gone, kill_all, namespace_processes, readline, run
+from hostnet.processes import Started, gone, kill_all, namespace_processes, readline, run
 
 PREFIX = "sdlhn"  # every namespace's and scratch folder's name starts with it, then the creating process's id
 #: The switch's address on the bridge (the last of the /24): services of the network (a Spark master) listen there.
@@ -25,7 +25,7 @@ SWITCH_HOST = 253
 ROOT_HOST = 254  # this machine's own namespace's address on the bridge, with ``root_port``
 
 
-class Network:
+class Network(Started):
     """``hosts`` namespaces with a veth each to one bridge (in a namespace of its own); shaped, impaired and cut on
     demand. Use it as a context manager: everything it made is removed at the end, the processes left in its
     namespaces killed."""
@@ -46,18 +46,7 @@ class Network:
         self._created: list[str] = []
         self._daemons: dict[str, subprocess.Popen] = {}  # host -> its NFQUEUE process
 
-    def __enter__(self) -> Network:
-        try:
-            self.create()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-    def create(self) -> None:
+    def start(self) -> None:
         remove_abandoned()
         run("ip", "netns", "add", self.switch)
         self._created.append(self.switch)

@@ -24,6 +24,28 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+class Started:
+    """Something that ``start()``s on entering a ``with`` block and ``close()``s at its end, also when starting failed
+    half-way (``close`` removes whatever ``start`` had made)."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
 _LINES: dict[int, queue.Queue] = {}  # by process id: the lines its reader thread has read so far ("" at the end)
 
 

@@ -30,7 +30,7 @@ import time
 import urllib.request
 
 from hostnet.network import Network
-from hostnet.processes import stat_fields
+from hostnet.processes import Started, stat_fields
 
 MASTER_PORT, MASTER_UI_PORT, WORKER_PORT, WORKER_UI_PORT = 7077, 8080, 7078, 8081  # namespaces of their own: no clash
 LOST_AFTER = 30  # seconds without a heartbeat before the driver gives an executor up (spark.network.timeout)
@@ -38,7 +38,7 @@ EXECUTOR_MAIN = "org.apache.spark.executor.CoarseGrainedExecutorBackend"
 DAEMON_MODULE = "sparkdl.launch.worker_daemon"  # the executors' Python workers fork from it (TensorFlow loaded once)
 
 
-class SparkCluster:
+class SparkCluster(Started):
     """A master on ``network``'s switch and a worker of ``cores`` cores on each of its hosts; :meth:`session` is
     the driver's SparkSession. Use it as a context manager (after the network's)."""
 
@@ -54,17 +54,6 @@ class SparkCluster:
         self._daemons: dict[str, subprocess.Popen] = {}  # "master", "worker 0", ... -> its process
         self._session = None
         self._previous_tempdir = tempfile.tempdir
-
-    def __enter__(self) -> SparkCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
     # -- the daemons ------------------------------------------------------------------------
 
