@@ -47,6 +47,13 @@ def _error_class(type_name: str) -> type:
         return WorkerError
 
 
+class InputLost(RuntimeError):
+    """Inside a task: reading its input rows from Spark failed (the stream of Arrow batches ended unreadable, as when
+    the shuffle blocks it reads were on an executor that was lost). Spark's to handle, not the task's own error: the
+    JVM side of the task fails with Spark's fetch failure, and Spark recomputes the lost blocks and runs the task
+    again, so it neither cancels the job nor becomes the fit's error."""
+
+
 class SlotsLost(RuntimeError):
     """A barrier stage lost task slots (an executor that did not come back) and could not run again with all its
     tasks within the fit's ``timeout``: ``needed`` slots, ``available`` now."""

@@ -30,7 +30,7 @@ from sparkdl import _compat
 from sparkdl._tf_log import quiet_tensorflow
 from sparkdl.collective import Listener, SparkdlCommunicator, topology
 from sparkdl.launch import gpu, payloads, rendezvous, session
-from sparkdl.launch.errors import SlotsLost, worker_error
+from sparkdl.launch.errors import InputLost, SlotsLost, worker_error
 from sparkdl.launch.forward import TaskReporter, forward_output
 from sparkdl.launch.layout import TaskLayout, task_input
 from sparkdl.launch.phases import Phases
@@ -125,7 +125,7 @@ def run_tasks(
             phases=phases,
         ) as reporter:
             try:
-                payload = task(batches, reporter)
+                payload = task(_spark_input(batches), reporter)
                 reporter.progress(phases.event())  # before the upload, which the driver waits for
                 if payload is not None and not spark_results:
                     payloads.upload(reporter, payload, attempt)  # before this attempt can report success
@@ -171,6 +171,19 @@ def run_tasks(
         return _results(table, None if spark_results else exchange)
     finally:
         exchange.discard_rest()
+
+
+def _spark_input(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """A task's input batches, an error in reading them raised as ``InputLost`` (Spark's to retry; see there)."""
+    batches = iter(batches)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as exc:
+            raise InputLost(f"reading this task's input rows from Spark failed: {type(exc).__name__}: {exc}") from exc
+        yield batch
 
 
 class SlotWatch:
