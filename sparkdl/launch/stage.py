@@ -208,9 +208,14 @@ class SlotWatch:
 
     def _run(self) -> None:
         short_since = None
+        try:
+            hosts_before = session.executor_hosts(self._spark)
+        except Exception:  # the session is stopping: nothing left to watch
+            return
         while not self._stop.wait(_SLOT_POLL_SECONDS):
             try:
                 slots = session.task_slots(self._spark)
+                hosts_now = session.executor_hosts(self._spark)
             except Exception:  # the session is stopping: nothing left to watch
                 return
             if slots is None or slots >= self._needed:
@@ -219,7 +224,8 @@ class SlotWatch:
             now = time.monotonic()
             short_since = now if short_since is None else short_since
             if now - short_since >= self._timeout:
-                self.lost = SlotsLost(self._needed, slots, now - short_since)
+                gone = sorted((hosts_before - hosts_now).elements()) if hosts_before and hosts_now else []
+                self.lost = SlotsLost(self._needed, slots, now - short_since, sorted(set(gone)))
                 logger.warning("sparkdl: %s", self.lost)
                 self._tag.cancel()
                 return
