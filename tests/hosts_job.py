@@ -4,8 +4,9 @@ struck into them, everything it saw written as JSON to ``argv[1]``.
 It runs as a process of its own because it needs a SparkSession of its own (on the cluster's master), and as root
 (network namespaces). The fits: sync on six workers (two per host), the reference; async with three server shards
 on the executors; then the sync fit again, once per fault, with the fault struck at host 1 in the middle of its
-training: its link down for 5 s, its executor JVM killed, the host cut off for good (last: the cluster is one host
-short after it).
+training, saving a step checkpoint every 10 steps: its link down for 5 s, its executor JVM killed, the host cut off
+for good; then, with the host back, cut off again under a fit that may go on with the four workers left
+(``min_workers=4``; last: the cluster is one host short after it).
 """
 
 import json
@@ -33,10 +34,17 @@ FAULTED_HOST = 1
 #: The sync fit every fault strikes half a second after its first epoch line: about 2 s of training on this machine
 #: (8 epochs of 30 steps), so that the fault strikes in the middle of a step, not once training is over.
 FIT = dict(mode="sync", num_workers=WORKERS, epochs=8, batch_size=8, seed=0, progress=False, timeout=20)
-#: Each fault with the fit's timeout under it: above the link's 5 s down; a killed executor's replacement (a JVM, a
-#: Python daemon importing TensorFlow) may take longer than 20 s to join a retried stage on a busy machine; short for
-#: the host lost for good, whose fit should fail soon after it.
-FAULTS = ((faults.link_down(5), 20), (faults.kill_executor(), 60), (faults.partition(), 10))
+CHECKPOINT_EVERY = 10  # steps: a third of an epoch, so that a retried stage resumes mid-epoch
+#: Each fault with the fit's timeout under it and the fit's other settings: above the link's 5 s down; a killed
+#: executor's replacement (a JVM, a Python daemon importing TensorFlow) may take longer than 20 s to join a retried
+#: stage on a busy machine; short for the host lost for good, whose fit should fail soon after it, or go on with the
+#: four workers of the two hosts left.
+FAULTS = (
+    (faults.link_down(5), 20, {}),
+    (faults.kill_executor(), 60, {}),
+    (faults.partition(), 10, {}),
+    (faults.partition(), 10, {"min_workers": WORKERS - CORES}),
+)
 
 
 def hang_after(timeout: float) -> float:
@@ -103,27 +111,43 @@ def main(out_path: str) -> None:
         print(f"hosts_job: cluster, sync and async fits in {time.monotonic() - started:.0f} s", flush=True)
 
         report["faults"] = []
-        for fault, timeout in FAULTS:
+        for number, (fault, timeout, extra) in enumerate(FAULTS):
             checkpoints = tempfile.mkdtemp(prefix="checkpoints-", dir=cluster.scratch)
-            settings = dict(FIT, timeout=timeout, checkpoint_dir=checkpoints)
+            settings = dict(
+                FIT, timeout=timeout, checkpoint_dir=checkpoints, checkpoint_every=CHECKPOINT_EVERY, **extra
+            )
             outcome = run_trial(
                 cluster,
                 fault,
                 lambda settings=settings: sparkdl.fit(frame, workload.model(), **settings),
                 host=FAULTED_HOST,
-                reference=weights,
+                reference=None if "min_workers" in extra else weights,  # fewer workers train other batches
                 checkpoint_dirs=[checkpoints],
                 hang_after=hang_after(timeout),
             )
-            report["faults"].append(dict(outcome.to_json(), timeout=timeout))
-            print(f"hosts_job: {fault.name}: {outcome.summary} in {outcome.seconds:.0f} s", flush=True)
+            went_on = None if outcome.result is None else _went_on(outcome.result)
+            seen = dict(outcome.to_json(), timeout=timeout, settings=extra, went_on=went_on)
+            report["faults"].append(seen)
+            print(f"hosts_job: {fault.name} {extra}: {outcome.summary} in {outcome.seconds:.0f} s", flush=True)
             with open(out_path, "w") as out:  # what was seen so far, should a later fault hang the job
                 json.dump(report, out)
-            if not fault.for_good:
-                cluster.wait_for_executors(HOSTS, timeout=120)  # a killed executor's replacement
+            if number == len(FAULTS) - 1:
+                break
+            if fault.for_good:
+                cluster.network.link(FAULTED_HOST, up=True)  # the host comes back, for the next fault
+            clock = time.monotonic()
+            cluster.wait_for_executors(HOSTS, timeout=240)  # a killed executor's replacement, a host's return
+            seen["executors_back_after"] = time.monotonic() - clock
         report["total_seconds"] = time.monotonic() - started
     with open(out_path, "w") as out:
         json.dump(report, out)
+
+
+def _went_on(result) -> dict:
+    """What a completed fit's result says of the workers it ended with."""
+    return {name: result.stats.get(name) for name in ("workers_lost", "resumed_at")} | {
+        "num_workers": result.num_workers
+    }
 
 
 if __name__ == "__main__":
