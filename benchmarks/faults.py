@@ -58,6 +58,7 @@ HOSTS, CORES, WORKERS, BATCH = 3, 1, 3, 16  # one task slot per host: every host
 FAULTED_HOST = 1
 #: Values for the options a mode requires (``Option.required``), by option name.
 REQUIRED_OPTIONS = {"num_stages": 3, "max_staleness": 2}
+CHECKPOINT_EVERY = 10  # steps: a third of an epoch (30 steps of 3 x 16 of the 1437 rows)
 REMOTE_TYPE = re.compile(r"^rank \d+ raised ([\w.]+):")  # the remote error's type, in a WorkerError's message
 CLUSTER_SETTINGS = {"spark.ui.showConsoleProgress": "false"}
 
@@ -65,9 +66,9 @@ CLUSTER_SETTINGS = {"spark.ui.showConsoleProgress": "false"}
 @dataclasses.dataclass(frozen=True)
 class StartingPoint:
     """Where every fit of a mode's trials starts: the checkpoint a first fit of ``epochs`` epochs left in ``folder``
-    (``fit``'s per-epoch checkpoints). Each trial's fit gets a copy of its own (:meth:`copy`) and trains more epochs
-    after it, so that the faulted fit and the clean one start from the same state. The one place that knows how a
-    starting point is made: with step checkpoints, a first fit stopped after some step instead."""
+    (its epoch checkpoint). Each trial's fit gets a copy of its own (:meth:`copy`) and trains more epochs after it,
+    saving a step checkpoint every ``CHECKPOINT_EVERY`` steps, so that the faulted fit and the clean one start from
+    the same state, and a faulted fit that Spark retries resumes mid-epoch."""
 
     folder: str
     epochs: int
@@ -145,6 +146,7 @@ def mode_main(args) -> None:
                 timeout=timeout,
                 progress=False,
                 checkpoint_dir=checkpoint_dir,
+                checkpoint_every=CHECKPOINT_EVERY,
                 **settings,
             )
 
