@@ -19,8 +19,8 @@ it says why and exits 0.
 
 **Latency** (this kernel has no ``netem``, ``fq`` or ``etf``, the qdiscs that delay packets): each
 host's arriving packets are queued to user space (iptables ``NFQUEUE`` in the host's raw PREROUTING
-chain) and a small process per host (:data:`DELAY_C`, compiled at start where a C compiler is, else
-``--role delay`` in Python; SCHED_FIFO; metadata only: no payload is copied) accepts each one
+chain) and a small process per host (``hostnet.nfqueue``: in C, compiled at start where a C compiler is, else
+in Python; SCHED_FIFO; metadata only: no payload is copied) accepts each one
 ``delay`` after it arrived, in arrival order, by batch verdicts. Every packet,
 data and acknowledgement, is held once on arrival: a one-way delay, so the round trip grows by twice
 the delay. Packets are held after the kernel has detached them from the sending socket, so TCP's
@@ -66,16 +66,14 @@ import os
 import signal
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # sparkdl from this checkout
 
+from hostnet.network import Network, available, impairment_available
 from netbench.collectives import FLAT, TWO_PER_HOST, rank_main, repeats_for, session
-from netbench.common import SUBNET, label, parse_delay, parse_rate, parse_size, rate_label
-from netbench.delay import compile_delay, delay_main
+from netbench.common import label, parse_delay, parse_rate, parse_size, rate_label
 from netbench.modes import COMMUNICATOR_MODES, PS_LAYOUTS, ps_session, server_main, worker_main
-from netbench.network import Network, available, delay_available
 from netbench.probe import calibrate_delay, probe_client_main, probe_server_main
 from netbench.report import report
 
@@ -110,17 +108,14 @@ def main(argv=None) -> None:
     )
     parser.add_argument(
         "--role",
-        choices=["delay", "probe-server", "probe-client", "rank", "ps-server", "ps-worker"],
+        choices=["probe-server", "probe-client", "rank", "ps-server", "ps-worker"],
         help=argparse.SUPPRESS,
     )
-    parser.add_argument("--delay-s", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--host", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--pings", type=int, default=200, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.role == "delay":
-        return delay_main(args.delay_s)
     if args.role == "probe-server":
         return probe_server_main(args.host)
     if args.role == "probe-client":
@@ -144,7 +139,7 @@ def main(argv=None) -> None:
     if why is not None:
         print(f"network_patterns: skipped: {why}")
         return None
-    no_delay = delay_available()
+    no_delay = impairment_available()
     if no_delay is not None and any(d > 0 for d in args.delays):
         print(f"network_patterns: {no_delay}; alpha is fitted on the path's own latency")
         args.delays = [0.0]
@@ -154,10 +149,9 @@ def main(argv=None) -> None:
     flat, two_per_host = chosen([*FLAT, *modes]), chosen(TWO_PER_HOST)
     ps_layouts = [layout for _, layout in chosen([] if args.no_modes else [("ps", layout) for layout in PS_LAYOUTS])]
     # the driver's host for the parameter servers: one more than the ranks
-    network = Network(max(max(args.ranks) + bool(ps_layouts), 2 if args.hierarchical else 0, 2))
-    scratch = tempfile.TemporaryDirectory(prefix="sdlnp")
-    if not args.python_delay and any(d > 0 for d in args.delays):
-        network.delay_binary = compile_delay(scratch.name)
+    network = Network(
+        max(max(args.ranks) + bool(ps_layouts), 2 if args.hierarchical else 0, 2), python_program=args.python_delay
+    )
 
     def stop(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -166,11 +160,11 @@ def main(argv=None) -> None:
     started = time.monotonic()
     runs = []
     try:
-        network.create()
+        network.start()
         print(
             f"machine: {os.cpu_count()} cores; {len(network.hosts)} host namespaces on one bridge, "
-            f"addresses {SUBNET}.0/24; load average {os.getloadavg()[0]:.1f}; delay process: "
-            f"{'C' if network.delay_binary else 'Python'}"
+            f"addresses {network.subnet}.0/24; load average {os.getloadavg()[0]:.1f}; delay process: "
+            f"{'C' if network.program() else 'Python'}"
         )
         for rate in args.rates:
             network.shape(rate)
@@ -223,7 +217,6 @@ def main(argv=None) -> None:
                 print(f"({name}: {time.monotonic() - network_started:.0f} s)", flush=True)
     finally:
         network.close()
-        scratch.cleanup()
         signal.signal(signal.SIGTERM, previous)
         print(f"\nnamespaces removed; measured for {time.monotonic() - started:.0f} s", flush=True)
     save(args.json, runs)

@@ -3,8 +3,8 @@
 The script runs unchanged in a scratch repository: its ``python3.11 -m venv`` makes virtualenvs whose ``python`` is
 this machine's real Python (so a real failing test or job fails it), and whose ``pip``, ``ruff`` and ``mypy`` record
 their arguments and fail when asked to (a failed install or lint, without touching the network or needing the lint
-tools in the README's virtualenv). ``conf/horovod/install.sh`` is a stand-in that fails when asked to. Every step
-writes a line to a log, so a test sees which steps ran.
+tools in the README's virtualenv). ``conf/horovod/install.sh`` and ``apt-get`` are stand-ins that fail when asked
+to (nothing is installed on this machine). Every step writes a line to a log, so a test sees which steps ran.
 """
 
 import os
@@ -69,6 +69,8 @@ def scratch(tmp_path):
     path.mkdir()
     (path / "python3.11").write_text(_VENV)
     (path / "python3.11").chmod(0o755)
+    (path / "apt-get").write_text(_tool("apt-get", "exit 0"))
+    (path / "apt-get").chmod(0o755)
     env = {
         "PATH": f"{path}{os.pathsep}/usr/bin{os.pathsep}/bin",
         "HOME": str(tmp_path),
@@ -103,6 +105,8 @@ def test_every_step_runs_in_order_when_all_pass(scratch):
         "python3.11",
         "pip",
         "python",
+        "apt-get",
+        "apt-get",
         "python",
         "install.sh",
         "horovod-python",
@@ -120,6 +124,7 @@ def test_every_step_runs_in_order_when_all_pass(scratch):
         ("job", "python jobs/train.py"),  # the main job fails, for real
         ("default install", "pip install -e .[cpu,test,tracking]"),  # the suite must not be skipped
         ("test", "python -m pytest -q tests"),  # a real failing test, run by the real pytest
+        ("apt-get", "apt-get install -y -q iptables"),  # what the slow tests need, before them
         ("slow test", "python -m pytest -q -m slow tests"),
         ("horovod install", "install.sh"),
     ],

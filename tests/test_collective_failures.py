@@ -273,6 +273,7 @@ def test_a_receive_that_times_out_says_so_naming_its_source():
 
     message = run_ranks(2, body, timeout=0.5)[1]
     assert message.startswith("rank 1: recv timed out after 0.5s waiting to receive from rank 0"), message
+    assert "check that rank 0 (on 127.0.0.1) is alive" in message, message  # the host it waits for
     assert "send" not in message, message
 
 

@@ -142,6 +142,21 @@ def test_readme_opens_with_the_two_commands_ci_runs():
     assert horovod and ci_runs(horovod[0], ci), f".ci/run does not run docs/horovod.md's test command: {horovod}"
 
 
+def test_ci_installs_what_the_readme_says_the_slow_tests_need_before_running_them():
+    """The README's install of what the emulated hosts' tests need (iptables) is what .ci/run runs, right before the
+    slow tests."""
+    installs = [
+        code.strip()
+        for _, info, code in fenced_blocks((REPO / "README.md").read_text())
+        if info == "bash" and "apt-get install" in code
+    ]
+    assert len(installs) == 1 and "iptables" in installs[0], installs
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    steps = installs[0].split(" && ")
+    slow = ci.index(".venv/bin/python -m pytest -q -m slow tests")
+    assert ci[slow - len(steps) : slow] == steps, f".ci/run does not run {installs[0]!r} right before the slow tests"
+
+
 def test_ci_runs_the_lint_checks_contributing_shows_before_the_tests():
     """CONTRIBUTING.md's check line (ruff, mypy) is what .ci/run runs, and it runs before the first test."""
     blocks = [code.strip() for _, info, code in fenced_blocks((REPO / "CONTRIBUTING.md").read_text()) if info == "bash"]

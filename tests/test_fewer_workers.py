@@ -145,4 +145,5 @@ def test_without_min_workers_a_lost_slot_fails_the_fit_within_its_timeout(standa
 
     assert kind == "ERROR"
     assert "Expected 2 task slots for the training stage" in message and "min_workers=1" in message
+    assert "since an executor was lost on 127.0.0.1," in message  # the host that lost it
     assert time.monotonic() - started < 240

@@ -9,10 +9,11 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from hostnet.network import Network
+from hostnet.processes import die_with_parent
 
-from netbench.common import die_with_parent, hear, interface_bytes, role_processes, tell
+from netbench.common import hear, interface_bytes, role_processes, start_role, tell
 from netbench.modes import Step, Steps
-from netbench.network import Network
 
 #: (operation, algorithm) of the one-rank-per-host sessions, in the order each size runs them.
 FLAT = (
@@ -140,7 +141,7 @@ def rank_main(host: str) -> None:
 def session(network: Network, hosts_of_ranks: list[int], plan: list, shared_memory: bool, log) -> list[dict]:
     """Runs ``plan`` on one rank per entry of ``hosts_of_ranks`` (its host's index); one record per item."""
     with role_processes() as processes:
-        processes += [network.start(host, "rank") for host in hosts_of_ranks]
+        processes += [start_role(network, host, "rank") for host in hosts_of_ranks]
         addresses = [hear(process, 60, f"rank {rank}")["address"] for rank, process in enumerate(processes)]
         secret = secrets.token_hex(32)
         for rank, process in enumerate(processes):

@@ -4,24 +4,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
-import queue
 import re
-import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
+
+from hostnet.network import Network
+from hostnet.processes import readline
 
 BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(BENCHMARKS)
 #: The script every namespace's process runs, with ``--role``.
 SCRIPT = os.path.join(BENCHMARKS, "network_patterns.py")
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-SUBNET = "198.18.0"  # RFC 2544: reserved for benchmarking; these addresses exist only in the namespaces
-PR_SET_PDEATHSIG, PR_SET_TIMERSLACK = 1, 29
 
 
 def parse_size(text: str) -> int:
@@ -58,39 +55,16 @@ def rate_label(bits: float) -> str:
     return f"{bits / 1e9:g} Gbit/s" if bits >= 1e9 else f"{bits / 1e6:g} Mbit/s"
 
 
-def die_with_parent() -> None:
-    """This process ends with the one that started it (``ip netns exec`` execs in place: that is the script)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, check=check)
-
-
-_LINES: dict[int, queue.Queue] = {}  # by process id: the lines its reader thread has read so far ("" at the end)
-
-
-def readline(process: subprocess.Popen, timeout: float) -> str:
-    """The next line ``process`` writes ("" once it has ended), waiting at most ``timeout`` seconds.
-
-    A thread per process reads its lines: ``select`` on the pipe would miss a second line that a
-    ``readline`` already took into the file's buffer with the first.
-    """
-    lines = _LINES.get(process.pid)
-    if lines is None:
-        lines = _LINES[process.pid] = queue.Queue()
-
-        def read() -> None:
-            for line in process.stdout:
-                lines.put(line)
-            lines.put("")
-
-        threading.Thread(target=read, name=f"lines of {process.pid}", daemon=True).start()
-    try:
-        return lines.get(timeout=timeout)
-    except queue.Empty:
-        raise TimeoutError(f"no answer from {process.args} within {timeout} s") from None
+def start_role(network: Network, host: int, role: str) -> subprocess.Popen:
+    """``network_patterns.py --role ROLE`` in host ``host``'s namespace at ``nice -10``, on its address; JSON lines
+    in and out."""
+    return subprocess.Popen(
+        [*network.exec_in(host), "nice", "-n", "-10", sys.executable, SCRIPT, "--role", role, "--host", network.addresses[host]],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
 
 
 def interface_bytes() -> tuple[int, int]:

@@ -31,9 +31,10 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from hostnet.network import Network
+from hostnet.processes import die_with_parent
 
-from netbench.common import die_with_parent, hear, interface_bytes, messages, role_processes, tell
-from netbench.network import Network
+from netbench.common import hear, interface_bytes, messages, role_processes, start_role, tell
 
 #: The modes run on the communicator, in the order each size runs them.
 COMMUNICATOR_MODES = ("zero1", "zero3", "gossip", "pipeline")
@@ -274,8 +275,8 @@ def ps_session(network: Network, n: int, layout: str, plan: list, log) -> list[d
     server_hosts = list(range(n)) if spread else [n]
     secret = secrets.token_hex(32)
     with role_processes() as processes:
-        servers = [network.start(host, "ps-server") for host in server_hosts]
-        workers = [network.start(rank, "ps-worker") for rank in range(n)]
+        servers = [start_role(network, host, "ps-server") for host in server_hosts]
+        workers = [start_role(network, rank, "ps-worker") for rank in range(n)]
         processes += servers + workers
         for index, server in enumerate(servers):
             tell(server, {"secret": secret, "mode": mode, "num_workers": n, "first_shard": index})

@@ -9,8 +9,10 @@ import subprocess
 import sys
 import time
 
-from netbench.common import SCRIPT, die_with_parent, readline, run
-from netbench.network import Network
+from hostnet.network import Network
+from hostnet.processes import die_with_parent, readline, run
+
+from netbench.common import SCRIPT
 from sparkdl.net.io import tune
 
 
@@ -66,14 +68,14 @@ def probe_client_main(target: str, nbytes: int, pings: int) -> None:
 def probe(network: Network, nbytes: int, pings: int = 200) -> dict:
     """One TCP stream and a 1-byte ping-pong from host 0 to host 1."""
     server = subprocess.Popen(
-        ["ip", "netns", "exec", network.hosts[1], sys.executable, SCRIPT, "--role", "probe-server", "--host", network.addresses[1]],
+        [*network.exec_in(1), sys.executable, SCRIPT, "--role", "probe-server", "--host", network.addresses[1]],
         stdout=subprocess.PIPE,
         text=True,
     )  # fmt: skip
     try:
         port = readline(server, 30).strip()
         client = run(
-            "ip", "netns", "exec", network.hosts[0], sys.executable, SCRIPT, "--role", "probe-client",
+            *network.exec_in(0), sys.executable, SCRIPT, "--role", "probe-client",
             "--target", f"{network.addresses[1]}:{port}", "--bytes", str(nbytes), "--pings", str(pings),
         )  # fmt: skip
         return json.loads(client.stdout)
@@ -89,17 +91,17 @@ def calibrate_delay(network: Network, delay: float, nbytes: int) -> dict:
     overshoots by a few tens of microseconds. Up to three rounds of pings take half the error off the
     setting each time (never below 0); the last probe, with a stream, is what the tables print.
     """
-    network.delay(0)
+    network.impair(delay=0)
     base = probe(network, nbytes)
     if delay <= 0:
         return {"base": base, "delayed": base, "set": 0.0}
     target, setting = base["rtt"] + 2 * delay, delay
     for _ in range(3):
-        network.delay(setting)
+        network.impair(delay=setting)
         rtt = probe(network, 1 << 16, pings=100)["rtt"]
         if abs(rtt - target) < 0.05 * target:
             break
         setting = max(0.0, setting + (target - rtt) / 2)
-    network.delay(setting)
+    network.impair(delay=setting)
     delayed = probe(network, nbytes)
     return {"base": base, "delayed": delayed, "set": setting, "target_rtt": target}

@@ -47,15 +47,24 @@ def _error_class(type_name: str) -> type:
         return WorkerError
 
 
+class InputLost(RuntimeError):
+    """Inside a task: reading its input rows from Spark failed (the stream of Arrow batches ended unreadable, as when
+    the shuffle blocks it reads were on an executor that was lost). Spark's to handle, not the task's own error: the
+    JVM side of the task fails with Spark's fetch failure, and Spark recomputes the lost blocks and runs the task
+    again, so it neither cancels the job nor becomes the fit's error."""
+
+
 class SlotsLost(RuntimeError):
     """A barrier stage lost task slots (an executor that did not come back) and could not run again with all its
-    tasks within the fit's ``timeout``: ``needed`` slots, ``available`` now."""
+    tasks within the fit's ``timeout``: ``needed`` slots, ``available`` now, ``hosts`` those whose executors went
+    away (empty where Spark does not say)."""
 
-    def __init__(self, needed: int, available: int, seconds: float):
+    def __init__(self, needed: int, available: int, seconds: float, hosts: Sequence[str] = ()):
+        where = f" on {', '.join(hosts)}" if hosts else ""
         super().__init__(
             f"Expected {needed} task slots for the training stage. Received: the cluster has had {available} since "
-            f"an executor was lost, for {seconds:.0f}s (timeout), so the stage cannot run again with all its tasks. "
-            f"Give the cluster its executors back, or let the fit go on with fewer workers: "
+            f"an executor was lost{where}, for {seconds:.0f}s (timeout), so the stage cannot run again with all its "
+            f"tasks. Give the cluster its executors back, or let the fit go on with fewer workers: "
             f"min_workers={available} or less (with checkpoint_dir)."
         )
-        self.needed, self.available, self.seconds = needed, available, seconds
+        self.needed, self.available, self.seconds, self.hosts = needed, available, seconds, list(hosts)

@@ -23,9 +23,10 @@ STDOUT, STDERR, ERROR, PROGRESS = 1, 2, 3, 4
 MAX_FRAME_BYTES = 1 << 20
 RELAY_ID = 0xFFFF_FFFE  # the "rank" the relay proves itself as; tasks authenticate as their partition index
 
-# Failures that follow another rank's failure (its ring or Horovod peers vanished): Spark's own
-# retry of the stage is the remedy, so they neither cancel the job nor hide the rank that failed first.
-_SECONDARY_FAILURES = ("CollectiveError", "CollectiveTimeout", "ConnectGaveUp", "HorovodInternalError")
+# Failures that follow another rank's failure (its ring or Horovod peers vanished), or Spark's (the task's input
+# lost with an executor: launch.errors.InputLost): Spark's own retry of the stage is the remedy, so they neither
+# cancel the job nor hide the rank that failed first.
+_SECONDARY_FAILURES = ("CollectiveError", "CollectiveTimeout", "ConnectGaveUp", "HorovodInternalError", "InputLost")
 # TensorFlow reports an exception raised inside a tf.numpy_function (the ring's allreduce in the
 # compiled train step) as its own error whose message holds a line "<TypeName>: <message>".
 _WRAPPED_SECONDARY = re.compile(rf"^(?:[\w.]+\.)?(?:{'|'.join(_SECONDARY_FAILURES)}): ", re.M)

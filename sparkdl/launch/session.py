@@ -19,6 +19,7 @@ address of the local interface that routes to the server's host.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ipaddress
 import logging
@@ -117,6 +118,15 @@ def task_slots(spark: SparkSession) -> int | None:
     if instances and cores:
         return int(instances) * (int(cores) // task_cpus)
     return None
+
+
+def executor_hosts(spark: SparkSession) -> collections.Counter[str] | None:
+    """How many executors each host runs now (the driver's own entry included), or None where Spark does not say
+    (Spark Connect: no JVM in this process)."""
+    if is_connect(spark):
+        return None
+    infos = spark.sparkContext._jsc.sc().statusTracker().getExecutorInfos()
+    return collections.Counter(str(info.host()) for info in infos)
 
 
 def server_host(spark: SparkSession) -> str:

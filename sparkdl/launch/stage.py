@@ -30,7 +30,7 @@ from sparkdl import _compat
 from sparkdl._tf_log import quiet_tensorflow
 from sparkdl.collective import Listener, SparkdlCommunicator, topology
 from sparkdl.launch import gpu, payloads, rendezvous, session
-from sparkdl.launch.errors import SlotsLost, worker_error
+from sparkdl.launch.errors import InputLost, SlotsLost, worker_error
 from sparkdl.launch.forward import TaskReporter, forward_output
 from sparkdl.launch.layout import TaskLayout, task_input
 from sparkdl.launch.phases import Phases
@@ -125,7 +125,7 @@ def run_tasks(
             phases=phases,
         ) as reporter:
             try:
-                payload = task(batches, reporter)
+                payload = task(_spark_input(batches), reporter)
                 reporter.progress(phases.event())  # before the upload, which the driver waits for
                 if payload is not None and not spark_results:
                     payloads.upload(reporter, payload, attempt)  # before this attempt can report success
@@ -173,6 +173,19 @@ def run_tasks(
         exchange.discard_rest()
 
 
+def _spark_input(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """A task's input batches, an error in reading them raised as ``InputLost`` (Spark's to retry; see there)."""
+    batches = iter(batches)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as exc:
+            raise InputLost(f"reading this task's input rows from Spark failed: {type(exc).__name__}: {exc}") from exc
+        yield batch
+
+
 class SlotWatch:
     """While a barrier job runs: where the cluster has had fewer task slots than the stage's tasks (an executor lost
     and not replaced) for ``timeout`` seconds, cancels the job and keeps a ``SlotsLost`` for the caller, which Spark
@@ -195,9 +208,14 @@ class SlotWatch:
 
     def _run(self) -> None:
         short_since = None
+        try:
+            hosts_before = session.executor_hosts(self._spark)
+        except Exception:  # the session is stopping: nothing left to watch
+            return
         while not self._stop.wait(_SLOT_POLL_SECONDS):
             try:
                 slots = session.task_slots(self._spark)
+                hosts_now = session.executor_hosts(self._spark)
             except Exception:  # the session is stopping: nothing left to watch
                 return
             if slots is None or slots >= self._needed:
@@ -206,7 +224,8 @@ class SlotWatch:
             now = time.monotonic()
             short_since = now if short_since is None else short_since
             if now - short_since >= self._timeout:
-                self.lost = SlotsLost(self._needed, slots, now - short_since)
+                gone = sorted((hosts_before - hosts_now).elements()) if hosts_before and hosts_now else []
+                self.lost = SlotsLost(self._needed, slots, now - short_since, sorted(set(gone)))
                 logger.warning("sparkdl: %s", self.lost)
                 self._tag.cancel()
                 return

@@ -41,6 +41,7 @@ class Link:
     def __init__(self, channel: Channel, rank: int, peer: int, timeout: float):
         channel.sock.settimeout(timeout)
         self.channel, self.rank, self.peer, self.timeout = channel, rank, peer, timeout
+        self._on_host = _on_host(channel)  # for errors: on a cluster the first question is which machine
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sparkdl-rank{rank}-to{peer}")
         self._send_lock = threading.Lock()  # whole frames only: the sender thread and an abort alike
         self._header = bytearray(HEADER.size)
@@ -224,19 +225,29 @@ class Link:
         if received < len(view):
             raise CollectiveError(
                 f"rank {self.rank}: rank {self.peer} closed the connection during {_receiving_in(op)}; "
-                "check whether that rank's process failed or closed its communicator"
+                f"check whether that rank's process{self._on_host} failed or closed its communicator"
             )
 
     def _error(self, operation: str, action: str, exc: OSError) -> CollectiveError:
         if isinstance(exc, TimeoutError):
             return CollectiveTimeout(
                 f"rank {self.rank}: {operation} timed out after {self.timeout}s waiting to {action} "
-                f"rank {self.peer}; check that rank {self.peer} is alive and makes the same calls, or raise the timeout"
+                f"rank {self.peer}; check that rank {self.peer}{self._on_host} is alive and makes the same calls, or "
+                "raise the timeout"
             )
         return CollectiveError(
             f"rank {self.rank}: {operation} failed to {action} rank {self.peer}: {exc}; "
-            "check whether that rank's process failed"
+            f"check whether that rank's process{self._on_host} failed"
         )
+
+
+def _on_host(channel: Channel) -> str:
+    """Where the peer of a TCP connection is, for errors (" (on HOST)"); nothing for a Unix socket's (this host)."""
+    try:
+        peer = channel.sock.getpeername()
+    except OSError:
+        return ""
+    return f" (on {peer[0]})" if isinstance(peer, tuple) else ""
 
 
 def _receiving_in(op: int) -> str:

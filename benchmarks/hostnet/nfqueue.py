@@ -1,6 +1,11 @@
-"""The delay process: every packet arriving at a host held a fixed time in user space (NFQUEUE over raw netlink).
+"""The impairment process: every packet arriving at a host held a fixed time, or dropped at random, in user space
+(NFQUEUE over raw netlink).
 
-This kernel has no ``netem``: see ``network_patterns.py``'s docstring for why and how.
+This kernel has no ``netem``: see ``network_patterns.py``'s docstring for why and how. ``iptables`` steers a host's
+arriving packets to queue 0 (``network.Network.impair``); this process holds each one ``delay`` from its arrival
+and then accepts it, in arrival order, by batch verdicts, and drops each with probability ``loss`` at once (a verdict
+of its own) instead. In C (:data:`PROGRAM_C`, compiled where a C compiler is), else in Python (``python -m
+hostnet.nfqueue DELAY_S LOSS``).
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ import collections
 import contextlib
 import ctypes
 import os
+import random
 import select
 import shutil
 import socket
@@ -16,13 +22,13 @@ import struct
 import sys
 import time
 
-from netbench.common import PR_SET_TIMERSLACK, die_with_parent, run
+from hostnet.processes import PR_SET_TIMERSLACK, die_with_parent, run
 
 NETLINK_NETFILTER, NFNL_SUBSYS_QUEUE = 12, 3
-NFQNL_MSG_PACKET, NFQNL_MSG_CONFIG, NFQNL_MSG_VERDICT_BATCH = 0, 2, 3
+NFQNL_MSG_PACKET, NFQNL_MSG_VERDICT, NFQNL_MSG_CONFIG, NFQNL_MSG_VERDICT_BATCH = 0, 1, 2, 3
 NLM_F_REQUEST, NLM_F_ACK, NLMSG_ERROR = 1, 4, 2
 SO_RCVBUFFORCE, SOL_NETLINK, NETLINK_NO_ENOBUFS = 33, 270, 5
-NF_ACCEPT = 1
+NF_DROP, NF_ACCEPT = 0, 1
 
 
 def _nlattr(kind: int, payload: bytes) -> bytes:
@@ -36,7 +42,8 @@ def _nfq_message(msg_type: int, attrs: list[bytes], seq: int, flags: int = NLM_F
 
 
 #: The same process in C, compiled when a C compiler is at hand: it costs the packets' path a tenth of the CPU time.
-DELAY_C = r"""
+#: Arguments: the delay in nanoseconds, the loss in parts per million.
+PROGRAM_C = r"""
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -102,8 +109,10 @@ static void configure(int fd, uint32_t seq, const char *attrs, size_t len) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 2) return 2;
+    if (argc != 3) return 2;
     int64_t delay = atoll(argv[1]);
+    long loss = atol(argv[2]);  /* parts per million */
+    srandom((unsigned)now_ns());
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     int fd = socket(AF_NETLINK, SOCK_RAW, NETLINK_NETFILTER);
     if (fd < 0) { perror("socket"); return 1; }
@@ -131,6 +140,12 @@ int main(int argc, char **argv) {
     size_t verdict_len = head_len + put_attr(verdict + head_len, NFQA_VERDICT_HDR, &vh, sizeof vh);
     ((struct nlmsghdr *)verdict)->nlmsg_len = verdict_len;
     uint32_t *verdict_id = (uint32_t *)(verdict + head_len + NLA_HDRLEN + 4);
+    char drop[64];
+    size_t drop_head = message(drop, NFQNL_MSG_VERDICT, NLM_F_REQUEST, 0);
+    struct nfqnl_msg_verdict_hdr dh = {.verdict = htonl(NF_DROP), .id = 0};
+    size_t drop_len = drop_head + put_attr(drop + drop_head, NFQA_VERDICT_HDR, &dh, sizeof dh);
+    ((struct nlmsghdr *)drop)->nlmsg_len = drop_len;
+    uint32_t *drop_id = (uint32_t *)(drop + drop_head + NLA_HDRLEN + 4);
     static char buf[1 << 16];
     size_t first = 0, last = 0;  /* pending packets: [first, last) modulo SLOTS */
     struct pollfd p = {.fd = fd, .events = POLLIN};
@@ -159,7 +174,10 @@ int main(int argc, char **argv) {
                     if (attr->nla_len < NLA_HDRLEN) break;
                     if ((attr->nla_type & NLA_TYPE_MASK) == NFQA_PACKET_HDR) {
                         struct nfqnl_msg_packet_hdr *ph = (struct nfqnl_msg_packet_hdr *)(a + NLA_HDRLEN);
-                        if (last - first < SLOTS) {
+                        if (loss && random() % 1000000 < loss) {
+                            *drop_id = ph->packet_id;  /* now: a batch verdict accepts only packets still queued */
+                            send(fd, drop, drop_len, 0);
+                        } else if (last - first < SLOTS) {
                             due[last % SLOTS] = t;
                             ids[last % SLOTS] = ph->packet_id;  /* network order, as the verdict wants it */
                             last++;
@@ -183,20 +201,29 @@ int main(int argc, char **argv) {
 """
 
 
-def compile_delay(folder: str) -> str | None:
-    """The C delay process, built in ``folder``; None without a compiler (the Python one runs instead)."""
+def compile_program(folder: str) -> str | None:
+    """The C process, built in ``folder``; None without a compiler (the Python one runs instead)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    source, binary = os.path.join(folder, "delay.c"), os.path.join(folder, "delay")
+    source, binary = os.path.join(folder, "nfqueue.c"), os.path.join(folder, "nfqueue")
     with open(source, "w") as out:
-        out.write(DELAY_C)
+        out.write(PROGRAM_C)
     built = run(compiler, "-O2", "-o", binary, source, check=False)
     return binary if built.returncode == 0 else None
 
 
-def delay_main(delay: float) -> None:
-    """Holds every packet of NFQUEUE 0 for ``delay`` seconds from its arrival, then accepts it (FIFO)."""
+def command(program: str | None, delay: float, loss: float) -> list[str]:
+    """The command line of the process for ``delay`` seconds and a ``loss`` fraction: the C ``program``, else Python's."""
+    if program is not None:
+        return [program, str(int(delay * 1e9)), str(int(loss * 1e6))]
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return ["env", f"PYTHONPATH={here}", sys.executable, "-m", "hostnet.nfqueue", repr(delay), repr(loss)]
+
+
+def main(delay: float, loss: float) -> None:
+    """Holds every packet of NFQUEUE 0 for ``delay`` seconds from its arrival, then accepts it (FIFO); drops each
+    with probability ``loss`` instead."""
     die_with_parent()
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
     sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 16 << 20)
@@ -224,6 +251,8 @@ def delay_main(delay: float) -> None:
     buffer = bytearray(1 << 16)
     packet = ((NFNL_SUBSYS_QUEUE << 8) | NFQNL_MSG_PACKET).to_bytes(2, sys.byteorder)
     verdict = _nfq_message(NFQNL_MSG_VERDICT_BATCH, [_nlattr(2, struct.pack(">II", NF_ACCEPT, 0))], 0)[:-4]
+    drop = _nfq_message(NFQNL_MSG_VERDICT, [_nlattr(2, struct.pack(">II", NF_DROP, 0))], 0)[:-4]
+    chance = random.Random().random
     recv_into, send, monotonic, wait = sock.recv_into, sock.send, time.monotonic, select.select
     print("ready", flush=True)
     while True:
@@ -240,6 +269,9 @@ def delay_main(delay: float) -> None:
                 break
             # nlmsghdr (16) + nfgenmsg (4), then NFQA_PACKET_HDR first: its type at 22, the packet id at 24.
             if buffer[4:6] == packet and buffer[22] == 1:
+                if loss and chance() < loss:
+                    send(drop + bytes(buffer[24:28]))  # now: a batch verdict accepts only packets still queued
+                    continue
                 due.append(monotonic() + delay)
                 ids.append(bytes(buffer[24:28]))
         now, last = monotonic(), None
@@ -248,3 +280,7 @@ def delay_main(delay: float) -> None:
             last = ids.popleft()
         if last is not None:
             send(verdict + last)  # accepts every packet up to this id
+
+
+if __name__ == "__main__":
+    main(float(sys.argv[1]), float(sys.argv[2]))
