@@ -21,7 +21,7 @@ Per mode, on a cluster of its own (a child process: a mode that hangs cannot sta
    between two epoch lines) and whether the mode is reproducible at all (the two clean fits' weights);
 3. one fit per fault from another copy, the fault struck at host 1 half a second after training began
    (``hostnet.faults.FAULTS``: link down 5 s, 1% loss for 60 s, the executor JVM killed, the busiest Python worker
-   stopped for 60 s, the host cut off for good, last); its outcome (``hostnet.trials``): the same weights as the
+   stopped for 60 s, the host cut off for good; then, the host back, cut off again under ``min_workers=2``); its outcome (``hostnet.trials``): the same weights as the
    clean fit (to float32 rounding), different weights (a defect, where the clean fits agree), failed (and whether
    the error names the host and a rank), hang (no end within ``--hang-after`` s), or not struck (training ended
    first); and whatever it left behind.
@@ -59,6 +59,7 @@ FAULTED_HOST = 1
 #: Values for the options a mode requires (``Option.required``), by option name.
 REQUIRED_OPTIONS = {"num_stages": 3, "max_staleness": 2}
 CHECKPOINT_EVERY = 10  # steps: a third of an epoch (30 steps of 3 x 16 of the 1437 rows)
+MIN_WORKERS = WORKERS - 1  # the partition's second trial: the fit may go on with the two hosts left
 REMOTE_TYPE = re.compile(r"^rank \d+ raised ([\w.]+):")  # the remote error's type, in a WorkerError's message
 CLUSTER_SETTINGS = {"spark.ui.showConsoleProgress": "false"}
 
@@ -126,7 +127,7 @@ def mode_main(args) -> None:
 
     settings = mode_settings(args.mode)
     workload = WORKLOADS["digits"]
-    chosen = [fault for fault in fault_catalogue.FAULTS if fault.name in args.faults]
+    chosen = trials(args.faults)
 
     def record(**line) -> None:
         with open(args.out, "a") as out:
@@ -135,7 +136,7 @@ def mode_main(args) -> None:
     with Network(HOSTS, root_port=True) as network, SparkCluster(network, cores=CORES) as cluster:
         frame = digits_frame(cluster.session(**CLUSTER_SETTINGS))
 
-        def fit(checkpoint_dir: str, epochs: int, timeout: float = args.timeout):
+        def fit(checkpoint_dir: str, epochs: int, timeout: float = args.timeout, **extra):
             return sparkdl.fit(
                 frame,
                 workload.model(),
@@ -148,6 +149,7 @@ def mode_main(args) -> None:
                 checkpoint_dir=checkpoint_dir,
                 checkpoint_every=CHECKPOINT_EVERY,
                 **settings,
+                **extra,
             )
 
         with fault_catalogue.TrainingStarted() as first:
@@ -175,21 +177,34 @@ def mode_main(args) -> None:
             clean_difference=reproducible,
             outcomes=[c.kind for c in clean],
         )
-        for fault in chosen:
+        for number, (name, fault, extra) in enumerate(chosen):
             folder = start.copy(cluster.scratch)
             outcome = run_trial(
                 cluster,
                 fault,
-                lambda folder=folder: fit(folder, total),
+                lambda folder=folder, extra=extra: fit(folder, total, **extra),
                 host=FAULTED_HOST,
-                reference=weights[0],
+                reference=None if extra else weights[0],  # fewer workers train other batches
                 checkpoint_dirs=[folder],
                 hang_after=args.hang_after,
             )
-            record(line="trial", mode=args.mode, **outcome.to_json())
-            if outcome.stuck or fault.for_good:
+            workers = None if outcome.result is None else outcome.result.num_workers
+            record(line="trial", mode=args.mode, **dict(outcome.to_json(), fault=name, workers=workers))
+            if outcome.stuck or number == len(chosen) - 1:
                 break
+            if fault.for_good:
+                cluster.network.link(FAULTED_HOST, up=True)  # the host comes back for the next trial
             cluster.wait_for_executors(HOSTS, timeout=args.hang_after)
+
+
+def trials(faults: list[str]) -> list[tuple[str, fault_catalogue.Fault, dict]]:
+    """The trials of ``faults`` (names from ``hostnet.faults.FAULTS``), in its order: (the trial's name, the fault,
+    ``fit``'s keywords beyond the common ones); a partition twice, the second time under ``MIN_WORKERS``."""
+    chosen = [(fault.name, fault, {}) for fault in fault_catalogue.FAULTS if fault.name in faults]
+    partition = next((fault for fault in fault_catalogue.FAULTS if fault.name == "partition"), None)
+    if partition is not None and partition.name in faults:
+        chosen.append((f"partition, min_workers={MIN_WORKERS}", partition, {"min_workers": MIN_WORKERS}))
+    return chosen
 
 
 def plan_main(args) -> None:
@@ -232,7 +247,7 @@ def run_all(args) -> dict:
     from sparkdl.modes.registry import MODES
 
     work = tempfile.mkdtemp(prefix="sparkdl-faults-")
-    results: dict = {"modes": {}, "faults": [f.name for f in fault_catalogue.FAULTS if f.name in args.faults]}
+    results: dict = {"modes": {}, "faults": [name for name, _, _ in trials(args.faults)]}
     plan_out = os.path.join(work, "plan.json")
     status = child("plan", plan_out, args, cap=900)
     results["plan"] = json.load(open(plan_out)) if status == 0 else {"error": _tail(plan_out + ".log")}
@@ -243,7 +258,7 @@ def run_all(args) -> dict:
             results["modes"][mode] = {"not_run": settings}
             continue
         out = os.path.join(work, f"{mode}.jsonl")
-        cap = 600 + len(args.faults) * (args.hang_after + 120)
+        cap = 600 + len(trials(args.faults)) * (args.hang_after + 120)
         clock = time.monotonic()
         status = child("mode", out, args, "--mode", mode, "--faults", *args.faults, cap=cap)
         lines = [json.loads(line) for line in open(out)] if os.path.exists(out) else []
@@ -323,6 +338,8 @@ def _cell(line: dict | None, clean_difference: float | None) -> str:
             kind = "same weights" + (f" (to {difference:.0e})" if difference else "")
         else:
             kind = f"DIFFERENT weights (by {difference:.2g})"
+    elif kind == "failed" and line["struck_at"] is None:
+        return f"refused: {line['error_type']} ({line['message'].splitlines()[0][:120]})"
     elif kind == "failed":
         named = [n for n, ok in (("host", line["names_host"]), ("rank", line["names_rank"])) if ok]
         raised = REMOTE_TYPE.search(line["message"])
@@ -331,6 +348,8 @@ def _cell(line: dict | None, clean_difference: float | None) -> str:
         return f"failed{after}: {error}, names {' and '.join(named) or 'neither host nor rank'}" + _left(line)
     elif kind == "hang":
         return f"hang (cut at {line['seconds']:.0f} s)" + _left(line)
+    if kind == "completed" and line.get("workers") not in (None, WORKERS):
+        kind = f"completed on {line['workers']} workers"
     return f"{kind}, {line['seconds']:.0f} s" + _left(line)
 
 
