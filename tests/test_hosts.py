@@ -116,17 +116,18 @@ def test_an_executor_killed_mid_fit_is_replaced_and_the_fit_resumes_to_the_same_
     assert killed["leftovers"] == []
 
 
-def test_a_host_cut_off_for_good_fails_the_fit_within_its_timeout_naming_the_host(seen):
+def test_a_host_cut_off_for_good_fails_the_fit_within_its_timeout_naming_the_host_and_its_ranks(seen):
     """The faulted host's link down for good mid-fit: the ranks waiting for its ranks give up after ``timeout``, Spark
     declares its executor lost after ``LOST_AFTER`` and cannot run the retried stage with all its tasks; sparkdl
     cancels it once the slots have been short for ``timeout`` and raises ``SlotsLost``, naming the host whose
-    executor went away (never a hang)."""
+    executor went away and the two ranks that ran there (never a hang)."""
     partitioned = _fault(seen, "partition")
     assert partitioned["struck_at"] is not None, partitioned
     assert partitioned["kind"] == "failed" and partitioned["error_type"] == "SlotsLost", partitioned
     bound = LOST_AFTER + 3 * partitioned["timeout"]  # detection, the stage's timeouts, the slot watch's
     assert partitioned["seconds"] - partitioned["struck_at"] <= bound, partitioned
     assert partitioned["names_host"], partitioned["message"]
+    assert "ranks " in partitioned["message"] and " ran there" in partitioned["message"], partitioned["message"]
 
 
 def test_with_min_workers_a_host_cut_off_for_good_leaves_the_fit_to_go_on_with_the_hosts_left(seen):

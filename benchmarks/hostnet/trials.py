@@ -29,7 +29,7 @@ from hostnet.faults import Fault, Injection, TrainingStarted
 from hostnet.leftovers import left_behind
 from hostnet.spark_cluster import SparkCluster
 
-RANK = re.compile(r"\brank \d+")
+RANK = re.compile(r"\branks? \d+")
 #: The largest difference of a weight that still counts as the clean run's: float32 rounding. A retried stage whose
 #: ranks land on other hosts sums each step's gradients in another order (the hierarchical allreduce adds a host's
 #: ranks first), which moves the weights by a few units in the last place (7e-8 seen), not by what training does.

@@ -57,14 +57,24 @@ class InputLost(RuntimeError):
 class SlotsLost(RuntimeError):
     """A barrier stage lost task slots (an executor that did not come back) and could not run again with all its
     tasks within the fit's ``timeout``: ``needed`` slots, ``available`` now, ``hosts`` those whose executors went
-    away (empty where Spark does not say)."""
+    away (empty where Spark does not say), ``ranks`` the stage's ranks that ran there."""
 
-    def __init__(self, needed: int, available: int, seconds: float, hosts: Sequence[str] = ()):
+    def __init__(
+        self, needed: int, available: int, seconds: float, hosts: Sequence[str] = (), ranks: Sequence[int] = ()
+    ):
         where = f" on {', '.join(hosts)}" if hosts else ""
+        if ranks:
+            where += f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} ran there)"
         super().__init__(
             f"Expected {needed} task slots for the training stage. Received: the cluster has had {available} since "
             f"an executor was lost{where}, for {seconds:.0f}s (timeout), so the stage cannot run again with all its "
             f"tasks. Give the cluster its executors back, or let the fit go on with fewer workers: "
             f"min_workers={available} or less (with checkpoint_dir)."
         )
-        self.needed, self.available, self.seconds, self.hosts = needed, available, seconds, list(hosts)
+        self.needed, self.available, self.seconds, self.hosts, self.ranks = (
+            needed,
+            available,
+            seconds,
+            list(hosts),
+            list(ranks),
+        )

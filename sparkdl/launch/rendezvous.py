@@ -20,7 +20,9 @@ import dataclasses
 import json
 import logging
 import threading
+from collections.abc import Collection
 
+from sparkdl.collective import topology
 from sparkdl.launch.forward import TaskReporter
 from sparkdl.launch.relay_frames import MAX_FRAME_BYTES, recv_bytes, send_frame
 from sparkdl.net.secure import Channel
@@ -39,6 +41,7 @@ class Rendezvous:
         self._lock = threading.Lock()
         self._joined: dict[int, _Joined] = {}  # rank -> the record its newest task sent, not yet answered
         self._newest: dict[int, int] = {}  # rank -> the highest task attempt id that joined
+        self._met: list[str] | None = None  # every rank's record, at the last time they all met
 
     def open(self, rank: int) -> _Session:
         """The handler of one task connection's rendezvous frames (the relay calls it for the kinds it names)."""
@@ -56,7 +59,8 @@ class Rendezvous:
             if len(self._joined) < self._num_workers:
                 return
             members, self._joined = self._joined, {}
-        answer = json.dumps([members[r].record for r in range(self._num_workers)]).encode()
+            self._met = [members[r].record for r in range(self._num_workers)]
+        answer = json.dumps(self._met).encode()
         for member in members.values():
             # The member waits for this answer and sends the driver nothing that needs one meanwhile: no other
             # thread writes to its connection now.
@@ -64,6 +68,13 @@ class Rendezvous:
                 send_frame(member.channel, _MEMBERS, answer, stopping=stopping)
             except OSError as exc:  # that task is gone: its stage fails without this rendezvous
                 _log.warning("sparkdl relay: could not answer rank %d's rendezvous: %s", member.rank, exc)
+
+    def ranks_on(self, hosts: Collection[str]) -> list[int]:
+        """The ranks that ran on ``hosts`` (Spark's executor host names) when the ranks last met: none before."""
+        with self._lock:
+            met = self._met or []
+        addresses, _ = topology.parse_records(met)
+        return [rank for rank, address in enumerate(addresses) if address.rsplit(":", 1)[0].strip("[]") in hosts]
 
     def _leave(self, joined: _Joined) -> None:
         with self._lock:

@@ -97,6 +97,7 @@ def run_tasks(
     encrypt = session.encrypts_traffic(spark)  # the relay's connections are sealed when Spark's RPC is
     tag = session.JobTag(spark)
     exchange = payloads.PayloadExchange(offered)
+    meeting = rendezvous.Rendezvous(num_tasks) if barrier else None
     relay = OutputRelay(
         session.driver_host(spark),
         relay_secret,
@@ -104,7 +105,7 @@ def run_tasks(
         on_error=lambda report: tag.cancel(),
         on_progress=on_progress,
         exchange=exchange,
-        rendezvous=rendezvous.Rendezvous(num_tasks) if barrier else None,
+        rendezvous=meeting,
         encrypt=encrypt,
     )
     relay_address = relay.address  # the closure below must not capture the relay itself
@@ -153,7 +154,7 @@ def run_tasks(
         # Spark retries a failed barrier stage only when it is a shuffle-map stage (a failed barrier
         # result stage aborts the job): the shuffle makes the training stage retryable after a lost task.
         results = results.repartition(1)
-    watch = SlotWatch(spark, num_tasks, timeout, tag) if barrier else contextlib.nullcontext()
+    watch = SlotWatch(spark, num_tasks, timeout, tag, meeting) if meeting is not None else contextlib.nullcontext()
     try:
         with tag, watch:
             table = _compat.collect_arrow(results)
@@ -189,11 +190,12 @@ def _spark_input(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
 class SlotWatch:
     """While a barrier job runs: where the cluster has had fewer task slots than the stage's tasks (an executor lost
     and not replaced) for ``timeout`` seconds, cancels the job and keeps a ``SlotsLost`` for the caller, which Spark
-    would otherwise leave waiting for the slots without end. Knows nothing of slots where Spark does not say
+    would otherwise leave waiting for the slots without end; it names the hosts whose executors went away, and the
+    ranks that ran on a host left with none (``meeting``: the stage's rendezvous, which knows every rank's host). Knows nothing of slots where Spark does not say
     (``session.task_slots`` None: Spark Connect without the server's settings)."""
 
-    def __init__(self, spark, needed: int, timeout: float, tag: session.JobTag):
-        self._spark, self._needed, self._timeout, self._tag = spark, needed, timeout, tag
+    def __init__(self, spark, needed: int, timeout: float, tag: session.JobTag, meeting: rendezvous.Rendezvous):
+        self._spark, self._needed, self._timeout, self._tag, self._meeting = spark, needed, timeout, tag, meeting
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sparkdl-slot-watch", daemon=True)
         self.lost: SlotsLost | None = None
@@ -224,8 +226,10 @@ class SlotWatch:
             now = time.monotonic()
             short_since = now if short_since is None else short_since
             if now - short_since >= self._timeout:
-                gone = sorted((hosts_before - hosts_now).elements()) if hosts_before and hosts_now else []
-                self.lost = SlotsLost(self._needed, slots, now - short_since, sorted(set(gone)))
+                gone = sorted(set(hosts_before - hosts_now)) if hosts_before and hosts_now else []
+                # a rank's host, but not its executor, is known: name ranks only where the host has none left
+                ranks = self._meeting.ranks_on([host for host in gone if hosts_now[host] == 0])
+                self.lost = SlotsLost(self._needed, slots, now - short_since, gone, ranks)
                 logger.warning("sparkdl: %s", self.lost)
                 self._tag.cancel()
                 return
