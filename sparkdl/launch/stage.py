@@ -226,9 +226,12 @@ class SlotWatch:
             now = time.monotonic()
             short_since = now if short_since is None else short_since
             if now - short_since >= self._timeout:
-                gone = sorted(set(hosts_before - hosts_now)) if hosts_before and hosts_now else []
-                # a rank's host, but not its executor, is known: name ranks only where the host has none left
-                ranks = self._meeting.ranks_on([host for host in gone if hosts_now[host] == 0])
+                gone: list[str] = []
+                ranks: list[int] = []
+                if hosts_before and hosts_now:
+                    gone = sorted(set(hosts_before - hosts_now))
+                    # a rank's host, but not its executor, is known: name ranks only where the host has none left
+                    ranks = self._meeting.ranks_on([host for host in gone if hosts_now[host] == 0])
                 self.lost = SlotsLost(self._needed, slots, now - short_since, gone, ranks)
                 logger.warning("sparkdl: %s", self.lost)
                 self._tag.cancel()
