@@ -149,7 +149,10 @@ def fit(
             (``checkpoint_every``; needs ``checkpoint_dir``) starts again from its newest checkpoint on the slots
             there are, at least ``min_workers``: the epoch's untrained rows dealt over them, the global batch kept
             where ``num_workers * batch_size`` divides among them (each worker's batch grows), else the nearest
-            larger one; the log and ``FitResult.stats["workers_lost"]`` say what changed.
+            larger one; the log and ``FitResult.stats["workers_lost"]`` say what changed. In async, hogwild and
+            ssp (servers on the driver) the other workers go on without a lost one, whose task Spark retries when a
+            slot is free, from its own step: ssp sets a worker silent for ``timeout`` aside rather than failing
+            (``FitResult.stats["workers_set_aside"]``). sync_ps and average refuse it.
         callbacks: Keras callbacks to run inside every worker (sync mode: after the metrics are
             averaged over workers, so every rank sees, and decides on, the same values).
         progress: show progress on the console: a bar where one can be seen (terminal, notebook) and
@@ -229,6 +232,7 @@ def fit(
                 initial_epoch=resumed.epoch if resumed is not None else 0,
                 initial_position=resumed.checkpoint.position if resumed is not None else None,
                 checkpoint_every=interval,
+                min_workers=min_workers,
                 callbacks=worker_callbacks,
             )
             steps = settings.steps_per_epoch  # an estimate: the workers count their rows and report the exact steps
@@ -376,13 +380,11 @@ def _check_min_workers(plan: Plan, min_workers, num_workers: int, checkpoint_dir
             f"Expected `min_workers` to be an int from 1 to num_workers={num_workers}. Received: "
             f"min_workers={min_workers!r}"
         )
-    if min_workers < num_workers and (
-        checkpoint_dir is None or not plan.saves_step_checkpoints or not plan.resumes_on_other_workers
-    ):
+    why = plan.refuses_fewer_workers(checkpoint_dir is not None) if min_workers < num_workers else None
+    if why is not None:
         raise ValueError(
-            f"Expected `checkpoint_dir` and a mode that resumes mid-epoch with min_workers={min_workers} < "
-            f"num_workers={num_workers}: the fit goes on with fewer workers from its newest checkpoint. Received: "
-            f"mode={plan.mode!r}, checkpoint_dir={checkpoint_dir!r}."
+            f"Expected a mode that can go on with fewer workers with min_workers={min_workers} < "
+            f"num_workers={num_workers}. Received: mode={plan.mode!r}, where {why}."
         )
 
 

@@ -50,6 +50,25 @@ def small_model(width=2):
         ),
         ({"timeout": 0}, r"Expected `timeout` to be a positive number of seconds"),
         ({"seed": -1}, r"Expected `seed` to be a non-negative integer"),
+        ({"min_workers": 3}, r"Expected `min_workers` to be an int from 1 to num_workers=2. Received: min_workers=3"),
+        (
+            {"min_workers": 1},  # sync without checkpoint_dir
+            r"go on with fewer workers with min_workers=1 < num_workers=2. Received: mode='sync', where it goes on "
+            r"with fewer workers from its newest step checkpoint, and has no checkpoint_dir",
+        ),
+        (
+            {"min_workers": 1, "mode": "sync_ps"},
+            r"Received: mode='sync_ps', where every round of sync_ps takes every worker's push of its step",
+        ),
+        (
+            {"min_workers": 1, "mode": "async", "server_placement": "executors"},
+            r"Received: mode='async', where with server_placement='executors' its workers and servers are one barrier "
+            r"stage",
+        ),
+        (
+            {"min_workers": 1, "mode": "average", "checkpoint_dir": "unused"},
+            r"Received: mode='average', where it resumes a step checkpoint on the workers it was taken on only",
+        ),
     ],
 )
 def test_schema_and_setting_errors_start_no_job(spark, frame, kwargs, message):

@@ -183,11 +183,53 @@ def test_ssp_pull_times_out_when_a_worker_never_comes():
             c.push([np.ones(4, np.float32)])
             with pytest.raises(CollectiveTimeout) as info:
                 c.pull()
+        assert ps.stats()["workers_set_aside"] == []  # without min_workers, none
     message = str(info.value)
     # The server's staleness gate gave up after its timeout=1.0 and said so (not the client's 10 s socket timeout).
     assert "refused under mode='ssp'" in message
     assert "worker 0" in message and ps.addresses[0] in message
     assert "max_staleness=0" in message and "timeout" in message
+
+
+def test_ssp_with_min_workers_goes_on_without_a_silent_worker_and_takes_it_back_once_caught_up():
+    """min_workers=1 of 2: worker 1 never sends a thing, so worker 0's second pull, held by the gate, is admitted once
+    worker 1 has been silent for the timeout (set aside) instead of failing; worker 0 then runs on, and worker 1,
+    coming late, trains its steps without holding worker 0 back until it has caught up (then it holds it again)."""
+    sizes = [4]
+    one = [np.ones(4, np.float32)]
+    with server(make_shards(sizes), rule=BoundedStaleness(0), num_workers=2, timeout=1.0, min_workers=1) as ps:
+        with client(ps, 0, sizes) as fast:
+            fast.pull()
+            fast.push(one)
+            clock = time.monotonic()
+            fast.pull()  # worker 1 silent since the server started: set aside after timeout=1.0
+            assert 0.5 < time.monotonic() - clock < 5
+            for _ in range(3):
+                fast.push(one)
+                fast.pull()  # not held: the slowest active worker is worker 0 itself
+            fast.push(one)  # worker 0 at clock 5
+            with client(ps, 1, sizes) as late:
+                for _ in range(3):  # behind worker 0: neither held nor holding
+                    late.pull()
+                    late.push(one)
+                clock = time.monotonic()
+                fast.pull()  # worker 1 at clock 3 of 5, catching up: worker 0 goes on at once
+                assert time.monotonic() - clock < 0.5
+                for _ in range(2):
+                    late.pull()
+                    late.push(one)  # clock 5: caught up, active again
+                fast.push(one)  # clock 6
+                waiter = threading.Thread(target=fast.pull)
+                waiter.start()
+                time.sleep(0.3)
+                assert waiter.is_alive(), "worker 1, caught up, no longer held worker 0 to max_staleness=0"
+                late.pull()
+                late.push(one)
+                waiter.join(5)
+                assert not waiter.is_alive()
+        stats = ps.stats()
+    assert stats["workers_set_aside"] == [1]
+    assert stats["clocks"] == [6, 6]
 
 
 # -- retries, bad peers --------------------------------------------------------------------

@@ -49,6 +49,7 @@ class Settings:
     initial_epoch: int = 0  # resumed from a checkpoint: epochs initial_epoch..epochs-1 are trained
     initial_position: EpochPosition | None = None  # resumed from a step checkpoint: where epoch initial_epoch stands
     checkpoint_every: CheckpointInterval | None = None  # step checkpoints (with a checkpoint directory)
+    min_workers: int | None = None  # the fewest workers the fit goes on with (None: all of them)
     validate: bool = False  # rows are held out: the workers evaluate them at every epoch end
     callbacks: tuple = ()  # the user's Keras callbacks (modes with ``runs_callbacks`` only)
 
@@ -267,6 +268,17 @@ class Plan:
     def layout(self, num_workers: int) -> TaskLayout:
         """The tasks of a fit with ``num_workers``; by default one worker per shard of the rows."""
         return TaskLayout.data_parallel(num_workers)
+
+    def refuses_fewer_workers(self, checkpointed: bool) -> str | None:
+        """Why a fit of this plan cannot go on with fewer workers than it started with (``min_workers``), for the
+        error; None when it can. By default it can where it resumes a step checkpoint on other workers: a lost
+        executor's slots that do not come back end the stage, and the fit starts again from its newest checkpoint
+        (``checkpointed``: it has a checkpoint directory) on the workers left."""
+        if not (self.saves_step_checkpoints and self.resumes_on_other_workers):
+            return "it resumes a step checkpoint on the workers it was taken on only"
+        if not checkpointed:
+            return "it goes on with fewer workers from its newest step checkpoint, and has no checkpoint_dir"
+        return None
 
     def refuses_callbacks(self) -> str | None:
         """Why this plan cannot run the user's Keras callbacks, for the error (None when it runs them)."""

@@ -96,8 +96,9 @@ class UpdateRule:
     locked: ClassVar[bool] = True  # a lock serialises each shard's updates and reads (so XLA may fuse an update)
     synchronous: ClassVar[bool] = False  # workers join, push numbered steps and pull each step's one update
 
-    def clocks(self, num_workers: int) -> ClockTracker:
-        """The server's worker clocks: measured, gating no pull."""
+    def clocks(self, num_workers: int, spare: int = 0) -> ClockTracker:
+        """The server's worker clocks: measured, gating no pull (no worker waits for another: ``spare``, the workers
+        the others may go on without, changes nothing)."""
         return ClockTracker(num_workers, None)
 
     def roster(self, num_workers: int, epoch_steps: Callable[[list[int]], int] | None) -> Roster | None:
@@ -139,8 +140,9 @@ class BoundedStaleness(UpdateRule):
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
 
-    def clocks(self, num_workers: int) -> ClockTracker:
-        return ClockTracker(num_workers, self.max_staleness)
+    def clocks(self, num_workers: int, spare: int = 0) -> ClockTracker:
+        """The gate: up to ``spare`` workers silent for a held pull's timeout are set aside (``ClockTracker``)."""
+        return ClockTracker(num_workers, self.max_staleness, spare)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,13 +84,15 @@ class ParameterServer:
         first_shard: int = 0,
         controller: bool = False,
         positions: WorkerPositions | None = None,
+        min_workers: int | None = None,
     ):
         """``epoch_steps`` (``SyncRounds``, where the driver checkpoints): the steps per epoch of workers holding the
         joined rows; the rounds of each epoch then wait for :meth:`epoch_saved` of the epoch before.
         ``first_shard``: the index of ``shards[0]`` in the model's whole layout (a server task hosting shard k of
         several); ``controller``: take the driver's connection as rank ``num_workers`` for ``Msg.STATE``.
         ``positions``: where the workers stood when the shards' state was saved (``sparkdl.ps.positions``: a
-        resumed fit's), for every shard of the layout; None: nowhere yet."""
+        resumed fit's), for every shard of the layout; None: nowhere yet. ``min_workers``: the fewest workers the
+        others go on with, where the rule makes them wait (ssp: ``ClockTracker``); None: all of them."""
         if not shards:
             raise ValueError("a parameter server needs at least one shard")
         if not host or host in ("0.0.0.0", "::"):
@@ -134,7 +136,7 @@ class ParameterServer:
             max_pending=int(max_pending),
             encrypt=encrypt,  # seal every connection (sparkdl.net.secure): the session encrypts its RPC
         )
-        self.tracker = rule.clocks(num_workers)
+        self.tracker = rule.clocks(num_workers, spare=num_workers - (min_workers or num_workers))
         self.roster = rule.roster(num_workers, epoch_steps)
         self.counters = ServerCounters()
         self.attendance = Attendance(num_workers)
@@ -240,12 +242,13 @@ class ParameterServer:
         NaN and infinity, applying them (under the lock, where there is one) and
         reading weights for pulls, summed over shards and connections; extra keys:
         ``protocol_errors`` (authenticated connections closed for breaking the
-        protocol) and ``clocks`` (pushes completed per worker id); under sync_ps
+        protocol), ``clocks`` (pushes completed per worker id) and ``workers_set_aside`` (under ssp with
+        ``min_workers``: the workers the others went on without, each time one was set aside); under sync_ps
         ``rounds`` (synchronous updates applied, per shard) and ``replayed_pushes``
         (pushes of steps applied already, from retried workers catching up, dropped;
         per shard).
         """
-        clocks, max_seen = self.tracker.snapshot()
+        clocks, max_seen, set_aside = self.tracker.snapshot()
         result: dict = self.counters.snapshot()
         result["refused_connections"] = sum(
             shard.listener.refused for shard in self._shards if shard.listener is not None
@@ -256,4 +259,5 @@ class ParameterServer:
                 result.setdefault(name, []).append(count)
         result["max_staleness"] = max_seen
         result["clocks"] = clocks
+        result["workers_set_aside"] = set_aside
         return result

@@ -114,6 +114,20 @@ class ParameterServerPlan(Plan):
     saves_step_checkpoints: ClassVar[bool] = True  # the workers ask for them (``step_requests``)
     resumes_on_other_workers: ClassVar[bool] = False  # its tasks share no collective (``checkpoints``)
 
+    def refuses_fewer_workers(self, checkpointed: bool) -> str | None:
+        """With the servers on the driver the workers are tasks Spark retries alone, and the others go on without a
+        lost one (its retry resumes at its own step when a slot is free): async and hogwild wait for no worker, ssp
+        sets a silent worker aside after ``timeout`` (``sparkdl.ps.staleness``); sync_ps's rounds need every
+        worker, and with the servers on executors the workers and servers are one barrier stage."""
+        if self.placement.barrier:
+            return (
+                "with server_placement='executors' its workers and servers are one barrier stage, which resumes on "
+                "the workers it was taken on only"
+            )
+        if self.rule.synchronous:
+            return "every round of sync_ps takes every worker's push of its step"
+        return None
+
     def layout(self, num_workers: int) -> TaskLayout:
         """A worker per shard of the rows; with ``server_placement="executors"`` the server tasks after them."""
         return self.placement.layout(num_workers, self.num_servers)
@@ -160,6 +174,7 @@ class ParameterServerPlan(Plan):
             first_shard=first_shard,
             controller=controller,
             positions=positions,
+            min_workers=settings.min_workers,
         )
 
     def run(self, job: Job) -> ModeResult:

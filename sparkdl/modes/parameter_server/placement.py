@@ -38,7 +38,8 @@ def _each_shard(parts: list[list]) -> list:
 #: saw), ``refused_connections`` (failed or refused handshakes), request and response bytes, the seconds the shards
 #: spent checking pushes, applying them and reading weights (``sparkdl.ps.counters``); per shard, in shard order:
 #: ``versions`` (updates applied), under sync_ps ``rounds`` and ``replayed_pushes`` (``sparkdl.ps.rules``), and
-#: ``servers`` (where each shard ran: ``{"shard", "address", "pid"}``).
+#: ``servers`` (where each shard ran: ``{"shard", "address", "pid"}``); ``workers_set_aside`` (under ssp with
+#: ``min_workers``: the workers the others went on without; the clocks' server's).
 SERVER_STATS: dict[str, Callable[[list], Any]] = {
     "max_staleness": max,
     "refused_connections": sum,
@@ -51,6 +52,7 @@ SERVER_STATS: dict[str, Callable[[list], Any]] = {
     "rounds": _each_shard,
     "replayed_pushes": _each_shard,
     "servers": _each_shard,
+    "workers_set_aside": _each_shard,  # only the clocks' server sets any aside
 }
 
 
