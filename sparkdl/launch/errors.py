@@ -55,26 +55,39 @@ class InputLost(RuntimeError):
 
 
 class SlotsLost(RuntimeError):
-    """A barrier stage lost task slots (an executor that did not come back) and could not run again with all its
-    tasks within the fit's ``timeout``: ``needed`` slots, ``available`` now, ``hosts`` those whose executors went
-    away (empty where Spark does not say), ``ranks`` the stage's ranks that ran there."""
+    """A stage that needs all its tasks at once lost task slots (an executor that did not come back) and could not
+    run again with all of them within the fit's ``timeout``: ``needed`` slots, ``available`` now, ``hosts`` those
+    whose executors went away (empty where Spark does not say), ``ranks`` the stage's ranks that ran there;
+    ``reports``: what the ranks raised meanwhile (their waits for the lost ones), a line each."""
 
     def __init__(
-        self, needed: int, available: int, seconds: float, hosts: Sequence[str] = (), ranks: Sequence[int] = ()
+        self,
+        needed: int,
+        available: int,
+        seconds: float,
+        hosts: Sequence[str] = (),
+        ranks: Sequence[int] = (),
+        reports: Sequence[ErrorReport] = (),
     ):
         where = f" on {', '.join(hosts)}" if hosts else ""
         if ranks:
             where += f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} ran there)"
-        super().__init__(
+        message = (
             f"Expected {needed} task slots for the training stage. Received: the cluster has had {available} since "
             f"an executor was lost{where}, for {seconds:.0f}s (timeout), so the stage cannot run again with all its "
-            f"tasks. Give the cluster its executors back, or let the fit go on with fewer workers: "
-            f"min_workers={available} or less (with checkpoint_dir)."
+            f"tasks. Give the cluster its executors back, or, where the mode can, let the fit go on with fewer "
+            f"workers: min_workers={available} or less (docs/checkpoints.md)."
         )
-        self.needed, self.available, self.seconds, self.hosts, self.ranks = (
-            needed,
-            available,
-            seconds,
-            list(hosts),
-            list(ranks),
-        )
+        lines = list(dict.fromkeys(f"rank {r.rank}: {r.type_name}: {r.message.splitlines()[0]}" for r in reports))
+        if lines:
+            message += "\n\nMeanwhile, on the ranks:\n  " + "\n  ".join(lines[:_REPORTED_LINES])
+        super().__init__(message)
+        self.needed, self.available, self.seconds = needed, available, seconds
+        self.hosts, self.ranks, self.reports = list(hosts), list(ranks), list(reports)
+
+    def seen_by(self, reports: Sequence[ErrorReport]) -> SlotsLost:
+        """This error with what the ranks raised meanwhile."""
+        return SlotsLost(self.needed, self.available, self.seconds, self.hosts, self.ranks, reports)
+
+
+_REPORTED_LINES = 6  # of the ranks' errors, in a SlotsLost

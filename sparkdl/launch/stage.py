@@ -72,6 +72,7 @@ def run_tasks(
     on_progress: Callable[[int, dict], None] = lambda rank, event: None,
     offered: dict[str, bytes] | None = None,
     spark_results: bool = False,
+    watch_slots: bool | None = None,
 ) -> dict[int, bytes]:
     """Runs ``task`` once per task of ``tasks`` (a layout, or a number of workers each reading a shard of its own),
     on the rows the layout gives it (``launch.layout.task_input``).
@@ -81,6 +82,8 @@ def run_tasks(
     ``bytearray``, sparing a copy); with ``spark_results`` through Spark's
     task results instead (the driver JVM's heap, ``spark.driver.maxResultSize``):
     for bytes the caller unpickles, which must never come from a socket.
+    ``watch_slots``: the stage cannot complete once the cluster has fewer task slots than its tasks (default: a
+    barrier stage); it then fails with ``SlotsLost`` after ``timeout`` (``SlotWatch``).
     ``offered`` names payloads the tasks may fetch from the driver's relay
     (``payloads.fetch(reporter, name)``) instead of carrying them in the
     closure. ``barrier=True`` starts all tasks together, as the ring needs;
@@ -154,13 +157,14 @@ def run_tasks(
         # Spark retries a failed barrier stage only when it is a shuffle-map stage (a failed barrier
         # result stage aborts the job): the shuffle makes the training stage retryable after a lost task.
         results = results.repartition(1)
-    watch = SlotWatch(spark, num_tasks, timeout, tag, meeting) if meeting is not None else contextlib.nullcontext()
+    every_slot = barrier if watch_slots is None else watch_slots
+    watch = SlotWatch(spark, num_tasks, timeout, tag, meeting) if every_slot else contextlib.nullcontext()
     try:
         with tag, watch:
             table = _compat.collect_arrow(results)
     except Exception:
         if isinstance(watch, SlotWatch) and watch.lost is not None:
-            raise watch.lost from None
+            raise watch.lost.seen_by(relay.reports) from None
         relay.wait_until_quiet(_REPORT_GRACE_SECONDS)
         report = relay.first_error()
         if report is None:
@@ -188,13 +192,13 @@ def _spark_input(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
 
 
 class SlotWatch:
-    """While a barrier job runs: where the cluster has had fewer task slots than the stage's tasks (an executor lost
+    """While a job that needs all its tasks at once runs (a barrier stage's): where the cluster has had fewer task slots than the stage's tasks (an executor lost
     and not replaced) for ``timeout`` seconds, cancels the job and keeps a ``SlotsLost`` for the caller, which Spark
     would otherwise leave waiting for the slots without end; it names the hosts whose executors went away, and the
-    ranks that ran on a host left with none (``meeting``: the stage's rendezvous, which knows every rank's host). Knows nothing of slots where Spark does not say
+    ranks that ran on a host left with none (``meeting``: a barrier stage's rendezvous, which knows every rank's host). Knows nothing of slots where Spark does not say
     (``session.task_slots`` None: Spark Connect without the server's settings)."""
 
-    def __init__(self, spark, needed: int, timeout: float, tag: session.JobTag, meeting: rendezvous.Rendezvous):
+    def __init__(self, spark, needed: int, timeout: float, tag: session.JobTag, meeting: rendezvous.Rendezvous | None):
         self._spark, self._needed, self._timeout, self._tag, self._meeting = spark, needed, timeout, tag, meeting
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sparkdl-slot-watch", daemon=True)
@@ -231,7 +235,8 @@ class SlotWatch:
                 if hosts_before and hosts_now:
                     gone = sorted(set(hosts_before - hosts_now))
                     # a rank's host, but not its executor, is known: name ranks only where the host has none left
-                    ranks = self._meeting.ranks_on([host for host in gone if hosts_now[host] == 0])
+                    if self._meeting is not None:
+                        ranks = self._meeting.ranks_on([host for host in gone if hosts_now[host] == 0])
                 self.lost = SlotsLost(self._needed, slots, now - short_since, gone, ranks)
                 logger.warning("sparkdl: %s", self.lost)
                 self._tag.cancel()

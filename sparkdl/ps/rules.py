@@ -95,6 +95,7 @@ class UpdateRule:
     name: ClassVar[str]  # the mode it is, for messages
     locked: ClassVar[bool] = True  # a lock serialises each shard's updates and reads (so XLA may fuse an update)
     synchronous: ClassVar[bool] = False  # workers join, push numbered steps and pull each step's one update
+    waits_for_every_worker: ClassVar[bool] = False  # a worker that never comes stops the others (after ``timeout``)
 
     def clocks(self, num_workers: int, spare: int = 0) -> ClockTracker:
         """The server's worker clocks: measured, gating no pull (no worker waits for another: ``spare``, the workers
@@ -134,6 +135,7 @@ class BoundedStaleness(UpdateRule):
     the slowest active worker."""
 
     name: ClassVar[str] = "ssp"
+    waits_for_every_worker: ClassVar[bool] = True  # but with ``spare`` (``clocks``) for those it may go on without
     max_staleness: int = 0
 
     def __post_init__(self):
@@ -151,6 +153,7 @@ class SyncRounds(UpdateRule):
 
     name: ClassVar[str] = "sync_ps"
     synchronous: ClassVar[bool] = True
+    waits_for_every_worker: ClassVar[bool] = True
 
     def roster(self, num_workers: int, epoch_steps: Callable[[list[int]], int] | None) -> Roster:
         """The workers' rows, and (with ``epoch_steps``) the epochs whose rounds may run."""
