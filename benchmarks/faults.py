@@ -109,18 +109,6 @@ def mode_settings(name: str) -> dict | str:
     return settings
 
 
-def digits_frame(spark):
-    import numpy as np
-    import pyarrow as pa
-
-    x, y = WORKLOADS["digits"].arrays()
-    features = pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(x, np.float32).ravel()), x.shape[1])
-    table = pa.table({"features": features.cast(pa.list_(pa.float32())), "label": pa.array(y)})
-    frame = spark.createDataFrame(table).cache()
-    frame.count()
-    return frame
-
-
 def mode_main(args) -> None:
     """One mode's clean fits and trials on a cluster of its own; one JSON line per result to ``args.out``."""
     import sparkdl
@@ -134,7 +122,7 @@ def mode_main(args) -> None:
             out.write(json.dumps(dict(line, load_average=os.getloadavg()[0])) + "\n")
 
     with Network(HOSTS, root_port=True) as network, SparkCluster(network, cores=CORES) as cluster:
-        frame = digits_frame(cluster.session(**CLUSTER_SETTINGS))
+        frame = WORKLOADS["digits"].frame(cluster.session(**CLUSTER_SETTINGS))
 
         def fit(checkpoint_dir: str, epochs: int, timeout: float = args.timeout, **extra):
             return sparkdl.fit(
@@ -212,7 +200,7 @@ def plan_main(args) -> None:
     import sparkdl
 
     with Network(HOSTS, root_port=True) as network, SparkCluster(network, cores=CORES) as cluster:
-        frame = digits_frame(cluster.session(**CLUSTER_SETTINGS))
+        frame = WORKLOADS["digits"].frame(cluster.session(**CLUSTER_SETTINGS))
         plan = sparkdl.plan(frame, WORKLOADS["digits"].model(), num_workers=WORKERS, batch_size=BATCH, show=False)
         print(plan, flush=True)
         from sparkdl.planner.planned import NOT_PLANNED, PLANNED

@@ -83,24 +83,32 @@ class Workload:
             **options,
         )
 
+    def frame(self, spark):
+        """The rows as a cached DataFrame of ``spark`` (counted: cached before the first fit)."""
+        frame = spark.createDataFrame(_table(*self.arrays(), self.width)).cache()
+        frame.count()
+        return frame
+
     def parquet(self, directory: str, files: int = 8) -> str:
         """The rows written as Parquet (``features array<float>``, ``label``) under ``directory``; its path."""
-        import pyarrow as pa
         import pyarrow.parquet as pq
 
         x, y = self.arrays()
         path = os.path.join(directory, self.name)
         os.makedirs(path, exist_ok=True)
         for i, part in enumerate(np.array_split(np.arange(len(x)), files)):
-            rows = x[part]
-            offsets = pa.array(np.arange(0, rows.size + 1, self.width, dtype=np.int32))
-            features = pa.ListArray.from_arrays(offsets, pa.array(rows.reshape(-1)))
-            pq.write_table(
-                pa.table({"features": features, "label": pa.array(y[part])}),
-                os.path.join(path, f"part-{i:03d}.parquet"),
-                row_group_size=64 * 1024,
-            )
+            table = _table(x[part], y[part], self.width)
+            pq.write_table(table, os.path.join(path, f"part-{i:03d}.parquet"), row_group_size=64 * 1024)
         return path
+
+
+def _table(x: np.ndarray, y: np.ndarray, width: int):
+    """Rows ``x`` with labels ``y`` as an Arrow table: ``features list<float>``, ``label``."""
+    import pyarrow as pa
+
+    offsets = pa.array(np.arange(0, x.size + 1, width, dtype=np.int32))
+    features = pa.ListArray.from_arrays(offsets, pa.array(x.reshape(-1)))
+    return pa.table({"features": features, "label": pa.array(y)})
 
 
 WORKLOADS = {
