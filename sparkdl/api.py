@@ -182,7 +182,7 @@ def fit(
     layout = plan.layout(num_workers)
     check_validation(validation_col, validation_split)
     interval = _checkpoint_interval(plan, checkpoint_dir, checkpoint_every)
-    _check_min_workers(plan, min_workers, num_workers, checkpoint_dir)
+    _check_min_workers(plan, min_workers, num_workers, batch_size, sample_weight_col is not None, checkpoint_dir)
     worker_callbacks = check_callbacks(callbacks, plan.refuses_callbacks())
     if not isinstance(progress, bool):
         raise ValueError(f"Expected `progress` to be True or False. Received: progress={progress!r}")
@@ -313,9 +313,13 @@ def fit(
                 phases=phases,
             )
     except SlotsLost as lost:
-        if min_workers is None or min_workers >= num_workers or lost.available < min_workers:
+        if min_workers is None or min_workers >= num_workers:
             raise
-        return _with_fewer_workers(arguments, lost)
+        weighted = sample_weight_col is not None
+        going_on = _fewer_workers(plan, num_workers, batch_size, weighted, at_most=lost.available, at_least=min_workers)
+        if going_on is None:
+            raise
+        return _with_fewer_workers(arguments, going_on)
 
 
 def _result(
@@ -372,7 +376,9 @@ def _listeners(
     return listeners
 
 
-def _check_min_workers(plan: Plan, min_workers, num_workers: int, checkpoint_dir) -> None:
+def _check_min_workers(
+    plan: Plan, min_workers, num_workers: int, batch_size: int, weighted: bool, checkpoint_dir
+) -> None:
     if min_workers is None:
         return
     if isinstance(min_workers, bool) or not isinstance(min_workers, int) or not 1 <= min_workers <= num_workers:
@@ -380,21 +386,56 @@ def _check_min_workers(plan: Plan, min_workers, num_workers: int, checkpoint_dir
             f"Expected `min_workers` to be an int from 1 to num_workers={num_workers}. Received: "
             f"min_workers={min_workers!r}"
         )
-    why = plan.refuses_fewer_workers(checkpoint_dir is not None) if min_workers < num_workers else None
+    if min_workers == num_workers:
+        return
+    why = plan.refuses_fewer_workers(checkpoint_dir is not None)
     if why is not None:
         raise ValueError(
             f"Expected a mode that can go on with fewer workers with min_workers={min_workers} < "
             f"num_workers={num_workers}. Received: mode={plan.mode!r}, where {why}."
         )
+    if plan.resumes_on_other_workers and not _fewer_workers(
+        plan, num_workers, batch_size, weighted, at_most=num_workers - 1, at_least=min_workers
+    ):
+        refusal = _refusal(plan, min_workers, _grown_batch(num_workers, batch_size, min_workers), weighted)
+        raise ValueError(
+            f"Expected min_workers={min_workers} to leave a number of workers from {min_workers} to "
+            f"{num_workers - 1} that mode={plan.mode!r} can go on with. Received: none of them runs ({refusal})."
+        )
 
 
-def _with_fewer_workers(arguments: dict, lost: SlotsLost) -> FitResult:
-    """The fit of ``arguments`` again, from its newest checkpoint, on the ``lost.available`` workers the cluster
-    has left: each worker's batch grown to keep the global batch where it divides, else the nearest larger."""
+def _grown_batch(num_workers: int, batch_size: int, workers: int) -> int:
+    """Each of ``workers`` workers' batch where ``num_workers`` had ``batch_size``: the global batch kept where it
+    divides among them, else the nearest larger one."""
+    return -(-num_workers * batch_size // workers)
+
+
+def _refusal(plan: Plan, workers: int, batch_size: int, weighted: bool) -> str | None:
+    """Why ``plan`` cannot run ``workers`` workers at ``batch_size`` rows a step (None: it can)."""
+    try:
+        plan.check_fit(num_workers=workers, batch_size=batch_size, weighted=weighted)
+    except ValueError as refused:
+        return str(refused)
+    return None
+
+
+def _fewer_workers(
+    plan: Plan, num_workers: int, batch_size: int, weighted: bool, *, at_most: int, at_least: int
+) -> int | None:
+    """The most workers from ``at_least`` to ``at_most`` (fewer than ``num_workers``) that ``plan`` runs at the grown
+    batch (:func:`_grown_batch`), if any."""
+    for workers in range(min(at_most, num_workers - 1), at_least - 1, -1):
+        if _refusal(plan, workers, _grown_batch(num_workers, batch_size, workers), weighted) is None:
+            return workers
+    return None
+
+
+def _with_fewer_workers(arguments: dict, workers: int) -> FitResult:
+    """The fit of ``arguments`` again, from its newest checkpoint, on ``workers`` of the workers the cluster has
+    left: each worker's batch grown to keep the global batch where it divides, else the nearest larger."""
     num_workers, batch_size = arguments["num_workers"], arguments["batch_size"]
-    workers = lost.available
     global_batch = num_workers * batch_size
-    grown = -(-global_batch // workers)
+    grown = _grown_batch(num_workers, batch_size, workers)
     changed = {"num_workers": [num_workers, workers], "batch_size": [batch_size, grown]}
     changed["global_batch"] = [global_batch, workers * grown]
     logger.warning(

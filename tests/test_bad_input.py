@@ -66,6 +66,11 @@ def small_model(width=2):
             r"stage",
         ),
         (
+            {"min_workers": 1, "mode": "pipeline", "num_stages": 2, "checkpoint_dir": "unused"},
+            r"Expected min_workers=1 to leave a number of workers from 1 to 1 that mode='pipeline' can go on with. "
+            r"Received: none of them runs \(Expected `num_workers` to be a multiple of num_stages=2",
+        ),
+        (
             {"min_workers": 1, "mode": "average", "checkpoint_dir": "unused"},
             r"Received: mode='average', where it resumes a step checkpoint on the workers it was taken on only",
         ),
