@@ -147,3 +147,31 @@ def test_without_min_workers_a_lost_slot_fails_the_fit_within_its_timeout(standa
     assert "Expected 2 task slots for the training stage" in message and "min_workers=1" in message
     assert "since an executor was lost on 127.0.0.1," in message  # the host that lost it
     assert time.monotonic() - started < 240
+
+
+@pytest.mark.slow
+def test_a_sync_ps_fit_whose_lost_worker_cannot_run_again_fails_within_its_timeout(standalone, tmp_path):
+    """sync_ps's rounds need every worker: the lost worker's retry waits for a slot while the other waits for its
+    push. The fit watches the slots as a barrier stage does and fails, naming the host (was: the two waited for
+    each other through Spark's retries of the other worker's timeouts)."""
+    master, workers = standalone
+    started = time.monotonic()
+    kind, message, _ = _run_driver(tmp_path, master, workers, "mode='sync_ps'")
+
+    assert kind == "ERROR", message
+    assert "Expected 2 task slots for the training stage" in message
+    assert "since an executor was lost on 127.0.0.1," in message
+    assert time.monotonic() - started < 240
+
+
+@pytest.mark.slow
+def test_an_ssp_fit_with_min_workers_goes_on_without_its_lost_worker(standalone, tmp_path):
+    """ssp with min_workers=1: the worker left sets the silent one aside after timeout and finishes its epochs;
+    then the lost worker's task, retried by Spark on the slot that freed, resumes at its own step and finishes its
+    own."""
+    master, workers = standalone
+    kind, result, _ = _run_driver(tmp_path, master, workers, "mode='ssp', max_staleness=1, min_workers=1")
+
+    assert kind == "RESULT", result
+    assert len(result["stats"]["workers_set_aside"]) == 1  # the worker whose executor was killed, set aside once
+    assert result["num_workers"] == 2
