@@ -145,9 +145,7 @@ def main(out_path: str) -> None:
 
 def _went_on(result) -> dict:
     """What a completed fit's result says of the workers it ended with."""
-    return {name: result.stats.get(name) for name in ("workers_lost", "resumed_at")} | {
-        "num_workers": result.num_workers
-    }
+    return {"num_workers": result.num_workers, "workers_lost": result.stats.get("workers_lost")}
 
 
 if __name__ == "__main__":
