@@ -14,8 +14,9 @@ from spark_jobs import no_spark_job
 import sparkdl
 from sparkdl import collective
 from sparkdl.collective.horovod import Slot, slot_plan
+from sparkdl.launch.errors import SlotsLost
 from sparkdl.launch.relay import OutputRelay
-from sparkdl.launch.relay_frames import HEADER, RELAY_ID
+from sparkdl.launch.relay_frames import HEADER, RELAY_ID, ErrorReport
 from sparkdl.net.auth import ConnectGaveUp, connect_authenticated
 
 pytestmark = pytest.mark.horovod  # the launcher runs on both stacks
@@ -220,6 +221,26 @@ def test_relay_refuses_a_wrong_secret_and_a_malformed_frame():
         relay.wait_until_quiet(40)
         assert relay.first_error() is None
     assert out.getvalue() == ""
+
+
+def test_a_lost_slot_error_names_the_host_its_ranks_and_what_the_ranks_waited_for():
+    """SlotsLost quotes each rank's error in a line: the sparkdl error TensorFlow wrapped in its own, once each."""
+    wrapped = ErrorReport(
+        0,
+        "tensorflow.python.framework.errors_impl.UnknownError",
+        "Graph execution error:\n\nDetected at node sparkdl_push\nCollectiveTimeout: worker 0: shard 0 waited for "
+        "worker(s) [2]\n\t [[{{node sparkdl_push}}]]",
+        "",
+    )
+    plain = ErrorReport(1, "sparkdl.net.errors.CollectiveTimeout", "rank 1: allreduce timed out\nmore", "")
+    lost = SlotsLost(3, 2, 30.4, ["10.0.0.7"], [2]).seen_by([wrapped, plain, wrapped])
+    message = str(lost)
+    assert "since an executor was lost on 10.0.0.7 (rank 2 ran there), for 30s (timeout)" in message
+    assert message.endswith(
+        "Meanwhile, on the ranks:\n  rank 0: CollectiveTimeout: worker 0: shard 0 waited for worker(s) [2]\n"
+        "  rank 1: CollectiveTimeout: rank 1: allreduce timed out"
+    ), message
+    assert (lost.hosts, lost.ranks, lost.available) == (["10.0.0.7"], [2], 2)
 
 
 # Horovod's view of the ranks (pure logic; the Horovod tests run it for real).

@@ -78,7 +78,7 @@ class SlotsLost(RuntimeError):
             f"tasks. Give the cluster its executors back, or, where the mode can, let the fit go on with fewer "
             f"workers: min_workers={available} or less (docs/checkpoints.md)."
         )
-        lines = list(dict.fromkeys(f"rank {r.rank}: {r.type_name}: {r.message.splitlines()[0]}" for r in reports))
+        lines = list(dict.fromkeys(f"rank {report.rank}: {report.summary}" for report in reports))
         if lines:
             message += "\n\nMeanwhile, on the ranks:\n  " + "\n  ".join(lines[:_REPORTED_LINES])
         super().__init__(message)

@@ -48,6 +48,14 @@ class ErrorReport:
             or _WRAPPED_SECONDARY.search(self.message) is not None
         )
 
+    @property
+    def summary(self) -> str:
+        """The error in one line: ``Type: message``, the sparkdl error TensorFlow wrapped where it did."""
+        wrapped = _WRAPPED_SECONDARY.search(self.message)
+        if wrapped is not None:
+            return self.message[wrapped.start() :].splitlines()[0]
+        return f"{self.type_name.rsplit('.', 1)[-1]}: {(self.message.splitlines() or [''])[0]}"
+
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException) -> ErrorReport:
         kind = type(exc)
