@@ -327,7 +327,7 @@ def _cell(line: dict | None, clean_difference: float | None) -> str:
         else:
             kind = f"DIFFERENT weights (by {difference:.2g})"
     elif kind == "failed" and line["struck_at"] is None:
-        return f"refused: {line['error_type']} ({line['message'].splitlines()[0][:120]})"
+        return f"refused before training: {line['error_type']} (below)"
     elif kind == "failed":
         named = [n for n, ok in (("host", line["names_host"]), ("rank", line["names_rank"])) if ok]
         raised = REMOTE_TYPE.search(line["message"])
