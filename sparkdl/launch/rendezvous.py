@@ -25,6 +25,7 @@ from collections.abc import Collection
 from sparkdl.collective import topology
 from sparkdl.launch.forward import TaskReporter
 from sparkdl.launch.relay_frames import MAX_FRAME_BYTES, recv_bytes, send_frame
+from sparkdl.net.io import parse_address
 from sparkdl.net.secure import Channel
 
 _log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class Rendezvous:
         with self._lock:
             met = self._met or []
         addresses, _ = topology.parse_records(met)
-        return [rank for rank, address in enumerate(addresses) if address.rsplit(":", 1)[0].strip("[]") in hosts]
+        return [rank for rank, address in enumerate(addresses) if parse_address(address)[0] in hosts]
 
     def _leave(self, joined: _Joined) -> None:
         with self._lock:

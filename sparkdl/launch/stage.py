@@ -192,10 +192,11 @@ def _spark_input(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
 
 
 class SlotWatch:
-    """While a job that needs all its tasks at once runs (a barrier stage's): where the cluster has had fewer task slots than the stage's tasks (an executor lost
-    and not replaced) for ``timeout`` seconds, cancels the job and keeps a ``SlotsLost`` for the caller, which Spark
-    would otherwise leave waiting for the slots without end; it names the hosts whose executors went away, and the
-    ranks that ran on a host left with none (``meeting``: a barrier stage's rendezvous, which knows every rank's host). Knows nothing of slots where Spark does not say
+    """While a job that needs all its tasks at once runs (a barrier stage's): where the cluster has had fewer task
+    slots than the stage's tasks (an executor lost and not replaced) for ``timeout`` seconds, cancels the job and
+    keeps a ``SlotsLost`` for the caller, which Spark would otherwise leave waiting for the slots without end; it
+    names the hosts whose executors went away, and the ranks that ran on a host left with none (``meeting``: a
+    barrier stage's rendezvous, which knows every rank's host). Knows nothing of slots where Spark does not say
     (``session.task_slots`` None: Spark Connect without the server's settings)."""
 
     def __init__(self, spark, needed: int, timeout: float, tag: session.JobTag, meeting: rendezvous.Rendezvous | None):

@@ -79,6 +79,11 @@ class Settings:
             **rest,
         )
 
+    @property
+    def spare_workers(self) -> int:
+        """How many of its workers the fit may go on without (``num_workers - min_workers``; 0 without it)."""
+        return self.num_workers - (self.min_workers or self.num_workers)
+
     def for_rows(self, rows_per_worker: Sequence[int]) -> Settings:
         """These settings with the exact steps per epoch of workers holding ``rows_per_worker`` training rows."""
         return dataclasses.replace(self, steps_per_epoch=schedule.steps_per_epoch(rows_per_worker, self.batch_size))

@@ -228,11 +228,7 @@ class ParameterServerPlan(Plan):
                 offered=servers.offered,
                 # a lost worker's task waits for a slot while the others wait for it: it cannot end, but in a
                 # rule that waits for no worker (async, hogwild) or goes on without one (ssp with min_workers)
-                watch_slots=self.placement.barrier
-                or (
-                    self.rule.waits_for_every_worker
-                    and (settings.min_workers or settings.num_workers) >= settings.num_workers
-                ),
+                watch_slots=self.placement.barrier or (self.rule.waits_for_every_worker and not settings.spare_workers),
             )
             outcomes = [json.loads(results[rank]) for rank in range(settings.num_workers)]
             history = combine_histories(outcomes)
