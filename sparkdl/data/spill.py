@@ -5,7 +5,8 @@ a string field's values are spans of a second file, ``sparkdl.data.texts``) in t
 ``SPARK_LOCAL_DIRS``). Once the partition has arrived, the file is opened for reading and unlinked at
 once: the data stays readable through the open file, no other process can open it, and the kernel
 frees it when the worker lets go of it or its process dies, however it dies. It is created
-owner-only (a 0700 directory, a 0600 file).
+owner-only (a 0700 directory, a 0600 file), in a scratch directory (``sparkdl.scratch``) that the host's next
+sparkdl task removes should the worker be killed while the partition arrives.
 
 Two ways to read the rows back, chosen by the size of the file:
 
@@ -36,6 +37,7 @@ from typing import IO
 
 import numpy as np
 
+from sparkdl import scratch
 from sparkdl.data.fields import Field
 from sparkdl.data.read_ahead import Chunk
 from sparkdl.data.texts import SPAN, TextFile, TextReader, TextValues
@@ -73,7 +75,7 @@ class SpilledRows:
         self._text_columns = tuple(column for column, field in by_column.items() if field.is_text)
         self._mapped_bytes = mapped_bytes_limit() if mapped_bytes is None else mapped_bytes
         self._scratch_directory = directory  # where a FileRows sorts an epoch's rows into windows
-        self._directory = tempfile.mkdtemp(prefix="sparkdl-partition-", dir=directory)  # 0700
+        self._directory = scratch.make_directory(directory)  # 0700, removed by the next task should this one die
         self._path = os.path.join(self._directory, "rows")
         self._file = os.fdopen(os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
         self._texts = TextFile(self._directory) if self._text_columns else None

@@ -13,8 +13,6 @@ within ``timeout``, and the Horovod stack's Keras 2 are loaded whole, as before.
 from __future__ import annotations
 
 import io
-import os
-import tempfile
 import threading
 import zipfile
 from collections.abc import Mapping
@@ -49,10 +47,7 @@ class PrebuiltModel:
         model = None if self._thread.is_alive() else self._model
         if model is None or _compat.keras_major() < 3 or _config(data) != self._config:
             return serialization.model_from_bytes(data, self._custom_objects)
-        with tempfile.TemporaryDirectory(prefix="sparkdl-") as tmp:
-            path = os.path.join(tmp, "model.keras")
-            with open(path, "wb") as f:
-                f.write(data)
+        with serialization.archive_file(data) as path:
             model.load_weights(path)  # every layer's variables and the optimizer's, as load_model reads them
         return model
 

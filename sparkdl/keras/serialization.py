@@ -6,16 +6,16 @@ Models travel as Keras ``.keras`` archives and histories as JSON, packed in an
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
-import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from sparkdl import _compat
+from sparkdl import _compat, scratch
 from sparkdl.keras import shipped_objects
 
 # Concurrent fits (CrossValidator's `parallelism`) save the same model from several threads: building its
@@ -25,7 +25,7 @@ _SAVING = threading.Lock()
 
 def model_to_bytes(model) -> bytes:
     """The model, its compile settings and optimizer state as ``.keras`` bytes."""
-    with _SAVING, tempfile.TemporaryDirectory(prefix="sparkdl-") as tmp:
+    with _SAVING, scratch.directory() as tmp:
         # Saved unbuilt, the optimizer's slots could not be matched on load and Keras warns on every worker.
         _compat.build_optimizer(model.optimizer, model.trainable_variables)
         path = os.path.join(tmp, "model.keras")
@@ -41,11 +41,19 @@ def model_from_bytes(data: bytes, custom_objects: Mapping | None = None, *, sett
     import keras
 
     objects = shipped_objects.for_archive(data, custom_objects, setting=setting)
-    with tempfile.TemporaryDirectory(prefix="sparkdl-") as tmp:
+    with archive_file(data) as path:
+        return keras.models.load_model(path, custom_objects=objects, compile=True)
+
+
+@contextlib.contextmanager
+def archive_file(data: bytes) -> Iterator[str]:
+    """The path of a private ``.keras`` file holding ``data`` for the ``with`` block (Keras 2 reads archives by path
+    only), removed after it, or by the next task should this process be killed meanwhile (``sparkdl.scratch``)."""
+    with scratch.directory() as tmp:
         path = os.path.join(tmp, "model.keras")
         with open(path, "wb") as f:
             f.write(data)
-        return keras.models.load_model(path, custom_objects=objects, compile=True)
+        yield path
 
 
 def result_to_bytes(
