@@ -156,7 +156,7 @@ def test_plan_probes_the_cluster_and_prints_its_table(spark, digits, capsys):
     assert "(needs 4 task slots)" in printed and plan.recommended.task_slots <= 2
     probe = plan.probe
     assert set(probe.step_seconds) == {16, 64} and all(s > 0 for s in probe.step_seconds.values())
-    ring = [cost.collective("allreduce", "ring", 2, nbytes) for nbytes in (4096, 1 << 18, MB)]
+    ring = [cost.collective("allreduce", "ring", 2, nbytes) for nbytes in (4096, MB, 8 * MB)]
     assert [m.counts for m in probe.measurements] == ring  # measured between two tasks
     assert probe.link.beta > 0 and probe.gradient_bytes == 4 * (64 * 32 + 32 + 32 * 10 + 10)
     assert {c.mode for c in plan.choices} == set(modes) and plan.rows == 640

@@ -6,8 +6,10 @@ links between ``num_workers`` tasks.
   but communication (input, forward and backward, optimizer, Keras), at two batch sizes; a step's
   time is taken as linear in the batch between and beyond them.
 - Links: ``sparkdl.run`` on ``num_workers`` tasks timing the ring allreduce (``algorithm="ring"``,
-  sparkdl's TCP links) of a few sizes, from a few bytes to the model's gradients; the latency-bandwidth
-  constants are fitted on them (``cost.fit``). On one host sparkdl would use shared memory instead,
+  sparkdl's TCP links) of a few sizes, from a few bytes to the model's gradients and at least 8 MiB; the
+  latency-bandwidth constants are fitted on them (``cost.fit``). At 1 MiB a loopback allreduce moves its bytes in
+  about a call's fixed cost, so on a busy machine the noise decided whether bandwidth came out as zero: 8 MiB
+  takes several times the fixed cost everywhere, so the bandwidth is measured. On one host sparkdl would use shared memory instead,
   which is faster: the ring's constants are what a fit across machines meets.
 """
 
@@ -24,6 +26,7 @@ from sparkdl.collective import cost
 COMPUTE_PHASES = ("input", "forward_backward", "optimizer", "keras", "callbacks")
 _STEPS = 10  # steps of each probing fit: the profile leaves out the first three (tracing)
 _REPEATS = 5  # timed calls of each allreduce size
+_LEAST_LARGEST = 8 << 20  # bytes of the largest allreduce timed, whatever the model's size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +87,8 @@ def _step_seconds(df, model, batch_size: int, fit_settings: dict, timeout: float
 def _link_measurements(spark, num_workers: int, gradient_bytes: int, timeout: float) -> list[cost.Measurement]:
     import sparkdl
 
-    largest = max(min(gradient_bytes, 64 << 20), 1 << 20)
-    sizes = sorted({4096, 1 << 18, largest})
+    largest = max(min(gradient_bytes, 64 << 20), _LEAST_LARGEST)
+    sizes = sorted({4096, 1 << 20, largest})
     seconds = sparkdl.run(
         _time_allreduces, num_workers=num_workers, args=(sizes, _REPEATS), timeout=timeout, spark=spark
     )
