@@ -1,6 +1,7 @@
 """Where a fit's time goes (``FitResult.phases``), and the barrier stage's rendezvous through the driver's relay."""
 
 import threading
+import time
 
 import pytest
 from models import make_mlp
@@ -99,3 +100,48 @@ def test_a_retried_stage_meets_without_the_tasks_of_the_failed_attempt():
         late.connection.close()
     assert answers[7] == answers[8] == ["new-0 host", "new-1 host"]
     assert isinstance(answers[5], OSError)  # the killed task never got an answer
+
+
+def test_a_rank_that_starts_late_renews_the_wait_of_the_ranks_at_the_rendezvous():
+    """A retried stage's rank on a replacement executor starts after the others wait (its Python worker and
+    TensorFlow to start): rank 0 waits 4 s at most, rank 1's task connects 1.5 s in and joins 3 s after that, when
+    4 s from rank 0's arrival have passed: its start renewed rank 0's wait, and both meet."""
+    answers: dict = {}
+    with OutputRelay("127.0.0.1", SECRET, 2, rendezvous=rendezvous.Rendezvous(2)) as relay:
+        first = TaskReporter(_Forwarder(relay.address, SECRET, 0, timeout=4.0, encrypt=False), 0)
+        waiting = threading.Thread(target=lambda: answers.update({0: _joined_or_error(first, 0, 4.0)}), daemon=True)
+        clock = time.monotonic()
+        waiting.start()
+        time.sleep(1.5)
+        late = TaskReporter(_Forwarder(relay.address, SECRET, 1, timeout=4.0, encrypt=False), 1)
+        time.sleep(max(0.0, 4.5 - (time.monotonic() - clock)))
+        answers[1] = _joined_or_error(late, 1, 4.0)
+        waiting.join(30)
+        for reporter in (first, late):
+            reporter.connection.close()
+    assert answers == {0: ["r0 host", "r1 host"], 1: ["r0 host", "r1 host"]}
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_a_rank_waiting_in_vain_names_the_ranks_that_never_started_or_never_joined(started):
+    with OutputRelay("127.0.0.1", SECRET, 3, rendezvous=rendezvous.Rendezvous(3)) as relay:
+        reporters = [TaskReporter(_Forwarder(relay.address, SECRET, 0, timeout=1.0, encrypt=False), 0)]
+        if started:
+            reporters.append(TaskReporter(_Forwarder(relay.address, SECRET, 2, timeout=1.0, encrypt=False), 2))
+        error = _joined_or_error(reporters[0], 0, 1.0)
+        for reporter in reporters:
+            reporter.connection.close()
+    assert isinstance(error, TimeoutError), error
+    message = str(error)
+    assert message.startswith("rank 0: not every rank of the stage reached the rendezvous within timeout=1.0 seconds")
+    if started:
+        assert "rank(s) 1 never started" in message and "rank(s) 2 started but had not joined" in message
+    else:
+        assert "rank(s) 1, 2 never started" in message and "had not joined" not in message
+
+
+def _joined_or_error(reporter: TaskReporter, rank: int, timeout: float):
+    try:
+        return rendezvous.join(reporter, rank, 10 + rank, f"r{rank} host", timeout)
+    except (OSError, TimeoutError) as exc:
+        return exc

@@ -5,8 +5,16 @@ sleeps a second between two looks), so every call takes a second or more, even w
 there already: the ring's set-up paid that in every fit. Here each task sends its record (its
 listener's address and host, ``sparkdl.collective.topology``) over the connection it holds to the
 driver's relay anyway (``sparkdl.launch.relay``), and the relay answers every rank as soon as the
-last one's record arrives. A task waits for the others at most ``timeout`` seconds (``fit``'s
-``timeout``, which bounds every network wait).
+last one's record arrives.
+
+A task waits for the others at most ``timeout`` seconds (``fit``'s ``timeout``, which bounds every
+network wait) from the last sign that the stage is coming together: another rank's task starting
+(its connection to the relay) or joining. Each such sign reaches the ranks already waiting as a
+frame naming the ranks still missing, which renews their wait and which the timeout's error quotes.
+The ranks of a stage do not start together: when Spark retries a stage after losing an executor,
+the ranks on the executors that stayed are at the rendezvous within a second, while the rank on the
+replacement executor first starts a Python worker and imports TensorFlow, which on a busy machine
+took longer than a 20 s timeout counted from the first rank's arrival.
 
 When Spark retries the stage, the tasks of the new attempt must meet among themselves. A task's
 record is dropped when its connection closes (Spark kills the other tasks of a failed barrier
@@ -32,6 +40,7 @@ _log = logging.getLogger(__name__)
 
 # Frame kinds on the relay's connection, after the relay's own (1-4) and the payloads' (5-8).
 _JOIN, _MEMBERS = 9, 10  # task -> driver: its task attempt id and record; driver -> task: every rank's record
+_WAITING = 11  # driver -> a task that joined: the ranks not yet joined, and those whose task has not started
 
 
 class Rendezvous:
@@ -43,9 +52,14 @@ class Rendezvous:
         self._joined: dict[int, _Joined] = {}  # rank -> the record its newest task sent, not yet answered
         self._newest: dict[int, int] = {}  # rank -> the highest task attempt id that joined
         self._met: list[str] | None = None  # every rank's record, at the last time they all met
+        self._connections = [0] * num_workers  # rank -> its tasks' connections open now
 
     def open(self, rank: int) -> _Session:
-        """The handler of one task connection's rendezvous frames (the relay calls it for the kinds it names)."""
+        """The handler of one task connection's rendezvous frames (the relay calls it for the kinds it names, once
+        the task has connected: that rank's task has started, which the ranks waiting are told)."""
+        with self._lock:
+            self._connections[rank] += 1
+        self._tell_waiting()
         return _Session(self, rank)
 
     def _join(self, joined: _Joined, stopping: threading.Event) -> None:
@@ -57,18 +71,26 @@ class Rendezvous:
                 )
             self._newest[rank] = joined.task
             self._joined[rank] = joined
-            if len(self._joined) < self._num_workers:
-                return
-            members, self._joined = self._joined, {}
-            self._met = [members[r].record for r in range(self._num_workers)]
+            complete = len(self._joined) == self._num_workers
+            if complete:
+                members, self._joined = self._joined, {}
+                self._met = [members[r].record for r in range(self._num_workers)]
+        if not complete:
+            self._tell_waiting(stopping)
+            return
         answer = json.dumps(self._met).encode()
         for member in members.values():
-            # The member waits for this answer and sends the driver nothing that needs one meanwhile: no other
-            # thread writes to its connection now.
-            try:
-                send_frame(member.channel, _MEMBERS, answer, stopping=stopping)
-            except OSError as exc:  # that task is gone: its stage fails without this rendezvous
-                _log.warning("sparkdl relay: could not answer rank %d's rendezvous: %s", member.rank, exc)
+            member.tell(_MEMBERS, answer, stopping, last=True)
+
+    def _tell_waiting(self, stopping: threading.Event | None = None) -> None:
+        """Tells every rank waiting which ranks it still waits for: a sign of progress, which renews its wait."""
+        with self._lock:
+            waiting = list(self._joined.values())
+            missing = [rank for rank in range(self._num_workers) if rank not in self._joined]
+            not_started = [rank for rank in missing if not self._connections[rank]]
+        news = json.dumps({"missing": missing, "not_started": not_started}).encode()
+        for member in waiting:
+            member.tell(_WAITING, news, stopping)
 
     def ranks_on(self, hosts: Collection[str]) -> list[int]:
         """The ranks that ran on ``hosts`` (Spark's executor host names) when the ranks last met: none before."""
@@ -77,18 +99,36 @@ class Rendezvous:
         addresses, _ = topology.parse_records(met)
         return [rank for rank, address in enumerate(addresses) if parse_address(address)[0] in hosts]
 
-    def _leave(self, joined: _Joined) -> None:
+    def _leave(self, rank: int, joined: _Joined | None) -> None:
         with self._lock:
-            if self._joined.get(joined.rank) is joined:
-                del self._joined[joined.rank]
+            self._connections[rank] -= 1
+            if joined is not None and self._joined.get(rank) is joined:
+                del self._joined[rank]
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(eq=False)
 class _Joined:
+    """A rank's task waiting at the rendezvous: what it sent, and the driver's side of its connection."""
+
     rank: int
     task: int  # the task attempt id (Spark's task id, unique in the application)
     record: str
     channel: Channel
+    _sending: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    _answered: bool = False
+
+    def tell(self, kind: int, message: bytes, stopping: threading.Event | None, *, last: bool = False) -> None:
+        """Sends the task one frame, unless it has had its answer (``last``: this is the answer). The task waits and
+        sends the driver nothing that needs an answer meanwhile; relay threads of other ranks may tell it at once,
+        so they take turns."""
+        with self._sending:
+            if self._answered:
+                return
+            self._answered = last
+            try:
+                send_frame(self.channel, kind, message, stopping=stopping)
+            except OSError as exc:  # that task is gone: its stage fails without this rendezvous
+                _log.warning("sparkdl relay: could not send rank %d its rendezvous frame: %s", self.rank, exc)
 
 
 class _Session:
@@ -118,8 +158,7 @@ class _Session:
         self._rendezvous._join(self._joined, stopping)
 
     def close(self) -> None:
-        if self._joined is not None:
-            self._rendezvous._leave(self._joined)
+        self._rendezvous._leave(self._rank, self._joined)
 
 
 def join(reporter: TaskReporter, rank: int, task: int, record: str, timeout: float) -> list[str]:
@@ -127,18 +166,41 @@ def join(reporter: TaskReporter, rank: int, task: int, record: str, timeout: flo
     rank has sent its own; ``timeout`` is the connection's, which bounds the wait."""
     connection = reporter.connection
     connection.send(_JOIN, json.dumps({"task": task, "record": record}).encode(), must_arrive=True)
-    try:
-        kind, length = connection.receive_header()
-    except TimeoutError:
-        raise TimeoutError(
-            f"rank {rank}: not every rank of the stage reached the rendezvous within timeout={timeout} seconds "
-            "(a rank still reading a large partition, or one that was lost)"
-        ) from None
-    if kind != _MEMBERS or length > MAX_FRAME_BYTES:
-        raise ConnectionError(f"The driver's relay sent a malformed frame (kind {kind}, {length} bytes).")
-    message = bytearray(length)
-    connection.receive_into(memoryview(message))
-    members = json.loads(message)
-    if not isinstance(members, list) or not all(isinstance(member, str) for member in members):
+    news: dict = {}
+    while True:
+        try:
+            kind, length = connection.receive_header()
+        except TimeoutError:
+            raise TimeoutError(f"rank {rank}: {_not_met(news, timeout)}") from None
+        if kind not in (_MEMBERS, _WAITING) or length > MAX_FRAME_BYTES:
+            raise ConnectionError(f"The driver's relay sent a malformed frame (kind {kind}, {length} bytes).")
+        message = bytearray(length)
+        connection.receive_into(memoryview(message))
+        answer = json.loads(message)
+        if kind == _MEMBERS:
+            break
+        if not isinstance(answer, dict):
+            raise ConnectionError("The driver's relay sent a malformed rendezvous frame.")
+        news = answer  # the wait starts again
+    if not isinstance(answer, list) or not all(isinstance(member, str) for member in answer):
         raise ConnectionError("The driver's relay sent a malformed rendezvous answer.")
-    return members
+    return answer
+
+
+def _not_met(news: dict, timeout: float) -> str:
+    """Why a rank gave up waiting at the rendezvous, naming the ranks missing as the driver last said."""
+    missing, not_started = news.get("missing", []), news.get("not_started", [])
+    started = [rank for rank in missing if rank not in not_started]
+    why = []
+    if not_started:
+        why.append(f"rank(s) {_listed(not_started)} never started (an executor lost, or no free slot for it)")
+    if started:
+        why.append(f"rank(s) {_listed(started)} started but had not joined (still reading a large partition?)")
+    return (
+        f"not every rank of the stage reached the rendezvous within timeout={timeout} seconds of the last rank's "
+        "start or arrival" + (": " + "; ".join(why) if why else "")
+    )
+
+
+def _listed(ranks: list[int]) -> str:
+    return ", ".join(str(rank) for rank in ranks)
