@@ -8,6 +8,7 @@ through it. The models' weights are random, so that no compression (a broadcast'
 lz4) could shrink them below the heap either.
 """
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -26,7 +27,8 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(960)]  # the first test waits for the child (up to 900 s)
 
 import sparkdl
-from sparkdl.launch import payloads, run_tasks
+from sparkdl.launch import payloads, rendezvous, run_tasks, stage
+from sparkdl.launch.errors import ResultLost
 
 # The smallest sizes that prove the point: a 256 MB driver heap (below Spark's own floor, hence
 # spark.testing.memory) and a 4500 x 20000 Dense layer, a ~360 MB .keras archive each way.
@@ -218,22 +220,40 @@ def _report(reports: dict, scenario: str) -> dict:
 
 
 class _OnRecord(logging.Handler):
-    """Creates ``path`` when the driver logs a record containing ``text``."""
+    """Creates ``path`` when the driver logs a record containing ``text``, then holds the logging thread ``pause``
+    seconds (the relay's: the upload's acknowledgement waits)."""
 
-    def __init__(self, text: str, path: str):
+    def __init__(self, text: str, path: str, pause: float = 0.0):
         super().__init__(logging.DEBUG)
-        self.text, self.path = text, path
+        self.text, self.path, self.pause = text, path, pause
 
     def emit(self, record):
         if self.text in record.getMessage():
             open(self.path, "w").close()
+            time.sleep(self.pause)
+
+
+@contextlib.contextmanager
+def _on_records(caplog, *handlers):
+    logger = logging.getLogger(payloads.__name__)
+    caplog.set_level(logging.INFO, logger=stage.__name__)
+    caplog.set_level(logging.DEBUG, logger=payloads.__name__)  # the last: caplog's handler takes this level
+    for handler in handlers:
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            logger.removeHandler(handler)
 
 
 def test_a_retried_attempts_result_never_mixes_with_the_kept_one(spark, tmp_path, caplog):
     """Partition 0's first attempt uploads its result; partition 1 then dies without raising, so Spark retries: the
     driver must return each partition's result from the attempt Spark kept. Spark runs the whole barrier stage
-    again (the retry's result for partition 0, the first one's dropped) or, where partition 0's first attempt had
-    finished already, partition 1 alone (partition 0's first result kept): which one depends on that race."""
+    again (the retry's result for partition 0, the first one's dropped) or, where partition 0's first attempt's
+    success reached the scheduler after partition 1's failure, partition 1 alone (partition 0's first result kept),
+    which cannot train without partition 0: its rerun runs nothing, and its result, which never reached the driver,
+    is lost (``ResultLost`` where the caller asks for it). Which one depends on that race."""
     uploaded, died = str(tmp_path / "partition-0-uploaded"), str(tmp_path / "partition-1-died")
 
     def task(batches, reporter):
@@ -250,24 +270,74 @@ def test_a_retried_attempts_result_never_mixes_with_the_kept_one(spark, tmp_path
             os._exit(1)  # a lost task: no error report, Spark's retry of the stage is the remedy
         return f"partition {partition}, {'retry' if os.path.exists(died) else 'first try'}".encode()
 
-    handler = _OnRecord("result of partition 0,", uploaded)
-    logger = logging.getLogger(payloads.__name__)
-    logger.addHandler(handler)
-    caplog.set_level(logging.DEBUG, logger=payloads.__name__)
-    try:
+    with _on_records(caplog, _OnRecord("result of partition 0,", uploaded)):
         results = run_tasks(spark.range(2, numPartitions=2), 2, task, barrier=True, timeout=60)
-    finally:
-        logger.removeHandler(handler)
     assert os.path.exists(died)  # the first attempt's result reached the driver before the stage failed
     messages = [record.getMessage() for record in caplog.records]
     dropped = [message for message in messages if "dropped" in message]
     uploads = [message for message in messages if message.startswith("sparkdl: received") and "partition 0," in message]
-    assert results[1] == b"partition 1, retry"
     if len(uploads) == 1:  # partition 0's first attempt had finished: Spark kept it and ran partition 1 alone again
         assert results[0] == b"partition 0, first try" and not dropped, (results, dropped)
+        assert any("ran rank 1 of the barrier stage again alone" in message for message in messages), messages
+        with pytest.raises(ResultLost, match="Rank 1's result was lost: Spark ran rank 1 of the barrier stage again"):
+            results[1]
     else:  # Spark ran the whole stage again: the driver dropped the first attempt's result for the retry's
         assert len(uploads) == 2 and results[0] == b"partition 0, retry", (results, uploads)
         assert len(dropped) == 1 and "the 22-byte result of partition 0," in dropped[0], dropped
+        assert results[1] == b"partition 1, retry"
+
+
+def test_a_rank_run_again_alone_after_its_result_reached_the_driver_gets_that_result_back(spark, tmp_path, caplog):
+    """Partition 1 uploads its result and dies before its task can report success (its executor lost at the
+    stage's very end); partition 0 finishes just after. Where Spark then runs partition 1 alone again (partition
+    0's success reached the scheduler after partition 1's failure), the rerun trains nothing and the driver hands
+    back the result of partition 1's task that met partition 0's at the rendezvous; where Spark runs the whole stage
+    again, both results are the retry's. Every run of the task is counted: partition 1 alone never runs the task."""
+    uploaded, died, runs = (str(tmp_path / name) for name in ("partition-1-uploaded", "partition-1-died", "runs"))
+    os.mkdir(runs)
+
+    def task(batches, reporter):
+        import threading
+
+        from pyspark import TaskContext
+
+        for _ in batches:
+            pass
+        context = TaskContext.get()
+        partition = context.partitionId()
+        open(os.path.join(runs, f"{partition}-{context.taskAttemptId()}"), "w").close()
+        rendezvous.join(reporter, partition, context.taskAttemptId(), "a record", 60)  # as every barrier task does
+        first = not os.path.exists(died)
+        if partition == 0 and first:  # finishes right after partition 1 dies: its success races the failure
+            deadline = time.monotonic() + 120
+            while not os.path.exists(died) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        if partition == 1 and first:
+
+            def die_once_uploaded():
+                deadline = time.monotonic() + 120
+                while not os.path.exists(uploaded) and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                open(died, "w").close()
+                os._exit(1)  # the result reached the driver; the task never reports success
+
+            threading.Thread(target=die_once_uploaded, daemon=True).start()
+        return f"partition {partition}, {'first try' if first else 'retry'}".encode()
+
+    with _on_records(caplog, _OnRecord("result of partition 1,", uploaded, pause=3.0)):
+        results = run_tasks(spark.range(2, numPartitions=2), 2, task, barrier=True, timeout=60)
+    assert os.path.exists(died)
+    ran = sorted(os.listdir(runs))
+    messages = [record.getMessage() for record in caplog.records]
+    if len(ran) == 2:  # partition 1 alone again: its rerun ran no task, and its first result came back
+        assert dict(results) == {0: b"partition 0, first try", 1: b"partition 1, first try"}, (results, ran)
+        assert any(
+            "ran rank 1 of the barrier stage again alone, after the others had finished: the result of its attempt "
+            "that met the others is kept" in message
+            for message in messages
+        ), messages
+    else:  # the whole stage again
+        assert len(ran) == 4 and dict(results) == {0: b"partition 0, retry", 1: b"partition 1, retry"}, (results, ran)
 
 
 def test_tasks_fetch_what_the_driver_offers_and_return_it_over_the_relay(spark):

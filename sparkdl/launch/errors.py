@@ -54,6 +54,12 @@ class InputLost(RuntimeError):
     again, so it neither cancels the job nor becomes the fit's error."""
 
 
+class ResultLost(RuntimeError):
+    """A barrier stage's rank whose result the driver needs was run again alone after the stage's other ranks had
+    finished (Spark resubmits only the partitions whose output it lost: an executor lost at the stage's end), and
+    its attempt that trained with them had not returned its result to the driver; a rank cannot train alone."""
+
+
 class SlotsLost(RuntimeError):
     """A stage that needs all its tasks at once lost task slots (an executor that did not come back) and could not
     run again with all of them within the fit's ``timeout``: ``needed`` slots, ``available`` now, ``hosts`` those

@@ -78,6 +78,11 @@ class PayloadExchange:
             )
         return result
 
+    def take_if_uploaded(self, partition: int, attempt: int) -> bytearray | None:
+        """The result ``partition``'s task attempt ``attempt`` uploaded; None where it uploaded none."""
+        with self._lock:
+            return self._results.pop((partition, attempt), None)
+
     def discard_rest(self) -> None:
         """Drops the results of attempts Spark did not keep (failed, retried or speculative ones)."""
         with self._lock:

@@ -52,6 +52,7 @@ class Rendezvous:
         self._joined: dict[int, _Joined] = {}  # rank -> the record its newest task sent, not yet answered
         self._newest: dict[int, int] = {}  # rank -> the highest task attempt id that joined
         self._met: list[str] | None = None  # every rank's record, at the last time they all met
+        self._met_tasks: list[int] | None = None  # every rank's task attempt id, at the last time they all met
         self._connections = [0] * num_workers  # rank -> its tasks' connections open now
 
     def open(self, rank: int) -> _Session:
@@ -75,6 +76,7 @@ class Rendezvous:
             if complete:
                 members, self._joined = self._joined, {}
                 self._met = [members[r].record for r in range(self._num_workers)]
+                self._met_tasks = [members[r].task for r in range(self._num_workers)]
         if not complete:
             self._tell_waiting(stopping)
             return
@@ -91,6 +93,11 @@ class Rendezvous:
         news = json.dumps({"missing": missing, "not_started": not_started}).encode()
         for member in waiting:
             member.tell(_WAITING, news, stopping)
+
+    def task_at_last_meeting(self, rank: int) -> int | None:
+        """The task attempt id of rank ``rank`` when the ranks last met (None: they never did)."""
+        with self._lock:
+            return None if self._met_tasks is None else self._met_tasks[rank]
 
     def ranks_on(self, hosts: Collection[str]) -> list[int]:
         """The ranks that ran on ``hosts`` (Spark's executor host names) when the ranks last met: none before."""

@@ -30,7 +30,7 @@ from sparkdl import _compat
 from sparkdl._tf_log import quiet_tensorflow
 from sparkdl.collective import Listener, SparkdlCommunicator, topology
 from sparkdl.launch import gpu, payloads, rendezvous, session
-from sparkdl.launch.errors import InputLost, SlotsLost, worker_error
+from sparkdl.launch.errors import InputLost, ResultLost, SlotsLost, worker_error
 from sparkdl.launch.forward import TaskReporter, forward_output
 from sparkdl.launch.layout import TaskLayout, task_input
 from sparkdl.launch.phases import Phases
@@ -50,6 +50,7 @@ _RESULT_ARROW_SCHEMA = pa.schema(
     ]
 )
 _CHUNK_BYTES = 32 << 20  # keeps each binary row far below Arrow's 2 GB limit
+_RERUN_ALONE = -1  # the size in the row of a barrier task Spark ran again without the stage's other tasks
 
 # A task gets its partition's batches and its reporter (errors, progress) and returns bytes for the driver.
 TaskFunction = Callable[[Iterable[pa.RecordBatch], TaskReporter], bytes | None]
@@ -73,12 +74,15 @@ def run_tasks(
     offered: dict[str, bytes] | None = None,
     spark_results: bool = False,
     watch_slots: bool | None = None,
-) -> dict[int, bytes]:
+) -> StageResults:
     """Runs ``task`` once per task of ``tasks`` (a layout, or a number of workers each reading a shard of its own),
     on the rows the layout gives it (``launch.layout.task_input``).
 
     Returns the bytes each task returned, by partition index (tasks returning
-    None are left out). They come over the driver's relay, of any size (as a
+    None are left out; a barrier task Spark ran again alone, after the others
+    had finished, returns what its earlier attempt returned, or raises
+    ``ResultLost`` where that never reached the driver: ``StageResults``).
+    They come over the driver's relay, of any size (as a
     ``bytearray``, sparing a copy); with ``spark_results`` through Spark's
     task results instead (the driver JVM's heap, ``spark.driver.maxResultSize``):
     for bytes the caller unpickles, which must never come from a socket.
@@ -118,6 +122,11 @@ def run_tasks(
         quiet_tensorflow()  # before the task imports TensorFlow: its start-up lines, times N workers, are noise
         context = current_task()
         partition, attempt = context.partitionId(), context.taskAttemptId()
+        if barrier and len(BarrierTaskContext.get().getTaskInfos()) < num_tasks:
+            # Spark ran this task again without the others, which had finished: it cannot train alone, and what it
+            # returned the first time, if anything, is on the driver already (_results hands it back)
+            yield _result_row(partition, attempt, _RERUN_ALONE, 0, None)
+            return
         gpu.pin_task_gpus(context.resources(), partition, local_mode)
         with forward_output(
             relay_address,
@@ -140,16 +149,12 @@ def run_tasks(
             return
         chunks = range(0, max(len(payload), 1), _CHUNK_BYTES) if spark_results else (None,)
         for index, start in enumerate(chunks):
-            data = None if start is None else payload[start : start + _CHUNK_BYTES]
-            yield pa.RecordBatch.from_pydict(
-                {
-                    "partition": [partition],
-                    "attempt": [attempt],
-                    "size": [len(payload)],
-                    "chunk": [index],
-                    "payload": [data],
-                },
-                schema=_RESULT_ARROW_SCHEMA,
+            yield _result_row(
+                partition,
+                attempt,
+                len(payload),
+                index,
+                None if start is None else payload[start : start + _CHUNK_BYTES],
             )
 
     results = task_input(frame, layout).mapInArrow(run_task, _RESULT_SCHEMA, barrier=barrier)
@@ -173,9 +178,17 @@ def run_tasks(
     finally:
         relay.close()
     try:
-        return _results(table, None if spark_results else exchange)
+        return _results(table, None if spark_results else exchange, meeting)
     finally:
         exchange.discard_rest()
+
+
+def _result_row(partition: int, attempt: int, size: int, chunk: int, data: bytes | None) -> pa.RecordBatch:
+    """A task's row of the results (``_RESULT_SCHEMA``)."""
+    return pa.RecordBatch.from_pydict(
+        {"partition": [partition], "attempt": [attempt], "size": [size], "chunk": [chunk], "payload": [data]},
+        schema=_RESULT_ARROW_SCHEMA,
+    )
 
 
 def _spark_input(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -244,8 +257,32 @@ class SlotWatch:
                 return
 
 
-def _results(table: pa.Table, exchange: payloads.PayloadExchange | None) -> dict[int, bytes]:
-    """Each partition's bytes, from the attempt Spark kept: the relay's upload of that attempt, or the rows' chunks."""
+class StageResults(dict):
+    """The bytes each task returned, by partition; a partition whose result was lost (``lost``) raises
+    ``ResultLost`` where it is asked for, and one whose task returned nothing ``KeyError``, as from a dict."""
+
+    def __init__(self, results: dict[int, bytes], lost: Iterable[int] = ()):
+        super().__init__(results)
+        self.lost = frozenset(lost)
+
+    def __missing__(self, partition: int) -> bytes:
+        if partition in self.lost:
+            raise ResultLost(
+                f"Rank {partition}'s result was lost: Spark ran rank {partition} of the barrier stage again alone "
+                "after the other ranks had finished (its executor was lost at the stage's end), and its attempt "
+                "that trained with them had not returned its result to the driver. Fit again: a fit with "
+                "checkpoint_dir resumes from its newest checkpoint."
+            )
+        raise KeyError(partition)
+
+
+def _results(
+    table: pa.Table, exchange: payloads.PayloadExchange | None, meeting: rendezvous.Rendezvous | None = None
+) -> StageResults:
+    """Each partition's bytes, from the attempt Spark kept: the relay's upload of that attempt, or the rows' chunks.
+    A barrier task Spark ran again alone (``_RERUN_ALONE``) gets back the upload of its rank's task when the ranks
+    last met (``meeting``), the attempt the stage's other ranks finished with, if that task uploaded one (not one
+    of an earlier attempt: its training was another)."""
     table = table.sort_by([("partition", "ascending"), ("chunk", "ascending")])
     kept: dict[int, tuple[int, int]] = {}
     chunks: dict[int, list[bytes]] = {}
@@ -254,16 +291,36 @@ def _results(table: pa.Table, exchange: payloads.PayloadExchange | None) -> dict
     ):
         kept[partition] = (attempt, size)
         chunks.setdefault(partition, []).append(payload)
+    alone = {partition for partition, (_, size) in kept.items() if size == _RERUN_ALONE}
     if exchange is not None:
-        return {partition: exchange.take(partition, attempt, size) for partition, (attempt, size) in kept.items()}
-    results = {partition: b"".join(parts) for partition, parts in chunks.items()}
+        met = {partition: meeting.task_at_last_meeting(partition) if meeting else None for partition in alone}
+        handed_back = {
+            partition: None if task is None else exchange.take_if_uploaded(partition, task)
+            for partition, task in met.items()
+        }
+        for partition, result in handed_back.items():
+            logger.info(
+                "sparkdl: Spark ran rank %d of the barrier stage again alone, after the others had finished: %s",
+                partition,
+                "the result of its attempt that met the others is kept"
+                if result is not None
+                else "its attempt that met the others returned nothing",
+            )
+        taken = {
+            partition: exchange.take(partition, attempt, size)
+            for partition, (attempt, size) in kept.items()
+            if partition not in alone
+        }
+        kept_back = {partition: result for partition, result in handed_back.items() if result is not None}
+        return StageResults({**taken, **kept_back}, lost=set(alone) - set(kept_back))
+    results = {partition: b"".join(parts) for partition, parts in chunks.items() if partition not in alone}
     for partition, data in results.items():
         if len(data) != kept[partition][1]:
             raise RuntimeError(
                 f"Partition {partition}'s task returned {kept[partition][1]} bytes, but {len(data)} "
                 "arrived through Spark."
             )
-    return results
+    return StageResults(results, lost=alone)  # through Spark, the first attempt's rows went with its executor
 
 
 def connect_collective(
