@@ -45,10 +45,7 @@ CASES = {
     "gossip": Case({"mode": "gossip"}, exact=False, slow=True),
     "sharded": Case({"mode": "sharded"}),
     # a unit runs again in its backward pass
-    # (its hand-written loop does not carry the layers' random state yet, nor does the pipeline's: no Dropout)
-    "sharded, shard_weights": Case(
-        {"mode": "sharded", "shard_weights": True}, calls_per_step=2, calls_per_row=2, dropout=False
-    ),
+    "sharded, shard_weights": Case({"mode": "sharded", "shard_weights": True}, calls_per_step=2, calls_per_row=2),
     # one replica of two stages: the first (partition 0) reads the ids, each step in two micro-batches
     "pipeline": Case(
         {"mode": "pipeline", "num_stages": 2, "micro_batches": 2, "cut_points": ["head"]},

@@ -16,26 +16,41 @@ from sparkdl import schedule
 DRAWS = "keras/seed_draws"  # a checkpoint's array: each generator's draws so far, in the model's order
 
 
+def is_generator(variable) -> bool:
+    """Whether ``variable`` is a seed generator's state (``[seed, draws so far]``)."""
+    return getattr(variable, "path", "").rsplit("/", 1)[-1] == "seed_generator_state"
+
+
 def generators(model) -> list:
     """The state variables of the model's seed generators, in the model's order (none under tf.keras 2, the Horovod
     stack's, whose layers draw from TensorFlow's op seeds and keep no state: nothing to carry there)."""
-    return [v for v in model.variables if getattr(v, "path", "").rsplit("/", 1)[-1] == "seed_generator_state"]
+    return [v for v in model.variables if is_generator(v)]
 
 
 def draws(model) -> np.ndarray:
     """Each generator's draws so far."""
-    return np.array([int(state.numpy()[1]) for state in generators(model)], np.int64)
+    return draws_of([state.numpy() for state in generators(model)])
+
+
+def draws_of(states) -> np.ndarray:
+    """Each generator's draws so far, from its state's value (``[seed, draws]``)."""
+    return np.array([int(np.asarray(state)[1]) for state in states], np.int64)
 
 
 def start(model, *, seed: int, rank: int, saved: np.ndarray | None = None) -> None:
     """Seeds the model's generators for ``rank`` from ``seed``, at ``saved`` draws (a checkpoint's; None: none)."""
     states = generators(model)
-    if saved is not None and len(saved) != len(states):
+    for state, value in zip(states, starting_states(len(states), seed=seed, rank=rank, saved=saved)):
+        state.assign(value.astype(state.dtype))
+
+
+def starting_states(count: int, *, seed: int, rank: int, saved: np.ndarray | None = None) -> list[np.ndarray]:
+    """The states (``[seed, draws]``) of ``count`` generators, in the model's order, for ``rank`` from ``seed``, at
+    ``saved`` draws (a checkpoint's; None: none); for loops that hold the states as values (``stateless_call``)."""
+    if saved is not None and len(saved) != count:
         raise ValueError(
-            f"Expected a count of draws for each of the model's {len(states)} seed generators. Received: {len(saved)}"
+            f"Expected a count of draws for each of the model's {count} seed generators. Received: {len(saved)}"
         )
-    keys = np.array([(rank << 20) + index for index in range(len(states))], np.int64)
+    keys = np.array([(rank << 20) + index for index in range(count)], np.int64)
     words = schedule.sort_values(keys, seed=seed, epoch=0, shuffle=True) >> np.uint64(33)  # 31 bits: any seed dtype
-    for index, state in enumerate(states):
-        count = int(saved[index]) if saved is not None else 0
-        state.assign(np.array([int(words[index]), count]).astype(state.dtype))
+    return [np.array([int(words[index]), int(saved[index]) if saved is not None else 0]) for index in range(count)]

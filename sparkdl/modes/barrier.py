@@ -293,10 +293,15 @@ class Ranks:
 
     def part_start(self) -> Checkpoint:
         """The checkpoint of a rank that starts from the driver's offer of its own part of the model (no model
-        bytes: ``whole_model`` fetches them where the writer needs them)."""
+        bytes: ``whole_model`` fetches them where the writer needs them; the start's random state)."""
         task, settings = self.task, self.task.settings
         return Checkpoint(
-            settings.initial_epoch, b"", task.start_history, task.plan.mode, position=settings.initial_position
+            settings.initial_epoch,
+            b"",
+            task.start_history,
+            task.plan.mode,
+            task.start_arrays,
+            position=settings.initial_position,
         )
 
     def whole_model(self, start: Checkpoint):

@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from sparkdl.collective import compression as compressions
 from sparkdl.collective.api import Communicator, ReduceOp, Work
-from sparkdl.keras import adopted, compiled_update, deferred
+from sparkdl.keras import adopted, compiled_update, deferred, random_state
 from sparkdl.modes.fully_sharded import state, units
 from sparkdl.modes.fully_sharded.stateless_unit import Unit
 from sparkdl.modes.pipeline.cut import StagePlan, build_stage
@@ -220,6 +220,21 @@ class FullyShardedReplica:
         for u in range(len(self.units)):
             work, _ = self._start_gather(u)
             self._wait(work, f"gathering unit {u}'s weights", "gather")
+
+    def start_random_state(self, *, seed: int, rank: int, saved: np.ndarray | None) -> None:
+        """Seeds the units' generators (Dropout's) for ``rank`` from ``seed`` at ``saved`` draws (a checkpoint's;
+        None: none), as ``random_state.start`` seeds a whole model's: the units' generators in chain order are its."""
+        places = self._generator_places()
+        states = random_state.starting_states(len(places), seed=seed, rank=rank, saved=saved)
+        for (u, k), value in zip(places, states):
+            self.statistics[u][k] = tf.constant(value, self.statistics[u][k].dtype)
+
+    def seed_draws(self) -> np.ndarray:
+        """Each generator's draws so far (the same on every rank: each runs every unit in every step)."""
+        return random_state.draws_of([self.statistics[u][k] for u, k in self._generator_places()])
+
+    def _generator_places(self) -> list[tuple[int, int]]:
+        return [(u, k) for u, unit in enumerate(self.units) for k in unit.generator_places]
 
     def average_statistics(self) -> None:
         """Collective: the float non-trainable values (BatchNorm's moving statistics) averaged over the ranks, as

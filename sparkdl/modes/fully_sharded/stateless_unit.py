@@ -17,6 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from sparkdl.keras import random_state
 from sparkdl.keras.deferred import initial_value, is_deferred
 from sparkdl.modes.fully_sharded import units
 from sparkdl.modes.pipeline.engine import batch_loss
@@ -35,6 +36,8 @@ class Unit:
         held = {id(variable): k for k, variable in enumerate(model.non_trainable_variables)}
         # where the non-trainable weights (chain order) sit among the values a call takes (seed states too)
         self.statistic_places = [held[id(v)] for v in units.statistics(units.own_layers(model))]
+        # where the seed generators' states sit among them (Dropout's), in the model's order
+        self.generator_places = [k for k, v in enumerate(model.non_trainable_variables) if random_state.is_generator(v)]
         undeferred = [variable.path for variable in model.variables if not is_deferred(variable)]
         if undeferred:
             raise RuntimeError(f"A fully sharded unit's variables must hold no memory; these do: {undeferred[:5]}")
@@ -49,7 +52,7 @@ class Unit:
 
     def starting_statistics(self, weights: Sequence[np.ndarray]) -> list[tf.Tensor]:
         """The non-trainable values a call takes: the unit's non-trainable ``weights`` (chain order) where they go,
-        a seed generator's state from its initializer (this process's: each rank draws its own dropout masks)."""
+        a seed generator's state from its initializer until the replica seeds it (``start_random_state``)."""
         values = [tf.convert_to_tensor(initial_value(v)) for v in self.model.non_trainable_variables]
         if len(weights) != len(self.statistic_places):
             raise ValueError(f"Expected {len(self.statistic_places)} non-trainable weights. Received: {len(weights)}")

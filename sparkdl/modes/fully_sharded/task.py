@@ -20,7 +20,7 @@ import numpy as np
 
 from sparkdl import schedule
 from sparkdl.checkpoint import Checkpoint
-from sparkdl.keras import serialization
+from sparkdl.keras import random_state, serialization
 from sparkdl.launch import payloads
 from sparkdl.modes import whole_replicas
 from sparkdl.modes.barrier import Ranks
@@ -62,6 +62,7 @@ def train(plan: Zero3Plan, ranks: Ranks) -> bytes | None:
         timeout=settings.timeout,
     )
     del part
+    replica.start_random_state(seed=settings.seed, rank=comm.rank, saved=start.arrays.get(random_state.DRAWS))
     metrics = StageMetrics(replica.model)
     replica.observe = metrics.update
     epochs = StageEpochs(
@@ -89,7 +90,11 @@ def train(plan: Zero3Plan, ranks: Ranks) -> bytes | None:
             whole = _assembled(whole, plan, ranks, start, gathered)
             return whole
 
-        saves = AssembledCheckpoints(ranks, checkpointer, assemble, rest) if ranks.task.checkpoints else None
+        saves = (
+            AssembledCheckpoints(ranks, checkpointer, assemble, rest, replica.seed_draws)
+            if ranks.task.checkpoints
+            else None
+        )
         own_rows = (ranks.rows, ranks.held_out)
         history = train_epochs(
             epochs, ranks, start.epoch, own_rows, saves, rest=rest, step_checkpoints=step_checkpoints

@@ -11,7 +11,7 @@ import numpy as np
 
 from sparkdl import schedule
 from sparkdl.collective import ReduceOp
-from sparkdl.keras import serialization
+from sparkdl.keras import random_state, serialization
 from sparkdl.keras.callbacks import STEP_REPORT_SECONDS
 
 if TYPE_CHECKING:
@@ -60,24 +60,37 @@ class AssembledCheckpoints:
     """The checkpoints of a fit whose writer assembles the whole model from the ranks' parts (a pipeline's stages, a
     fully sharded replica's shards): ``assemble()``, run on every rank that holds a part (collective), gives the
     writer's whole model (None on the other ranks), which the writer's ``checkpointer`` saves (None elsewhere),
-    mid-epoch with where the epoch stands (``rest``: the epoch the fit resumed inside, if it did)."""
+    mid-epoch with where the epoch stands (``rest``: the epoch the fit resumed inside, if it did), and with the
+    layers' random state where ``seed_draws()`` gives the writer its generators' draws (``keras.random_state``)."""
 
-    def __init__(self, ranks: Ranks, checkpointer: Checkpointer | None, assemble: Callable, rest: EpochRest | None):
+    def __init__(
+        self,
+        ranks: Ranks,
+        checkpointer: Checkpointer | None,
+        assemble: Callable,
+        rest: EpochRest | None,
+        seed_draws: Callable[[], np.ndarray] | None = None,
+    ):
         self.ranks, self.checkpointer, self.assemble, self.rest = ranks, checkpointer, assemble, rest
+        self.seed_draws = seed_draws
 
     def save(self, epoch: int, logs: dict) -> None:
         """After epoch ``epoch``, whose combined metrics are ``logs``."""
         whole = self.assemble()
         if self.checkpointer is not None:
             self.checkpointer.record(logs)
-            self.checkpointer.save(epoch + 1, serialization.model_to_bytes(whole))
+            self.checkpointer.save(epoch + 1, serialization.model_to_bytes(whole), self._arrays())
 
     def save_step(self, epoch: int, steps: int) -> None:
         """After ``steps`` of the fit's steps in epoch ``epoch``."""
         whole = self.assemble()
         if self.checkpointer is not None:
             position = self.ranks.position_at(self.rest, epoch, steps)
-            self.checkpointer.save(epoch, serialization.model_to_bytes(whole), position=position)
+            self.checkpointer.save(epoch, serialization.model_to_bytes(whole), self._arrays(), position=position)
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        draws = np.empty(0, np.int64) if self.seed_draws is None else self.seed_draws()
+        return {random_state.DRAWS: draws} if len(draws) else {}  # a model without generators: nothing to carry
 
 
 class StageMetrics:
