@@ -36,7 +36,6 @@ class Case:
     recording: int = 2  # the tasks that run the id layer (a pipeline's first stage only)
     exact: bool = True  # the killed fit ends with the clean fit's weights (updates in a fixed order)
     slow: bool = False  # runs with -m slow: the default suite keeps the cases whose saves differ most
-    dropout: bool = True  # the model trains through Dropout, whose random state the mode carries in checkpoints
 
 
 CASES = {
@@ -51,7 +50,6 @@ CASES = {
         {"mode": "pipeline", "num_stages": 2, "micro_batches": 2, "cut_points": ["head"]},
         calls_per_step=2,
         recording=1,
-        dropout=False,
         slow=True,  # its position's logic is tests/test_positions.py's, its saves ZeRO-3's
     ),
 }
@@ -154,12 +152,10 @@ def test_a_worker_lost_mid_epoch_costs_only_the_steps_since_the_last_step_checkp
     case = CASES[name]
     clean_dir, faulty_dir = tmp_path / "clean", tmp_path / "faulty"
     clean_dir.mkdir(), faulty_dir.mkdir()
-    clean = _fit(ids_df, _model(clean_dir, dropout=case.dropout), num_workers=2, **case.options)
+    clean = _fit(ids_df, _model(clean_dir), num_workers=2, **case.options)  # through Dropout: its masks resume too
     steps = clean.steps_per_epoch
     crash = steps + steps // 2 + 2  # partition 0 dies inside epoch 1, after a step checkpoint
-    model = _model(
-        faulty_dir, crash_at=crash * case.calls_per_step, marker=str(tmp_path / "crashed"), dropout=case.dropout
-    )
+    model = _model(faulty_dir, crash_at=crash * case.calls_per_step, marker=str(tmp_path / "crashed"))
 
     faulty = _fit(
         ids_df, model, num_workers=2, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=3, **case.options

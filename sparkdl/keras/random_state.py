@@ -37,10 +37,16 @@ def draws_of(states) -> np.ndarray:
     return np.array([int(np.asarray(state)[1]) for state in states], np.int64)
 
 
-def start(model, *, seed: int, rank: int, saved: np.ndarray | None = None) -> None:
-    """Seeds the model's generators for ``rank`` from ``seed``, at ``saved`` draws (a checkpoint's; None: none)."""
+def start(
+    model, *, seed: int, rank: int, saved: np.ndarray | None = None, first: int = 0, total: int | None = None
+) -> None:
+    """Seeds the model's generators for ``rank`` from ``seed``, at ``saved`` draws (a checkpoint's; None: none).
+    ``first``, ``total``: the model is a part of one (a pipeline's stage) whose ``total`` generators its own are, in
+    order, from number ``first`` on."""
     states = generators(model)
-    for state, value in zip(states, starting_states(len(states), seed=seed, rank=rank, saved=saved)):
+    total = len(states) if total is None else total
+    values = starting_states(total, seed=seed, rank=rank, saved=saved)[first : first + len(states)]
+    for state, value in zip(states, values, strict=True):
         state.assign(value.astype(state.dtype))
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sparkdl.checkpoint import Checkpoint
-from sparkdl.keras import serialization
+from sparkdl.keras import random_state, serialization
 from sparkdl.launch import payloads
 from sparkdl.modes.barrier import Ranks
 from sparkdl.modes.pipeline import state, timeline
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from sparkdl.modes.pipeline.mode import PipelinePlan
 
 _STATE_TAG = 1 << 20  # the tag of a stage's state sent to the writer
+_DRAWS = "seed_draws"  # a gathered stage state's array: its generators' draws
 
 
 def stage_payload(stage: int) -> str:
@@ -57,6 +58,7 @@ def train(plan: PipelinePlan, ranks: Ranks) -> bytes | None:
     model = build_stage(plan.stages, stage, weights)
     model.compile_from_config(plan.compile_config)
     state.restore_optimizer(model.optimizer, model.trainable_variables, optimizer_state)
+    _start_random_state(model, pipeline, settings.seed, replica, start.arrays.get(random_state.DRAWS))
     metrics = StageMetrics(model) if stage == stages - 1 else None
     events = timeline.StageTimeline() if plan.profile else None
     epochs = StageEpochs(
@@ -85,18 +87,20 @@ def train(plan: PipelinePlan, ranks: Ranks) -> bytes | None:
     step_checkpoints = ranks.step_checkpoints(every_rank=True)  # replica 0's stages send their state for each
     with ranks.checkpointing(start) as checkpointer:
         whole = None  # the writer's whole model, for checkpoints
+        draws = np.empty(0, np.int64)  # its generators' draws, the stages' in order, with the last states gathered
 
         def assemble():
-            nonlocal whole
+            nonlocal whole, draws
             states = _gather_states(pipeline, model, ranks.writer)  # replica 0's stages send theirs to the writer
             if checkpointer is None:
                 return None
             whole = whole or ranks.whole_model(start)
             state.assemble_state(whole, plan.stages, states)
+            draws = np.concatenate([state.from_bytes(s)[2][_DRAWS] for s in states])
             return whole
 
         saving = ranks.task.checkpoints is not None and replica == 0
-        saves = AssembledCheckpoints(ranks, checkpointer, assemble, rest) if saving else None
+        saves = AssembledCheckpoints(ranks, checkpointer, assemble, rest, lambda: draws) if saving else None
         history = train_epochs(
             epochs, ranks, start.epoch, own_rows, saves, rest=rest, step_checkpoints=step_checkpoints
         )
@@ -139,9 +143,20 @@ def _starting_point(plan: PipelinePlan, ranks: Ranks, stage: int) -> tuple[Check
     return newer, (weights, optimizer)
 
 
+def _start_random_state(model, pipeline, seed: int, replica: int, saved: np.ndarray | None) -> None:
+    """Collective over the replica's stages: seeds the stage's generators (Dropout's) as ``random_state.start`` seeds
+    the whole model's, for ``replica``, at ``saved`` draws (a checkpoint's): the stages' generators, in stage order,
+    are the whole model's."""
+    own = len(random_state.generators(model))
+    counts = [int(np.asarray(count).reshape(-1)[0]) for count in pipeline.allgather(np.array([own], np.int64))]
+    first = sum(counts[: pipeline.rank])
+    random_state.start(model, seed=seed, rank=replica, saved=saved, first=first, total=sum(counts))
+
+
 def _gather_states(pipeline, model, writer: bool) -> list[bytes]:
-    """Replica 0's stages' states at the writer (the others send theirs and get an empty list)."""
-    own = state.to_bytes(model.get_weights(), _optimizer_state(model))
+    """Replica 0's stages' states at the writer (the others send theirs and get an empty list), each with its
+    generators' draws."""
+    own = state.to_bytes(model.get_weights(), _optimizer_state(model), **{_DRAWS: random_state.draws(model)})
     if not writer:
         pipeline.send(np.frombuffer(own, np.uint8), pipeline.size - 1, tag=_STATE_TAG)
         return []
