@@ -35,13 +35,13 @@ FAULTED_HOST = 1
 #: (8 epochs of 30 steps), so that the fault strikes in the middle of a step, not once training is over.
 FIT = dict(mode="sync", num_workers=WORKERS, epochs=8, batch_size=8, seed=0, progress=False, timeout=20)
 CHECKPOINT_EVERY = 10  # steps: a third of an epoch, so that a retried stage resumes mid-epoch
-#: Each fault with the fit's timeout under it and the fit's other settings: above the link's 5 s down; a killed
-#: executor's replacement (a JVM, a Python daemon importing TensorFlow) may take longer than 20 s to join a retried
-#: stage on a busy machine; short for the host lost for good, whose fit should fail soon after it, or go on with the
-#: four workers of the two hosts left.
+#: Each fault with the fit's timeout under it and the fit's other settings: above the link's 5 s down; the same for
+#: a killed executor, whose replacement (a JVM, a Python daemon importing TensorFlow) takes longer than that to join
+#: the retried stage on a busy machine, but the ranks there wait from its start (``launch.rendezvous``); short for the
+#: host lost for good, whose fit should fail soon after it, or go on with the four workers of the two hosts left.
 FAULTS = (
     (faults.link_down(5), 20, {}),
-    (faults.kill_executor(), 60, {}),
+    (faults.kill_executor(), 20, {}),
     (faults.partition(), 10, {}),
     (faults.partition(), 10, {"min_workers": WORKERS - CORES}),
 )
