@@ -94,12 +94,27 @@ class AssembledCheckpoints:
 
 
 class StageMetrics:
-    """The last stage's compiled metrics (the model's ``metrics=``), over the micro-batches they see."""
+    """The last stage's compiled metrics (the model's ``metrics=``), over the micro-batches they see.
+
+    Updated by one compiled function: Keras updates them op by op when called eagerly, which was a third of a
+    digits pipeline step's time (profiled with py-spy: 1,381 of 4,833 samples of the stages' training). The first
+    update runs eagerly, so that the metrics build their variables outside the function.
+    """
 
     def __init__(self, model) -> None:
         self.model = model
+        self._compiled: Callable | None = None
 
     def update(self, y: np.ndarray, outputs) -> None:
+        if self._compiled is not None:
+            self._compiled(y, outputs)
+            return
+        import tensorflow as tf
+
+        self.model.compute_metrics(None, y, outputs, None)
+        self._compiled = tf.function(self._update_state, reduce_retracing=True)
+
+    def _update_state(self, y, outputs) -> None:
         self.model.compute_metrics(None, y, outputs, None)
 
     def reset(self) -> None:
