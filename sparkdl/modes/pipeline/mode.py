@@ -103,8 +103,8 @@ class PipelinePlan(BarrierPlan):
         offered = {stage_payload(s): part for s, part in zip(stages, state.stage_states(model, self.stages, stages))}
         results = self.run_stage(job, offered)
         trained = [results[s] for s in stages]  # replica 0's stages
-        state.assemble_state(model, self.stages, trained)
-        history, stats, initial_epoch, resumed = read_report(state.from_bytes(trained[-1])[2])
+        extras = state.assemble_state(model, self.stages, trained)
+        history, stats, initial_epoch, resumed = read_report(extras[-1])
         return ModeResult(model, history, stats, initial_epoch, resumed)
 
 

@@ -67,8 +67,9 @@ def stage_states(model: keras.Model, plan: StagePlan, stages: Sequence[int]) -> 
     ]
 
 
-def assemble_state(model: keras.Model, plan: StagePlan, states: Sequence[bytes]) -> None:
-    """Puts every stage's state (in stage order) into the whole ``model``: weights and optimizer state."""
+def assemble_state(model: keras.Model, plan: StagePlan, states: Sequence[bytes]) -> list[dict[str, np.ndarray]]:
+    """Puts every stage's state (in stage order) into the whole ``model``: weights and optimizer state. Returns each
+    stage's extra arrays (:func:`to_bytes`'s ``extra``)."""
     parts = [from_bytes(data) for data in states]
     assemble(model, plan, [weights for weights, _, _ in parts])
     merged: dict[str, np.ndarray] = {}
@@ -76,6 +77,7 @@ def assemble_state(model: keras.Model, plan: StagePlan, states: Sequence[bytes])
         merged.update(_renumbered(optimizer, 0, count, first))
     if model.optimizer is not None and merged:
         restore_optimizer(model.optimizer, model.trainable_variables, merged)
+    return [extra for _, _, extra in parts]
 
 
 def _named(optimizer, variables: Sequence) -> dict[str, Any]:

@@ -95,8 +95,8 @@ def train(plan: PipelinePlan, ranks: Ranks) -> bytes | None:
             if checkpointer is None:
                 return None
             whole = whole or ranks.whole_model(start)
-            state.assemble_state(whole, plan.stages, states)
-            draws = np.concatenate([state.from_bytes(s)[2][_DRAWS] for s in states])
+            extras = state.assemble_state(whole, plan.stages, states)
+            draws = np.concatenate([extra[_DRAWS] for extra in extras])
             return whole
 
         saving = ranks.task.checkpoints is not None and replica == 0
