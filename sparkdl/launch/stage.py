@@ -20,7 +20,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import pyarrow as pa
 from pyspark import BarrierTaskContext
@@ -261,7 +261,7 @@ class StageResults(dict):
     """The bytes each task returned, by partition; a partition whose result was lost (``lost``) raises
     ``ResultLost`` where it is asked for, and one whose task returned nothing ``KeyError``, as from a dict."""
 
-    def __init__(self, results: dict[int, bytes], lost: Iterable[int] = ()):
+    def __init__(self, results: Mapping[int, bytes], lost: Iterable[int] = ()):
         super().__init__(results)
         self.lost = frozenset(lost)
 
@@ -293,26 +293,26 @@ def _results(
         chunks.setdefault(partition, []).append(payload)
     alone = {partition for partition, (_, size) in kept.items() if size == _RERUN_ALONE}
     if exchange is not None:
-        met = {partition: meeting.task_at_last_meeting(partition) if meeting else None for partition in alone}
-        handed_back = {
-            partition: None if task is None else exchange.take_if_uploaded(partition, task)
-            for partition, task in met.items()
-        }
-        for partition, result in handed_back.items():
+        taken: dict[int, bytes] = {}
+        lost: set[int] = set()
+        for partition, (attempt, size) in kept.items():
+            if partition not in alone:
+                taken[partition] = exchange.take(partition, attempt, size)
+                continue
+            task = meeting.task_at_last_meeting(partition) if meeting else None
+            result = None if task is None else exchange.take_if_uploaded(partition, task)
             logger.info(
                 "sparkdl: Spark ran rank %d of the barrier stage again alone, after the others had finished: %s",
                 partition,
-                "the result of its attempt that met the others is kept"
-                if result is not None
-                else "its attempt that met the others returned nothing",
+                "its attempt that met the others returned nothing"
+                if result is None
+                else "the result of its attempt that met the others is kept",
             )
-        taken = {
-            partition: exchange.take(partition, attempt, size)
-            for partition, (attempt, size) in kept.items()
-            if partition not in alone
-        }
-        kept_back = {partition: result for partition, result in handed_back.items() if result is not None}
-        return StageResults({**taken, **kept_back}, lost=set(alone) - set(kept_back))
+            if result is None:
+                lost.add(partition)
+            else:
+                taken[partition] = result
+        return StageResults(taken, lost)
     results = {partition: b"".join(parts) for partition, parts in chunks.items() if partition not in alone}
     for partition, data in results.items():
         if len(data) != kept[partition][1]:
