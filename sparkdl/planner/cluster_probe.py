@@ -9,8 +9,8 @@ links between ``num_workers`` tasks.
   sparkdl's TCP links) of a few sizes, from a few bytes to the model's gradients and at least 8 MiB; the
   latency-bandwidth constants are fitted on them (``cost.fit``). At 1 MiB a loopback allreduce moves its bytes in
   about a call's fixed cost, so on a busy machine the noise decided whether bandwidth came out as zero: 8 MiB
-  takes several times the fixed cost everywhere, so the bandwidth is measured. On one host sparkdl would use shared memory instead,
-  which is faster: the ring's constants are what a fit across machines meets.
+  takes several times the fixed cost everywhere, so the bandwidth is measured. On one host sparkdl would use
+  shared memory instead, which is faster: the ring's constants are what a fit across machines meets.
 """
 
 from __future__ import annotations

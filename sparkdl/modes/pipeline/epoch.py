@@ -111,7 +111,7 @@ class StageMetrics:
             return
         import tensorflow as tf
 
-        self.model.compute_metrics(None, y, outputs, None)
+        self._update_state(y, outputs)
         self._compiled = tf.function(self._update_state, reduce_retracing=True)
 
     def _update_state(self, y, outputs) -> None:
