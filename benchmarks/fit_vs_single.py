@@ -180,7 +180,6 @@ def _run_name(mode: str, checkpointed: bool) -> str:
 PHASES = {
     "settings": "driver: the arguments, custom objects, checkpoints checked",
     "slots": "driver: task slots claimed, columns matched to the model",
-    "checks": "the data checks job (none when a kept answer applies)",
     "probe": "waiting for the executors' Python check (and TF import)",
     "serialize": "driver: the model to .keras bytes, the settings",
     "launch": "stage submitted -> task code runs (scheduling, shuffle, worker)",

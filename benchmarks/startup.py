@@ -124,9 +124,10 @@ def job_kind(job: dict) -> str:
 def phases(run: dict) -> dict:
     """The phase table's figures (seconds) for one run.
 
-    fit's checks are the ``sparkdl/data/`` checks job right before the training stage (the job calls
-    ``data.prepare`` itself too, before fit and for scoring; with adaptive execution one aggregate
-    shows as two Spark jobs). The probe runs in the background and is listed with the jobs.
+    fit's checks were the ``sparkdl/data/`` checks job right before the training stage (with adaptive
+    execution one aggregate showed as two Spark jobs); since the training tasks check the rows as they read
+    them, the row shows any Spark job left between the data load and the training stage. The probe runs in
+    the background and is listed with the jobs.
     """
     wall0, jobs = run["started_wall"], run["events"]["jobs"]
     offset = lambda t: t - wall0  # noqa: E731 -- event times are wall-clock seconds

@@ -206,19 +206,12 @@ def fit(
                 validation_col=validation_col,
                 validation_split=validation_split,
                 seed=seed,
-            )  # the columns, matched to the model's inputs and outputs: no Spark job yet
-            # The executors' Python is checked (and TensorFlow loaded into it) while the driver checks the rows.
+            )  # the columns, matched to the model's inputs and outputs: no Spark job
+            # The rows are checked where the training tasks read them: no pass over the data of their own.
+            training = planned.training()
             asked = time.perf_counter()
             workers = probe.start_check(df.sparkSession, layout.slots, timeout)
             phases.end("slots")
-            try:
-                training = planned.check(layout.shards)
-            except Exception:
-                workers.wait()  # a broken executor Python fails the checks job too: the probe's error names why
-                raise
-            phases.end("checks")
-            waited = workers.wait()
-            phases.end("probe")
             settings = Settings.for_data(
                 training,
                 num_workers=num_workers,
@@ -243,13 +236,14 @@ def fit(
                     resumed.epoch,
                     epochs,
                 )
+                workers.wait()  # its job ends with the fit's claim on the slots
                 return _result(
                     ModeResult(resumed.model, {}, {}, resumed.epoch),
                     resumed.checkpoint,
                     num_workers=num_workers,
                     steps_per_epoch=steps,
                     seconds=0.0,
-                    validation_rows=training.validation_rows,
+                    validation_rows=0,
                     phases=phases,
                 )
             start = (
@@ -258,13 +252,9 @@ def fit(
                 else Checkpoint(0, serialization.model_to_bytes(model), {}, mode)
             )
             logger.info(
-                "sparkdl: %s training on %d workers, %d rows (%d held out for validation), about %d steps/epoch x %d "
-                "epochs%s",
+                "sparkdl: %s training on %d workers, %d epochs%s",
                 mode,
                 num_workers,
-                training.num_rows,
-                training.validation_rows,
-                steps,
                 epochs,
                 f", resuming after epoch {start.epoch}" if start.epoch else "",
             )
@@ -279,6 +269,8 @@ def fit(
                 watch=phases.watch,
             )
             phases.end("serialize")
+            waited = workers.wait()  # the executors' Python checked (and TensorFlow loaded) while the driver prepared
+            phases.end("probe")
 
             # Run the mode; the driver's checkpointer (for modes that save there) is closed once it returns,
             # raising what it could not write.
@@ -309,7 +301,7 @@ def fit(
                 num_workers=num_workers,
                 steps_per_epoch=monitor.steps_per_epoch,
                 seconds=seconds,
-                validation_rows=training.validation_rows,
+                validation_rows=monitor.counted_rows[1],
                 phases=phases,
             )
     except SlotsLost as lost:
@@ -368,7 +360,6 @@ def _listeners(
                     batch_size=settings.batch_size,
                     seed=settings.seed,
                     shuffle=settings.shuffle,
-                    steps_per_epoch=settings.steps_per_epoch,
                     **{k: v for k, v in values.items() if v is not None},
                 )
             )

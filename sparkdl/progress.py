@@ -127,6 +127,7 @@ class ProgressMonitor:
         self._watch = watch
         self._steps_per_epoch = steps_per_epoch  # the driver's estimate, then the largest a worker reported
         self._reported_steps: dict[int, int] = {}  # rank -> its steps per epoch (workers report them when they start)
+        self._reported_rows: dict[int, tuple[int, int]] = {}  # rank -> the (training, held-out) rows it counted
         self._reporting_ranks = reporting_ranks
         self._listeners = list(listeners)
         self._lock = threading.Lock()
@@ -161,6 +162,8 @@ class ProgressMonitor:
         if kind == "start":
             if "steps_per_epoch" in event:
                 self.steps_known(rank, int(event["steps_per_epoch"]))
+            if "rows" in event:
+                self.rows_known(rank, int(event["rows"]), int(event["validation_rows"]))
             self._start(rank, int(event["initial_epoch"]))
         elif kind == "step":
             self.step(rank, int(event["epoch"]), int(event["step"]), event["logs"], float(event["samples_per_second"]))
@@ -181,6 +184,19 @@ class ProgressMonitor:
             self._steps_per_epoch = max(self._reported_steps.values())
             if self._bar is not None:
                 self._bar.reset(total=self._epochs * self._steps_per_epoch)
+
+    def rows_known(self, rank: int, rows: int, validation_rows: int) -> None:
+        """Reporting rank ``rank`` counted ``rows`` training and ``validation_rows`` held-out rows (all of the fit's
+        in a mode whose reporting rank knows them all, its own where each worker reports)."""
+        with self._lock:
+            self._reported_rows[rank] = (rows, validation_rows)
+
+    @property
+    def counted_rows(self) -> tuple[int, int]:
+        """The fit's ``(training, held-out)`` rows as the reporting ranks counted them ((0, 0) before any did)."""
+        with self._lock:
+            counted = list(self._reported_rows.values())
+        return sum(r for r, _ in counted), sum(v for _, v in counted)
 
     def step(self, rank: int, epoch: int, step: int, logs: dict[str, float], samples_per_second: float) -> None:
         """A worker (or, in average mode, the driver: rank 0) is ``step`` steps into ``epoch``."""

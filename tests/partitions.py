@@ -5,6 +5,7 @@ import pyarrow as pa
 
 from sparkdl import data
 from sparkdl._compat import collect_arrow
+from sparkdl.data.rules import CHECKS
 from sparkdl.launch.layout import TaskLayout, task_input
 
 
@@ -18,7 +19,7 @@ class Part(tuple):
 def partitions_as_fit_sees_them(training, num_workers):
     """Each barrier task's training rows (not its held-out ones), read back through the same dealing that fit uses
     (``Part``s)."""
-    columns = [field.column for field in training.fields.all]
+    columns = [field.column for field in training.checked.fields.all] + [CHECKS]
     if data.VALIDATION in training.frame.columns:
         columns.append(data.VALIDATION)
 
@@ -34,7 +35,7 @@ def partitions_as_fit_sees_them(training, num_workers):
     parts = []
     for rank in range(num_workers):
         rows = table.filter(pa.compute.equal(table.column("part"), rank)).drop_columns(["part"])
-        train, _ = data.read_partition(training.fields, rows.to_batches())
+        train, _ = data.read_partition(training.rules, rows.to_batches()).rows(training.checked.fields)
         part = Part(train.take(np.arange(len(train))))
         part.keys = train.keys
         parts.append(part)

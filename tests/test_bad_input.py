@@ -7,6 +7,7 @@ from pyspark.sql import functions as F
 from spark_jobs import no_spark_job
 
 import sparkdl
+from sparkdl.data.rules import RowCheckError
 from sparkdl.ml import KerasEstimator
 
 
@@ -171,7 +172,7 @@ def test_bad_data_is_reported_before_training(spark, rows, schema, features, mes
     df = spark.createDataFrame(rows, schema)
     with pytest.raises(ValueError, match=message) as raised:
         sparkdl.fit(df, small_model(), features_col=features, label_col="label", num_workers=2)
-    assert raised.type is ValueError  # the driver's check, not a worker's error (WorkerError can be a ValueError)
+    assert raised.type is RowCheckError  # the rows' checks, raised by every rank before its first step
 
 
 @pytest.mark.parametrize("package", ["pyspark.ml.linalg", "pyspark.mllib.linalg"])
@@ -184,4 +185,4 @@ def test_vector_column_with_nan(spark, package):
     )
     with pytest.raises(ValueError, match=r"Column 'vec' has 1 rows containing NaN") as raised:
         sparkdl.fit(df, small_model(), features_col="vec", num_workers=2)
-    assert raised.type is ValueError
+    assert raised.type is RowCheckError

@@ -239,9 +239,7 @@ def test_a_checkpoint_without_a_step_resumes_at_its_epoch_start(tmp_path):
     (tmp_path / "epoch-000002.json").write_text(json.dumps(meta))
     old = store.latest()
     assert old.epoch == 2 and old.step is None
-    settings = Settings(
-        fields=None, num_workers=2, epochs=4, batch_size=16, steps_per_epoch=45, seed=0, initial_epoch=2
-    )
+    settings = Settings(rules=None, num_workers=2, epochs=4, batch_size=16, steps_per_epoch=45, seed=0, initial_epoch=2)
     assert resume_step(settings, old.step) == 90
     assert resume_step(settings, 100) == 100
     assert resume_step(settings, 140) == 90  # not in epoch 2's steps 90..134

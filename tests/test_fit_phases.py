@@ -16,9 +16,8 @@ SECRET = b"r" * 32
 SYNC_PHASES = [
     "settings",
     "slots",
-    "checks",
-    "probe",
     "serialize",
+    "probe",
     "launch",
     "import",
     "read",

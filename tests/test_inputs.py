@@ -10,6 +10,7 @@ from pyspark.sql import functions as F
 from spark_jobs import no_spark_job
 
 import sparkdl
+from sparkdl.data.rules import RowCheckError
 from sparkdl.keras.serialization import model_to_bytes
 from sparkdl.launch.errors import WorkerError
 from sparkdl.ml.inference import predict
@@ -388,7 +389,7 @@ def test_schema_errors_name_inputs_and_columns(spark):
 def _refused_before_training(df, model, match, **kwargs):
     with pytest.raises(ValueError, match=match) as info:
         sparkdl.fit(df, model, num_workers=2, **kwargs)
-    assert not isinstance(info.value, WorkerError)  # the driver's checks job, not a training task
+    assert info.type is RowCheckError  # the rows' checks, raised by every rank before its first step
 
 
 def test_data_errors_are_refused_before_training(spark):

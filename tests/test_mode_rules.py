@@ -75,7 +75,7 @@ def test_fit_runs_a_mode_through_the_registry(digits_df, monkeypatch):
     (job,) = stub.jobs
     assert job.plan == _StubPlan("stub", 3, stub)
     assert (job.settings.epochs, job.settings.batch_size, job.settings.num_workers) == (2, 16, 2)
-    assert job.training.num_rows == digits_df.count() and job.start.epoch == 0
+    assert job.training.frame.count() == digits_df.count() and job.start.epoch == 0
     assert result.model is stub.result.model
     assert result.history == stub.result.history and result.stats == stub.result.stats
     with pytest.raises(ValueError, match=r"`push_every` applies to mode='async' or 'hogwild' or 'ssp' only"):

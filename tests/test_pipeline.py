@@ -46,7 +46,7 @@ def _one_process(df, *, epochs, seed, validation_split=None, batch_size=32):
     parts = partitions_as_fit_sees_them(training, 1)
     steps = -(-len(parts[0][1]) // batch_size)
     x, y, sizes = training_stream(parts, steps=steps, epochs=epochs, seed=seed)
-    columns = [field.column for field in training.fields.all]
+    columns = [field.column for field in training.checked.fields.all]
     held_out = training.frame.filter(F.col(data.VALIDATION)).select(*columns).collect() if validation_split else []
     history: dict[str, list[float]] = {}
     position = 0

@@ -357,7 +357,7 @@ def test_a_step_checkpoint_resumes_on_its_own_workers_only_in_the_driver_saving_
     from sparkdl.modes.parameter_server.checkpoints import resume_positions
     from sparkdl.position import EpochPosition, Segment
 
-    settings = Settings(fields=None, num_workers=2, epochs=2, batch_size=16, steps_per_epoch=10, seed=3)
+    settings = Settings(rules=None, num_workers=2, epochs=2, batch_size=16, steps_per_epoch=10, seed=3)
     segment = Segment(3, (50, 50, 50), 4, 2)
     position = EpochPosition(1, 3, True, 7, (segment,))
     checkpoint = Checkpoint(1, b"", {}, "average", position=position)

@@ -12,6 +12,7 @@ from spark_jobs import no_spark_job
 
 import sparkdl
 from sparkdl import data
+from sparkdl.data.rules import RowCheckError
 from sparkdl.keras.held_out import in_batches
 from sparkdl.modes.average.rounds import Rounds
 from sparkdl.modes.base import Settings
@@ -25,7 +26,7 @@ def held_out(df, seed, **validation):
     training = data.prepare(df, make_mlp(), "features", "label", 2, seed=seed, **validation)
     rows = held_out_rows(training)
     x_val, y_val = rows.take(np.arange(len(rows)))
-    assert len(x_val) == training.validation_rows
+    assert len(x_val) == training.checked.validation_rows
     return training, x_val, y_val
 
 
@@ -33,7 +34,7 @@ def held_out_rows(training):
     """The held-out rows of ``training`` as a worker holds them: spilled, read back by row number."""
     table = training.frame.where(F.col(data.VALIDATION)).toArrow().drop_columns([data.VALIDATION])
     keyed = table.append_column(data.ROW_KEY, pa.array(range(table.num_rows), pa.int64()))
-    rows, _ = data.read_partition(training.fields, keyed.to_batches())
+    rows, _ = data.read_partition(training.rules, keyed.to_batches()).rows(training.checked.fields)
     return rows
 
 
@@ -71,9 +72,10 @@ def test_validation_split_in_every_mode(digits_df, mode, options):
 
     assert set(result.history) == METRICS
     assert all(len(v) == epochs and np.isfinite(v).all() for v in result.history.values())
-    assert result.validation_rows == len(x_val) == training.validation_rows
-    assert 0.15 < len(x_val) / (len(x_val) + training.num_rows) < 0.25
-    assert result.steps_per_epoch - math.ceil(training.num_rows / (2 * b)) in (
+    num_rows = training.checked.num_rows
+    assert result.validation_rows == len(x_val) == training.checked.validation_rows
+    assert 0.15 < len(x_val) / (len(x_val) + num_rows) < 0.25
+    assert result.steps_per_epoch - math.ceil(num_rows / (2 * b)) in (
         0,
         1,
     )  # training rows only (+1: a larger partition)
@@ -88,7 +90,7 @@ def test_validation_split_in_every_mode(digits_df, mode, options):
         assert got["accuracy"] == pytest.approx(want["accuracy"], abs=1e-6), (got, want)
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), (got, want)
     if mode == "average":
-        assert sum(result.stats["partition_rows"]) == training.num_rows
+        assert sum(result.stats["partition_rows"]) == num_rows
         assert sum(result.stats["partition_validation_rows"]) == len(x_val)
 
 
@@ -221,11 +223,11 @@ def test_bad_validation_data(spark, rows, kwargs, message):
     )
     with pytest.raises(ValueError, match=message) as raised:
         sparkdl.fit(df, make_mlp(width=2, hidden=(4,), classes=2), num_workers=2, **kwargs)
-    assert raised.type is ValueError  # the driver's check, not a worker's error (WorkerError can be a ValueError)
+    assert raised.type is RowCheckError  # the rows' checks, raised by every rank before its first step
 
 
 def test_average_mode_attributes_each_epoch_to_the_next_averaged_model():
-    settings = Settings(fields=None, num_workers=2, epochs=3, batch_size=8, steps_per_epoch=18, seed=0, validate=True)
+    settings = Settings(rules=None, num_workers=2, epochs=3, batch_size=8, steps_per_epoch=18, seed=0, validate=True)
     job = Rounds(settings, token="t", sync_every=7, first_step=0)
     finished = {r: list(job.epochs_finished(r)) for r in range(8)}
     assert finished == {0: [], 1: [], 2: [0], 3: [], 4: [], 5: [1], 6: [], 7: [2]}  # epoch ends 18, 36, 54

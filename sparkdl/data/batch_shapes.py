@@ -1,6 +1,6 @@
 """One Arrow batch of a column to the array a model input takes, checked row by row (``transform``'s side).
 
-Training checks every row once, in the checks job, before the training stage; ``transform`` is a
+Training checks every row once, as the training tasks read it, before their first step; ``transform`` is a
 lazy transformation that starts no job of its own, so its tasks check each batch as they read it,
 by the same rule (``sparkdl.data.shapes``): nulls, non-finite floats, ragged or mismatched
 shapes and integers a float input would round fail the task with a message naming the column.

@@ -1,202 +1,106 @@
-"""The one Spark job that checks the rows before training: nulls, non-finite values, shapes, integer ranges.
+"""What is checked of each row a fit reads, as per-row values that travel with the row in one struct column.
 
-Every column the fit reads adds its aggregates to one ``df.agg``: one pass over the data,
-however many columns (none for a persisted DataFrame whose answer is kept, ``sparkdl.data.checked``).
-A failed check is a ``ValueError`` naming the column and what was expected.
+Every column the fit reads adds its per-row values (null or not, non-finite values, the widths at each
+nesting level, the integer range, an image's size and mode) to the checks column ``CHECKS``, and the
+statistics that reduce them (a sum, a minimum or a maximum over rows: :class:`~sparkdl.data.rules.Stat`).
+The training tasks reduce them as their partitions arrive (``sparkdl.data.row_stats``), so the checks
+cost no pass over the data of their own; ``Checks.aggregate`` reduces them on the driver instead, in one
+Spark job. The rules that judge the statistics are ``sparkdl.data.rules``'.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from sparkdl.data import checked
 from sparkdl.data.columns import IMAGE, IMAGE_MODES, SourceColumn
+from sparkdl.data.rules import CHECKS, MAX, MIN, SUM, Stat
 
-
-@dataclasses.dataclass(frozen=True)
-class ColumnStats:
-    """What the job learned of one column: one row's shape (uniform over rows) and, for integers, their range."""
-
-    shape: tuple[int, ...]  # () for a number; (values,) for a Vector or flat array; nested sizes; (h, w, c) for images
-    low: int | None = None  # smallest and largest value, for integer columns
-    high: int | None = None
+_REDUCE: dict[str, Callable[[Column], Column]] = {SUM: F.sum, MIN: F.min, MAX: F.max}
 
 
 class Checks:
-    """Collects what to check of each column so that all checks run as one Spark job (its aggregates are built
-    only when the job runs: a kept answer needs none)."""
+    """Collects what to check of each column: the per-row values of the checks column and their statistics."""
 
     def __init__(self) -> None:
-        self._columns: list[tuple[SourceColumn, str]] = []
-        self._nonnegative: str | None = None
-        self._mask: Column | None = None
-        self._validation_col: str | None = None
+        self.columns: list[tuple[SourceColumn, str]] = []
+        self.nonnegative: str | None = None
+        self._values: dict[str, Column] = {}
+        self._stats: list[Stat] = []
 
     def add_column(self, source: SourceColumn, element: str) -> None:
         """Checks ``source`` as its values will be read: cast to ``element`` (``float``, ``double``, ``bigint`` or
         ``string``)."""
-        if not any(existing.name == source.name for existing, _ in self._columns):
-            self._columns.append((source, element))
-
-    def add_nonnegative(self, name: str) -> None:
-        """Counts the rows where number column ``name`` is negative (sample weights)."""
-        self._nonnegative = name
-
-    def add_validation(self, mask: Column, column: str | None) -> None:
-        """Counts the held-out rows (and, for a ``validation_col``, its nulls) in the same job."""
-        self._mask, self._validation_col = mask, column
-
-    def run(self, df: DataFrame) -> tuple[int, int, dict[str, ColumnStats]]:
-        """Runs the job: ``(rows, held-out rows, stats by column name)``; raises on the first failed check."""
-        # What the aggregates ask, exactly: they are built from these alone (a mask's lambdas get new names each
-        # time, so a question with a lambda in its mask is never asked again: it is only answered anew).
-        question = (tuple(self._columns), self._nonnegative, None if self._mask is None else str(self._mask))
-        stats = checked.aggregate(df, (*question, self._validation_col), self._aggregates)
-        if stats.get("validation_nulls"):
-            raise ValueError(
-                f"Column {self._validation_col!r} (`validation_col`) has {stats['validation_nulls']} null rows: "
-                "expected true (held out for validation) or false (trained on) in every row."
-            )
-        if stats.get("negative"):
-            raise ValueError(
-                f"Column {self._nonnegative!r} (`sample_weight_col`) has {stats['negative']} negative weights: "
-                "expected weights >= 0."
-            )
-        found = {}
-        for i, (source, element) in enumerate(self._columns):
-            if stats["rows"]:
-                found[source.name] = _column_stats(source, element, i, stats)
-        return stats["rows"], stats.get("validation_rows") or 0, found
-
-    def _aggregates(self) -> list[Column]:
-        aggs = [F.count(F.lit(1)).alias("rows")]
-        for i, (source, element) in enumerate(self._columns):
-            aggs += self._column(source, element, i)
-        if self._nonnegative is not None:
-            aggs.append(F.sum(F.when(F.col(self._nonnegative) < 0, 1).otherwise(0)).alias("negative"))
-        if self._mask is not None:
-            aggs.append(F.sum(F.when(self._mask, 1).otherwise(0)).alias("validation_rows"))
-        if self._validation_col is not None:
-            aggs.append(F.sum(F.when(F.col(self._validation_col).isNull(), 1).otherwise(0)).alias("validation_nulls"))
-        return aggs
-
-    @classmethod
-    def _column(cls, source: SourceColumn, element: str, i: int) -> list[Column]:
+        if any(existing.name == source.name for existing, _ in self.columns):
+            return
+        i = len(self.columns)
+        self.columns.append((source, element))
         name = F.col(source.name)
-        aggs = [F.sum(F.when(name.isNull(), 1).otherwise(0)).alias(f"nulls_{i}")]
+        self._count(f"nulls_{i}", name.isNull())
         if source.kind == IMAGE:
-            return aggs + cls._image(source, i)
+            self._image(source, i)
+            return
         values = source.values(element)
         bad = F.exists(values, lambda x: x.isNull())
         if element not in ("bigint", "string"):
             bad = F.exists(values, lambda x: x.isNull() | F.isnan(x) | (F.abs(x) == float("inf")))
-        aggs += [
-            F.sum(F.when(bad, 1).otherwise(0)).alias(f"bad_{i}"),
-            F.min(F.size(values)).alias(f"min_width_{i}"),
-            F.max(F.size(values)).alias(f"max_width_{i}"),
-        ]
+        self._count(f"bad_{i}", bad)
+        self._range(f"width_{i}", F.size(values), f"min_width_{i}", f"max_width_{i}")
         for level, arrays in enumerate(source.levels()):
             sizes = F.transform(arrays, lambda a: F.coalesce(F.size(a), F.lit(-1)))
-            aggs += [
-                F.sum(F.when(F.exists(arrays, lambda a: a.isNull()), 1).otherwise(0)).alias(f"inner_nulls_{i}_{level}"),
-                F.min(F.size(arrays)).alias(f"outer_min_{i}_{level}"),
-                F.max(F.size(arrays)).alias(f"outer_max_{i}_{level}"),
-                F.min(F.array_min(sizes)).alias(f"inner_min_{i}_{level}"),
-                F.max(F.array_max(sizes)).alias(f"inner_max_{i}_{level}"),
-            ]
+            self._count(f"inner_nulls_{i}_{level}", F.exists(arrays, lambda a: a.isNull()))
+            self._range(f"outer_{i}_{level}", F.size(arrays), f"outer_min_{i}_{level}", f"outer_max_{i}_{level}")
+            self._value(f"inner_low_{i}_{level}", F.array_min(sizes), Stat(f"inner_min_{i}_{level}", "", MIN))
+            self._value(f"inner_high_{i}_{level}", F.array_max(sizes), Stat(f"inner_max_{i}_{level}", "", MAX))
         if source.integer:
-            aggs += [F.min(F.array_min(values)).alias(f"low_{i}"), F.max(F.array_max(values)).alias(f"high_{i}")]
-        return aggs
+            self._value(f"low_value_{i}", F.array_min(values), Stat(f"low_{i}", "", MIN))
+            self._value(f"high_value_{i}", F.array_max(values), Stat(f"high_{i}", "", MAX))
 
-    @staticmethod
-    def _image(source: SourceColumn, i: int) -> list[Column]:
+    def add_nonnegative(self, name: str) -> None:
+        """Counts the rows where number column ``name`` is negative (sample weights)."""
+        self.nonnegative = name
+        self._count("negative", F.col(name) < 0)
+
+    def add_validation(self, mask: Column, column: str | None) -> None:
+        """Counts the held-out rows (and, for a ``validation_col``, its nulls)."""
+        self._count("validation_rows", mask)
+        if column is not None:
+            self._count("validation_nulls", F.col(column).isNull())
+
+    @property
+    def stats(self) -> tuple[Stat, ...]:
+        return tuple(self._stats)
+
+    def column(self) -> Column:
+        """The checks column: each row's values, as ``CHECKS``."""
+        return F.struct(*(value.alias(name) for name, value in self._values.items())).alias(CHECKS)
+
+    def aggregate(self, df: DataFrame) -> dict:
+        """The statistics over all of ``df``'s rows, on the driver (one Spark job), with ``rows``: its row count."""
+        reduced = [F.count(F.lit(1)).alias("rows")]
+        reduced += [_REDUCE[stat.reduction](self._values[stat.value]).alias(stat.name) for stat in self._stats]
+        row = df.agg(*reduced).first()
+        assert row is not None, "an aggregate without grouping returns one row"
+        return row.asDict()
+
+    def _count(self, name: str, condition: Column) -> None:
+        """Counts the rows where ``condition`` holds (a null condition counts as false)."""
+        self._value(name, F.when(condition, 1).otherwise(0).cast("int"), Stat(name, "", SUM))
+
+    def _range(self, value: str, column: Column, low: str, high: str) -> None:
+        self._value(value, column, Stat(low, "", MIN))
+        self._stats.append(Stat(high, value, MAX))
+
+    def _value(self, name: str, column: Column, stat: Stat) -> None:
+        self._values[name] = column
+        self._stats.append(Stat(stat.name, name, stat.reduction))
+
+    def _image(self, source: SourceColumn, i: int) -> None:
         image = F.col(source.name)
         expected_bytes = image.getField("height") * image.getField("width") * image.getField("nChannels")
-        aggs = [
-            F.sum(F.when(F.length(image.getField("data")) != expected_bytes, 1).otherwise(0)).alias(f"bad_{i}"),
-            F.sum(F.when(~image.getField("mode").isin(*IMAGE_MODES), 1).otherwise(0)).alias(f"modes_{i}"),
-        ]
+        self._count(f"bad_{i}", F.length(image.getField("data")) != expected_bytes)
+        self._count(f"modes_{i}", ~image.getField("mode").isin(*IMAGE_MODES))
         for field in ("height", "width", "nChannels"):
-            aggs += [
-                F.min(image.getField(field)).alias(f"min_{field}_{i}"),
-                F.max(image.getField(field)).alias(f"max_{field}_{i}"),
-            ]
-        return aggs
-
-
-def _column_stats(source: SourceColumn, element: str, i: int, stats: dict) -> ColumnStats:
-    name = source.name
-    if stats[f"nulls_{i}"]:
-        raise ValueError(
-            f"Column {name!r} has {stats[f'nulls_{i}']} null rows: expected no nulls. "
-            "Drop or impute them first (e.g. df.dropna(subset=[...]))."
-        )
-    if source.kind == IMAGE:
-        return _image_stats(source, i, stats)
-    for level in range(source.depth - 1):
-        if stats[f"inner_nulls_{i}_{level}"]:
-            raise ValueError(
-                f"Column {name!r} has {stats[f'inner_nulls_{i}_{level}']} rows with a null array at nesting level "
-                f"{level + 2}: expected a full array of values at every level. Drop or repair those rows first."
-            )
-    if stats[f"bad_{i}"]:
-        if source.text:
-            raise ValueError(
-                f"Column {name!r} has {stats[f'bad_{i}']} rows containing null strings: expected a string in every "
-                "place. Drop those rows or fill the nulls first (e.g. with ''), whichever the model should see."
-            )
-        what = (
-            "null values"
-            if element == "bigint"
-            else "NaN, infinite or null values (after conversion to " + element + ")"
-        )
-        raise ValueError(f"Column {name!r} has {stats[f'bad_{i}']} rows containing {what}: expected finite numbers.")
-    shape = []
-    for level in range(source.depth - 1):
-        if level == 0:
-            shape.append(_uniform(name, stats[f"outer_min_{i}_0"], stats[f"outer_max_{i}_0"], level + 1))
-        shape.append(_uniform(name, stats[f"inner_min_{i}_{level}"], stats[f"inner_max_{i}_{level}"], level + 2))
-    if source.depth == 1:
-        shape.append(_uniform(name, stats[f"min_width_{i}"], stats[f"max_width_{i}"], 1))
-    if source.integer:
-        return ColumnStats(tuple(shape), int(stats[f"low_{i}"]), int(stats[f"high_{i}"]))
-    return ColumnStats(tuple(shape))
-
-
-def _uniform(name: str, low: int, high: int, level: int) -> int:
-    where = "" if level == 1 else f" at nesting level {level}"
-    if low != high:
-        raise ValueError(
-            f"Column {name!r} is ragged{where}: rows have between {low} and {high} values; "
-            "expected the same number of values in every row."
-        )
-    if low <= 0:
-        raise ValueError(f"Column {name!r} holds empty arrays{where}: expected at least one value per row.")
-    return int(low)
-
-
-def _image_stats(source: SourceColumn, i: int, stats: dict) -> ColumnStats:
-    name = source.name
-    if stats[f"modes_{i}"]:
-        raise ValueError(
-            f"Column {name!r} has {stats[f'modes_{i}']} images of a mode other than 8-bit gray, BGR or BGRA "
-            f"(OpenCV modes {sorted(IMAGE_MODES)}): expected 8-bit images."
-        )
-    if stats[f"bad_{i}"]:
-        raise ValueError(
-            f"Column {name!r} has {stats[f'bad_{i}']} images whose data is not height x width x nChannels bytes "
-            "(images the source could not decode?): drop them first, e.g. with the image source's dropInvalid=True."
-        )
-    shape = []
-    for field in ("height", "width", "nChannels"):
-        low, high = stats[f"min_{field}_{i}"], stats[f"max_{field}_{i}"]
-        if low != high:
-            raise ValueError(
-                f"Column {name!r} holds images of different {field}s ({low} to {high}): expected one size for "
-                "every image. Resize them first."
-            )
-        shape.append(int(low))
-    return ColumnStats(tuple(shape), 0, 255)
+            self._range(f"{field}_{i}", image.getField(field), f"min_{field}_{i}", f"max_{field}_{i}")

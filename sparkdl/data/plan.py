@@ -1,10 +1,11 @@
 """From the user's column settings and the model to the columns the workers read, checked on the driver.
 
 ``plan`` checks the settings against the DataFrame's schema and the model's inputs and outputs,
-without a Spark job; ``TrainingPlan.check`` runs the one checks job (``sparkdl.data.checks``),
-fits every column to its input's shape (``sparkdl.data.shapes``) and returns the frame the
-workers read: one flat array column per input, target and the sample weight (an image's bytes
-for an image), plus ``VALIDATION`` when rows are held out.
+without a Spark job; ``TrainingPlan.training`` returns the frame the workers read: one flat array
+column per input, target and the sample weight (an image's bytes for an image), each row's values
+to check (``sparkdl.data.checks``), plus ``VALIDATION`` when rows are held out; and the rules
+(``sparkdl.data.rules``) the tasks judge those values by, which also fit every column to its input's
+shape (``sparkdl.data.shapes``). ``TrainingPlan.check`` judges them on the driver instead, in one job.
 
 Validation rows: the random split (``validation_split_mask``) is a seeded hash of each row's
 values, not ``F.rand``: it selects the same rows whatever the DataFrame's partitioning or row
@@ -22,28 +23,30 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from sparkdl.data import model_io, shapes
-from sparkdl.data.checks import Checks, ColumnStats
+from sparkdl.data.checks import Checks
 from sparkdl.data.columns import IMAGE, SCALAR, VECTOR, SourceColumn, inspect
-from sparkdl.data.fields import INPUT, TARGET, WEIGHT, Field, Fields
+from sparkdl.data.fields import INPUT, TARGET, WEIGHT
 from sparkdl.data.model_io import Port
 from sparkdl.data.rows import VALIDATION
+from sparkdl.data.rules import Checked, RowRules, column_of
 
 ColumnSpec = str | Sequence[str] | Mapping[str, str | Sequence[str]]
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainingData:
-    """A validated DataFrame reduced to the columns the workers read, and how they read them."""
+    """A DataFrame reduced to the columns the workers read, and the rules its rows must satisfy."""
 
-    frame: DataFrame  # one column per field of ``fields``, and VALIDATION (boolean) when rows are held out
-    num_rows: int  # rows to train on (held-out validation rows not included)
-    fields: Fields
-    validation_rows: int = 0  # rows held out for validation (VALIDATION true)
+    frame: (
+        DataFrame  # one column per field, the checks column (CHECKS), and VALIDATION (boolean) when rows are held out
+    )
+    rules: RowRules  # judged in the tasks over the statistics of the checks column, or on the driver (``checked``)
+    checked: Checked | None = None  # the driver's verdict over all rows (``TrainingPlan.check``); None: the tasks'
 
 
 @dataclasses.dataclass(frozen=True)
-class _Planned:
-    """A field before the checks job: its port, its source columns and the type its values are read as."""
+class PlannedField:
+    """A field before its rows are checked: its port, its source columns and the type its values are read as."""
 
     role: str
     key: str
@@ -68,7 +71,7 @@ class _Planned:
 
     def known_shape(self) -> tuple[int, ...] | None:
         """One row's shape where the schema alone tells it: a number, a list of number columns, or a Vector
-        whose ML attributes give its size (an array's length is not in the schema: the checks job finds it)."""
+        whose ML attributes give its size (an array's length is not in the schema: the rows' checks find it)."""
         if len(self.sources) > 1:
             return (len(self.sources),)
         source = self.sources[0]
@@ -120,92 +123,66 @@ class TrainingPlan:
     """Columns that passed the schema checks, and how they become the training columns."""
 
     df: DataFrame
-    inputs: tuple[_Planned, ...]
-    targets: tuple[_Planned, ...]
-    weight: _Planned | None
+    inputs: tuple[PlannedField, ...]
+    targets: tuple[PlannedField, ...]
+    weight: PlannedField | None
     mask: Column | None  # true for the rows held out for validation
     validation_col: str | None
     validation_source: str  # how the held-out rows were chosen, as the error messages name it
 
+    def training(self) -> TrainingData:
+        """The frame the workers read, its rows checked where they are read: each task reduces the checks
+        column of its partition (``sparkdl.data.row_stats``) and judges the statistics (``sparkdl.data.rules``)
+        before its first step. No Spark job."""
+        checks = self._checks()
+        return TrainingData(self._frame(checks), self._rules(checks))
+
     def check(self, num_workers: int) -> TrainingData:
-        """Checks the rows (one aggregate Spark job) and returns the columns to train on."""
+        """:meth:`training`, its rows checked on the driver as well, by one Spark job over all of them."""
+        checks = self._checks()
+        rules = self._rules(checks)
+        checked = rules.judge(checks.aggregate(self.df), num_workers)
+        return TrainingData(self._frame(checks), rules, checked)
+
+    @property
+    def _planned(self) -> tuple[PlannedField, ...]:
+        return self.inputs + self.targets + ((self.weight,) if self.weight else ())
+
+    def _checks(self) -> Checks:
         checks = Checks()
-        planned = self.inputs + self.targets + ((self.weight,) if self.weight else ())
-        for field in planned:
+        for field in self._planned:
             for source in field.sources:
                 checks.add_column(source, "bigint" if source.integer else field.element)
         if self.weight is not None:
             checks.add_nonnegative(self.weight.sources[0].name)
         if self.mask is not None:
             checks.add_validation(self.mask, self.validation_col)
-        total, held_out, stats = checks.run(self.df)
-        num_rows = _check_counts(total, held_out, num_workers, self.mask is not None, self.validation_source)
-        fields = [_field(p, i, stats) for i, p in enumerate(planned)]
-        resolved = Fields(
-            inputs=tuple(f for f in fields if f.role == INPUT),
-            targets=tuple(f for f in fields if f.role == TARGET),
-            weight=next((f for f in fields if f.role == WEIGHT), None),
-            named_inputs=len(self.inputs) > 1,
-            named_targets=len(self.targets) > 1,
+        return checks
+
+    def _rules(self, checks: Checks) -> RowRules:
+        return RowRules(
+            self._planned,
+            tuple(checks.columns),
+            checks.stats,
+            checks.nonnegative,
+            self.validation_col,
+            self.mask is not None,
+            self.validation_source,
         )
-        columns = [p.values().alias(f.column) for p, f in zip(planned, fields)]
+
+    def _frame(self, checks: Checks) -> DataFrame:
+        columns = [p.values().alias(column_of(p.role, i)) for i, p in enumerate(self._planned)]
+        columns.append(checks.column())
         if self.mask is not None:
             columns.append(self.mask.alias(VALIDATION))
-        return TrainingData(self.df.select(*columns), num_rows, resolved, held_out)
+        return self.df.select(*columns)
 
 
-def _check_counts(total: int, held_out: int, num_workers: int, holds_out: bool, source: str) -> int:
-    if total == 0:
-        raise ValueError("The DataFrame passed to sparkdl.fit is empty: expected at least one row per worker.")
-    num_rows = total - held_out
-    if holds_out:
-        if held_out == 0:
-            raise ValueError(
-                f"The validation set is empty: {source} selected none of the {total} rows. "
-                "Hold out more rows, or leave validation out."
-            )
-        if num_rows == 0:
-            raise ValueError(f"No rows left to train on: {source} selected all {total} rows for validation.")
-    if num_rows < num_workers:
-        kept = f" (after holding out {held_out} for validation)" if holds_out else ""
-        raise ValueError(
-            f"Expected at least `num_workers`={num_workers} rows so that every worker gets data. "
-            f"Received: {num_rows} rows{kept}. Use fewer workers or more data."
-        )
-    return num_rows
-
-
-def _field(planned: _Planned, index: int, stats: dict[str, ColumnStats]) -> Field:
-    found = [stats[s.name] for s in planned.sources]
-    if len(planned.sources) > 1:
-        column_shape: tuple[int, ...] = (len(planned.sources),)
-    else:
-        column_shape = found[0].shape
-    nested = len(column_shape) > 1
-    if planned.port is not None:
-        for source, s in zip(planned.sources, found):
-            if source.integer and s.low is not None and s.high is not None:
-                shapes.check_range(f"Column {source.name!r} (`{planned.setting}`)", s.low, s.high, planned.port)
-        shape = shapes.fit_shape(planned.what, column_shape, planned.port, nested=nested)
-    else:
-        shape = column_shape
-    column = {INPUT: f"_sparkdl_input_{index}", TARGET: f"_sparkdl_target_{index}", WEIGHT: "_sparkdl_weight"}
-    return Field(
-        planned.role,
-        planned.key,
-        column[planned.role],
-        tuple(s.name for s in planned.sources),
-        shape,
-        planned.dtype,
-        image=planned.sources[0].kind == IMAGE,
-    )
-
-
-def _inputs(df: DataFrame, model, features_col: ColumnSpec) -> list[_Planned]:
+def _inputs(df: DataFrame, model, features_col: ColumnSpec) -> list[PlannedField]:
     return input_fields(df, model_io.inputs(model), features_col)
 
 
-def input_fields(df: DataFrame, ports: Sequence[Port], features_col: ColumnSpec) -> list[_Planned]:
+def input_fields(df: DataFrame, ports: Sequence[Port], features_col: ColumnSpec) -> list[PlannedField]:
     """``features_col`` matched to the model's inputs ``ports``, checked against the schema (no Spark job)."""
     names = [p.name for p in ports]
     if isinstance(features_col, Mapping):
@@ -232,7 +209,7 @@ def input_fields(df: DataFrame, ports: Sequence[Port], features_col: ColumnSpec)
             if port.dtype == "float64"
             else "float"
         )
-        field = _Planned(INPUT, port.name, setting, sources, element, port, port.dtype)
+        field = PlannedField(INPUT, port.name, setting, sources, element, port, port.dtype)
         known = field.known_shape()
         if known is not None:  # the schema tells its shape: checked at once
             shapes.fit_shape(field.what, known, port, nested=False)
@@ -261,7 +238,7 @@ def _check_kind(source: SourceColumn, port: Port, setting: str) -> None:
         )
 
 
-def _targets(df: DataFrame, model, label_col: ColumnSpec) -> list[_Planned]:
+def _targets(df: DataFrame, model, label_col: ColumnSpec) -> list[PlannedField]:
     ports = model_io.outputs(model)
     names = [p.name for p in ports]
     if isinstance(label_col, Mapping):
@@ -287,20 +264,20 @@ def _targets(df: DataFrame, model, label_col: ColumnSpec) -> list[_Planned]:
                 )
         integer = all(s.integer for s in sources)
         planned.append(
-            _Planned(
+            PlannedField(
                 TARGET, key, setting, sources, "bigint" if integer else "float", None, "int64" if integer else "float32"
             )
         )
     return planned
 
 
-def _weight(df: DataFrame, name: str) -> _Planned:
+def _weight(df: DataFrame, name: str) -> PlannedField:
     source = inspect(df, name, "sample_weight_col")
     if source.kind != SCALAR or source.text:
         raise ValueError(
             f"Expected column {name!r} (`sample_weight_col`) to hold one number per row. Received type: {source.type_name}"
         )
-    return _Planned(WEIGHT, "", "sample_weight_col", (source,), "float", None, "float32")
+    return PlannedField(WEIGHT, "", "sample_weight_col", (source,), "float", None, "float32")
 
 
 def _sources(df: DataFrame, spec, setting: str) -> tuple[SourceColumn, ...]:

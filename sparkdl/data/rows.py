@@ -1,4 +1,4 @@
-"""A worker's partition as arrays by field: its training rows and its held-out validation rows.
+"""A worker's partition as arrays by field: its training rows, its held-out validation rows and their checks.
 
 The rows are streamed to local disk as they arrive and read back a batch (or a window of batches) at
 a time (``sparkdl.data.spill``), by a thread ahead of training (``sparkdl.data.read_ahead``), so a
@@ -15,6 +15,8 @@ import pyarrow.compute as pc
 
 from sparkdl.data.fields import Fields
 from sparkdl.data.read_ahead import Chunk, read_ahead
+from sparkdl.data.row_stats import RowStats
+from sparkdl.data.rules import CHECKS, RowRules
 from sparkdl.data.spill import FileRows, MappedRows, SpilledRows, spill_directory
 from sparkdl.schedule import EpochSteps
 
@@ -63,59 +65,101 @@ def _order(part: EpochSteps) -> np.ndarray:
     return part.order
 
 
-def read_partition(fields: Fields, batches: Iterable[pa.RecordBatch]) -> tuple[Rows, Rows]:
-    """A partition's Arrow batches as ``(training rows, held-out validation rows)``, spilled to local disk (their
-    keys in memory: 8 bytes a row).
+def read_partition(rules: RowRules, batches: Iterable[pa.RecordBatch], *, spill: bool = True) -> Partition:
+    """A partition's Arrow batches, spilled to local disk as they arrive (their keys in memory: 8 bytes a row), and
+    the statistics of their checks column (``sparkdl.data.checks.CHECKS``); with ``spill=False`` only counted.
 
-    Without a ``VALIDATION`` column every row is a training row. The ``ROW_KEY`` column (added where
+    Each batch is judged on its own (``RowRules.fields``) before it is spilled with the fields its statistics give;
+    from the first batch the rules refuse, or whose fields differ from the first's, the rest is only counted: the
+    statistics of all rows then name the error, wherever they are judged. The ``ROW_KEY`` column (added where
     ``launch.layout`` deals the rows) is required. One Arrow batch is in memory at a time.
     """
-    directory = spill_directory()
-    parts = (_KeyedRows(fields, directory), _KeyedRows(fields, directory))
+    partition = Partition(rules, spill_directory() if spill else None)
     try:
         for batch in batches:
-            if batch.num_rows == 0:
-                continue
-            if VALIDATION not in batch.schema.names:
-                parts[0].append(batch)
-                continue
-            mask = batch.column(VALIDATION)
-            parts[0].append(batch.filter(pc.invert(mask)))
-            parts[1].append(batch.filter(mask))
+            if batch.num_rows:
+                partition.add(batch)
     except BaseException:
-        for part in parts:
-            part.rows.discard()
+        partition.discard()
         raise
-    return parts[0].finish(), parts[1].finish()
+    partition.finish()
+    return partition
 
 
-class _KeyedRows:
-    """Rows being spilled, and their keys."""
+class Partition:
+    """A partition as it arrived: the statistics of its checks, its rows' keys, and its rows, spilled with the fields
+    they were read with (none where a batch was refused, no row arrived or nothing is spilled)."""
 
-    def __init__(self, fields: Fields, directory: str):
-        self.fields = fields
-        self.rows = SpilledRows(fields.all, directory)
-        self.keys: list[np.ndarray] = []
+    def __init__(self, rules: RowRules, directory: str | None):
+        self.stats = RowStats.empty(rules.stats)
+        self._rules = rules
+        self._directory = directory  # None: count, spill nothing
+        self._keys: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])  # training rows', held-out rows'
+        self._fields: Fields | None = None
+        self._spilled: tuple[SpilledRows, SpilledRows] | None = None
+        self._read: tuple[MappedRows | FileRows, MappedRows | FileRows] | None = None
+        self._refused = False
 
-    def append(self, batch: pa.RecordBatch) -> None:
+    @property
+    def keys(self) -> np.ndarray:
+        """Its training rows' keys (``ROW_KEY``)."""
+        return _joined(self._keys[0])
+
+    @property
+    def held_out_rows(self) -> int:
+        return sum(len(keys) for keys in self._keys[1])
+
+    def add(self, batch: pa.RecordBatch) -> None:
         if ROW_KEY not in batch.schema.names:
             raise ValueError(f"Expected the rows' keys in column {ROW_KEY!r}. Received columns: {batch.schema.names}")
-        self.rows.append(self.fields.arrays(batch))
-        self.keys.append(batch.column(ROW_KEY).to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
-
-    def finish(self) -> Rows:
-        keys = np.concatenate(self.keys) if self.keys else np.empty(0, np.int64)
-        return Rows(self.fields, self.rows.finish(), keys)
-
-
-def training_keys(batches: Iterable[pa.RecordBatch]) -> tuple[np.ndarray, int]:
-    """A partition's training rows' keys (``ROW_KEY``) and its held-out validation row count, without converting any
-    other values."""
-    keys, held_out = [], 0
-    for batch in batches:
+        own = RowStats.empty(self._rules.stats)
+        own.add_batch(batch.column(CHECKS))
+        self.stats.add(own.values)
+        parts = [batch]
         if VALIDATION in batch.schema.names:
             mask = batch.column(VALIDATION)
-            held_out += pc.sum(mask).as_py() or 0
-            batch = batch.filter(pc.invert(mask))
-        keys.append(batch.column(ROW_KEY).to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
-    return (np.concatenate(keys) if keys else np.empty(0, np.int64)), held_out
+            parts = [batch.filter(pc.invert(mask)), batch.filter(mask)]
+        for keys, part in zip(self._keys, parts):
+            keys.append(part.column(ROW_KEY).to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
+        if self._refused or self._directory is None:
+            return
+        try:
+            fields = self._rules.fields(own.values)
+        except ValueError:
+            fields = None
+        if fields is None or (self._fields is not None and fields != self._fields):
+            self._refused = True  # the statistics of all rows say why
+            self.discard()
+            return
+        if self._spilled is None:
+            self._fields = fields
+            self._spilled = (SpilledRows(fields.all, self._directory), SpilledRows(fields.all, self._directory))
+        for spilled, part in zip(self._spilled, parts):
+            spilled.append(fields.arrays(part))
+
+    def finish(self) -> None:
+        if self._spilled is not None:
+            self._read = (self._spilled[0].finish(), self._spilled[1].finish())
+            self._spilled = None
+
+    def discard(self) -> None:
+        for spilled in self._spilled or ():
+            spilled.discard()
+        self._spilled = None
+
+    def rows(self, fields: Fields) -> tuple[Rows, Rows]:
+        """``(training rows, held-out validation rows)``, once the statistics of the fit's rows passed the rules and
+        gave ``fields``."""
+        if self._directory is None or self._refused or (self._fields is not None and self._fields != fields):
+            raise ValueError(
+                f"Expected this partition's rows read as {fields}: they were not (their values changed while they "
+                "were read, a nondeterministic DataFrame?)."
+            )
+        if self._read is None:  # no row arrived
+            self._read = tuple(SpilledRows(fields.all, self._directory).finish() for _ in range(2))  # type: ignore[assignment]
+        assert self._read is not None
+        return tuple(Rows(fields, read, _joined(keys)) for read, keys in zip(self._read, self._keys))  # type: ignore[return-value]
+
+
+def _joined(keys: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(keys) if keys else np.empty(0, np.int64)

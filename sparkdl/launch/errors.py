@@ -6,6 +6,7 @@ import builtins
 import functools
 from collections.abc import Sequence
 
+from sparkdl.data.rules import RowCheckError
 from sparkdl.launch.relay_frames import ErrorReport
 
 
@@ -24,8 +25,11 @@ class WorkerError(Exception):
         self.remote_traceback = remote_traceback
 
 
-def worker_error(report: ErrorReport, others: Sequence[ErrorReport] = ()) -> WorkerError:
-    """The driver-side exception for ``report`` (and a line per other rank that failed after it)."""
+def worker_error(report: ErrorReport, others: Sequence[ErrorReport] = ()) -> Exception:
+    """The driver-side exception for ``report`` (and a line per other rank that failed after it); the rows' checks'
+    :class:`~sparkdl.data.rules.RowCheckError` as itself, its message alone (every rank raises the same)."""
+    if report.type_name == f"{RowCheckError.__module__}.{RowCheckError.__qualname__}":
+        return RowCheckError(report.message)
     message = f"rank {report.rank} raised {report.type_name}: {report.message}"
     followers = [f"rank {o.rank}: {o.type_name}: {o.message}" for o in others if o is not report]
     if followers:

@@ -12,8 +12,8 @@ Where no GPU is in sight, the probe also imports TensorFlow in the executors' Py
 which Spark keeps for later tasks (``spark.python.worker.reuse``, on by default): the training
 stage then starts without paying for that import. With sparkdl's worker daemon
 (``worker_python.WORKER_DAEMON``, which forks every worker with TensorFlow loaded) in local mode, one task
-checks them all. Run in a background thread (:func:`start_check`), the probe overlaps the
-driver's data checks.
+checks them all. Run in a background thread (:func:`start_check`), the probe overlaps what the
+driver prepares meanwhile (the model's bytes, the settings).
 
 In local modes the executors are threads of the driver's JVM, on this machine: with neither
 ``PYSPARK_PYTHON`` nor ``spark.pyspark.python`` set, PySpark would start ``python3`` from the
@@ -206,9 +206,8 @@ def _run_probe(spark, num_workers: int, modules: tuple, submitting: threading.Ev
 def _one_preloading_python(spark) -> bool:
     """Local mode with sparkdl's worker daemon: every task's Python is forked from one that loads TensorFlow.
 
-    One probe task then checks (and warms) them all, and leaves the other task slots free for
-    the data checks that run meanwhile: ``num_workers`` tasks would hold every slot of a small
-    machine while the daemon imports TensorFlow.
+    One probe task then checks (and warms) them all: ``num_workers`` tasks would hold every slot of
+    a small machine while the daemon imports TensorFlow, for nothing.
     """
     sc = classic_context(spark)
     return sc is not None and session.is_local_mode(sc.master) and forks_from_worker_daemon(sc)

@@ -70,6 +70,7 @@ class OutputRelay:
         self._on_progress = on_progress
         self._streams = {relay_frames.STDOUT: stdout or sys.stdout, relay_frames.STDERR: stderr or sys.stderr}
         self._lock = threading.Lock()
+        self._served: set[int] = set()  # the ranks that connected
         self._reports: list[relay_frames.ErrorReport] = []
         self._stopping = threading.Event()
         # Each task holds one connection; a retried task may briefly hold a second one.
@@ -90,6 +91,12 @@ class OutputRelay:
     def reports(self) -> list[relay_frames.ErrorReport]:
         with self._lock:
             return list(self._reports)
+
+    @property
+    def served(self) -> frozenset[int]:
+        """The ranks whose tasks connected (an authenticated connection) so far."""
+        with self._lock:
+            return frozenset(self._served)
 
     def first_error(self) -> relay_frames.ErrorReport | None:
         """The error to raise: the first one that is not a consequence of another rank's failure, if any."""
@@ -112,6 +119,8 @@ class OutputRelay:
 
     def _serve(self, channel: Channel, rank: int) -> None:
         """One authenticated task connection; ``rank`` is the one it proved at the handshake."""
+        with self._lock:
+            self._served.add(rank)
         try:
             channel.sock.settimeout(0.5)
             self._read_frames(channel, rank)

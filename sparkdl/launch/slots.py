@@ -13,7 +13,7 @@ the whole process::
 
 A claim lasts as long as its fit. Every job the fit starts carries the claim's job tag (the worker
 probe, whose thread the fit starts, too), so its own tasks, which run inside its claimed slots, are
-not counted twice: a claim counts the same from the fit's check, through its data checks, to its
+not counted twice: a claim counts the same from the fit's check, through its worker probe, to its
 last training task.
 
 A fit that finds too few free slots waits for them, as Spark's own estimators queue for theirs, up to

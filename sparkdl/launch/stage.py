@@ -29,6 +29,7 @@ from pyspark.sql import DataFrame
 from sparkdl import _compat
 from sparkdl._tf_log import quiet_tensorflow
 from sparkdl.collective import Listener, SparkdlCommunicator, topology
+from sparkdl.data.rules import EMPTY_INPUT, RowCheckError
 from sparkdl.launch import gpu, payloads, rendezvous, session
 from sparkdl.launch.errors import InputLost, ResultLost, SlotsLost, worker_error
 from sparkdl.launch.forward import TaskReporter, forward_output
@@ -177,6 +178,9 @@ def run_tasks(
         raise worker_error(report, relay.reports) from None
     finally:
         relay.close()
+    if not table.num_rows and not relay.served:
+        # Spark skips a stage whose input is an empty shuffle (adaptive execution): no task ran
+        raise RowCheckError(EMPTY_INPUT)
     try:
         return _results(table, None if spark_results else exchange, meeting)
     finally:

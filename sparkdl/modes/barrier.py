@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from sparkdl import schedule
 from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointStore, StepCheckpoints
-from sparkdl.data import Rows, read_partition
+from sparkdl.data import Partition, Rows, RowStats, read_partition
 from sparkdl.keras import callbacks, random_state, serialization
 from sparkdl.keras.prebuilt import PrebuiltModel
 from sparkdl.keras.runtime import limit_threads_to_task_cpus, use_tensorflow_backend
@@ -129,30 +129,41 @@ def run_barrier_task(batches: Iterable[pa.RecordBatch], reporter: TaskReporter, 
     import keras  # noqa: F401 -- loads TensorFlow unless this Python worker has it already
 
     reporter.phase("import")
-    rows, held_out = read_partition(task.settings.fields, batches)
+    partition = read_partition(task.settings.rules, batches)
     reporter.phase("read")
     with task.plan.connect(reporter, task) as comm:
-        settings, counts = _rows_of_shards(comm, rows, held_out, task.settings, task.plan.shard_ranks(comm.size))
+        settings, counts, (rows, held_out) = _rows_of_shards(
+            comm, partition, task.settings, task.plan.shard_ranks(comm.size)
+        )
         reporter.phase("connect")
         limit_threads_to_task_cpus()
         writer = comm.rank == task.plan.writer(comm.size)
         return task.plan.train(Ranks(comm, reporter, task, settings, rows, held_out, counts, writer))
 
 
-def _rows_of_shards(comm, rows: Rows, held_out: Rows, settings: Settings, shards: range):
-    """Every shard's ``(training, held-out)`` row counts and its training keys' ``position.key_sum``, refusing a shard
-    without rows or a fit without held-out rows, and the ``settings`` for those rows (every rank: the same steps per
-    epoch)."""
-    own = np.array([len(rows), len(held_out), np.uint64(key_sum(rows.keys)).view(np.int64)], np.int64)
-    counts = comm.allgather(own)[shards.start : shards.stop : shards.step]
+def _rows_of_shards(comm, partition: Partition, settings: Settings, shards: range):
+    """Every shard's ``(training, held-out)`` row counts and its training keys' ``position.key_sum``, the ``settings``
+    for those rows (every rank: the same steps per epoch), and this rank's ``(training, held-out)`` rows.
+
+    The shards' checks statistics travel with the counts: every rank judges those of all rows (``RowRules.judge``)
+    and raises the same error, naming the column, before any step; so does a shard without rows.
+    """
+    own = np.array(
+        [len(partition.keys), partition.held_out_rows, np.uint64(key_sum(partition.keys)).view(np.int64)], np.int64
+    )
+    gathered = comm.allgather(np.concatenate([own, partition.stats.to_array()]))[
+        shards.start : shards.stop : shards.step
+    ]
+    counts = gathered[:, : len(own)]
     rows_per_shard = counts[:, 0].tolist()
+    checked = settings.rules.judge(
+        RowStats.combined(settings.rules.stats, gathered[:, len(own) :]).values, len(rows_per_shard)
+    )
     schedule.require_rows(dict(enumerate(rows_per_shard)))
     settings = settings.for_rows(rows_per_shard)
     if comm.rank == 0:
         schedule.warn_fillers(rows_per_shard, settings.steps_per_epoch)
-    if settings.validate and counts[:, 1].sum() == 0:
-        raise ValueError("No worker partition got a validation row: the validation set is empty.")
-    return settings, counts
+    return settings, counts, partition.rows(checked.fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +329,16 @@ class Ranks:
         with Checkpointer(saving, start, self.task.plan.mode) if saving else contextlib.nullcontext() as checkpointer:
             if self.writer:
                 steps = self.settings.steps_per_epoch
-                self.reporter.progress({"event": "start", "initial_epoch": start.epoch, "steps_per_epoch": steps})
+                rows, validation_rows = int(self.counts[:, 0].sum()), int(self.counts[:, 1].sum())
+                self.reporter.progress(
+                    {
+                        "event": "start",
+                        "initial_epoch": start.epoch,
+                        "steps_per_epoch": steps,
+                        "rows": rows,
+                        "validation_rows": validation_rows,
+                    }
+                )
             yield checkpointer
 
     def report_epoch(self, epoch: int, logs: dict, seconds: float) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 
 from sparkdl import data, schedule
 from sparkdl.checkpoint import Checkpoint, Checkpointer, CheckpointInterval, CheckpointStore
-from sparkdl.data.fields import Fields
+from sparkdl.data.rules import RowRules
 from sparkdl.launch.layout import TaskLayout
 from sparkdl.position import EpochPosition, EpochRest
 from sparkdl.progress import ProgressMonitor
@@ -37,11 +37,11 @@ from sparkdl.progress import ProgressMonitor
 class Settings:
     """The settings every mode's tasks need: small and picklable, shipped in the tasks' closures."""
 
-    fields: Fields  # what the workers read and the arrays Keras receives: inputs, targets, sample weights
+    rules: RowRules  # what the rows must satisfy; the tasks judge their rows' statistics, which give the fields read
     num_workers: int
     epochs: int
     batch_size: int
-    steps_per_epoch: int  # on the driver an estimate (even partitions); the tasks use ``for_rows``'s exact count
+    steps_per_epoch: int  # on the driver an estimate (1 until the tasks count the rows); the tasks use ``for_rows``
     seed: int
     shuffle: bool = True
     custom_objects: dict | None = None
@@ -65,17 +65,20 @@ class Settings:
         shards: int | None = None,
         **rest,
     ) -> Settings:
-        """The settings of a fit over ``training``: its fields, the steps per epoch rows evenly split into
-        ``shards`` (default: one per worker) would take (:func:`sparkdl.schedule.estimated_steps`), and
-        validation when it holds rows out."""
+        """The settings of a fit over ``training``: its rules, the steps per epoch rows evenly split into ``shards``
+        (default: one per worker) would take where the driver counted them (:func:`sparkdl.schedule.estimated_steps`;
+        else 1 until the tasks count them), and validation when it holds rows out."""
+        checked = training.checked
         return cls(
-            fields=training.fields,
+            rules=training.rules,
             num_workers=num_workers,
             epochs=epochs,
             batch_size=batch_size,
-            steps_per_epoch=schedule.estimated_steps(training.num_rows, shards or num_workers, batch_size),
+            steps_per_epoch=schedule.estimated_steps(checked.num_rows, shards or num_workers, batch_size)
+            if checked is not None
+            else 1,
             seed=seed,
-            validate=training.validation_rows > 0,
+            validate=training.rules.holds_out,
             **rest,
         )
 

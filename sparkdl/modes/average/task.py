@@ -69,9 +69,10 @@ def round_task(
     """One worker's round: set the shipped state, train its steps, send the delta; returns its rows."""
     use_tensorflow_backend()  # before anything in this worker imports Keras
     settings = rounds.settings
-    rows, held_out = read_partition(settings.fields, batches)
+    partition = read_partition(settings.rules, batches)
     rank = partition_id()
-    schedule.require_rows({rank: len(rows)})
+    schedule.require_rows({rank: len(partition.keys)})
+    rows, held_out = partition.rows(settings.rules.fields(partition.stats.values))  # all rows judged by the driver
     cached, state = _load_state(rounds, model_broadcast, state_broadcast)
     out = _empty_rows()
     if settings.validate and round_index > 0:  # the state just set is the averaged model after the last round's epochs
@@ -112,7 +113,8 @@ def evaluate_task(
 ) -> Iterator[pa.RecordBatch]:
     """The evaluation-only pass after the last round: the final averaged state on this worker's held-out rows."""
     use_tensorflow_backend()
-    _, held_out = read_partition(rounds.settings.fields, batches)
+    partition = read_partition(rounds.settings.rules, batches)
+    _, held_out = partition.rows(rounds.settings.rules.fields(partition.stats.values))
     out = _empty_rows()
     if len(held_out):
         cached, _ = _load_state(rounds, model_broadcast, state_broadcast)

@@ -117,8 +117,10 @@ def run_parameter_server_task(
 
     settings, plan = task.settings, task.plan
     rank = partition_id()
-    rows, held_out = read_partition(settings.fields, batches)
-    schedule.require_rows({rank: len(rows)})
+    partition = read_partition(settings.rules, batches)
+    schedule.require_rows({rank: len(partition.keys)})
+    # No lockstep: each worker judges its own rows' checks before its first step (a barrier mode judges them all).
+    rows, held_out = partition.rows(settings.rules.fields(partition.stats.values))
     limit_threads_to_task_cpus()
     if task.beside_servers:  # where the servers start from (a retried stage: the newest checkpoint), then train from
         epoch = stage.start_place(stage.meet(reporter, {}, settings.timeout), settings.num_workers)[0]
@@ -170,7 +172,15 @@ def run_parameter_server_task(
         hook = StepHook(model, spans, push_pull, plan.push_every, plan.compression)
         hook.assign(variables, push_pull.pull())
         keras.utils.set_random_seed(settings.seed + rank)  # dropout and the like differ per worker, by design
-        reporter.progress({"event": "start", "initial_epoch": settings.initial_epoch, "steps_per_epoch": steps})
+        reporter.progress(
+            {
+                "event": "start",
+                "initial_epoch": settings.initial_epoch,
+                "steps_per_epoch": steps,
+                "rows": len(rows),
+                "validation_rows": len(held_out),
+            }
+        )
         for skipped in range(settings.initial_epoch, epoch):  # trained before it resumed: the others' metrics count
             reporter.progress({**callbacks.epoch_event(skipped, {}, 0, 0, 0.0), "skipped": True})
         history: dict[str, list[float]] = {}

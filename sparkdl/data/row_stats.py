@@ -1,0 +1,73 @@
+"""The checks' statistics reduced over rows as they arrive in a task, and combined across tasks.
+
+A task reduces each Arrow batch's checks column (``sparkdl.data.checks.CHECKS``) into sums, minima and
+maxima (:class:`~sparkdl.data.rules.Stat`), the way Spark's ``sum``, ``min`` and ``max`` would: nulls are
+skipped, and a minimum over no value is None. Tasks combine theirs as one int64 array each
+(:meth:`RowStats.to_array`), which the barrier modes' ranks allgather, so that every rank judges the same
+statistics of all rows (``sparkdl.data.rules``) and raises the same error, or none, before its first step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from sparkdl.data.rules import MIN, SUM, Stat
+
+_ROWS = Stat("rows", "", SUM)  # counted from the batches themselves
+
+
+@dataclasses.dataclass
+class RowStats:
+    """Statistics over some rows: a value per :class:`Stat`, None where no row gave one."""
+
+    stats: tuple[Stat, ...]
+    values: dict[str, int | None]
+
+    @classmethod
+    def empty(cls, stats: tuple[Stat, ...]) -> RowStats:
+        return cls(stats, {"rows": 0, **{stat.name: 0 if stat.reduction == SUM else None for stat in stats}})
+
+    def add_batch(self, checks: pa.StructArray | pa.ChunkedArray) -> None:
+        """Adds one batch's checks column."""
+        if isinstance(checks, pa.ChunkedArray):
+            checks = checks.combine_chunks()
+        reduced = {"rows": len(checks)}
+        for stat in self.stats:
+            column = checks.field(stat.value)
+            if stat.reduction == SUM:
+                reduced[stat.name] = pc.sum(column).as_py() or 0
+            else:
+                reduced[stat.name] = (pc.min if stat.reduction == MIN else pc.max)(column).as_py()
+        self.add(reduced)
+
+    def add(self, other: Mapping[str, int | None]) -> None:
+        """Adds statistics over other rows (a batch's, another task's)."""
+        for stat in (_ROWS, *self.stats):
+            mine, theirs = self.values[stat.name], other[stat.name]
+            if theirs is None or mine is None:
+                self.values[stat.name] = theirs if mine is None else mine
+            elif stat.reduction == SUM:
+                self.values[stat.name] = mine + theirs
+            else:
+                self.values[stat.name] = (min if stat.reduction == MIN else max)(mine, theirs)
+
+    def to_array(self) -> np.ndarray:
+        """Every value and whether it is known, as one int64 array (:meth:`combined` reads them back)."""
+        names = ["rows", *(stat.name for stat in self.stats)]
+        known = [self.values[name] is not None for name in names]
+        return np.array([self.values[name] or 0 for name in names] + known, np.int64)
+
+    @classmethod
+    def combined(cls, stats: tuple[Stat, ...], arrays: Iterable[np.ndarray]) -> RowStats:
+        """The statistics of the rows behind each of ``arrays`` (:meth:`to_array`'s) together."""
+        names = ["rows", *(stat.name for stat in stats)]
+        total = cls.empty(stats)
+        for array in arrays:
+            values, known = array[: len(names)], array[len(names) :]
+            total.add({name: int(v) if k else None for name, v, k in zip(names, values, known)})
+        return total
