@@ -36,6 +36,7 @@ import logging
 import os
 import re
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -47,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 KEEP = 3
 _FORMAT = 1
+# How long a step checkpoint waits, on the writer's thread, for the ends of the epochs before its own to be recorded.
+HISTORY_WAIT_SECONDS = 10
 _NAME = re.compile(r"^(epoch-(\d{6})(?:-step-(\d{9}))?)\.json$")
 _TEMPORARY_PREFIX = ".tmp-"
 _POSITION = "sparkdl/position"  # the ``.npz`` array of a step checkpoint's ``EpochPosition``
@@ -266,9 +269,11 @@ class BackgroundWriter:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkdl-checkpoint")
         self._pending: concurrent.futures.Future | None = None
 
-    def save(self, checkpoint: Checkpoint) -> None:
+    def save(self, checkpoint: Checkpoint | Callable[[], Checkpoint]) -> None:
+        """Saves ``checkpoint``, or the one a callable makes on the writer's thread."""
         self._wait()
-        self._pending = self._pool.submit(self._store.save, checkpoint)
+        made = checkpoint if callable(checkpoint) else lambda: checkpoint
+        self._pending = self._pool.submit(lambda: self._store.save(made()))
 
     def close(self) -> None:
         """Waits for the last save; raises its error."""
@@ -307,15 +312,34 @@ class Checkpointer:
         self._writer = BackgroundWriter(store)
         self._mode = mode
         self._history = {name: list(values) for name, values in start.history.items()}
+        self._epochs = start.epoch  # the epochs whose ends the history holds
+        self._recorded = threading.Condition()  # guards the history and its epochs; notified at each record
 
     def record(self, logs: dict[str, float], *, epoch: int | None = None) -> None:
         """Adds a finished epoch's ``logs``; with ``epoch`` (from 0) they are that epoch's, and whatever was recorded
         for it or later before (by a stage attempt that failed and was retried from an earlier epoch) is dropped."""
-        if epoch is not None:
-            for values in self._history.values():
-                del values[epoch:]
-        for name, value in logs.items():
-            self._history.setdefault(name, []).append(value)
+        with self._recorded:
+            if epoch is not None:
+                for values in self._history.values():
+                    del values[epoch:]
+            for name, value in logs.items():
+                self._history.setdefault(name, []).append(value)
+            self._epochs = (self._epochs if epoch is None else epoch) + 1
+            self._recorded.notify_all()
+
+    def _history_of(self, epochs: int, *, wait: float) -> dict[str, list[float]]:
+        """The history of the first ``epochs`` epochs, once it holds them or after ``wait`` seconds: where a mode's
+        state is saved by other threads than its epochs' ends travel on (the parameter servers' pushes, the workers'
+        reports), a step checkpoint into epoch ``epochs`` may be due before the last of those ends has arrived."""
+        with self._recorded:
+            if not self._recorded.wait_for(lambda: self._epochs >= epochs, wait):
+                logger.warning(
+                    "sparkdl: the step checkpoint into epoch %d holds the history of fewer epochs: the end of an "
+                    "earlier one had not reached the driver within %d s",
+                    epochs,
+                    wait,
+                )
+            return {name: list(values[:epochs]) for name, values in self._history.items()}
 
     def save(
         self,
@@ -325,9 +349,19 @@ class Checkpointer:
         *,
         position: EpochPosition | None = None,
     ) -> None:
-        """Saves the state after ``epoch`` complete epochs, or ``position`` into the next one (a step checkpoint)."""
-        history = {name: list(values) for name, values in self._history.items()}
-        self._writer.save(Checkpoint(epoch, model_bytes, history, self._mode, arrays or {}, position=position))
+        """Saves the state after ``epoch`` complete epochs, or ``position`` into the next one (a step checkpoint: its
+        history, of the ``epoch`` epochs before, is taken on the writer's thread once it holds them)."""
+        if position is None:
+            with self._recorded:
+                history = {name: list(values) for name, values in self._history.items()}
+            self._writer.save(Checkpoint(epoch, model_bytes, history, self._mode, arrays or {}))
+            return
+
+        def made() -> Checkpoint:
+            history = self._history_of(epoch, wait=HISTORY_WAIT_SECONDS)
+            return Checkpoint(epoch, model_bytes, history, self._mode, arrays or {}, position=position)
+
+        self._writer.save(made)
 
     def __enter__(self) -> Checkpointer:
         return self

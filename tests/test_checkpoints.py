@@ -265,3 +265,23 @@ def test_a_checkpoint_of_another_model_is_refused_before_any_job(spark, digits_d
     )
     with no_spark_job(spark), pytest.raises(ValueError, match="holds a checkpoint .* of a different model"):
         sparkdl.fit(digits_df, make_mlp(hidden=(16,)), checkpoint_dir=str(tmp_path))
+
+
+def test_a_step_checkpoint_holds_the_epochs_whose_ends_arrive_after_it_is_due(tmp_path):
+    """The parameter servers save a step checkpoint into epoch 1 when a worker asks, on another thread than the one
+    the epochs' ends arrive on: the checkpoint waits for epoch 0's end and holds its history, and only its."""
+    import threading
+
+    from sparkdl.checkpoint import Checkpointer
+    from sparkdl.position import EpochPosition, Segment
+
+    store = CheckpointStore.open(str(tmp_path))
+    position = EpochPosition(1, 0, True, 7, (Segment(2, (10, 10), 5, 2),))
+    with Checkpointer(store, Checkpoint(0, b"model", {}, "async"), "async") as checkpointer:
+        late = threading.Timer(0.5, lambda: checkpointer.record({"loss": 2.0}))
+        late.start()
+        checkpointer.save(1, b"model", position=position)  # due before epoch 0's end reached the driver
+        late.join()
+        checkpointer.record({"loss": 1.0})  # epoch 1's end, before the save was written: not the checkpoint's
+    saved = store.latest()
+    assert saved.position == position and saved.history == {"loss": [2.0]}
