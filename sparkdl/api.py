@@ -209,6 +209,7 @@ def fit(
             )  # the columns, matched to the model's inputs and outputs: no Spark job
             # The rows are checked where the training tasks read them: no pass over the data of their own.
             training = planned.training()
+            layout, deal = layout.dealt(df, training.frame)  # by whole input partitions where it can: no shuffle
             asked = time.perf_counter()
             workers = probe.start_check(df.sparkSession, layout.slots, timeout)
             phases.end("slots")
@@ -216,6 +217,7 @@ def fit(
                 training,
                 num_workers=num_workers,
                 shards=layout.shards,
+                by_partition=layout.by_partition,
                 epochs=epochs,
                 batch_size=batch_size,
                 seed=seed,
@@ -294,7 +296,7 @@ def fit(
                 )
             seconds = time.perf_counter() - started
             phases.end("result")
-            logger.info("sparkdl: phases %s; %s", phases, workers.summary(waited, asked))
+            logger.info("sparkdl: phases %s; rows %s; %s", phases, deal, workers.summary(waited, asked))
             return _result(
                 result,
                 start,

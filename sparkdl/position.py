@@ -1,7 +1,8 @@
 """Where an epoch stands: which of its rows the steps so far have trained, saved in a step checkpoint and found again
 by a fit that resumes mid-epoch, on the same number of workers or on another.
 
-A fit deals its rows to shard ``key mod N`` (``launch.layout``) and each shard trains its rows in the order of their
+A fit deals each row to the shard its key gives (``shard_of``: row by row, or by whole input partitions;
+``launch.layout``) and each shard trains its rows in the order of their
 sort values (``schedule.sort_values``, per epoch): after ``j`` of an epoch's ``S`` steps, shard ``r`` holding ``n_r``
 rows has trained the ``j * n_r // S`` first of its order. So a position needs no row ids, only a ``Segment`` per run
 that trained part of the epoch: its number of shards, its steps done and planned, and each shard's rows trained.
@@ -34,12 +35,16 @@ from sparkdl import schedule
 from sparkdl.collective.api import ReduceOp
 
 _BITS = 64
+VECTOR_FORMAT = 1  # EpochPosition.to_vector's layout: 1 since segments say how their rows were dealt
 
 
-def shard_of(keys: np.ndarray, shards: int) -> np.ndarray:
-    """The shard each row of ``keys`` is dealt to (``launch.layout``): its place in its input partition plus the
-    partition's number, modulo ``shards`` (a key is the partition's number << 33 plus the place), so that each input
-    partition's round-robin starts at another shard."""
+def shard_of(keys: np.ndarray, shards: int, by_partition: bool = False) -> np.ndarray:
+    """The shard each row of ``keys`` is dealt to (``launch.layout``; a key is its input partition's number << 33 plus
+    its place there): dealt row by row, its place plus its partition's number, modulo ``shards``, so that each input
+    partition's round-robin starts at another shard; dealt ``by_partition`` (as many input partitions as shards), its
+    partition's number."""
+    if by_partition:
+        return keys >> 33
     return np.mod((keys & ((1 << 33) - 1)) + (keys >> 33), shards)
 
 
@@ -60,6 +65,7 @@ class Segment:
     rows: tuple[int, ...]
     planned: int
     done: int
+    by_partition: bool = False  # the rows were dealt by whole input partitions, not row by row (``shard_of``)
 
     @property
     def trained(self) -> tuple[int, ...]:
@@ -88,26 +94,39 @@ class EpochPosition:
         return sum(segment.done for segment in self.segments)
 
     def to_vector(self) -> np.ndarray:
-        """As one int64 vector (for a checkpoint's ``.npz``, or a broadcast): ``from_vector`` reads it back."""
+        """As one int64 vector (for a checkpoint's ``.npz``, or a broadcast): ``from_vector`` reads it back.
+
+        Its first value is ``-VECTOR_FORMAT``: a vector written before segments said how their rows were dealt starts
+        with the epoch (>= 0), and its segments were dealt row by row."""
         head = [
+            -VECTOR_FORMAT,
             self.epoch,
             self.seed,
             int(self.shuffle),
             int(np.uint64(self.key_sum).view(np.int64)),
             len(self.segments),
         ]
-        body = [n for s in self.segments for n in (s.shards, s.planned, s.done, *s.rows)]
+        body = [n for s in self.segments for n in (s.shards, s.planned, s.done, int(s.by_partition), *s.rows)]
         return np.array(head + body, np.int64)
 
     @classmethod
     def from_vector(cls, vector: np.ndarray) -> EpochPosition:
         values = vector.tolist()
+        version = -values.pop(0) if values[0] < 0 else 0
+        if version not in (0, VECTOR_FORMAT):
+            raise ValueError(
+                f"Expected an epoch position of format {VECTOR_FORMAT} or earlier. Received format {version}: a "
+                "checkpoint written by a newer sparkdl."
+            )
         epoch, seed, shuffle, key_sum, count = values[:5]
         segments, offset = [], 5
+        fields = 4 if version else 3  # shards, planned, done[, by_partition]
         for _ in range(count):
             shards, planned, done = values[offset : offset + 3]
-            segments.append(Segment(shards, tuple(values[offset + 3 : offset + 3 + shards]), planned, done))
-            offset += 3 + shards
+            by_partition = bool(values[offset + 3]) if version else False
+            rows = tuple(values[offset + fields : offset + fields + shards])
+            segments.append(Segment(shards, rows, planned, done, by_partition))
+            offset += fields + shards
         return cls(epoch, seed, bool(shuffle), int(np.int64(key_sum).view(np.uint64)), tuple(segments))
 
 
@@ -134,6 +153,7 @@ class EpochRest:
         batch_size: int,
         shards: range | None = None,
         shard: int | None = None,
+        by_partition: bool = False,
     ) -> EpochRest:
         """Collective: the rest of ``position``'s epoch on this worker of ``comm``, holding ``keys`` of all shards'
         ``key_sum`` (see the module's docstring).
@@ -141,6 +161,7 @@ class EpochRest:
         ``shards``: the ranks of ``comm`` whose rows are the shards, one each in order (default: every rank);
         ``shard``: the shard whose steps this rank walks (default: its own rank's place in ``shards``). A rank outside
         ``shards`` holds a copy of its shard's rows (``keys``), or none, and adds nothing to the counts.
+        ``by_partition``: this run's rows were dealt by whole input partitions (a new segment says so).
         """
         shards = range(comm.size) if shards is None else shards
         counted = comm.rank in shards
@@ -155,7 +176,7 @@ class EpochRest:
         values = schedule.sort_values(keys, seed=position.seed, epoch=position.epoch, shuffle=position.shuffle)
         trained = np.zeros(len(keys), bool)
         last = position.segments[-1]
-        goes_on = last.shards == len(shards)
+        goes_on = last.shards == len(shards) and last.by_partition == by_partition
         done_before = position.segments[:-1] if goes_on else position.segments
         for segment in done_before:
             trained |= _trained_by(segment, keys, values, trained, comm, counted)
@@ -172,7 +193,8 @@ class EpochRest:
         steps = schedule.steps_per_epoch([max(1, n) for n in counts], batch_size)
         if not len(order) and len(keys):  # nothing of the epoch left here: filler steps on one of its rows
             order = np.zeros(1, np.int64)
-        return cls(position, position.segments, Segment(len(shards), tuple(counts), steps, 0), order, shard)
+        segment = Segment(len(shards), tuple(counts), steps, 0, by_partition)
+        return cls(position, position.segments, segment, order, shard)
 
     @property
     def epoch(self) -> int:
@@ -226,7 +248,7 @@ def _trained_by(
 ) -> np.ndarray:
     """Collective: the rows (of this worker's ``keys``) ``segment`` trained, among those not trained ``before``; the
     counts are of the ``counted`` workers' rows (a worker holding a copy of another's finds the same rows)."""
-    shard = shard_of(keys, segment.shards)
+    shard = shard_of(keys, segment.shards, segment.by_partition)
     candidates = ~before
     counts_of = candidates & counted  # the rows this worker adds to the counts
     wanted = np.array(segment.trained, np.int64)

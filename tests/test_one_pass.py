@@ -1,7 +1,10 @@
 """A fit reads its input once: the rows' checks are reduced where the training stage reads them, in no job of their
 own, and still stop the fit, naming the column, before any rank's first step."""
 
+import logging
+
 import keras
+import numpy as np
 import pytest
 from models import make_mlp
 
@@ -44,3 +47,55 @@ def test_a_bad_row_stops_the_fit_before_any_rank_trains(spark, tmp_path):
     with pytest.raises(RowCheckError, match=r"^Column 'f' has 1 rows containing NaN"):
         sparkdl.fit(bad, model, features_col="f", num_workers=2, epochs=1, callbacks=[callback], progress=False)
     assert not marker.exists()
+
+
+def _ids(spark, digits, rows=200, slices=2):
+    """Digits whose first feature is the row's id, in ``slices`` partitions of consecutive ids."""
+    x_train, _, y_train, _ = digits
+    x = np.concatenate([np.arange(rows, dtype=np.float32)[:, None], x_train[:rows]], 1)
+    return spark.createDataFrame(
+        spark.sparkContext.parallelize([(r.tolist(), int(label)) for r, label in zip(x, y_train[:rows])], slices),
+        "features array<float>, label long",
+    )
+
+
+@pytest.mark.parametrize(
+    "case, deal",
+    [
+        ("one a worker", "not shuffled: 2 input partitions, one a worker"),
+        ("three", "shuffled: 3 input partitions for 2 workers"),
+        ("uneven", "shuffled: the input's 2 partitions hold 40 to 100 training rows"),
+        ("coalesced", "shuffled: the input's partitions are made from others (a coalesce, a union) without a shuffle"),
+        ("not persisted", "shuffled: the input is not persisted"),
+    ],
+)
+def test_a_persisted_input_of_even_partitions_one_a_worker_is_read_whole_without_a_shuffle(
+    spark, digits, tmp_path, caplog, case, deal
+):
+    """Each worker trains exactly the rows of its input partition where a persisted input has one per worker, holding
+    training rows within 10% of each other; other inputs are dealt row by row through a shuffle, and the fit's log
+    says why."""
+    from pyspark.sql import functions as F
+    from test_step_checkpoints import _in_order, _model
+
+    df = {
+        "one a worker": lambda: _ids(spark, digits),
+        "three": lambda: _ids(spark, digits, slices=3),
+        "uneven": lambda: _ids(spark, digits).where(F.col("features")[0] >= 60),  # partition 0: ids 0..99
+        "coalesced": lambda: _ids(spark, digits, slices=4).coalesce(2),
+        "not persisted": lambda: _ids(spark, digits),
+    }[case]()
+    if case != "not persisted":
+        df = df.cache()
+    where = df.select(F.spark_partition_id().alias("p"), F.col("features")[0].cast("int").alias("id")).collect()
+    inputs = {p: sorted(row.id for row in where if row.p == p) for p in range(df.rdd.getNumPartitions())}
+    with caplog.at_level(logging.INFO, logger="sparkdl"):
+        sparkdl.fit(df, _model(tmp_path), num_workers=2, epochs=1, batch_size=16, seed=0, progress=False)
+    trained = {partition: sorted(ids) for (_, partition), ids in _in_order(tmp_path).items()}
+    (phases,) = [r.getMessage() for r in caplog.records if "sparkdl: phases" in r.getMessage()]
+    assert f"rows {deal}" in phases, phases
+    if case == "one a worker":
+        assert trained == inputs
+    else:
+        assert sorted(trained[0] + trained[1]) == sorted(r.id for r in where) and trained[0] not in inputs.values()
+    df.unpersist()

@@ -6,6 +6,7 @@ The trained rows are computed here from the rule (each worker's rows sorted by t
 """
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -109,9 +110,46 @@ def test_a_position_taken_on_other_rows_is_refused():
 
 
 def test_a_position_survives_its_vector_form():
-    position = EpochPosition(4, 9, False, 2**64 - 3, (Segment(3, (5, 6, 7), 4, 2), Segment(2, (3, 4), 3, 1)))
+    segments = (Segment(3, (5, 6, 7), 4, 2, by_partition=True), Segment(2, (3, 4), 3, 1))
+    position = EpochPosition(4, 9, False, 2**64 - 3, segments)
     assert EpochPosition.from_vector(position.to_vector()) == position
     assert position.steps == 3 and position.segments[0].trained == (2, 3, 3)
+    written_before_deals = [4, 9, 0, -3, 1, 2, 3, 1, 3, 4]  # a checkpoint's vector before segments said how rows went
+    assert EpochPosition.from_vector(np.array(written_before_deals, np.int64)) == dataclasses.replace(
+        position, segments=segments[1:]
+    )
+
+
+# 3 input partitions of uneven sizes, keys as Spark numbers them (partition << 33 | place)
+PARTITION_KEYS = np.concatenate(
+    [(np.int64(p) << 33) + np.arange(n, dtype=np.int64) for p, n in enumerate([300, 410, 287])]
+)
+
+
+@pytest.mark.parametrize("after", [3, 2, 1])
+def test_an_epoch_dealt_by_whole_partitions_resumes_on_any_workers(after):
+    """On 3 workers reading one input partition each (``TaskLayout.by_partition``), 5 steps trained; resumed on 3
+    workers reading them the same way it goes on with its own steps; on 2 or 1, dealt row by row, it trains the rest:
+    every row once in all."""
+    by_partition = [PARTITION_KEYS[PARTITION_KEYS >> 33 == p] for p in range(3)]
+    rows = tuple(len(keys) for keys in by_partition)
+    steps = schedule.steps_per_epoch(rows, BATCH)
+    segment = Segment(3, rows, steps, 5, by_partition=True)
+    position = EpochPosition(EPOCH, SEED, True, key_sum(PARTITION_KEYS), (segment,))
+    trained = _trained_by_rule(by_partition, steps, 5)
+    whole = after == 3
+    dealt = by_partition if whole else [PARTITION_KEYS[shard_of(PARTITION_KEYS, after) == r] for r in range(after)]
+    results = run_ranks(
+        after,
+        lambda comm: EpochRest.resume(
+            position, dealt[comm.rank], key_sum(PARTITION_KEYS), comm, batch_size=BATCH, by_partition=whole
+        ),
+    )
+    rests = dict(enumerate(results))
+    left = _left(rests, dealt)
+    assert collections.Counter(trained + left) == collections.Counter(PARTITION_KEYS.tolist())
+    assert {rest.steps_left for rest in rests.values()} == ({steps - 5} if whole else {rests[0].segment.planned})
+    assert rests[0].position_after(0).segments[-1].by_partition == whole
 
 
 @pytest.mark.parametrize("before, replicas", [(2, 2), (2, 3), (3, 1)])

@@ -36,10 +36,12 @@ class Case:
     recording: int = 2  # the tasks that run the id layer (a pipeline's first stage only)
     exact: bool = True  # the killed fit ends with the clean fit's weights (updates in a fixed order)
     slow: bool = False  # runs with -m slow: the default suite keeps the cases whose saves differ most
+    partitions: int = 3  # the input's: 2 (one a worker) deals each worker its input partition whole, unshuffled
 
 
 CASES = {
     "sync": Case({"mode": "sync"}),
+    "sync, by partition": Case({"mode": "sync"}, partitions=2),
     # a checkpoint holds the replicas' average: the resumed replicas start there, not where each one was
     "gossip": Case({"mode": "gossip"}, exact=False, slow=True),
     "sharded": Case({"mode": "sharded"}),
@@ -110,12 +112,21 @@ def _model(log_dir, crash_at=0, marker=None, dropout=True):
     return model
 
 
-@pytest.fixture(scope="module")
-def ids_df(spark, digits):
-    """Digits whose first feature is the row's id (0..ROWS-1), in 3 input partitions."""
+def _ids_in_partitions(spark, digits, partitions):
+    """Digits whose first feature is the row's id (0..ROWS-1), in ``partitions`` input partitions."""
     x_train, _, y_train, _ = digits
     x = np.concatenate([np.arange(ROWS, dtype=np.float32)[:, None], x_train[:ROWS]], 1)
-    return digits_frame(spark, x, y_train[:ROWS]).repartition(3).cache()
+    return digits_frame(spark, x, y_train[:ROWS]).repartition(partitions).cache()
+
+
+@pytest.fixture(scope="module")
+def ids_df(spark, digits):
+    return _ids_in_partitions(spark, digits, 3)
+
+
+@pytest.fixture(scope="module")
+def ids_df_by_partition(spark, digits):
+    return _ids_in_partitions(spark, digits, 2)
 
 
 def _attempts(log_dir):
@@ -148,8 +159,9 @@ def _fit(df, model, **settings):
 @pytest.mark.parametrize(
     "name", [pytest.param(name, marks=[pytest.mark.slow] if case.slow else []) for name, case in sorted(CASES.items())]
 )
-def test_a_worker_lost_mid_epoch_costs_only_the_steps_since_the_last_step_checkpoint(ids_df, tmp_path, name):
+def test_a_worker_lost_mid_epoch_costs_only_the_steps_since_the_last_step_checkpoint(request, tmp_path, name):
     case = CASES[name]
+    ids_df = request.getfixturevalue("ids_df" if case.partitions == 3 else "ids_df_by_partition")
     clean_dir, faulty_dir = tmp_path / "clean", tmp_path / "faulty"
     clean_dir.mkdir(), faulty_dir.mkdir()
     clean = _fit(ids_df, _model(clean_dir), num_workers=2, **case.options)  # through Dropout: its masks resume too

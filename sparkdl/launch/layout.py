@@ -9,18 +9,33 @@ other), and anyone who knows a row's key knows the shard it went to, on any numb
 mid-epoch on another number of workers finds which rows the epoch has trained from the keys alone
 (``sparkdl.position``). The keys are the same on every run over the same input (a table, files), since Spark
 numbers rows by their input partition.
+
+Where a persisted input has exactly as many partitions as a data-parallel layout has workers, holding training rows
+within ``BALANCE_TOLERANCE`` of each other (counted over the cached rows, :func:`training_rows_by_partition`:
+no pass over the source), each worker reads one input partition whole (``TaskLayout.by_partition``): no shuffle, and a
+row's shard is its partition (``sparkdl.position.shard_of``). Other inputs are shuffled: the row counts of a partition
+that is not cached are known only from a pass over the source, and one worker's surplus of rows would hold up every
+lockstep step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from sparkdl.data import ROW_KEY
+from sparkdl import _compat
+from sparkdl.data import ROW_KEY, VALIDATION
+from sparkdl.launch.task_context import partition_id
 
 _TASK_KEY = "__sparkdl_task_key"
+# How much more than the smallest an input partition may hold, in training rows, to be read whole by one worker: in
+# lockstep every step waits for the worker with the most rows.
+BALANCE_TOLERANCE = 0.10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +55,14 @@ class TaskLayout:
     """
 
     tasks: tuple[Task, ...]
+    by_partition: bool = False  # each task reads one input partition whole: no shuffle (a data-parallel layout's)
 
     def __post_init__(self) -> None:
         read = sorted({task.shard for task in self.tasks if task.shard is not None})
         if not read or read != list(range(len(read))):
             raise ValueError(f"Expected tasks that read shards 0..k-1, each shard by some task. Received: {self}")
+        if self.by_partition and not self.is_data_parallel:
+            raise ValueError(f"Expected a data-parallel layout to read whole input partitions. Received: {self}")
 
     @classmethod
     def data_parallel(cls, num_workers: int) -> TaskLayout:
@@ -61,7 +79,27 @@ class TaskLayout:
 
     @property
     def is_data_parallel(self) -> bool:
-        return self == TaskLayout.data_parallel(self.slots)
+        return self.tasks == TaskLayout.data_parallel(self.slots).tasks
+
+    def dealt(self, df: DataFrame, frame: DataFrame) -> tuple[TaskLayout, str]:
+        """This layout over ``frame``'s rows (a projection of the user's ``df``): by whole input partitions where it
+        can be (see the module), and why the rows are, or are not, shuffled, for the fit's log."""
+        if not self.is_data_parallel:
+            return self, "shuffled: its tasks do not each read a shard of their own"
+        if not _persisted(df):
+            return self, "shuffled: the input is not persisted (persist it to deal it by partition, without a shuffle)"
+        partitions = frame._jdf.rdd().getNumPartitions()
+        if partitions != self.slots:
+            return self, f"shuffled: {partitions} input partitions for {self.slots} workers"
+        if not _one_partition_count(frame):
+            return self, "shuffled: the input's partitions are made from others (a coalesce, a union) without a shuffle"
+        rows = training_rows_by_partition(frame)
+        low, high = min(rows), max(rows)
+        if low == 0 or high > low * (1 + BALANCE_TOLERANCE):
+            return self, f"shuffled: the input's {partitions} partitions hold {low} to {high} training rows"
+        return dataclasses.replace(
+            self, by_partition=True
+        ), f"not shuffled: {partitions} input partitions, one a worker"
 
     def readers(self, shard: int) -> list[int]:
         """The tasks that read ``shard``."""
@@ -72,6 +110,8 @@ def task_input(frame: DataFrame, layout: TaskLayout) -> DataFrame:
     """``frame`` with its rows' ``ROW_KEY`` in exactly ``layout.slots`` partitions, partition ``t`` holding the rows
     task ``t`` reads."""
     keyed = frame.withColumn(ROW_KEY, F.monotonically_increasing_id())
+    if layout.by_partition:
+        return keyed
     row = F.col(ROW_KEY)  # shard: (place in the input partition + the partition's number) mod shards, from 1
     place = (F.pmod(row.bitwiseAND(F.lit((1 << 33) - 1)) + F.shiftright(row, 33), F.lit(layout.shards)) + 1).cast("int")
     keys = [F.lit(key).cast("long") for key in partition_keys(layout.slots)]  # hashed as bigints, as computed
@@ -81,6 +121,54 @@ def task_input(frame: DataFrame, layout: TaskLayout) -> DataFrame:
     readers = F.array(*(F.array(*(keys[t] for t in layout.readers(s))) for s in range(layout.shards)))
     copies = keyed.withColumn(_TASK_KEY, F.explode(F.element_at(readers, place)))
     return copies.repartition(layout.slots, _TASK_KEY).drop(_TASK_KEY)
+
+
+def _persisted(frame: DataFrame) -> bool:
+    """Whether ``frame`` is persisted (under Spark Connect: never, as the driver sees it here)."""
+    if getattr(frame, "_jdf", None) is None:
+        return False
+    level = frame.storageLevel
+    return bool(level.useMemory or level.useDisk or level.useOffHeap)
+
+
+def training_rows_by_partition(frame: DataFrame) -> list[int]:
+    """The training rows (held-out ones not counted) of each of persisted ``frame``'s partitions, counted over its
+    cached rows: one Spark job, no pass over the source."""
+
+    def count(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        rows = 0
+        for batch in batches:
+            held_out = batch.column(VALIDATION) if VALIDATION in batch.schema.names else None
+            rows += batch.num_rows - ((pc.sum(held_out).as_py() or 0) if held_out is not None else 0)
+        yield pa.RecordBatch.from_pydict({"partition": [partition_id()], "rows": [rows]}, schema=_COUNTS)
+
+    columns = [VALIDATION] if VALIDATION in frame.columns else frame.columns[:1]
+    table = _compat.collect_arrow(frame.select(*columns).mapInArrow(count, "partition int, rows long"))
+    by_partition = dict(zip(table.column("partition").to_pylist(), table.column("rows").to_pylist()))
+    return [int(by_partition.get(p, 0)) for p in range(frame._jdf.rdd().getNumPartitions())]
+
+
+def _one_partition_count(frame: DataFrame) -> bool:
+    """Whether every RDD ``frame``'s partitions are made from, up to a shuffle, has as many partitions: what Spark asks
+    of a barrier stage's lineage (a ``coalesce`` or ``union`` before it is refused, cached or not)."""
+    jrdd = frame._jdf.rdd()
+    count, seen, todo = jrdd.getNumPartitions(), set(), [jrdd]
+    while todo:
+        rdd = todo.pop()
+        if rdd.id() in seen:
+            continue
+        seen.add(rdd.id())
+        if rdd.getNumPartitions() != count:
+            return False
+        dependencies = rdd.dependencies()
+        for i in range(dependencies.size()):
+            dependency = dependencies.apply(i)
+            if not dependency.getClass().getSimpleName().startswith("Shuffle"):
+                todo.append(dependency.rdd())
+    return True
+
+
+_COUNTS = pa.schema([("partition", pa.int32()), ("rows", pa.int64())])
 
 
 def partition_keys(slots: int) -> list[int]:

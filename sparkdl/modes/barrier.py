@@ -203,6 +203,7 @@ class Ranks:
             batch_size=self.settings.batch_size,
             shards=plan.shard_ranks(size),
             shard=plan.shard_of(self.rank, size),
+            by_partition=self.settings.by_partition,
         )
         if self.writer:
             self.reporter.progress(
@@ -215,7 +216,8 @@ class Ranks:
         if rest is not None and epoch == rest.epoch:
             return rest.position_after(steps)
         settings = self.settings
-        segment = Segment(len(self.counts), tuple(self.counts[:, 0].tolist()), settings.steps_per_epoch, steps)
+        rows = tuple(self.counts[:, 0].tolist())
+        segment = Segment(len(self.counts), rows, settings.steps_per_epoch, steps, settings.by_partition)
         return EpochPosition(epoch, settings.seed, settings.shuffle, self.key_sum, (segment,))
 
     def step_checkpoints(self, *, every_rank: bool) -> StepCheckpoints | None:

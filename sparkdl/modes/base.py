@@ -52,6 +52,7 @@ class Settings:
     min_workers: int | None = None  # the fewest workers the fit goes on with (None: all of them)
     validate: bool = False  # rows are held out: the workers evaluate them at every epoch end
     callbacks: tuple = ()  # the user's Keras callbacks (modes with ``runs_callbacks`` only)
+    by_partition: bool = False  # the rows were dealt by whole input partitions (``TaskLayout.by_partition``)
 
     @classmethod
     def for_data(

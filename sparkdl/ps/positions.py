@@ -104,11 +104,14 @@ class WorkerPositions:
             return [schedule.steps_per_epoch(self.rows, batch_size)] * self.num_workers
         return [schedule.steps_per_epoch([rows], batch_size) for rows in self.rows]
 
-    def epoch_position(self, batch_size: int, initial_epoch: int) -> tuple[int, EpochPosition | None] | None:
+    def epoch_position(
+        self, batch_size: int, initial_epoch: int, by_partition: bool = False
+    ) -> tuple[int, EpochPosition | None] | None:
         """The epochs every worker has completed and where the next one stands (``sparkdl.position``): one segment of
         every worker's rows (lockstep), or a segment per worker over its own rows (``key mod workers`` of it, the
         others none), its steps capped at the epoch's; None where a worker's rows are not known. A worker no shard
-        has a step of yet stands at epoch ``initial_epoch``'s first step."""
+        has a step of yet stands at epoch ``initial_epoch``'s first step. ``by_partition``: the rows were dealt by
+        whole input partitions (``Segment.by_partition``)."""
         if UNKNOWN in self.rows:
             return None
         steps = self.steps_per_epoch(batch_size)
@@ -117,10 +120,16 @@ class WorkerPositions:
         workers = self.num_workers
         segments: tuple[Segment, ...]
         if self.lockstep:
-            segments = (Segment(workers, self.rows, steps[0], done[0] - epoch * steps[0]),)
+            segments = (Segment(workers, self.rows, steps[0], done[0] - epoch * steps[0], by_partition),)
         else:
             segments = tuple(
-                Segment(workers, tuple(n if r == w else 0 for r, n in enumerate(self.rows)), p, min(d - epoch * p, p))
+                Segment(
+                    workers,
+                    tuple(n if r == w else 0 for r, n in enumerate(self.rows)),
+                    p,
+                    min(d - epoch * p, p),
+                    by_partition,
+                )
                 for w, (d, p) in enumerate(zip(done, steps))
             )
         if not any(segment.done for segment in segments):

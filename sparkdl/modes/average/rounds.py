@@ -68,7 +68,9 @@ class Rounds:
         epoch, done = divmod(step, settings.steps_per_epoch)
         if not done:
             return None
-        segment = Segment(len(self.partition_rows), self.partition_rows, settings.steps_per_epoch, done)
+        segment = Segment(
+            len(self.partition_rows), self.partition_rows, settings.steps_per_epoch, done, settings.by_partition
+        )
         return EpochPosition(epoch, settings.seed, settings.shuffle, self.key_sum, (segment,))
 
 
@@ -132,7 +134,7 @@ def position_step(settings: Settings, start: Checkpoint, partition_rows: list[in
     position = start.position
     assert position is not None, "a step checkpoint's"
     segments = position.segments
-    here = Segment(settings.num_workers, tuple(partition_rows), settings.steps_per_epoch, 0)
+    here = Segment(settings.num_workers, tuple(partition_rows), settings.steps_per_epoch, 0, settings.by_partition)
     if position.key_sum != key_sum or len(segments) != 1 or segments[0].after(0) != here:
         saved = "; ".join(
             f"{s.shards} workers holding {list(s.rows)} rows, {s.planned} steps an epoch" for s in segments

@@ -80,7 +80,7 @@ class ServerCheckpoints:
             )
             arrays = {**arrays, where.ARRAY: where.to_vector()}
             if epochs is None:
-                stands = where.epoch_position(settings.batch_size, settings.initial_epoch)
+                stands = where.epoch_position(settings.batch_size, settings.initial_epoch, settings.by_partition)
                 if stands is None or stands[1] is None or (stands[0], stands[1].steps) <= self._place:
                     logger.debug("sparkdl: no step checkpoint: the workers stand where the last one was (%s)", stands)
                     return
