@@ -14,8 +14,10 @@ all the machine's cores; sparkdl trains with ``workers`` tasks of one core each.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -116,6 +118,42 @@ WORKLOADS = {
     "mlp8m": Workload("mlp8m", 8_192, 1024, 10, 32, 2),
     "digits": Workload("digits", 1_437, 64, 10, 16, 20),
 }
+
+
+class MemoryProbe:
+    """A Keras callback for ``fit(callbacks=...)``, built in the workers (the class itself is pickled to them): at the
+    end of training each worker writes ``<out>/<pid>.json`` with its peak resident memory (``hwm_kb``: ``VmHWM``,
+    mapped file pages included), its own memory (``anon_kb``: the largest ``RssAnon`` at an epoch's end, what it
+    allocated) and its last epoch's ``steps_per_second``."""
+
+    def __new__(cls, out: str):
+        import keras
+
+        class Probe(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                self._started = time.perf_counter()
+
+            def on_epoch_end(self, epoch, logs=None):
+                self._seconds = time.perf_counter() - self._started
+                self._anon = max(getattr(self, "_anon", 0), self.status_kb("RssAnon"))
+
+            def on_train_end(self, logs=None):
+                record = {
+                    "hwm_kb": self.status_kb("VmHWM"),
+                    "anon_kb": self._anon,
+                    "steps_per_second": self.params["steps"] / self._seconds,
+                    "pid": os.getpid(),
+                }
+                with open(os.path.join(out, f"{os.getpid()}.json"), "w") as f:
+                    json.dump(record, f)
+
+            @staticmethod
+            def status_kb(field: str) -> int:
+                """A memory figure of this process from ``/proc/self/status``, in KiB."""
+                with open("/proc/self/status") as status:
+                    return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+        return Probe()
 
 
 def local_session(workers: int, **config: str):

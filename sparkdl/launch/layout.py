@@ -86,6 +86,8 @@ class TaskLayout:
         can be (see the module), and why the rows are, or are not, shuffled, for the fit's log."""
         if not self.is_data_parallel:
             return self, "shuffled: its tasks do not each read a shard of their own"
+        if getattr(df, "_jdf", None) is None:
+            return self, "shuffled: the input's partitions are not known to a Spark Connect client"
         if not _persisted(df):
             return self, "shuffled: the input is not persisted (persist it to deal it by partition, without a shuffle)"
         partitions = frame._jdf.rdd().getNumPartitions()
@@ -124,9 +126,7 @@ def task_input(frame: DataFrame, layout: TaskLayout) -> DataFrame:
 
 
 def _persisted(frame: DataFrame) -> bool:
-    """Whether ``frame`` is persisted (under Spark Connect: never, as the driver sees it here)."""
-    if getattr(frame, "_jdf", None) is None:
-        return False
+    """Whether ``frame`` (a classic DataFrame) is persisted."""
     level = frame.storageLevel
     return bool(level.useMemory or level.useDisk or level.useOffHeap)
 
