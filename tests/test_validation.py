@@ -1,5 +1,6 @@
 """Validation data (`validation_split`, `validation_col`) in every mode, on real Spark and real Keras."""
 
+import logging
 import math
 
 import keras
@@ -146,6 +147,18 @@ def test_a_worker_without_validation_rows(spark, digits, mode):
     want = result.model.evaluate(x_val, y_val, verbose=0, return_dict=True)
     assert result.history["val_accuracy"][-1] == pytest.approx(want["accuracy"], abs=1e-6)
     assert result.history["val_loss"][-1] == pytest.approx(want["loss"], rel=1e-4)
+
+
+def test_a_parameter_server_fit_whose_partitions_hold_no_validation_row_says_so(spark, digits, caplog):
+    """Each parameter-server worker judges its own rows: with no row held out anywhere (a validation_col all false),
+    the fit trains without val_ metrics and logs why."""
+    df = digits_with_held_out(spark, digits, 0, rows=64)
+    with caplog.at_level(logging.WARNING, logger="sparkdl"):
+        result = sparkdl.fit(
+            df, make_mlp(hidden=(8,)), num_workers=2, mode="async", epochs=1, batch_size=16, validation_col="held_out"
+        )
+    assert result.validation_rows == 0 and not any(name.startswith("val_") for name in result.history)
+    assert any("no worker's partition got a validation row" in r.getMessage() for r in caplog.records)
 
 
 def test_split_is_deterministic_per_seed(digits_df):

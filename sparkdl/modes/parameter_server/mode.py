@@ -231,6 +231,12 @@ class ParameterServerPlan(Plan):
                 watch_slots=self.placement.barrier or (self.rule.waits_for_every_worker and not settings.spare_workers),
             )
             outcomes = [json.loads(results[rank]) for rank in range(settings.num_workers)]
+            if settings.validate and not any(outcome["validation_rows"] for outcome in outcomes):
+                # each worker judged its own rows: none could see that no partition held a row out
+                logger.warning(
+                    "sparkdl: no worker's partition got a validation row (%s): the history has no val_ metrics",
+                    settings.rules.validation_source,
+                )
             history = combine_histories(outcomes)
             served = servers.finish(results, history)
         stats = {
