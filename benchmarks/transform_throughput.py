@@ -6,7 +6,8 @@ Data: ``rows`` x 64 float32 features drawn with numpy, written once as Parquet (
 ``array<float>`` column ``features`` plus an ``id``, 8 files) to a temporary directory, so that the
 Spark timings cover reading the Parquet files, moving the features to Python as Arrow, running the
 model and returning the predictions -- not Python-to-JVM transfer of the data. The model is the
-digits-sized MLP (64-128-64-10, softmax), untrained (weights do not change the cost).
+digits-sized MLP (64-128-64-10, softmax), untrained (weights do not change the cost); the regressor the same MLP
+with one linear output.
 
 Runs, side by side in one session, each forcing every row and every column through Spark's
 ``noop`` sink (``.write.format("noop")``):
@@ -17,7 +18,10 @@ Runs, side by side in one session, each forcing every row and every column throu
 * ``no-op UDF, classifier columns``: the same, returning what ``transform`` returns for a
   classifier (a class index and 10 probabilities, zeros) and unpacking it into the same three
   columns (``prediction``, ``probability`` and ``rawPrediction`` Vectors): Spark's cost of the output.
-* ``KerasModel.transform``: ``KerasModel.from_keras(model).transform(df)``.
+* ``KerasModel.transform, prediction``: ``KerasModel.from_keras(regressor).transform(df)``, the same MLP ending in
+  one linear unit: a prediction column alone, against the no-op UDF;
+* ``KerasModel.transform, classifier``: ``KerasModel.from_keras(model).transform(df)``: its three columns, against
+  the no-op UDF of the classifier columns.
 * ``in-process predict``: ``model.predict(x, batch_size)`` on the same numpy array, no Spark.
 
 The Spark runs are repeated under both settings of ``spark.sql.execution.arrow.pythonUDF.
@@ -27,8 +31,8 @@ into column vectors; ``false`` feeds it rows, in Arrow batches of ``maxRecordsPe
 
 One warm-up pass each (Python worker start, model load, tracing, JIT), then ``--repeats`` rounds,
 each running every variant once, in an order rotated every round. Each line reports the median
-rows/s and its spread (lowest to highest round), the ratio to the no-op UDF of the same setting
-(the median of the ratios within each round, with their spread), and the CPU seconds all the
+rows/s and its spread (lowest to highest round), the ratio to its reference, the no-op UDF of the same
+output columns and setting (the median of the ratios within each round, with their spread), and the CPU seconds all the
 processes spent per million rows (Spark: the JVM and its Python workers; in-process: this one),
 which a busy machine disturbs less than the wall-clock time.
 """
@@ -58,19 +62,21 @@ NOOP = "no-op UDF"
 COLUMNAR_INPUT = "spark.sql.execution.arrow.pythonUDF.columnarInput.enabled"
 
 
-def make_model():
+def make_model(classes: int = CLASSES):
+    """The MLP: a classifier of ``classes`` classes (softmax), or with ``classes=0`` a regressor (one linear unit)."""
     import keras
 
     keras.utils.set_random_seed(0)
+    head = keras.layers.Dense(classes, activation="softmax") if classes else keras.layers.Dense(1)
     model = keras.Sequential(
         [
             keras.Input((WIDTH,)),
             keras.layers.Dense(128, activation="relu"),
             keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(CLASSES, activation="softmax"),
+            head,
         ]
     )
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy" if classes else "mse")
     return model
 
 
@@ -96,8 +102,8 @@ def zero_classes(batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
         yield pa.StructArray.from_arrays([pa.array(np.zeros(rows)), probability], names=["prediction", "probability"])
 
 
-def spark_frames(df, model) -> dict[str, Callable[[], object]]:
-    """Each Spark run as a function making the DataFrame to write to the noop sink."""
+def spark_frames(df, model, regressor) -> dict[str, tuple[Callable[[], object], str]]:
+    """Each Spark run as a function making the DataFrame to write to the noop sink, and the run it is compared to."""
     from pyspark.ml.functions import array_to_vector
     from pyspark.sql import functions as F
     from pyspark.sql.functions import arrow_udf
@@ -107,7 +113,7 @@ def spark_frames(df, model) -> dict[str, Callable[[], object]]:
     shipped = F.struct(F.col("features").alias("i0"))  # what transform hands its UDF
     noop = arrow_udf(zeros, "double")  # type: ignore[call-overload]
     classes = arrow_udf(zero_classes, "struct<prediction: double, probability: array<double>>")  # type: ignore[call-overload]
-    scorer = KerasModel.from_keras(model)
+    scorer, predictor = KerasModel.from_keras(model), KerasModel.from_keras(regressor)
 
     def classifier_columns():
         scored = df.withColumn("_scored", classes(shipped))
@@ -117,10 +123,12 @@ def spark_frames(df, model) -> dict[str, Callable[[], object]]:
         }
         return scored.withColumns(columns).drop("_scored").withColumn("rawPrediction", F.col("probability"))
 
+    classifier = f"{NOOP}, classifier columns"
     return {
-        NOOP: lambda: df.withColumn("zeros", noop(shipped)),
-        f"{NOOP}, classifier columns": classifier_columns,
-        "KerasModel.transform": lambda: scorer.transform(df),
+        NOOP: (lambda: df.withColumn("zeros", noop(shipped)), NOOP),
+        classifier: (classifier_columns, classifier),
+        "KerasModel.transform, prediction": (lambda: predictor.transform(df), NOOP),
+        "KerasModel.transform, classifier": (lambda: scorer.transform(df), classifier),
     }
 
 
@@ -168,7 +176,7 @@ def main() -> None:
     from pyspark.sql import SparkSession
 
     x = np.random.default_rng(0).random((args.rows, WIDTH), dtype=np.float32)
-    model = make_model()
+    model, regressor = make_model(), make_model(classes=0)
 
     spark = (
         SparkSession.builder.master(args.master)
@@ -204,9 +212,11 @@ def main() -> None:
             return time.perf_counter() - start, time.process_time() - cpu
 
         runs: dict[tuple[str | None, str], Callable[[], tuple[float, float]]] = {}
+        references = {"in-process predict": NOOP}
         for setting in settings:
-            for name, frame in spark_frames(df, model).items():
+            for name, (frame, reference_run) in spark_frames(df, model, regressor).items():
                 runs[(setting, name)] = on_spark(setting, frame)
+                references[name] = reference_run
         runs[(None, "in-process predict")] = in_process
         warm = {key: run()[0] for key, run in runs.items()}
         measured: dict[tuple[str | None, str], list[tuple[float, float]]] = {key: [] for key in runs}
@@ -223,16 +233,16 @@ def main() -> None:
     )
     print("warm-up passes (s): " + ", ".join(f"{name} [{setting}] {s:.1f}" for (setting, name), s in warm.items()))
     print(f"columnar input: {COLUMNAR_INPUT}")
-    header = f"{'columnar input':>14} {'run':30} {'rows/s':>10} {'spread (rows/s)':>21} {'x no-op':>7} {'spread':>11}"
+    header = f"{'columnar input':>14} {'run':33} {'rows/s':>10} {'spread (rows/s)':>21} {'x ref.':>7} {'spread':>11}"
     print(f"{header} {'CPU s / 1M rows':>15}")
     reference = settings[0]
     for (setting, name), times in measured.items():
-        noop = measured[(setting if setting in settings else reference, NOOP)]
+        noop = measured[(setting if setting in settings else reference, references[name])]
         rates = [args.rows / wall for wall, _ in times]
         ratios = [base / wall for (wall, _), (base, _) in zip(times, noop)]  # within each round
         cpu = statistics.median(spent for _, spent in times) * 1e6 / args.rows
         print(
-            f"{setting or '-':>14} {name:30} {statistics.median(rates):10,.0f} {min(rates):10,.0f}-{max(rates):<10,.0f} "
+            f"{setting or '-':>14} {name:33} {statistics.median(rates):10,.0f} {min(rates):10,.0f}-{max(rates):<10,.0f} "
             f"{statistics.median(ratios):7.2f} {min(ratios):5.2f}-{max(ratios):<5.2f} {cpu:15.2f}"
         )
 
