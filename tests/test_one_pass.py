@@ -99,3 +99,24 @@ def test_a_persisted_input_of_even_partitions_one_a_worker_is_read_whole_without
     else:
         assert sorted(trained[0] + trained[1]) == sorted(r.id for r in where) and trained[0] not in inputs.values()
     df.unpersist()
+
+
+@pytest.mark.parametrize(
+    "rows, schema, message",
+    [
+        ([([0.5, None], 1), ([0.5, 0.5], 0), ([None, float("nan")], 1)], "f array<double>, label int", "2 rows containing"),
+        ([([0.5, float("-inf")], 1), ([0.5, 0.5], 0)], "f array<double>, label int", "1 rows containing NaN"),
+        ([([1, None], 1), ([2, 3], 0)], "f array<bigint>, label int", "1 rows containing null values"),
+    ],
+)
+def test_the_driver_s_check_and_the_tasks_judge_a_row_alike(spark, rows, schema, message):
+    """``data.prepare`` checks on the driver (one Spark job) what a fit's tasks check as they read: the same counts."""
+    from sparkdl import data
+
+    df = spark.createDataFrame(rows, schema)
+    model = make_mlp(width=2, hidden=(4,), classes=2)
+    with pytest.raises(RowCheckError, match=message) as driver:
+        data.prepare(df, model, "f", "label", 2)
+    with pytest.raises(RowCheckError, match=message) as tasks:
+        sparkdl.fit(df, model, features_col="f", num_workers=2, progress=False)
+    assert str(driver.value) == str(tasks.value)

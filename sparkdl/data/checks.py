@@ -10,12 +10,13 @@ Spark job. The rules that judge the statistics are ``sparkdl.data.rules``'.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from sparkdl.data.columns import IMAGE, IMAGE_MODES, SourceColumn
+from sparkdl.data.columns import ARRAY, IMAGE, IMAGE_MODES, SourceColumn
 from sparkdl.data.rules import CHECKS, MAX, MIN, SUM, Stat
 
 _REDUCE: dict[str, Callable[[Column], Column]] = {SUM: F.sum, MIN: F.min, MAX: F.max}
@@ -29,10 +30,16 @@ class Checks:
         self.nonnegative: str | None = None
         self._values: dict[str, Column] = {}
         self._stats: list[Stat] = []
+        self._null_elements: dict[str, Column] = {}  # by statistic: whether a row's array holds a null (``aggregate``)
 
-    def add_column(self, source: SourceColumn, element: str) -> None:
+    def add_column(self, source: SourceColumn, element: str, column: str) -> None:
         """Checks ``source`` as its values will be read: cast to ``element`` (``float``, ``double``, ``bigint`` or
-        ``string``)."""
+        ``string``), into the frame's ``column`` (for an array, its values alone).
+
+        A row is bad where its values hold a NaN or an infinity (the largest and smallest value say so: no lambda,
+        which Spark evaluates row by row without generated code, at several times the cost of reading the row) or,
+        for an array, a null, which the tasks find in their Arrow batches (``Stat.null_elements``; ``aggregate`` asks
+        Spark)."""
         if any(existing.name == source.name for existing, _ in self.columns):
             return
         i = len(self.columns)
@@ -43,10 +50,14 @@ class Checks:
             self._image(source, i)
             return
         values = source.values(element)
-        bad = F.exists(values, lambda x: x.isNull())
+        bad = F.lit(False)
         if element not in ("bigint", "string"):
-            bad = F.exists(values, lambda x: x.isNull() | F.isnan(x) | (F.abs(x) == float("inf")))
-        self._count(f"bad_{i}", bad)
+            largest = F.array_max(values)
+            bad = F.isnan(largest) | (largest == float("inf")) | (F.array_min(values) == float("-inf"))
+        elements = column if source.kind == ARRAY else None  # a number or a Vector holds no null value but itself
+        self._count(f"bad_{i}", bad, null_elements=elements)
+        if elements is not None:
+            self._null_elements[f"bad_{i}"] = F.exists(values, lambda x: x.isNull())
         self._range(f"width_{i}", F.size(values), f"min_width_{i}", f"max_width_{i}")
         for level, arrays in enumerate(source.levels()):
             sizes = F.transform(arrays, lambda a: F.coalesce(F.size(a), F.lit(-1)))
@@ -80,14 +91,19 @@ class Checks:
     def aggregate(self, df: DataFrame) -> dict:
         """The statistics over all of ``df``'s rows, on the driver (one Spark job), with ``rows``: its row count."""
         reduced = [F.count(F.lit(1)).alias("rows")]
-        reduced += [_REDUCE[stat.reduction](self._values[stat.value]).alias(stat.name) for stat in self._stats]
+        for stat in self._stats:
+            value = self._values[stat.value]
+            if stat.null_elements is not None:
+                value = F.when((value == 1) | self._null_elements[stat.name], 1).otherwise(0)
+            reduced.append(_REDUCE[stat.reduction](value).alias(stat.name))
         row = df.agg(*reduced).first()
         assert row is not None, "an aggregate without grouping returns one row"
         return row.asDict()
 
-    def _count(self, name: str, condition: Column) -> None:
-        """Counts the rows where ``condition`` holds (a null condition counts as false)."""
-        self._value(name, F.when(condition, 1).otherwise(0).cast("int"), Stat(name, "", SUM))
+    def _count(self, name: str, condition: Column, null_elements: str | None = None) -> None:
+        """Counts the rows where ``condition`` holds (a null condition counts as false), or the array in the frame's
+        column ``null_elements`` holds a null."""
+        self._value(name, F.when(condition, 1).otherwise(0).cast("int"), Stat(name, "", SUM, null_elements))
 
     def _range(self, value: str, column: Column, low: str, high: str) -> None:
         self._value(value, column, Stat(low, "", MIN))
@@ -95,7 +111,7 @@ class Checks:
 
     def _value(self, name: str, column: Column, stat: Stat) -> None:
         self._values[name] = column
-        self._stats.append(Stat(stat.name, name, stat.reduction))
+        self._stats.append(dataclasses.replace(stat, value=name))
 
     def _image(self, source: SourceColumn, i: int) -> None:
         image = F.col(source.name)

@@ -150,9 +150,9 @@ class TrainingPlan:
 
     def _checks(self) -> Checks:
         checks = Checks()
-        for field in self._planned:
+        for i, field in enumerate(self._planned):
             for source in field.sources:
-                checks.add_column(source, "bigint" if source.integer else field.element)
+                checks.add_column(source, "bigint" if source.integer else field.element, column_of(field.role, i))
         if self.weight is not None:
             checks.add_nonnegative(self.weight.sources[0].name)
         if self.mask is not None:

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkdl.data.rules import MIN, SUM, Stat
+from sparkdl.data.rules import CHECKS, MIN, SUM, Stat
 
 _ROWS = Stat("rows", "", SUM)  # counted from the batches themselves
 
@@ -32,14 +32,17 @@ class RowStats:
     def empty(cls, stats: tuple[Stat, ...]) -> RowStats:
         return cls(stats, {"rows": 0, **{stat.name: 0 if stat.reduction == SUM else None for stat in stats}})
 
-    def add_batch(self, checks: pa.StructArray | pa.ChunkedArray) -> None:
-        """Adds one batch's checks column."""
-        if isinstance(checks, pa.ChunkedArray):
-            checks = checks.combine_chunks()
-        reduced = {"rows": len(checks)}
+    def add_batch(self, batch: pa.RecordBatch) -> None:
+        """Adds one batch's rows: its checks column, and the arrays of the columns whose null elements count."""
+        checks = batch.column(CHECKS)
+        reduced = {"rows": batch.num_rows}
         for stat in self.stats:
             column = checks.field(stat.value)
-            if stat.reduction == SUM:
+            if stat.null_elements is not None:
+                reduced[stat.name] = int(
+                    np.count_nonzero(_with_null_elements(column, batch.column(stat.null_elements)))
+                )
+            elif stat.reduction == SUM:
                 reduced[stat.name] = pc.sum(column).as_py() or 0
             else:
                 reduced[stat.name] = (pc.min if stat.reduction == MIN else pc.max)(column).as_py()
@@ -71,3 +74,13 @@ class RowStats:
             values, known = array[: len(names)], array[len(names) :]
             total.add({name: int(v) if k else None for name, v, k in zip(names, values, known)})
         return total
+
+
+def _with_null_elements(flags: pa.Array, arrays: pa.Array) -> np.ndarray:
+    """Per row, ``flags`` (0 or 1) or'ed with whether the row's array in ``arrays`` holds a null element."""
+    marked = flags.to_numpy(zero_copy_only=False).astype(bool)
+    values = pc.list_flatten(arrays)
+    if values.null_count:
+        rows = pc.list_parent_indices(arrays).filter(pc.is_null(values))
+        marked[rows.to_numpy(zero_copy_only=False)] = True
+    return marked

@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 from sparkdl.data.fields import Fields
 from sparkdl.data.read_ahead import Chunk, read_ahead
 from sparkdl.data.row_stats import RowStats
-from sparkdl.data.rules import CHECKS, RowRules
+from sparkdl.data.rules import RowRules
 from sparkdl.data.spill import FileRows, MappedRows, SpilledRows, spill_directory
 from sparkdl.schedule import EpochSteps
 
@@ -113,7 +113,7 @@ class Partition:
         if ROW_KEY not in batch.schema.names:
             raise ValueError(f"Expected the rows' keys in column {ROW_KEY!r}. Received columns: {batch.schema.names}")
         own = RowStats.empty(self._rules.stats)
-        own.add_batch(batch.column(CHECKS))
+        own.add_batch(batch)
         self.stats.add(own.values)
         parts = [batch]
         if VALIDATION in batch.schema.names:

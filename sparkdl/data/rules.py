@@ -40,6 +40,9 @@ class Stat:
     name: str  # e.g. "min_width_0"
     value: str  # the per-row value it reduces, e.g. "width_0" (a field of the checks column)
     reduction: str
+    # A count of rows (SUM of 0 or 1) that also counts the rows with a null among the elements of this column of the
+    # frame (a flat array column): found from the Arrow batch, where Spark could only find them with a lambda.
+    null_elements: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
