@@ -1,7 +1,7 @@
 """How many times a fit reads its table, from Spark's own metrics: the rows each stage of the fit's jobs read from the
 Parquet files, and the bytes it wrote to and read from the shuffle, against the table's rows and size.
 
-    python benchmarks/passes.py [--rows 250000] [--workers 2] [--modes sync async] [--epochs 1]
+    python benchmarks/passes.py [--rows 250000] [--workers 2] [--modes sync async] [--epochs 1] [--persist]
 
 The dense workload (``benchmarks/workloads.py``: 100 float32 features a row, in Parquet, not cached) is fitted once
 per mode in a fresh ``local[workers]`` session (the session's jobs before the fit are not counted). Spark's status
@@ -10,6 +10,8 @@ read from the files), ``shuffleWriteBytes`` and ``shuffleReadBytes``; the benchm
 fit's rows read from the files as a multiple of the table's rows: the passes over the table that the fit made.
 Rows, not bytes: Spark 4's ``inputBytes`` misses what Parquet reads on its own threads (vectored reads), and shows a
 few KiB for a pass over 100 MiB; each pass reads the columns the fit uses, so a pass's bytes are the table's.
+With ``--persist`` the fit's input is the table persisted (``cache()``, filled by the fit's first read): where it has
+one partition per worker, evenly filled, the rows are dealt without a shuffle (``launch.layout``).
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ def measure(mode: str, args, table: str) -> dict:
     spark = local_session(args.workers, **{"spark.ui.enabled": "true", "spark.ui.port": "0"})
     try:
         frame = spark.read.parquet(table)
+        if args.persist:
+            frame = frame.cache()
         before = set(stages(spark))
         clock = time.monotonic()
         workload.fit(frame, args.workers, mode=mode)
@@ -110,6 +114,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--modes", nargs="+", default=["sync", "async"])
+    parser.add_argument("--persist", action="store_true", help="fit the table persisted (cache())")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="passes-") as folder:
