@@ -4,6 +4,7 @@ partitions keeps the worker's resident set flat. Real files and real system call
 import gc
 import os
 
+import keras
 import numpy as np
 import pytest
 
@@ -105,3 +106,30 @@ def test_spark_executor_pyspark_memory_lowers_the_mapped_size(monkeypatch):
     assert mapped_bytes_limit() == 128 << 20
     monkeypatch.setenv("PYSPARK_EXECUTOR_MEMORY_MB", "4096")
     assert mapped_bytes_limit() == MAPPED_BYTES
+
+
+def test_a_read_partition_holds_none_of_the_arrow_batches_it_read(spark, tmp_path):
+    """Arrow reads each batch of a stream into one buffer, so a view of its key column would hold the whole batch:
+    once read, a partition keeps its keys (and its rows on disk), none of the batches' memory."""
+    import pyarrow as pa
+    from pyspark.sql import functions as F
+
+    from sparkdl import data
+    from sparkdl._compat import collect_arrow
+
+    x = np.random.default_rng(0).random((20_000, 100), dtype=np.float32)
+    df = spark.createDataFrame([(row.tolist(), 1.0) for row in x], "features array<float>, label float")
+    model = keras.Sequential([keras.Input((100,)), keras.layers.Dense(1)])
+    training = data.plan(df, model, "features", "label").training()
+    table = collect_arrow(training.frame.withColumn(data.ROW_KEY, F.monotonically_increasing_id()))
+    stream = tmp_path / "batches.arrow"
+    with pa.ipc.new_stream(str(stream), table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=2_000):
+            writer.write_batch(batch)
+    del table
+    before = pa.total_allocated_bytes()
+    with pa.ipc.open_stream(pa.OSFile(str(stream))) as reader:
+        partition = data.read_partition(training.rules, reader)
+    rows, _ = partition.rows(training.rules.fields(partition.stats.values))
+    assert len(rows) == 20_000 and len(rows.keys) == 20_000
+    assert pa.total_allocated_bytes() - before < 1 << 20  # the batches were 8 MB

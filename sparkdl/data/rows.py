@@ -120,7 +120,8 @@ class Partition:
             mask = batch.column(VALIDATION)
             parts = [batch.filter(pc.invert(mask)), batch.filter(mask)]
         for keys, part in zip(self._keys, parts):
-            keys.append(part.column(ROW_KEY).to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
+            # a copy: a view would hold the whole batch's buffer, which Arrow reads from the stream as one
+            keys.append(part.column(ROW_KEY).to_numpy(zero_copy_only=False).astype(np.int64, copy=True))
         if self._refused or self._directory is None:
             return
         try:
