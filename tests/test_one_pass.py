@@ -104,7 +104,11 @@ def test_a_persisted_input_of_even_partitions_one_a_worker_is_read_whole_without
 @pytest.mark.parametrize(
     "rows, schema, message",
     [
-        ([([0.5, None], 1), ([0.5, 0.5], 0), ([None, float("nan")], 1)], "f array<double>, label int", "2 rows containing"),
+        (
+            [([0.5, None], 1), ([0.5, 0.5], 0), ([None, float("nan")], 1)],
+            "f array<double>, label int",
+            "2 rows containing",
+        ),
         ([([0.5, float("-inf")], 1), ([0.5, 0.5], 0)], "f array<double>, label int", "1 rows containing NaN"),
         ([([1, None], 1), ([2, 3], 0)], "f array<bigint>, label int", "1 rows containing null values"),
     ],
