@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 from sparkdl.data.fields import Fields
 from sparkdl.data.read_ahead import Chunk, read_ahead
 from sparkdl.data.row_stats import RowStats
-from sparkdl.data.rules import RowRules
+from sparkdl.data.rules import RowCheckError, RowRules
 from sparkdl.data.spill import FileRows, MappedRows, SpilledRows, spill_directory
 from sparkdl.schedule import EpochSteps
 
@@ -126,7 +126,7 @@ class Partition:
             return
         try:
             fields = self._rules.fields(own.values)
-        except ValueError:
+        except RowCheckError:
             fields = None
         if fields is None or (self._fields is not None and fields != self._fields):
             self._refused = True  # the statistics of all rows say why

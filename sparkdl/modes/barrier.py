@@ -148,9 +148,8 @@ def _rows_of_shards(comm, partition: Partition, settings: Settings, shards: rang
     The shards' checks statistics travel with the counts: every rank judges those of all rows (``RowRules.judge``)
     and raises the same error, naming the column, before any step; so does a shard without rows.
     """
-    own = np.array(
-        [len(partition.keys), partition.held_out_rows, np.uint64(key_sum(partition.keys)).view(np.int64)], np.int64
-    )
+    keys = partition.keys
+    own = np.array([len(keys), partition.held_out_rows, np.uint64(key_sum(keys)).view(np.int64)], np.int64)
     gathered = comm.allgather(np.concatenate([own, partition.stats.to_array()]))[
         shards.start : shards.stop : shards.step
     ]
