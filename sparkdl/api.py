@@ -209,9 +209,13 @@ def fit(
             )  # the columns, matched to the model's inputs and outputs: no Spark job
             # The rows are checked where the training tasks read them: no pass over the data of their own.
             training = planned.training()
-            layout, deal = layout.dealt(df, training.frame)  # by whole input partitions where it can: no shuffle
             asked = time.perf_counter()
             workers = probe.start_check(df.sparkSession, layout.slots, timeout)
+            try:  # by whole input partitions where it can, no shuffle (a persisted input's count job beside the probe)
+                layout, deal = layout.dealt(df, training.frame)
+            except Exception:
+                workers.wait()  # a broken executor Python fails the count job too: the probe's error names why
+                raise
             phases.end("slots")
             settings = Settings.for_data(
                 training,
