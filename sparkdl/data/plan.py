@@ -37,9 +37,8 @@ ColumnSpec = str | Sequence[str] | Mapping[str, str | Sequence[str]]
 class TrainingData:
     """A DataFrame reduced to the columns the workers read, and the rules its rows must satisfy."""
 
-    frame: (
-        DataFrame  # one column per field, the checks column (CHECKS), and VALIDATION (boolean) when rows are held out
-    )
+    # one column per field, the checks column (CHECKS), and VALIDATION (boolean) when rows are held out
+    frame: DataFrame
     rules: RowRules  # judged in the tasks over the statistics of the checks column, or on the driver (``checked``)
     checked: Checked | None = None  # the driver's verdict over all rows (``TrainingPlan.check``); None: the tasks'
 

@@ -94,20 +94,13 @@ class Partition:
         self.stats = RowStats.empty(rules.stats)
         self._rules = rules
         self._directory = directory  # None: count, spill nothing
-        self._keys: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])  # training rows', held-out rows'
+        self._keys: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])  # training rows', held-out rows', by batch
+        self.keys = np.empty(0, np.int64)  # its training rows' keys (``ROW_KEY``), once it has arrived
+        self.held_out_rows = 0
         self._fields: Fields | None = None
         self._spilled: tuple[SpilledRows, SpilledRows] | None = None
         self._read: tuple[MappedRows | FileRows, MappedRows | FileRows] | None = None
         self._refused = False
-
-    @property
-    def keys(self) -> np.ndarray:
-        """Its training rows' keys (``ROW_KEY``)."""
-        return _joined(self._keys[0])
-
-    @property
-    def held_out_rows(self) -> int:
-        return sum(len(keys) for keys in self._keys[1])
 
     def add(self, batch: pa.RecordBatch) -> None:
         if ROW_KEY not in batch.schema.names:
@@ -139,6 +132,8 @@ class Partition:
             spilled.append(fields.arrays(part))
 
     def finish(self) -> None:
+        self.keys = _joined(self._keys[0])
+        self.held_out_rows = sum(len(keys) for keys in self._keys[1])
         if self._spilled is not None:
             self._read = (self._spilled[0].finish(), self._spilled[1].finish())
             self._spilled = None
@@ -159,7 +154,13 @@ class Partition:
         if self._read is None:  # no row arrived
             self._read = tuple(SpilledRows(fields.all, self._directory).finish() for _ in range(2))  # type: ignore[assignment]
         assert self._read is not None
-        return tuple(Rows(fields, read, _joined(keys)) for read, keys in zip(self._read, self._keys))  # type: ignore[return-value]
+        training, held_out = self._read
+        return Rows(fields, training, self.keys), Rows(fields, held_out, _joined(self._keys[1]))
+
+    def own_rows(self) -> tuple[Rows, Rows]:
+        """:meth:`rows`, once this partition's own statistics passed the rules: for a worker that judges its own rows
+        (no lockstep), or whose rows the driver judged already."""
+        return self.rows(self._rules.fields(self.stats.values))
 
 
 def _joined(keys: list[np.ndarray]) -> np.ndarray:

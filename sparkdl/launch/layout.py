@@ -21,16 +21,11 @@ lockstep step.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
-import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from sparkdl import _compat
 from sparkdl.data import ROW_KEY, VALIDATION
-from sparkdl.launch.task_context import partition_id
 
 _TASK_KEY = "__sparkdl_task_key"
 # How much more than the smallest an input partition may hold, in training rows, to be read whole by one worker: in
@@ -95,7 +90,7 @@ class TaskLayout:
             return self, f"shuffled: {partitions} input partitions for {self.slots} workers"
         if not _one_partition_count(frame):
             return self, "shuffled: the input's partitions are made from others (a coalesce, a union) without a shuffle"
-        rows = training_rows_by_partition(frame)
+        rows = training_rows_by_partition(frame, partitions)
         low, high = min(rows), max(rows)
         if low == 0 or high > low * (1 + BALANCE_TOLERANCE):
             return self, f"shuffled: the input's {partitions} partitions hold {low} to {high} training rows"
@@ -131,21 +126,13 @@ def _persisted(frame: DataFrame) -> bool:
     return bool(level.useMemory or level.useDisk or level.useOffHeap)
 
 
-def training_rows_by_partition(frame: DataFrame) -> list[int]:
-    """The training rows (held-out ones not counted) of each of persisted ``frame``'s partitions, counted over its
+def training_rows_by_partition(frame: DataFrame, partitions: int) -> list[int]:
+    """The training rows (held-out ones not counted) of each of persisted ``frame``'s ``partitions``, counted over its
     cached rows: one Spark job, no pass over the source."""
-
-    def count(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        rows = 0
-        for batch in batches:
-            held_out = batch.column(VALIDATION) if VALIDATION in batch.schema.names else None
-            rows += batch.num_rows - ((pc.sum(held_out).as_py() or 0) if held_out is not None else 0)
-        yield pa.RecordBatch.from_pydict({"partition": [partition_id()], "rows": [rows]}, schema=_COUNTS)
-
-    columns = [VALIDATION] if VALIDATION in frame.columns else frame.columns[:1]
-    table = _compat.collect_arrow(frame.select(*columns).mapInArrow(count, "partition int, rows long"))
-    by_partition = dict(zip(table.column("partition").to_pylist(), table.column("rows").to_pylist()))
-    return [int(by_partition.get(p, 0)) for p in range(frame._jdf.rdd().getNumPartitions())]
+    training = frame.where(~F.col(VALIDATION)) if VALIDATION in frame.columns else frame
+    counted = training.groupBy(F.spark_partition_id().alias("partition")).count().collect()
+    by_partition = {row["partition"]: row["count"] for row in counted}
+    return [int(by_partition.get(p, 0)) for p in range(partitions)]
 
 
 def _one_partition_count(frame: DataFrame) -> bool:
@@ -166,9 +153,6 @@ def _one_partition_count(frame: DataFrame) -> bool:
             if not dependency.getClass().getSimpleName().startswith("Shuffle"):
                 todo.append(dependency.rdd())
     return True
-
-
-_COUNTS = pa.schema([("partition", pa.int32()), ("rows", pa.int64())])
 
 
 def partition_keys(slots: int) -> list[int]:

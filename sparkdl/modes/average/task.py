@@ -72,7 +72,7 @@ def round_task(
     partition = read_partition(settings.rules, batches)
     rank = partition_id()
     schedule.require_rows({rank: len(partition.keys)})
-    rows, held_out = partition.rows(settings.rules.fields(partition.stats.values))  # all rows judged by the driver
+    rows, held_out = partition.own_rows()  # all rows judged by the driver
     cached, state = _load_state(rounds, model_broadcast, state_broadcast)
     out = _empty_rows()
     if settings.validate and round_index > 0:  # the state just set is the averaged model after the last round's epochs
@@ -114,7 +114,7 @@ def evaluate_task(
     """The evaluation-only pass after the last round: the final averaged state on this worker's held-out rows."""
     use_tensorflow_backend()
     partition = read_partition(rounds.settings.rules, batches)
-    _, held_out = partition.rows(rounds.settings.rules.fields(partition.stats.values))
+    _, held_out = partition.own_rows()
     out = _empty_rows()
     if len(held_out):
         cached, _ = _load_state(rounds, model_broadcast, state_broadcast)

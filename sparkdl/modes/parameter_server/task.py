@@ -120,7 +120,7 @@ def run_parameter_server_task(
     partition = read_partition(settings.rules, batches)
     schedule.require_rows({rank: len(partition.keys)})
     # No lockstep: each worker judges its own rows' checks before its first step (a barrier mode judges them all).
-    rows, held_out = partition.rows(settings.rules.fields(partition.stats.values))
+    rows, held_out = partition.own_rows()
     limit_threads_to_task_cpus()
     if task.beside_servers:  # where the servers start from (a retried stage: the newest checkpoint), then train from
         epoch = stage.start_place(stage.meet(reporter, {}, settings.timeout), settings.num_workers)[0]
