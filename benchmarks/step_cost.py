@@ -155,7 +155,7 @@ def _report(workload, args, reads, trains, walls, profiles) -> None:
     for phase in phases:
         cells = ["/".join(f"{v:.2f}" for v in profile[phase]) for profile in profiles.values()]
         print(f"{phase:<20}" + "".join(f"{cell:>26}" for cell in cells))
-    counts = ("buckets_done_early", "steps_overlapped")  # per rank, but not milliseconds
+    counts = ("step_median", "buckets_done_early", "steps_overlapped")  # per rank, but not a phase's milliseconds
     totals = [
         "/".join(f"{sum(p[ph][r] for ph in phases if ph not in counts):.2f}" for r in range(args.workers))
         for p in profiles.values()

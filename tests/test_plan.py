@@ -10,7 +10,6 @@ from models import make_mlp
 import sparkdl
 from sparkdl.collective import cost
 from sparkdl.modes import registry
-from sparkdl.modes.sync.step_profile import PHASES
 from sparkdl.planner import mode_costs
 from sparkdl.planner.cluster_probe import Probe
 from sparkdl.planner.planned import NOT_PLANNED, PLANNED, register_planned, unregister_planned
@@ -106,12 +105,12 @@ def test_memory_rules_out_what_does_not_fit_and_sharding_fits_more():
 
 
 #: How far a predicted step may be from the measured one, either way (docs/plan.md). The prediction adds the probe's
-#: compute (seven timed steps of one worker alone) and the cost model's communication (constants fitted on a few
+#: compute (the median of one worker's timed steps alone) and the cost model's communication (constants fitted on a few
 #: loopback allreduces). The measured fit runs two workers side by side on local[2]'s two cores beside Spark's JVM,
-#: where each waits for data and for the other: on this machine, shared with other test runs, the measured step was
-#: 0.7 to 4.2 times the predicted one (its input and wait phases grow most), and the probe's own 16-row step ranged
-#: from 0.9 to 3.9 ms. A factor of 5 holds that; a model off by a term (milliseconds for seconds, a per-byte cost
-#: counted per message, communication on the wrong number of ranks) is off by far more.
+#: where each waits for data and for the other; its median step, not its mean: a mean over a few steps held a stall of
+#: the machine (CI, with another test's fit on the same cores, measured 5.3 times the prediction as a mean). A factor
+#: of 5 holds what sharing the cores costs; a model off by a term (milliseconds for seconds, a per-byte cost counted
+#: per message, communication on the wrong number of ranks) is off by far more.
 STEP_FACTOR = 5.0
 
 
@@ -141,7 +140,7 @@ def test_a_planned_mode_registered_from_outside_is_weighed_and_recommended_when_
 
 def test_plan_probes_the_cluster_and_prints_its_table(spark, digits, capsys):
     """The plan on local[2], then one fit of its two-worker sync choice: the step the fit measured (its profile's
-    phases, all of them, on its slowest worker) is within :data:`STEP_FACTOR` of the step the plan predicted for it.
+    median step, on its slowest worker) is within :data:`STEP_FACTOR` of the step the plan predicted for it.
     Two workers, not the recommendation, which on local[2] is often one worker: its prediction is the probe's own
     measurement, with no communication in it to check."""
     x_train, _, y_train, _ = digits
@@ -167,7 +166,7 @@ def test_plan_probes_the_cluster_and_prints_its_table(spark, digits, capsys):
     result = sparkdl.fit(df, model, epochs=1, profile=True, progress=False, seed=0, **choice.fit_arguments)
     profile = result.stats["step_profile"]
     assert profile["steps"] > 0
-    measured = max(sum(profile[phase][rank] for phase in PHASES) for rank in range(2)) / 1000.0
+    measured = max(profile["step_median"]) / 1000.0
     assert 1 / STEP_FACTOR <= choice.step_seconds / measured <= STEP_FACTOR, (choice.step_seconds, measured, profile)
 
 

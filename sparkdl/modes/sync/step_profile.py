@@ -61,12 +61,15 @@ class StepProfile:
         self._first_bucket_early: list[bool] = []  # per counted step: the last layers' bucket averaged by then
         self._nbytes = 0  # a step's gradient bytes, at their width on the wire
         self.compiled_update = False  # the optimizer's update runs XLA-compiled (``keras.compiled_update``)
+        self._last_applied: float | None = None  # the previous step's "applied" stamp, in this epoch
+        self._step_seconds: list[float] = []  # each counted step's wall time: from one "applied" stamp to the next
 
-    def _stamp(self, name: str) -> None:
+    def _stamp(self, name: str) -> float:
         now = time.perf_counter()
         if self._last is not None and self._applied > _WARMUP_STEPS:
             self._totals[_ENDS[name]] += now - self._last
         self._last = now
+        return now
 
     # -- stamps, in the order a step takes them ------------------------------------------------------
 
@@ -94,7 +97,10 @@ class StepProfile:
         self._stamp("reduced")
 
     def applied(self) -> np.int32:
-        self._stamp("applied")
+        now = self._stamp("applied")
+        if self._last_applied is not None and self._applied > _WARMUP_STEPS:
+            self._step_seconds.append(now - self._last_applied)
+        self._last_applied = now
         self._applied += 1
         return np.int32(0)
 
@@ -109,6 +115,7 @@ class StepProfile:
     def epoch_ended(self) -> None:
         """An epoch boundary: validation and epoch-end callbacks are not a step's."""
         self._last = None
+        self._last_applied = None
 
     @property
     def _steps(self) -> int:
@@ -117,13 +124,15 @@ class StepProfile:
     # -- results -----------------------------------------------------------------------------------
 
     def summary(self, comm) -> dict:
-        """Every rank's mean milliseconds per phase, its mean buckets per step already averaged when backprop
-        ended, and its steps whose first bucket (the last layers') was: ``{"steps": n, "buckets": b,
-        "gradient_bytes": g, "compiled_update": c, phase: [rank 0, rank 1, ...], "buckets_done_early": [...],
-        "steps_overlapped": [...]}`` (``g``: a step's gradients as they go on the wire, before the allreduce's
+        """Every rank's mean milliseconds per phase, its median milliseconds per step (whole steps: unlike a
+        mean, a stall of the machine in a few steps leaves it as it is), its mean buckets per step already averaged
+        when backprop ended, and its steps whose first bucket (the last layers') was: ``{"steps": n, "buckets": b,
+        "gradient_bytes": g, "compiled_update": c, phase: [rank 0, rank 1, ...], "step_median": [...],
+        "buckets_done_early": [...], "steps_overlapped": [...]}`` (``g``: a step's gradients as they go on the wire, before the allreduce's
         2(N-1)/N; ``c``: the optimizer's update ran XLA-compiled). Collective: every rank calls it."""
         steps = max(self._steps, 1)
         mine = [1000.0 * self._totals[phase] / steps for phase in PHASES]
+        mine += [1000.0 * float(np.median(self._step_seconds)) if self._step_seconds else 0.0]
         mine += [self._buckets_done / steps, sum(self._first_bucket_early), self._steps, self._buckets, self._nbytes]
         everyone = comm.allgather(np.array(mine, np.float64))
         summary: dict[str, Any] = {
@@ -133,8 +142,9 @@ class StepProfile:
             "compiled_update": self.compiled_update,
         }
         summary.update({phase: [round(float(v), 3) for v in everyone[:, i]] for i, phase in enumerate(PHASES)})
-        summary["buckets_done_early"] = [round(float(v), 3) for v in everyone[:, len(PHASES)]]
-        summary["steps_overlapped"] = [int(v) for v in everyone[:, len(PHASES) + 1]]
+        summary["step_median"] = [round(float(v), 3) for v in everyone[:, len(PHASES)]]
+        summary["buckets_done_early"] = [round(float(v), 3) for v in everyone[:, len(PHASES) + 1]]
+        summary["steps_overlapped"] = [int(v) for v in everyone[:, len(PHASES) + 2]]
         return summary
 
     # -- what Keras runs ---------------------------------------------------------------------------
