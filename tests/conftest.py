@@ -14,6 +14,10 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # workers must see this virtualenv
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # keep every socket on loopback
+# Tests that run a pipeline's stages as threads of this process (tests/collective_ranks.py): each stage's compiled
+# step holds one of TensorFlow's inter-op threads while it waits on a neighbour, so three stages on this machine's
+# two would wait on each other for ever. A Spark task's stage is a process of its own.
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", "8")
 # Every Spark JVM the tests start (this session's, spark-submit's, the Connect server's, a child script's) compiles
 # with the JIT's first tier only, as jobs/_jvm.py's do: the suite's many small queries each generate classes that C2
 # would compile again and again (over 20 s of small fits, 5.7 of the JVM's 9.3 CPU seconds), for code run briefly.

@@ -15,6 +15,8 @@ from custom_layer import Scale
 from sparkdl.collective import CollectiveError
 from sparkdl.modes.pipeline.cut import assemble, balanced_starts, build_stage, plan_stages, stage_weights
 from sparkdl.modes.pipeline.engine import PipelineStage
+from sparkdl.modes.pipeline.schedules import BACKWARD, FORWARD, SCHEDULES
+from sparkdl.modes.pipeline.timeline import EVENTS, StageTimeline
 
 # -- cutting ---------------------------------------------------------------------------------------------------------
 
@@ -178,8 +180,9 @@ def _one_process(model, batches):
     return reference.get_weights(), losses
 
 
-def _stage_body(model, plan, batches_by_replica, micro_batches, stages):
-    """A rank's work: stage ``rank % stages`` of replica ``rank // stages``, the replicas of a stage averaging."""
+def _stage_body(model, plan, batches_by_replica, micro_batches, stages, schedule="gpipe"):
+    """A rank's work: stage ``rank % stages`` of replica ``rank // stages``, the replicas of a stage averaging; its
+    weights, loss shares, and summary with the events its timeline recorded (``"events"``)."""
     weights = [stage_weights(model, plan, s) for s in range(stages)]
 
     def body(world):
@@ -188,34 +191,76 @@ def _stage_body(model, plan, batches_by_replica, micro_batches, stages):
         replica_groups = [world.split(range(s, world.size, stages)) for s in range(stages)]
         replicas = replica_groups[stage] if world.size > stages else None
         stage_model = build_stage(plan, stage, weights[stage])
+        events = StageTimeline()
         engine = PipelineStage(
-            stage_model, pipelines[replica], micro_batches, model.loss, keras.optimizers.SGD(0.2), replicas=replicas
+            stage_model,
+            pipelines[replica],
+            micro_batches,
+            model.loss,
+            keras.optimizers.SGD(0.2),
+            schedule=schedule,
+            replicas=replicas,
+            timeline=events,
         )
         first, last = stage == 0, stage == stages - 1
-        shares = [engine.train_step(x if first else None, y if last else None) for x, y in batches_by_replica[replica]]
+        shares = [
+            engine.train_step(x if first else None, y if last else None, rows=len(x))
+            for x, y in batches_by_replica[replica]
+        ]
         engine.close()
-        return stage_model.get_weights(), shares, engine.summary()
+        return stage_model.get_weights(), shares, {**engine.summary(), "events": events.array()}
 
     return body
 
 
-def _pipeline(model, stages, micro_batches, batches_by_replica):
+def _pipeline(model, stages, micro_batches, batches_by_replica, schedule="gpipe"):
     plan = plan_stages(model, stages)
-    results = run_ranks(
-        stages * len(batches_by_replica), _stage_body(model, plan, batches_by_replica, micro_batches, stages)
-    )
+    body = _stage_body(model, plan, batches_by_replica, micro_batches, stages, schedule)
+    results = run_ranks(stages * len(batches_by_replica), body)
     trained = keras.models.clone_model(model)
     assemble(trained, plan, [weights for weights, _, _ in results[:stages]])
     return trained.get_weights(), results
 
 
-@pytest.mark.parametrize("stages, micro_batches", [(2, 1), (3, 4), (2, 3)])
-def test_a_pipeline_trains_the_weights_of_one_process(stages, micro_batches):
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_a_schedule_runs_each_pass_once_holds_what_it_promises_and_the_stages_never_wait_on_each_other(schedule):
+    """Every micro-batch's forward pass once, before its backward pass once; at most M (GPipe) or S - s (1F1B)
+    micro-batches held between the two on stage s; and the stages' orders together finish: played out pass by
+    pass, a forward needs stage s-1's forward of the micro-batch, a backward stage s+1's backward."""
+    for stages, micro_batches in itertools.product(range(1, 5), range(1, 9)):
+        orders = [SCHEDULES[schedule](s, stages, micro_batches) for s in range(stages)]
+        for stage, order in enumerate(orders):
+            assert sorted(order) == sorted((kind, m) for kind in (FORWARD, BACKWARD) for m in range(micro_batches))
+            assert all(order.index((FORWARD, m)) < order.index((BACKWARD, m)) for m in range(micro_batches))
+            held = np.cumsum([1 if kind == FORWARD else -1 for kind, _ in order]).max()
+            assert held == (micro_batches if schedule == "gpipe" else min(stages - stage, micro_batches))
+        done, position = set(), [0] * stages
+        while any(p < len(o) for p, o in zip(position, orders)):
+            moved = False
+            for s, order in enumerate(orders):
+                if position[s] == len(order):
+                    continue
+                kind, m = order[position[s]]
+                needs = (FORWARD, m, s - 1) if kind == FORWARD else (BACKWARD, m, s + 1)
+                if needs[2] in (-1, stages) or needs in done:
+                    done.add((kind, m, s))
+                    position[s], moved = position[s] + 1, True
+            assert moved, (schedule, stages, micro_batches, position)
+
+
+@pytest.mark.parametrize(
+    "stages, micro_batches, schedule",
+    [(2, 1, "gpipe"), (3, 4, "gpipe"), (2, 3, "gpipe"), (3, 4, "1f1b"), (2, 3, "1f1b"), (3, 2, "1f1b")],
+)
+def test_a_pipeline_trains_the_weights_of_one_process_running_its_schedules_passes_in_order(
+    stages, micro_batches, schedule
+):
     """(2, 1): the whole batch at once; (3, 4): a middle stage, micro-batches of 2 rows; (2, 3): 8 rows in
-    micro-batches of 3, 3 and 2, weighed by their rows."""
+    micro-batches of 3, 3 and 2, weighed by their rows; (3, 2) in 1F1B: fewer micro-batches than its warm-up
+    wants. Each stage's passes ran in its schedule's order (the events each recorded inside its compiled step)."""
     model, batches = _mlp(), _batches()
     want_weights, want_losses = _one_process(model, batches)
-    got_weights, results = _pipeline(model, stages, micro_batches, [batches])
+    got_weights, results = _pipeline(model, stages, micro_batches, [batches], schedule)
     for got, want in zip(got_weights, want_weights):
         np.testing.assert_allclose(got, want, atol=1e-5)
     np.testing.assert_allclose(np.sum([shares for _, shares, _ in results], axis=0), want_losses, rtol=1e-5)
@@ -225,6 +270,9 @@ def test_a_pipeline_trains_the_weights_of_one_process(stages, micro_batches):
         assert summary["gpipe_bound"] == pytest.approx((stages - 1) / (micro_batches + stages - 1))
         assert 0.0 <= summary["idle_fraction"] <= 1.0 and summary["compute_seconds"] > 0
         assert summary["allreduce_seconds"] == 0.0
+        passes = SCHEDULES[schedule](stage, stages, micro_batches)
+        expected = [(f"{kind}_{edge}", m) for kind, m in passes for edge in ("start", "end")] * len(batches)
+        assert [(EVENTS[int(event)], int(m)) for _, _, m, event in summary["events"]] == expected
 
 
 def test_regularization_penalties_are_counted_once_and_shared_out_by_stage():

@@ -1,27 +1,30 @@
-"""One pipeline stage's training step on a worker, in GPipe's schedule: every micro-batch forward, then back, then apply.
+"""One pipeline stage's training step on a worker: its micro-batches' passes in its schedule's order, as one compiled
+function.
 
 Stage s holds only its own layers (:func:`sparkdl.modes.pipeline.cut.build_stage`) and talks only to
-stages s-1 and s+1, by point-to-point messages of raw float32 arrays:
+stages s-1 and s+1, by point-to-point messages of raw float32 arrays (``messages.StepMessages``: two streams,
+receives posted as early as their stream allows, sends asynchronous).
 
-- Streams. A communicator runs its operations one at a time, in call order. The edges between
-  neighbours alternate between two subgroup communicators split from ``comm``, so a stage's receives
-  from s-1 never queue behind its sends to s+1; all receives of a phase are posted when it starts, and
-  sends are asynchronous: a stage computes the next micro-batch while the last one is on the wire.
-- Tags: ``2 m`` carries micro-batch m's activation, ``2 m + 1`` its gradient. Messages of one tag from
-  one peer arrive in the order sent, so successive steps cannot mix either.
-- Tape kept, not recomputed: each micro-batch's forward runs under its own ``tf.GradientTape``, kept
-  until its backward (GPipe's memory without re-materialisation: M micro-batches' activations), so
-  dropout draws one mask for both passes. Backward runs the micro-batches in reverse order: the last
-  stage starts on the last micro-batch as soon as its forward is done.
-- Micro-batches: ``np.array_split`` (with a remainder, the first ``B % M`` have one row more; more
-  micro-batches than rows is refused). Micro-batch m's loss weighs ``rows_m / B`` (1 for a loss whose
-  reduction is ``"sum"``) and the stage's regularization penalties ``rows_m / B``, so the accumulated
-  gradient is exactly the whole batch's, whatever the split.
+- One compiled step. A step's passes (``schedules``: GPipe's, or 1F1B's) are one ``tf.function`` of the stage's
+  layers, their gradients, the optimizer's update and, between them, the messages: a message is taken from or
+  handed to Python by a ``tf.numpy_function``, which waits on the stream. The passes are chained by a control
+  token in the schedule's order, so they run in that order and free each micro-batch's activations where the
+  schedule says. Python runs once a step, not once a micro-batch (a digits pipeline step was mostly Python: each
+  micro-batch's call under its tape, its gradient, the messages; profiled in docs/benchmarks.md).
+- Tape kept, not recomputed: each micro-batch's forward pass runs under its own ``tf.GradientTape``, kept until
+  its backward pass (the schedule's activations: GPipe all M micro-batches', 1F1B at most S - s on stage s), so
+  dropout draws one mask for both passes.
+- Micro-batches: ``np.array_split``'s sizes (with a remainder, the first ``B % M`` have one row more; more
+  micro-batches than rows is refused); every stage knows them from the batch's rows. Micro-batch m's loss weighs
+  ``rows_m / B`` (1 for a loss whose reduction is ``"sum"``) and the stage's regularization penalties ``rows_m / B``,
+  so the accumulated gradient is exactly the whole batch's, whatever the split.
 - Result: every stage returns its share of the step's loss: the last stage the compiled loss over the
   batch plus its own penalties, the others their penalties (0.0 without regularizers). The shares sum
   to the loss Keras' ``train_on_batch`` reports; with ``replicas``, each is the mean over the replicas.
 - With ``replicas`` (this stage's copies in the other data-parallel replicas), the accumulated
   gradients are averaged by one allreduce before the stage's optimizer applies them.
+- A wait that fails inside the compiled step (a neighbour gone, a bad message) is raised as itself once the step
+  has stopped.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import numpy as np
 import tensorflow as tf
 
 from sparkdl.collective.api import Communicator, ReduceOp, Work
+from sparkdl.modes.pipeline.messages import StepMessages, activation_tag, gradient_tag
+from sparkdl.modes.pipeline.schedules import FORWARD, SCHEDULES
 from sparkdl.modes.pipeline.timeline import BACKWARD_END, BACKWARD_START, FORWARD_END, FORWARD_START, StageTimeline
 from sparkdl.modes.step_clock import StepClock
 
@@ -42,9 +47,10 @@ class PipelineStage:
     """Stage ``comm.rank`` of ``comm.size``: trains ``model`` (this stage's layers) with ``optimizer``.
 
     ``comm``'s ranks are the stages of one replica (collective: every stage constructs its own at once).
-    ``loss`` is the full model's compiled loss (``model.loss``: a Loss, a function or its name). Every wait
-    on a message or on the replicas gives up after ``timeout`` seconds. With a ``timeline``, each training step's
-    micro-batches mark when their forward and backward passes start and end (``profile=True``).
+    ``loss`` is the full model's compiled loss (``model.loss``: a Loss, a function or its name). ``schedule`` names
+    the order of a step's passes (:data:`~sparkdl.modes.pipeline.schedules.SCHEDULES`); every stage must use the same.
+    Every wait on a message or on the replicas gives up after ``timeout`` seconds. With a ``timeline``, each training
+    step's micro-batches mark when their forward and backward passes start and end (``profile=True``).
     """
 
     def __init__(
@@ -55,6 +61,7 @@ class PipelineStage:
         loss: Any,
         optimizer: keras.optimizers.Optimizer,
         *,
+        schedule: str = "gpipe",
         replicas: Communicator | None = None,
         timeout: float = 300.0,
         observe: Callable[[np.ndarray, tf.Tensor], None] | None = None,
@@ -64,19 +71,25 @@ class PipelineStage:
             raise ValueError(
                 f"Expected `micro_batches` to be a positive integer. Received: micro_batches={micro_batches!r}"
             )
+        if schedule not in SCHEDULES:
+            raise ValueError(f"Expected `schedule` to be one of {sorted(SCHEDULES)}. Received: schedule={schedule!r}")
         self.model, self.optimizer, self.replicas, self.timeout = model, optimizer, replicas, timeout
-        self._observe = observe  # the last stage's: each micro-batch's labels and outputs (metrics)
+        self._observe = observe  # the last stage's: each step's labels and outputs (metrics)
         self._timeline = timeline  # profile=True: when each micro-batch's passes start and end
         self.stage, self.stages, self.micro_batches = comm.rank, comm.size, micro_batches
+        self.schedule = schedule
         self._loss = keras.losses.get(loss) if isinstance(loss, str) else loss
         self._loss_weighs_rows = getattr(self._loss, "reduction", None) != "sum"
         self._streams = (stream_of(comm), stream_of(comm))
         self._upstream = self._streams[(self.stage - 1) % 2]  # the edge (s-1, s)
         self._downstream = self._streams[self.stage % 2]  # the edge (s, s+1)
         self._clock = StepClock(f"pipeline stage {self.stage} of {self.stages}", ("compute", "wait", "allreduce"))
-        # The stage's layers as one compiled function (its gradient is compiled too, from the tape that records the
-        # call): a micro-batch is a few ops to TensorFlow instead of every layer's, one by one.
-        self._call = tf.function(self._layers, reduce_retracing=True)
+        self._messages: StepMessages | None = None  # the step in flight's
+        self._failure: BaseException | None = None  # what stopped the compiled step from inside, raised after it
+        if model.trainable_variables and not optimizer.built:
+            optimizer.build(model.trainable_variables)  # its variables made outside the compiled step
+        self._train = tf.function(self._train_passes, reduce_retracing=True)
+        self._evaluate = tf.function(self._evaluate_passes, reduce_retracing=True)
         self._apply = tf.function(self._apply_gradients)  # Keras applies an optimizer op by op, unless compiled
         self._steps = 0
 
@@ -89,51 +102,227 @@ class PipelineStage:
         return self.stage == self.stages - 1
 
     def train_step(
-        self, x: np.ndarray | None = None, y: np.ndarray | None = None, *, micro_batches: int | None = None
+        self,
+        x: np.ndarray | None = None,
+        y: np.ndarray | None = None,
+        *,
+        micro_batches: int | None = None,
+        rows: int | None = None,
     ) -> float:
         """One step on a batch: ``x`` (its inputs) on the first stage only, ``y`` (its labels) on the last only,
         in ``micro_batches`` (default: the stage's; every stage must pass the same: a batch of fewer rows than the
-        stage's micro-batches is cut into one a row). Returns this stage's share of the step's loss (see the
-        module's docstring)."""
+        stage's micro-batches is cut into one a row); ``rows``, the batch's rows, on a stage that holds neither.
+        Returns this stage's share of the step's loss (see the module's docstring)."""
         count = self._count(x, y, micro_batches)
+        sizes = self._sizes(x, y, count, rows)
         if self._timeline is not None:
             self._timeline.begin_step()
-        records, sends = self._forward(self._split(x, "x", count), self._split(y, "y", count), count)
-        gradients, share = self._backward(records, sends, count)
-        for work, what in sends:
-            self._wait(work, what)
+        order = SCHEDULES[self.schedule](self.stage, self.stages, count)
+        apply_here = self.replicas is None and bool(self.model.trainable_variables)
+        gradients, share, outputs = self._run(self._train, order, sizes, x, y, count, apply_here)
+        if self._observe is not None and y is not None:
+            self._observe(y, outputs)
+        share = float(share)
         if self.replicas is not None:
             gradients, share = self._average_over_replicas(self.replicas, gradients, share)
-        if self.model.trainable_variables:
-            with self._clock.timing("compute"):
-                self._apply(gradients)
+            if self.model.trainable_variables:
+                with self._clock.timing("compute"):
+                    self._apply(gradients)
         self._steps += 1
         return share
 
     def evaluate_step(
-        self, x: np.ndarray | None = None, y: np.ndarray | None = None, *, micro_batches: int | None = None
+        self,
+        x: np.ndarray | None = None,
+        y: np.ndarray | None = None,
+        *,
+        micro_batches: int | None = None,
+        rows: int | None = None,
     ) -> float:
         """The forward pass alone, on held-out rows (as :meth:`train_step` takes them): the last stage returns the
         batch's mean loss (without regularization penalties, as Keras's validation loss), the others 0.0."""
         count = self._count(x, y, micro_batches)
-        xs, ys, s = self._split(x, "x", count), self._split(y, "y", count), self.stage
-        received = [] if self.first else [self._upstream.recv_async(s - 1, tag=2 * m) for m in range(count)]
-        sends: list[tuple[Work, str]] = []
-        total, rows = 0.0, 0
-        for m in range(count):
-            entering = xs[m] if xs is not None else self._received(received[m], m)
-            outputs, _, loss = self._call(tf.convert_to_tensor(entering), self._labels(ys, m, len(entering)), False)
-            if ys is not None:
-                total += float(loss) * len(ys[m])
-                rows += len(ys[m])
-                if self._observe is not None:
-                    self._observe(ys[m], outputs)
+        sizes = self._sizes(x, y, count, rows)
+        order = [(FORWARD, m) for m in range(count)]
+        loss, outputs = self._run(self._evaluate, order, sizes, x, y, count)
+        if self._observe is not None and y is not None:
+            self._observe(y, outputs)
+        return float(loss)
+
+    def _run(self, passes, order, sizes: list[int], x, y, *static) -> Any:
+        """Runs compiled ``passes`` over one batch with the step's messages, timing its compute and its waits."""
+        self._messages = StepMessages(
+            (self._upstream, self._downstream),
+            self.stage,
+            self.stages,
+            order,
+            sizes,
+            (tuple(self.model.inputs[0].shape[1:]), tuple(self.model.outputs[0].shape[1:])),
+            self._clock,
+            self.timeout,
+        )
+        waited = self._clock.seconds["wait"]
+        with self._clock.timing("compute"):
+            try:
+                result = passes(
+                    None if x is None else tf.convert_to_tensor(x),
+                    None if y is None else tf.convert_to_tensor(y),
+                    tf.constant(sizes, tf.int32),
+                    *static,
+                )
+            except tf.errors.OpError:
+                failure, self._failure = self._failure, None
+                if failure is None:
+                    raise
+                raise failure from None
+            finally:
+                self._clock.seconds["compute"] -= self._clock.seconds["wait"] - waited  # the waits inside it
+        self._messages.finish()
+        return result
+
+    # -- the compiled passes --------------------------------------------------------------------------
+
+    def _train_passes(self, x, y, sizes, count: int, apply_here: bool) -> tuple:
+        """The step's passes in the schedule's order: the accumulated gradients, this stage's share of the loss, the
+        last stage's outputs (for its metrics); the gradients applied here when ``apply_here``."""
+        xs = None if x is None else tf.split(x, sizes, num=count)
+        ys = None if y is None else tf.split(y, sizes, num=count)
+        rows = tf.cast(tf.reduce_sum(sizes), tf.float32)
+        variables = self.model.trainable_variables
+        token = tf.zeros((), tf.int32)  # each pass starts after the one before it has ended
+        kept: dict[int, tuple] = {}  # the micro-batches between their forward and backward pass
+        outputs_of: dict[int, tf.Tensor] = {}
+        accumulated: list | None = None
+        share = tf.zeros((), tf.float32)
+        for kind, m in SCHEDULES[self.schedule](self.stage, self.stages, count):
+            if kind == FORWARD:
+                entering, token = self._entering(xs, m, token)
+                with tf.GradientTape() as tape:
+                    if not self.first:
+                        tape.watch(entering)
+                    outputs, penalty, loss = self._layers(entering, None if ys is None else ys[m], True)
+                kept[m] = (tape, entering, outputs, penalty, loss)
+                token = self._leaving(outputs, m)
+                if self.last:
+                    outputs_of[m] = outputs
+                continue
+            tape, entering, outputs, penalty, loss = kept.pop(m)  # its tape and activations freed after this pass
+            upstream = None
             if not self.last:
-                work = self._downstream.send_async(self._activation(outputs, m), s + 1, tag=2 * m)
-                sends.append((work, f"sending micro-batch {m}'s activation to stage {s + 1}"))
-        for work, what in sends:
-            self._wait(work, what)
-        return total / rows if rows else 0.0
+                upstream = self._take(gradient_tag(m), token, outputs.shape)
+                token = upstream
+            token = self._mark(BACKWARD_START, m, token)
+            row_weight = tf.cast(sizes[m], tf.float32) / rows
+            targets, seeds = [], []
+            for term, weight in ((loss, row_weight if self._loss_weighs_rows else 1.0), (penalty, row_weight)):
+                if term is not None:
+                    targets.append(term)
+                    seeds.append(tf.cast(weight, term.dtype))
+                    share += tf.cast(weight * tf.cast(term, tf.float32), tf.float32)
+            if upstream is not None:
+                targets.append(outputs)
+                seeds.append(tf.cast(upstream, outputs.dtype))
+            sources = [*variables] + ([] if self.first else [entering])
+            with tf.control_dependencies([token]):
+                gradients = tape.gradient(
+                    targets, sources, output_gradients=seeds, unconnected_gradients=tf.UnconnectedGradients.ZERO
+                )
+            weights = gradients[: len(variables)]
+            accumulated = weights if accumulated is None else [a + g for a, g in zip(accumulated, weights)]
+            with tf.control_dependencies(tf.nest.flatten(gradients, expand_composites=True)):
+                token = self._mark(BACKWARD_END, m, tf.identity(token))
+            if not self.first:
+                token = self._give(gradient_tag(m), gradients[-1], token)
+        accumulated = accumulated or []
+        if apply_here:
+            with tf.control_dependencies([token]):
+                self._apply_gradients(accumulated)
+        last_outputs = tf.concat([outputs_of[m] for m in range(count)], 0) if self.last else tf.zeros(())
+        return accumulated, share, last_outputs
+
+    def _evaluate_passes(self, x, y, sizes, count: int) -> tuple:
+        """Every micro-batch forward, in order: the last stage's mean loss over the batch and its outputs."""
+        xs = None if x is None else tf.split(x, sizes, num=count)
+        ys = None if y is None else tf.split(y, sizes, num=count)
+        token, total, outputs_of = tf.zeros((), tf.int32), tf.zeros((), tf.float32), []
+        for m in range(count):
+            entering, token = self._entering(xs, m, token, mark=False)
+            outputs, _, loss = self._layers(entering, None if ys is None else ys[m], False)
+            token = self._leaving(outputs, m, mark=False)
+            if self.last:
+                total += tf.cast(loss, tf.float32) * tf.cast(sizes[m], tf.float32)
+                outputs_of.append(outputs)
+        if not self.last:
+            return tf.zeros(()), tf.zeros(())
+        return total / tf.cast(tf.reduce_sum(sizes), tf.float32), tf.concat(outputs_of, 0)
+
+    def _entering(self, xs, m: int, token, mark: bool = True) -> tuple[tf.Tensor, tf.Tensor]:
+        """Micro-batch ``m``'s input (its rows, or stage s-1's activation) once ``token``'s pass has ended, and the
+        token of its forward pass's start."""
+        if xs is None:
+            entering = self._take(activation_tag(m), token, self.model.inputs[0].shape)
+        else:
+            with tf.control_dependencies([token]):
+                entering = tf.identity(xs[m])
+        token = self._mark(FORWARD_START, m, entering) if mark else token
+        with tf.control_dependencies([token]):
+            return tf.identity(entering), token
+
+    def _leaving(self, outputs: tf.Tensor, m: int, mark: bool = True) -> tf.Tensor:
+        """Micro-batch ``m``'s forward pass has ended: its activation handed to stage s+1; the token of that."""
+        token = self._mark(FORWARD_END, m, outputs) if mark else tf.zeros((), tf.int32)
+        if self.last:
+            with tf.control_dependencies([outputs]):
+                return tf.identity(token)
+        if not outputs.dtype.is_floating:
+            raise ValueError(
+                f"Expected stage {self.stage}'s output (micro-batch {m}) to be floating point to flow to stage "
+                f"{self.stage + 1}: an integer activation carries no gradient back. Received: {outputs.dtype.name}; "
+                "cut elsewhere with `cut_points`"
+            )
+        return self._give(activation_tag(m), tf.cast(outputs, tf.float32), token)
+
+    def _take(self, tag: int, token, shape) -> tf.Tensor:
+        array = tf.numpy_function(self._taken, [tf.constant(tag), token], tf.float32, stateful=True)
+        array.set_shape([None, *shape[1:]])
+        return array
+
+    def _give(self, tag: int, array: tf.Tensor, token) -> tf.Tensor:
+        return tf.numpy_function(self._given, [tf.constant(tag), array, token], tf.int32, stateful=True)
+
+    def _mark(self, event: int, m: int, after: tf.Tensor) -> tf.Tensor:
+        """With a timeline, ``event`` of micro-batch ``m`` once ``after`` is computed; a token of it either way."""
+        if self._timeline is None:
+            zero = tf.zeros((), tf.int32)
+            with tf.control_dependencies([after]):
+                return tf.identity(zero)
+        return tf.numpy_function(self._marked, [tf.constant([event, m]), after], tf.int32, stateful=True)
+
+    # -- what the compiled passes call back ----------------------------------------------------------
+
+    def _taken(self, tag, _token) -> np.ndarray:
+        return self._calling_back(lambda messages: messages.take(int(tag)))
+
+    def _given(self, tag, array, _token) -> np.int32:
+        self._calling_back(lambda messages: messages.give(int(tag), array))
+        return np.int32(0)
+
+    def _marked(self, event_and_m, _after) -> np.int32:
+        assert self._timeline is not None  # marks are compiled in with a timeline only
+        self._timeline.mark(int(event_and_m[0]), int(event_and_m[1]))
+        return np.int32(0)
+
+    def _calling_back(self, call: Callable[[StepMessages], Any]) -> Any:
+        """``call`` on the step's messages; what it raises is kept, to be raised as itself once the compiled step
+        has stopped."""
+        assert self._messages is not None  # the step in flight's (``_run``)
+        try:
+            return call(self._messages)
+        except BaseException as exc:
+            self._failure = exc
+            raise
+
+    # -- the parts ---------------------------------------------------------------------------------
 
     def _count(self, x, y, micro_batches: int | None) -> int:
         for name, value, needed, where in (("x", x, self.first, "the first"), ("y", y, self.last, "the last")):
@@ -144,75 +333,30 @@ class PipelineStage:
                 )
         return self.micro_batches if micro_batches is None else micro_batches
 
-    def _received(self, work: Work, m: int) -> np.ndarray:
-        entering = self._wait(work, f"receiving micro-batch {m}'s activation from stage {self.stage - 1}")
-        _check_shape(entering, self.model.inputs[0].shape, f"stage {self.stage}'s micro-batch {m}")
-        return entering
-
-    def _forward(self, xs: list | None, ys: list | None, count: int) -> tuple[list[dict], list[tuple[Work, str]]]:
-        s = self.stage
-        received = [] if self.first else [self._upstream.recv_async(s - 1, tag=2 * m) for m in range(count)]
-        records, sends = [], []
-        for m in range(count):
-            entering = xs[m] if xs is not None else self._received(received[m], m)
-            self._mark(FORWARD_START, m)
-            with self._clock.timing("compute"):
-                inputs = tf.convert_to_tensor(entering)
-                with tf.GradientTape() as tape:
-                    if not self.first:
-                        tape.watch(inputs)
-                    outputs, penalty, loss = self._call(inputs, self._labels(ys, m, len(entering)), True)
-                if ys is not None and self._observe is not None:
-                    self._observe(ys[m], outputs)
-                records.append(dict(tape=tape, inputs=inputs, outputs=outputs, penalty=penalty, loss=loss))
-                if not self.last:
-                    activation = self._activation(outputs, m)
-            self._mark(FORWARD_END, m)
-            if not self.last:
-                work = self._downstream.send_async(activation, s + 1, tag=2 * m)
-                sends.append((work, f"sending micro-batch {m}'s activation to stage {s + 1}"))
-        return records, sends
-
-    def _backward(
-        self, records: list[dict], sends: list[tuple[Work, str]], count: int
-    ) -> tuple[list[tf.Tensor], float]:
-        s = self.stage
-        rows = sum(int(record["outputs"].shape[0]) for record in records)
-        order = range(count - 1, -1, -1)
-        received = {} if self.last else {m: self._downstream.recv_async(s + 1, tag=2 * m + 1) for m in order}
-        variables = self.model.trainable_variables
-        accumulated: list[tf.Tensor] | None = None
-        share = 0.0
-        for m in order:
-            record = records.pop()  # micro-batch m's: once done with, its tape and activations are freed
-            if not self.last:
-                upstream = self._wait(received[m], f"receiving micro-batch {m}'s gradient from stage {s + 1}")
-                _check_shape(upstream, record["outputs"].shape, f"stage {s}'s gradient {m} from stage {s + 1}")
-            self._mark(BACKWARD_START, m)
-            with self._clock.timing("compute"):
-                row_weight = int(record["outputs"].shape[0]) / rows
-                loss_weight = row_weight if self._loss_weighs_rows else 1.0
-                targets, seeds = [], []
-                for term, weight in ((record["loss"], loss_weight), (record["penalty"], row_weight)):
-                    if term is not None:
-                        targets.append(term)
-                        seeds.append(tf.constant(weight, term.dtype))
-                        share += weight * float(term)
-                if not self.last:
-                    targets.append(record["outputs"])
-                    seeds.append(tf.cast(upstream, record["outputs"].dtype))
-                sources = [*variables] + ([] if self.first else [record["inputs"]])
-                gradients = record["tape"].gradient(
-                    targets, sources, output_gradients=seeds, unconnected_gradients=tf.UnconnectedGradients.ZERO
+    def _sizes(self, x, y, count: int, rows: int | None) -> list[int]:
+        """Each micro-batch's rows: ``np.array_split``'s of the batch's rows into ``count``."""
+        for name, array in (("x", x), ("y", y)):
+            if array is None:
+                continue
+            length = len(array) if np.ndim(array) else 0
+            if length < count:
+                raise ValueError(
+                    f"Expected `micro_batches` ({count}) to be at most the batch size. "
+                    f"Received: a batch of {length} rows in `{name}`"
                 )
-                weights = gradients[: len(variables)]
-                accumulated = weights if accumulated is None else [a + g for a, g in zip(accumulated, weights)]
-                passed_back = None if self.first else gradients[-1].numpy()
-            self._mark(BACKWARD_END, m)
-            if passed_back is not None:
-                work = self._upstream.send_async(passed_back, s - 1, tag=2 * m + 1)
-                sends.append((work, f"sending micro-batch {m}'s gradient to stage {s - 1}"))
-        return accumulated or [], share
+            if rows is not None and rows != length:
+                raise ValueError(f"Expected `{name}` to have `rows` ({rows}) rows. Received: {length}")
+            rows = length
+        if rows is None:
+            raise ValueError(
+                f"Expected `rows` (the batch's rows) on stage {self.stage} of {self.stages}, which holds neither "
+                "`x` nor `y`. Received: rows=None"
+            )
+        if rows < count:
+            raise ValueError(
+                f"Expected `micro_batches` ({count}) to be at most the batch size. Received: a batch of {rows} rows"
+            )
+        return [len(part) for part in np.array_split(np.arange(rows), count)]
 
     def _average_over_replicas(
         self, replicas: Communicator, gradients: list[tf.Tensor], share: float
@@ -227,17 +371,6 @@ class PipelineStage:
             position += part.size
         return averaged, float(mean[-1])
 
-    def _split(self, array: np.ndarray | None, name: str, count: int) -> list[np.ndarray] | None:
-        if array is None:
-            return None
-        array = np.asarray(array)
-        if array.ndim == 0 or len(array) < count:
-            raise ValueError(
-                f"Expected `micro_batches` ({count}) to be at most the batch size. "
-                f"Received: a batch of {len(array) if array.ndim else 0} rows in `{name}`"
-            )
-        return np.array_split(array, count)
-
     def _apply_gradients(self, gradients: list[tf.Tensor]) -> None:
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
 
@@ -249,41 +382,19 @@ class PipelineStage:
         loss = batch_loss(self._loss, y, outputs) if y is not None else None
         return outputs, (tf.add_n(penalties) if penalties else None), loss
 
-    def _labels(self, ys: list | None, m: int, rows: int) -> tf.Tensor | None:
-        """Micro-batch ``m``'s labels (on the last stage), checked against the ``rows`` its activation brought."""
-        if ys is None:
-            return None
-        if len(ys[m]) != rows:
-            raise ValueError(
-                f"Expected stage {self.stage}'s micro-batch {m} to have the rows of its labels ({len(ys[m])}). "
-                f"Received: {rows} rows from stage {self.stage - 1}"
-            )
-        return tf.convert_to_tensor(ys[m])
-
-    def _activation(self, outputs: tf.Tensor, m: int) -> np.ndarray:
-        if not outputs.dtype.is_floating:
-            raise ValueError(
-                f"Expected stage {self.stage}'s output (micro-batch {m}) to be floating point to flow to stage "
-                f"{self.stage + 1}: an integer activation carries no gradient back. Received: {outputs.dtype.name}; "
-                "cut elsewhere with `cut_points`"
-            )
-        return outputs.numpy().astype(np.float32, copy=False)
-
-    def _mark(self, event: int, m: int) -> None:
-        if self._timeline is not None:
-            self._timeline.mark(event, m)
-
     def _wait(self, work: Work, what: str, clock: str = "wait") -> Any:
         return self._clock.wait(work, what, clock, self.timeout)
 
-    def summary(self) -> dict[str, float | int]:
+    def summary(self) -> dict[str, float | int | str]:
         """Seconds computing, waiting on the neighbours and averaging over replicas, over every step so far; the
-        idle ("bubble") fraction of computing plus waiting, and GPipe's bound on it, (S-1)/(M+S-1)."""
+        idle ("bubble") fraction of computing plus waiting, and the bound on it of GPipe (and of 1F1B, whose
+        bubble is the same), (S-1)/(M+S-1)."""
         compute, wait = self._clock.seconds["compute"], self._clock.seconds["wait"]
         return {
             "stage": self.stage,
             "stages": self.stages,
             "micro_batches": self.micro_batches,
+            "schedule": self.schedule,
             "steps": self._steps,
             "compute_seconds": compute,
             "wait_seconds": wait,
@@ -309,12 +420,3 @@ def stream_of(comm: Communicator) -> Communicator:
     stream = comm.split(range(comm.size))
     assert stream is not None  # every rank is a member
     return stream
-
-
-def _check_shape(array: np.ndarray, expected: tuple, what: str) -> None:
-    """Refuses an array that is not float32 or does not fit ``expected`` (None: any length)."""
-    fits = len(array.shape) == len(expected) and all(e is None or e == a for e, a in zip(expected, array.shape))
-    if array.dtype != np.float32 or not fits:
-        raise ValueError(
-            f"Expected {what} to be float32 of shape {tuple(expected)}. Received: {array.dtype} {array.shape}"
-        )

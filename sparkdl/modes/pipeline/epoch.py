@@ -203,7 +203,7 @@ class StageEpochs:
         replicas = self.replicas.size if self.replicas is not None else 1
         for step, size in enumerate(sizes):
             x, y = next(batches)[:2] if batches is not None else (None, None)
-            share = runner.train_step(*self._ends(x, y), micro_batches=min(size, runner.micro_batches))
+            share = runner.train_step(*self._ends(x, y), micro_batches=min(size, runner.micro_batches), rows=size)
             total += share * size  # weighted by rows, as Keras's loss tracker weighs its steps
             rows_since, now = rows_since + size * replicas, time.monotonic()
             if self.report is not None and now - reported >= STEP_REPORT_SECONDS:
@@ -232,7 +232,7 @@ class StageEpochs:
         for begin in range(0, count, batch):
             size = min(batch, count - begin)
             x, y = held_out.take(np.arange(begin, begin + size))[:2] if held_out is not None else (None, None)
-            loss = runner.evaluate_step(*self._ends(x, y), micro_batches=min(size, runner.micro_batches))
+            loss = runner.evaluate_step(*self._ends(x, y), micro_batches=min(size, runner.micro_batches), rows=size)
             total += loss * size
         for _ in range(-(-count // batch), self.validation_steps or 0):  # the other replicas' steps
             runner.evaluate_nothing()
