@@ -65,16 +65,18 @@ def _one_process(df, *, epochs, seed, validation_split=None, batch_size=32):
     return model, history
 
 
-def test_two_stages_train_the_weights_and_optimizer_state_of_one_process(small_df):
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stages_train_the_weights_and_optimizer_state_of_one_process(small_df, schedule):
     """Two stage tasks (one replica) against Keras in this process training the whole model on the same batches:
     SGD with momentum, 4 micro-batches, held-out rows; the weights, the momentum and the metrics agree to float
-    rounding, and each stage task held only its own layers."""
+    rounding, in either schedule, and each stage task held only its own layers."""
     piped = sparkdl.fit(
         small_df,
         _sgd_mlp(),
         mode="pipeline",
         num_stages=2,
         micro_batches=4,
+        schedule=schedule,
         num_workers=2,
         epochs=2,
         batch_size=32,
@@ -100,6 +102,7 @@ def test_two_stages_train_the_weights_and_optimizer_state_of_one_process(small_d
     assert sum(held) == whole and all(0 < part < whole for part in held)  # measured in each stage's own task
     assert [s["parameters"] for s in stats["stages"]] == [64 * 32 + 32, 32 * 16 + 16 + 16 * 10 + 10]
     assert stats["micro_batches"] == 4 and stats["gpipe_bound"] == pytest.approx(1 / 5)
+    assert stats["schedule"] == schedule
     assert all(0.0 <= s["idle_fraction"] <= 1.0 for s in stats["stages"])
     assert "timeline" not in stats  # recorded with profile=True only
 
@@ -214,6 +217,7 @@ REFUSED = [
     (dict(num_stages=2, sample_weight_col="label"), r"mode='pipeline' takes no `sample_weight_col`"),
     (dict(num_stages=2, overlap=False), r"`overlap` applies to mode='sync' or 'sharded' only"),
     (dict(num_stages=2, profile=1), r"Expected `profile` to be True or False"),
+    (dict(num_stages=2, schedule="pipedream"), r"Expected `schedule` to be 'gpipe' or '1f1b'"),
     (dict(num_stages=2, callbacks=[keras.callbacks.Callback()]), r"`callbacks` run inside Keras's fit"),
 ]
 

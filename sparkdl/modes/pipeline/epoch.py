@@ -262,7 +262,8 @@ class StageEpochs:
 
     def stats(self, plan, rows: np.ndarray) -> dict:
         """``FitResult.stats["pipeline"]``: per stage of replica 0 (``rows``), its parameters, the bytes of weights
-        and optimizer state its task held, its seconds computing and waiting, its idle fraction; GPipe's bound."""
+        and optimizer state its task held, its seconds computing and waiting, its idle fraction; the schedule, and
+        the bound on the idle fraction (GPipe's, 1F1B's too)."""
         stages = []
         for parameters, row in zip(plan.parameters, rows):
             compute, wait, allreduce, steps, weight_bytes, optimizer_bytes = row.tolist()
@@ -281,6 +282,7 @@ class StageEpochs:
         return {
             "stages": stages,
             "micro_batches": self.runner.micro_batches,
+            "schedule": self.runner.schedule,
             "steps": int(summary["steps"]),
             "idle_fraction": float(np.mean([s["idle_fraction"] for s in stages])),
             "gpipe_bound": summary["gpipe_bound"],

@@ -18,7 +18,7 @@ from sparkdl.keras import serialization
 from sparkdl.launch.layout import Task, TaskLayout
 from sparkdl.modes.barrier import BarrierPlan, Ranks
 from sparkdl.modes.base import Job, Mode, ModeResult, Option
-from sparkdl.modes.pipeline import cut, state, task
+from sparkdl.modes.pipeline import cut, schedules, state, task
 from sparkdl.modes.pipeline.task import read_report, stage_payload
 from sparkdl.modes.shared_options import PROFILE
 
@@ -32,6 +32,14 @@ def _check_cut_points(value) -> None:
 
 NUM_STAGES = Option("num_stages", "consecutive stages the model is cut into, one task each", minimum=2, required=True)
 MICRO_BATCHES = Option("micro_batches", "parts of each batch that flow through the stages one after another", default=4)
+SCHEDULE = Option(
+    "schedule",
+    "the order of a step's passes on each stage: GPipe's (every forward, then every backward) or 1F1B's (one forward "
+    "and one backward in turn: the same bubble, fewer micro-batches' activations held at once)",
+    kind=str,
+    default="gpipe",
+    choices=tuple(schedules.SCHEDULES),
+)
 CUT_POINTS = Option(
     "cut_points",
     "the names of the layers that start stages 2, 3, ... (default: stages balanced by parameters)",
@@ -42,8 +50,8 @@ CUT_POINTS = Option(
 
 @dataclasses.dataclass(frozen=True)
 class PipelinePlan(BarrierPlan):
-    """GPipe: every step's micro-batches flow forward through the stages and their gradients back, each stage
-    then applies its own optimizer to its own layers (``engine.PipelineStage``).
+    """Every step's micro-batches flow forward through the stages and their gradients back, in GPipe's or 1F1B's
+    order (``schedules``); each stage then applies its own optimizer to its own layers (``engine.PipelineStage``).
 
     The last stage of replica 0 speaks for all: it reports progress, and writes the checkpoints (the
     stages of replica 0 send it their state), from inside the stage, so that a stage Spark retries resumes
@@ -52,6 +60,7 @@ class PipelinePlan(BarrierPlan):
 
     stages: cut.StagePlan  # the stages: layers, boundary shapes, parameters
     micro_batches: int
+    schedule: str  # schedules.SCHEDULES's name of the order of a step's passes
     compile_config: dict  # the model's compile settings: each stage's optimizer, the last stage's loss and metrics
     profile: bool = False  # each stage records its micro-batches' events (FitResult.stats["pipeline"]["timeline"])
 
@@ -119,11 +128,13 @@ class PipelineMode(Mode):
     names = ("pipeline",)
 
     def options(self, name: str) -> tuple[Option, ...]:
-        return (NUM_STAGES, MICRO_BATCHES, CUT_POINTS, PROFILE)
+        return (NUM_STAGES, MICRO_BATCHES, SCHEDULE, CUT_POINTS, PROFILE)
 
     def configure(self, name: str, model, values: dict) -> PipelinePlan:
         points = values["cut_points"]
         stages = cut.plan_stages(model, values["num_stages"], None if points is None else list(points))
         if model.optimizer is None:
             raise ValueError("Expected a compiled model: mode='pipeline' trains with the model's own optimizer.")
-        return PipelinePlan(name, stages, values["micro_batches"], model.get_compile_config(), values["profile"])
+        return PipelinePlan(
+            name, stages, values["micro_batches"], values["schedule"], model.get_compile_config(), values["profile"]
+        )

@@ -68,6 +68,7 @@ def train(plan: PipelinePlan, ranks: Ranks) -> bytes | None:
             plan.micro_batches,
             model.loss,
             model.optimizer,
+            schedule=plan.schedule,
             replicas=replicas,
             timeout=settings.timeout,
             observe=metrics.update if metrics is not None else None,
