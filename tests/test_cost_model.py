@@ -350,7 +350,7 @@ def _pipeline(frames, n, k, micro_batches):
         return PipelineStage(stage, comm, micro_batches, "mse", keras.optimizers.SGD(0.1), timeout=30.0)
 
     def call(comm, engine):
-        engine.train_step(x if comm.rank == 0 else None, y if comm.rank == n - 1 else None)
+        engine.train_step(x if comm.rank == 0 else None, y if comm.rank == n - 1 else None, rows=len(x))
 
     return _on_ranks(n, frames, prepare, call)
 

@@ -46,6 +46,7 @@ def test_every_declared_option_is_a_fit_keyword_an_estimator_param_and_a_job_fla
         "sync_every",
         "num_stages",
         "micro_batches",
+        "schedule",
         "cut_points",
         "gossip_every",
         "peers",

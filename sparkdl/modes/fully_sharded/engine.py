@@ -140,8 +140,9 @@ class FullyShardedReplica:
         """The last unit's model (its compiled loss and metrics)."""
         return self.units[-1].model
 
-    def train_step(self, x: np.ndarray, y: np.ndarray, *, micro_batches: int = 1) -> float:
-        """One step on this rank's batch; this rank's loss on it (the compiled loss plus every penalty)."""
+    def train_step(self, x: np.ndarray, y: np.ndarray, *, micro_batches: int = 1, rows: int | None = None) -> float:
+        """One step on this rank's batch; this rank's loss on it (the compiled loss plus every penalty). As a
+        pipeline stage's runner takes it: ``micro_batches`` and ``rows`` (``x``'s) change nothing here."""
         labels = tf.convert_to_tensor(y)
         entering, before, kept, share = self._forward(tf.convert_to_tensor(x), labels, y)
         gradient = self._backward(entering, before, kept, labels, self._next_scale())
@@ -198,7 +199,7 @@ class FullyShardedReplica:
             entering.pop()
         return np.concatenate([self._finish_scatter(u, scatters[u]) for u in range(count)])
 
-    def evaluate_step(self, x: np.ndarray, y: np.ndarray, *, micro_batches: int = 1) -> float:
+    def evaluate_step(self, x: np.ndarray, y: np.ndarray, *, micro_batches: int = 1, rows: int | None = None) -> float:
         """The forward pass alone, on held-out rows: the batch's mean loss (without penalties, as Keras's)."""
         activation, labels, loss = tf.convert_to_tensor(x), tf.convert_to_tensor(y), None
         pending: _Pending = self._start_gather(0)
