@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from sparkdl.collective.api import Work
@@ -31,8 +31,13 @@ class StepClock:
     def wait(self, work: Work, what: str, kind: str, timeout: float) -> Any:
         """``work``'s result, waited for at most ``timeout`` seconds, the wait counted as ``kind``; a failed or
         timed-out wait raises its error again, prefixed by who waited and for ``what``."""
+        return self.run(lambda: work.wait(timeout), what, kind)
+
+    def run(self, call: Callable[[], Any], what: str, kind: str) -> Any:
+        """``call()`` (a blocking collective operation), counted as ``kind``; its CollectiveError raised again,
+        prefixed by who called and for ``what``."""
         with self.timing(kind):
             try:
-                return work.wait(timeout)
+                return call()
             except CollectiveError as exc:
                 raise type(exc)(f"{self.who}: {what}: {exc}") from exc

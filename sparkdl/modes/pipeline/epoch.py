@@ -111,10 +111,11 @@ class StageMetrics:
             return
         import tensorflow as tf
 
-        self._update_state(y, outputs)
-        self._compiled = tf.function(self._update_state, reduce_retracing=True)
+        self.update_state(y, outputs)
+        self._compiled = tf.function(self.update_state, reduce_retracing=True)
 
-    def _update_state(self, y, outputs) -> None:
+    def update_state(self, y, outputs) -> None:
+        """The update itself, to be traced into a compiled step (``update`` compiles it on its own)."""
         self.model.compute_metrics(None, y, outputs, None)
 
     def reset(self) -> None:

@@ -71,7 +71,7 @@ def train(plan: PipelinePlan, ranks: Ranks) -> bytes | None:
             schedule=plan.schedule,
             replicas=replicas,
             timeout=settings.timeout,
-            observe=metrics.update if metrics is not None else None,
+            observe=metrics.update_state if metrics is not None else None,
             timeline=events,
         ),
         settings,
