@@ -13,10 +13,12 @@ all the machine's cores; sparkdl trains with ``workers`` tasks of one core each.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -154,6 +156,53 @@ class MemoryProbe:
                     return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
 
         return Probe()
+
+
+def _high_water_bytes(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def worker_peaks(every: float = 0.005):
+    """While the block runs, the high-water mark of every Python worker Spark's daemon forked (a Python process
+    whose parent is a Python process started by the JVM below this one), read every ``every`` seconds. Yields a
+    dict, pid -> the last mark read, complete once the block ends."""
+    import psutil
+
+    me, peaks, done = psutil.Process(), {}, threading.Event()
+
+    def workers() -> list[int]:
+        found = []
+        for process in me.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                daemon = process.parent()
+                if daemon and daemon.pid != me.pid and "python" in daemon.name() and daemon.parent().pid != me.pid:
+                    found.append(process.pid)
+        return found
+
+    def sample() -> None:
+        pids: list[int] = []
+        for tick in range(1 << 62):
+            if tick % 20 == 0:  # new workers: looked for less often than the marks are read
+                pids = workers()
+            for pid in pids:
+                mark = _high_water_bytes(pid)
+                if mark is not None:
+                    peaks[pid] = mark
+            if done.wait(every):
+                return
+
+    sampler = threading.Thread(target=sample, name="worker-peaks", daemon=True)
+    sampler.start()
+    try:
+        yield peaks
+    finally:
+        done.set()
+        sampler.join()
 
 
 def local_session(workers: int, **config: str):

@@ -15,11 +15,9 @@ save about W per rank (half of Adam's 2 W) and ZeRO-3 about 1.5 W.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
-import threading
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -41,57 +39,11 @@ def model(layers: int, width: int):
     return built
 
 
-def _high_water_bytes(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
-@contextlib.contextmanager
-def worker_peaks(every: float = 0.005):
-    """While the block runs, the high-water mark of every Python worker Spark's daemon forked (a Python process
-    whose parent is a Python process started by the JVM below this one), read every ``every`` seconds. Yields a
-    dict, pid -> the last mark read, complete once the block ends."""
-    import psutil
-
-    me, peaks, done = psutil.Process(), {}, threading.Event()
-
-    def workers() -> list[int]:
-        found = []
-        for process in me.children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                daemon = process.parent()
-                if daemon and daemon.pid != me.pid and "python" in daemon.name() and daemon.parent().pid != me.pid:
-                    found.append(process.pid)
-        return found
-
-    def sample() -> None:
-        pids: list[int] = []
-        for tick in range(1 << 62):
-            if tick % 20 == 0:  # new workers: looked for less often than the marks are read
-                pids = workers()
-            for pid in pids:
-                mark = _high_water_bytes(pid)
-                if mark is not None:
-                    peaks[pid] = mark
-            if done.wait(every):
-                return
-
-    sampler = threading.Thread(target=sample, name="worker-peaks", daemon=True)
-    sampler.start()
-    try:
-        yield peaks
-    finally:
-        done.set()
-        sampler.join()
-
-
 def measure(names, *, layers: int, width: int, rows: int) -> dict:
     """``{"weight_bytes": W, name: [rank peaks, highest first]}`` for the fits of ``names`` (``MODES``)."""
     import numpy as np
     from pyspark.sql import SparkSession
+    from workloads import worker_peaks
 
     import sparkdl
 

@@ -3,6 +3,7 @@ combined over the stages (the loss is every stage's share summed) and over the r
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -259,20 +260,22 @@ class StageEpochs:
         weight_bytes = sum(np.asarray(v.numpy()).nbytes for v in model.weights)
         optimizer_bytes = sum(np.asarray(v.numpy()).nbytes for v in model.optimizer.variables)
         keys = ("compute_seconds", "wait_seconds", "allreduce_seconds", "steps")
-        return np.array([*(float(summary[k]) for k in keys), weight_bytes, optimizer_bytes], np.float64)
+        row = [*(float(summary[k]) for k in keys), weight_bytes, optimizer_bytes, _peak_resident_bytes()]
+        return np.array(row, np.float64)
 
     def stats(self, plan, rows: np.ndarray) -> dict:
         """``FitResult.stats["pipeline"]``: per stage of replica 0 (``rows``), its parameters, the bytes of weights
-        and optimizer state its task held, its seconds computing and waiting, its idle fraction; the schedule, and
-        the bound on the idle fraction (GPipe's, 1F1B's too)."""
+        and optimizer state its task held, its process's peak resident memory, its seconds computing and waiting,
+        its idle fraction; the schedule, and the bound on the idle fraction (GPipe's, 1F1B's too)."""
         stages = []
         for parameters, row in zip(plan.parameters, rows):
-            compute, wait, allreduce, steps, weight_bytes, optimizer_bytes = row.tolist()
+            compute, wait, allreduce, steps, weight_bytes, optimizer_bytes, peak = row.tolist()
             stages.append(
                 {
                     "parameters": parameters,
                     "weight_bytes": int(weight_bytes),
                     "optimizer_bytes": int(optimizer_bytes),
+                    "peak_resident_bytes": int(peak),
                     "compute_seconds": compute,
                     "wait_seconds": wait,
                     "allreduce_seconds": allreduce,
@@ -291,3 +294,11 @@ class StageEpochs:
 
     def close(self) -> None:
         self.runner.close()
+
+
+def _peak_resident_bytes() -> int:
+    """The most memory this process has had resident, as the kernel counts it (``getrusage``'s ``ru_maxrss``): the
+    stage task's peak, or its Python worker's since it started where Spark reuses workers."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
