@@ -118,8 +118,8 @@ class PipelinePlan(BarrierPlan):
 
 
 class PipelineMode(Mode):
-    """The model cut into ``num_stages`` consecutive stages, one task each (GPipe): each batch's micro-batches flow
-    forward through the stages and their gradients back; for a model too large for one worker, with ``num_workers /
+    """The model cut into ``num_stages`` consecutive stages, one task each (GPipe, or 1F1B with ``schedule="1f1b"``):
+    each batch's micro-batches flow forward through the stages and their gradients back; for a model too large for one worker, with ``num_workers /
     num_stages`` data-parallel replicas.
 
     ``mode="pipeline"``: :class:`PipelinePlan`.

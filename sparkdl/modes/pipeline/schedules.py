@@ -37,4 +37,3 @@ def one_forward_one_backward(stage: int, stages: int, micro_batches: int) -> lis
 
 
 SCHEDULES: dict[str, Schedule] = {"gpipe": gpipe, "1f1b": one_forward_one_backward}
-
