@@ -87,8 +87,10 @@ class FullyShardedReplica:
         self.optimizer.build([self.shard])
         self._load_optimizer(optimizer_arrays)
 
-        def apply(gradient):
-            self.optimizer.apply([gradient], [self.shard])
+        mean = 1.0 / comm.size
+
+        def apply(summed):  # the ranks' summed gradient: its mean, in the update's own (fused) function
+            self.optimizer.apply([summed * mean], [self.shard])
 
         # one XLA function for a large shard, as sync mode's update (``sparkdl.keras.compiled_update``)
         self._apply = (compiled_update.compiled if compiled_update.pays(self.optimizer, [self.shard]) else tf.function)(
@@ -101,6 +103,8 @@ class FullyShardedReplica:
         )
         self._steps = 0
         self._held: np.ndarray = self.shard.numpy()  # the shard the gathers send (refreshed after each update)
+        # the summed gradient's shard, reduce-scattered into place and read by the update where it lies
+        self._summed = adopted.BufferPool(int(self._columns[-1]), np.float32)
         self._gathered = adopted.HeldBytes()  # every unit's gathered weights, counted until dropped
 
     @classmethod
@@ -145,9 +149,9 @@ class FullyShardedReplica:
         pipeline stage's runner takes it: ``micro_batches`` and ``rows`` (``x``'s) change nothing here."""
         labels = tf.convert_to_tensor(y)
         entering, before, kept, share = self._forward(tf.convert_to_tensor(x), labels, y)
-        gradient = self._backward(entering, before, kept, labels, self._next_scale())
+        summed = self._backward(entering, before, kept, labels, self._next_scale())
         with self._clock.timing("update"):
-            self._apply(tf.convert_to_tensor(gradient * np.float32(1.0 / self.comm.size)))
+            self._apply(tf.convert_to_tensor(summed))  # aligned: read in place
             self._held = self.shard.numpy()
         self._steps += 1
         return share
@@ -178,9 +182,11 @@ class FullyShardedReplica:
         return entering, before, kept, share
 
     def _backward(self, entering: list, before: list, kept: list, labels: tf.Tensor, scale: float) -> np.ndarray:
-        """This rank's part of the sum over ranks of every unit's (scaled) gradient, in shard order."""
+        """This rank's part of the sum over ranks of every unit's (scaled) gradient, in shard order (an aligned
+        buffer of :attr:`_summed`)."""
         count = len(self.units)
-        upstream, scatters = None, {}
+        upstream, scatters, summed = None, {}, self._summed.take()
+        scale_tensor = tf.constant(scale, tf.float32)
         pending: _Pending = self._start_gather(count - 2) if count > 1 else None
         for u in range(count - 1, -1, -1):
             unit = self.units[u]
@@ -191,13 +197,21 @@ class FullyShardedReplica:
                 pending = None  # the rows are in the weights now: let go before the next unit's arrive
                 pending = self._start_gather(u - 1) if u > 0 else None
             with self._clock.timing("compute"):
-                gradients = unit.backward(entering[u], weights, before[u], upstream, labels if unit.last else None)
+                flat, upstream = unit.backward(
+                    entering[u],
+                    weights,
+                    before[u],
+                    upstream,
+                    labels if unit.last else None,
+                    scale_tensor,
+                    self.layout.padded(u),
+                )
                 del weights, kept[:]  # the unit's whole weights are dropped before the next unit's are used
-                upstream = None if unit.first else gradients[len(unit.shapes)]
-                flat = _flat(gradients[: len(unit.shapes)], self.layout.padded(u)) * np.float32(scale)
-            scatters[u] = self._start_scatter(u, flat)
+            scatters[u] = self._start_scatter(u, flat.numpy(), summed[self._columns[u] : self._columns[u + 1]])
             entering.pop()
-        return np.concatenate([self._finish_scatter(u, scatters[u]) for u in range(count)])
+        for u in range(count):
+            self._finish_scatter(u, scatters[u], summed[self._columns[u] : self._columns[u + 1]])
+        return summed
 
     def evaluate_step(self, x: np.ndarray, y: np.ndarray, *, micro_batches: int = 1, rows: int | None = None) -> float:
         """The forward pass alone, on held-out rows: the batch's mean loss (without penalties, as Keras's)."""
@@ -339,28 +353,20 @@ class FullyShardedReplica:
             self._gathered.track(weight, 4 * size)
         return weights
 
-    def _start_scatter(self, u: int, flat: np.ndarray) -> Work:
+    def _start_scatter(self, u: int, flat: np.ndarray, into: np.ndarray) -> Work:
+        """Starts reduce-scattering unit ``u``'s gradient ``flat``: this rank's part of the sum lands ``into`` (as
+        float32 there; the wire's dtype in between)."""
         wire = flat if self._compression is None else compressions.narrow(flat, self._compression)
-        out = np.empty(self.layout.part(u), self._wire)
+        out = into if self._compression is None else np.empty(self.layout.part(u), self._wire)
         work = self._scatters.reduce_scatter_async(wire, ReduceOp.SUM, out=out)
         if not self.overlap:
             self._wait(work, f"reduce-scattering unit {u}'s gradient", "reduce_scatter")
         return work
 
-    def _finish_scatter(self, u: int, work: Work) -> np.ndarray:
+    def _finish_scatter(self, u: int, work: Work, into: np.ndarray) -> None:
         part = self._wait(work, f"reduce-scattering unit {u}'s gradient", "reduce_scatter")
-        return compressions.widen(part) if self._compression is not None else part
+        if self._compression is not None:
+            into[:] = compressions.widen(part)
 
     def _wait(self, work: Work, what: str, kind: str) -> Any:
         return self._clock.wait(work, what, kind, self.timeout)
-
-
-def _flat(gradients: Sequence[tf.Tensor], padded: int) -> np.ndarray:
-    """The gradients as one float32 vector, zero-padded to ``padded`` values (a multiple of the ranks)."""
-    flat = np.zeros(padded, np.float32)
-    position = 0
-    for gradient in gradients:
-        values = np.asarray(gradient, np.float32).reshape(-1)
-        flat[position : position + values.size] = values
-        position += values.size
-    return flat

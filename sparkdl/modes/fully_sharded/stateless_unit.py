@@ -68,9 +68,10 @@ class Unit:
         loss = batch_loss(self._loss, y, outputs) if y is not None else None
         return outputs, statistics, penalty, loss
 
-    def _backward(self, x, weights, statistics, upstream, y):
-        """The gradients of the loss (the last unit's, plus the unit's penalties, plus ``upstream`` through its
-        outputs) with respect to ``weights`` and, but on the first unit, ``x``: the forward pass run again."""
+    def _backward(self, x, weights, statistics, upstream, y, scale, padded: int):
+        """The gradient of the loss (the last unit's, plus the unit's penalties, plus ``upstream`` through its
+        outputs) with respect to ``weights``, as one vector in the weights' order times ``scale``, zero-padded to
+        ``padded`` values; and, but on the first unit (None), with respect to ``x``. The forward pass run again."""
         with tf.GradientTape() as tape:
             tape.watch(weights)
             if not self.first:
@@ -81,4 +82,8 @@ class Unit:
                 terms.append(tf.reduce_sum(outputs * tf.cast(upstream, outputs.dtype)))
             total = tf.add_n(terms)
         sources = [*weights] + ([] if self.first else [x])
-        return tape.gradient(total, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        gradients = tape.gradient(total, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        parts = [tf.reshape(tf.cast(g, tf.float32), [-1]) for g in gradients[: len(weights)]]
+        length = sum(int(np.prod(shape)) for shape in self.shapes)
+        flat = tf.concat([*parts, tf.zeros([padded - length], tf.float32)], 0) * tf.cast(scale, tf.float32)
+        return flat, (None if self.first else gradients[-1])
