@@ -151,7 +151,7 @@ class FullyShardedReplica:
         entering, before, kept, share = self._forward(tf.convert_to_tensor(x), labels, y)
         summed = self._backward(entering, before, kept, labels, self._next_scale())
         with self._clock.timing("update"):
-            self._apply(tf.convert_to_tensor(summed))  # aligned: read in place
+            self._apply(adopted.tensor_of(summed))  # aligned: read in place
             self._held = self.shard.numpy()
         self._steps += 1
         return share
@@ -345,12 +345,14 @@ class FullyShardedReplica:
         assert pending is not None  # each unit's gather was started before it is needed
         work, rows = pending
         self._wait(work, f"gathering unit {u}'s weights", "gather")
-        flat = tf.convert_to_tensor(rows.reshape(-1)[: self.layout.length(u)])
-        shapes = self.units[u].shapes
-        sizes = [int(np.prod(shape)) for shape in shapes]
-        weights = [tf.reshape(part, shape) for part, shape in zip(tf.split(flat, sizes), shapes)]
-        for weight, size in zip(weights, sizes):
-            self._gathered.track(weight, 4 * size)
+        flat, weights, position = rows.reshape(-1), [], 0
+        for shape in self.units[u].shapes:
+            size = int(np.prod(shape))
+            view = flat[position : position + size].reshape(shape)
+            weights.append(adopted.tensor_of(view))  # an aligned view is read in place: the rows' count holds it
+            if not adopted.is_aligned(view):
+                self._gathered.track(weights[-1], 4 * size)  # a copy, counted on its own
+            position += size
         return weights
 
     def _start_scatter(self, u: int, flat: np.ndarray, into: np.ndarray) -> Work:
