@@ -40,6 +40,12 @@ def tensor_of(array: np.ndarray):
     return tf.convert_to_tensor(array)
 
 
+def array_of(tensor) -> np.ndarray:
+    """A numpy view of a TensorFlow ``tensor``'s memory, through DLPack (``.numpy()`` copies it); the view holds the
+    tensor's buffer while it lives. TensorFlow writes a variable read so into a buffer of its own from then on."""
+    return np.from_dlpack(tensor)
+
+
 def is_aligned(array: np.ndarray) -> bool:
     """Whether TensorFlow may read ``array`` in place: C-contiguous and :data:`ALIGNMENT`-aligned."""
     return array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0

@@ -152,7 +152,7 @@ class FullyShardedReplica:
         summed = self._backward(entering, before, kept, labels, self._next_scale())
         with self._clock.timing("update"):
             self._apply(adopted.tensor_of(summed))  # aligned: read in place
-            self._held = self.shard.numpy()
+            self._held = adopted.array_of(tf.convert_to_tensor(self.shard))  # the updated shard, not copied
         self._steps += 1
         return share
 
@@ -207,6 +207,7 @@ class FullyShardedReplica:
                     self.layout.padded(u),
                 )
                 del weights, kept[:]  # the unit's whole weights are dropped before the next unit's are used
+            # a copy: the shared-memory reduce-scatter works in the array it is given
             scatters[u] = self._start_scatter(u, flat.numpy(), summed[self._columns[u] : self._columns[u + 1]])
             entering.pop()
         for u in range(count):
