@@ -10,7 +10,6 @@ Spark job. The rules that judge the statistics are ``sparkdl.data.rules``'.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from pyspark.sql import Column, DataFrame
@@ -63,11 +62,11 @@ class Checks:
             sizes = F.transform(arrays, lambda a: F.coalesce(F.size(a), F.lit(-1)))
             self._count(f"inner_nulls_{i}_{level}", F.exists(arrays, lambda a: a.isNull()))
             self._range(f"outer_{i}_{level}", F.size(arrays), f"outer_min_{i}_{level}", f"outer_max_{i}_{level}")
-            self._value(f"inner_low_{i}_{level}", F.array_min(sizes), Stat(f"inner_min_{i}_{level}", "", MIN))
-            self._value(f"inner_high_{i}_{level}", F.array_max(sizes), Stat(f"inner_max_{i}_{level}", "", MAX))
+            self._value(f"inner_low_{i}_{level}", F.array_min(sizes), f"inner_min_{i}_{level}", MIN)
+            self._value(f"inner_high_{i}_{level}", F.array_max(sizes), f"inner_max_{i}_{level}", MAX)
         if source.integer:
-            self._value(f"low_value_{i}", F.array_min(values), Stat(f"low_{i}", "", MIN))
-            self._value(f"high_value_{i}", F.array_max(values), Stat(f"high_{i}", "", MAX))
+            self._value(f"low_value_{i}", F.array_min(values), f"low_{i}", MIN)
+            self._value(f"high_value_{i}", F.array_max(values), f"high_{i}", MAX)
 
     def add_nonnegative(self, name: str) -> None:
         """Counts the rows where number column ``name`` is negative (sample weights)."""
@@ -103,15 +102,16 @@ class Checks:
     def _count(self, name: str, condition: Column, null_elements: str | None = None) -> None:
         """Counts the rows where ``condition`` holds (a null condition counts as false), or the array in the frame's
         column ``null_elements`` holds a null."""
-        self._value(name, F.when(condition, 1).otherwise(0).cast("int"), Stat(name, "", SUM, null_elements))
+        self._value(name, F.when(condition, 1).otherwise(0).cast("int"), name, SUM, null_elements)
 
     def _range(self, value: str, column: Column, low: str, high: str) -> None:
-        self._value(value, column, Stat(low, "", MIN))
+        self._value(value, column, low, MIN)
         self._stats.append(Stat(high, value, MAX))
 
-    def _value(self, name: str, column: Column, stat: Stat) -> None:
+    def _value(self, name: str, column: Column, stat: str, reduction: str, null_elements: str | None = None) -> None:
+        """The check value ``name`` of each row (``column``), reduced over the rows by ``reduction`` as ``stat``."""
         self._values[name] = column
-        self._stats.append(dataclasses.replace(stat, value=name))
+        self._stats.append(Stat(stat, name, reduction, null_elements))
 
     def _image(self, source: SourceColumn, i: int) -> None:
         image = F.col(source.name)

@@ -82,6 +82,18 @@ def progress_callback(
     return ReportProgress()
 
 
+def start_event(initial_epoch: int, steps_per_epoch: int, rows: int, validation_rows: int) -> dict:
+    """The progress event of training's start: the epoch it starts at, a worker's steps per epoch, and the training
+    and held-out rows the reporting task knows of (every worker's, or its own where each reports for itself)."""
+    return {
+        "event": "start",
+        "initial_epoch": initial_epoch,
+        "steps_per_epoch": steps_per_epoch,
+        "rows": rows,
+        "validation_rows": validation_rows,
+    }
+
+
 def epoch_event(epoch: int, logs: dict, samples: int, validation_rows: int, seconds: float) -> dict:
     """The progress event of an epoch's end: its ``logs``, the training ``samples`` and ``validation_rows`` behind
     them (which weigh them when the driver combines workers) and the throughput of its ``seconds``."""

@@ -331,15 +331,7 @@ class Ranks:
             if self.writer:
                 steps = self.settings.steps_per_epoch
                 rows, validation_rows = int(self.counts[:, 0].sum()), int(self.counts[:, 1].sum())
-                self.reporter.progress(
-                    {
-                        "event": "start",
-                        "initial_epoch": start.epoch,
-                        "steps_per_epoch": steps,
-                        "rows": rows,
-                        "validation_rows": validation_rows,
-                    }
-                )
+                self.reporter.progress(callbacks.start_event(start.epoch, steps, rows, validation_rows))
             yield checkpointer
 
     def report_epoch(self, epoch: int, logs: dict, seconds: float) -> None:

@@ -172,15 +172,7 @@ def run_parameter_server_task(
         hook = StepHook(model, spans, push_pull, plan.push_every, plan.compression)
         hook.assign(variables, push_pull.pull())
         keras.utils.set_random_seed(settings.seed + rank)  # dropout and the like differ per worker, by design
-        reporter.progress(
-            {
-                "event": "start",
-                "initial_epoch": settings.initial_epoch,
-                "steps_per_epoch": steps,
-                "rows": len(rows),
-                "validation_rows": len(held_out),
-            }
-        )
+        reporter.progress(callbacks.start_event(settings.initial_epoch, steps, len(rows), len(held_out)))
         for skipped in range(settings.initial_epoch, epoch):  # trained before it resumed: the others' metrics count
             reporter.progress({**callbacks.epoch_event(skipped, {}, 0, 0, 0.0), "skipped": True})
         history: dict[str, list[float]] = {}

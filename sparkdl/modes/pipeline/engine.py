@@ -3,7 +3,7 @@ function.
 
 Stage s holds only its own layers (:func:`sparkdl.modes.pipeline.cut.build_stage`) and talks only to
 stages s-1 and s+1, by point-to-point messages of raw float32 arrays (``messages.StepMessages``: a stream per
-direction and kind, every receive posted when the step starts).
+direction and kind; the activations' receives posted when the step starts).
 
 - One compiled step. A step's passes (``schedules``: GPipe's, or 1F1B's) are one ``tf.function`` of the stage's
   layers, their gradients, the optimizer's update and, between them, the messages: a message is taken from or
