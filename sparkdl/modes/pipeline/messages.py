@@ -1,16 +1,21 @@
-"""A pipeline stage's messages of one step: every receive posted when the step starts, each checked on arrival.
+"""A pipeline stage's messages of one step: the activations' receives posted when the step starts, each message
+checked on arrival.
 
 A stage talks to its neighbours over four streams (communicators that each run their operations one at a time, in
 call order): activations in from stage s-1, activations out to s+1, gradients in from s+1, gradients out to s-1.
 Each stream carries one kind of operation, so no receive waits behind a send (or a send behind a receive) whatever
-the schedule's order. The step's activations are received as soon as they come (every receive posted at the step's
-start, so that they land while the stage computes, and a stage sending its activations never waits for its
-neighbour to ask: 1F1B sends micro-batch m+1 forward before it takes m's gradient back, which its neighbour sends
-before it takes m+1). A gradient is received when the step takes it, in the thread that takes it: every stage runs
-its backward passes in one order, so a stage sending a gradient waits at most for its neighbour's passes before.
-A send goes out when the compiled step hands its array over, from that thread too (the links queue its bytes). The edges alternate between two sets of streams (by the parity of the edge), so that a middle stage's
-activations in and out are two streams too. Tags: ``2 m`` carries micro-batch m's activation, ``2 m + 1`` its
-gradient; messages of one tag from one peer arrive in the order sent, so successive steps cannot mix either.
+the schedule's order.
+
+- Activations are received as soon as they come: every receive is posted at the step's start, so that they land
+  while the stage computes, and a stage sending its activations never waits for its neighbour to ask (1F1B sends
+  micro-batch m+1 forward before it takes m's gradient back, which its neighbour sends before it takes m+1).
+- A gradient is received when the step takes it, in the thread that takes it: every stage runs its backward passes
+  in one order, so a stage sending a gradient waits at most for its neighbour's passes before.
+- A send goes out when the compiled step hands its array over, from that thread too (the links queue its bytes).
+
+The edges alternate between two sets of streams (by the parity of the edge), so that a middle stage's activations
+in and out are two streams too. Tags: ``2 m`` carries micro-batch m's activation, ``2 m + 1`` its gradient; messages
+of one tag from one peer arrive in the order sent, so successive steps cannot mix either.
 """
 
 from __future__ import annotations
