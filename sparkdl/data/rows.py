@@ -96,11 +96,16 @@ class Partition:
         self._directory = directory  # None: count, spill nothing
         self._keys: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])  # training rows', held-out rows', by batch
         self.keys = np.empty(0, np.int64)  # its training rows' keys (``ROW_KEY``), once it has arrived
-        self.held_out_rows = 0
+        self._held_out_keys = np.empty(0, np.int64)
         self._fields: Fields | None = None
         self._spilled: tuple[SpilledRows, SpilledRows] | None = None
         self._read: tuple[MappedRows | FileRows, MappedRows | FileRows] | None = None
         self._refused = False
+
+    @property
+    def held_out_rows(self) -> int:
+        """Its held-out rows, once it has arrived."""
+        return len(self._held_out_keys)
 
     def add(self, batch: pa.RecordBatch) -> None:
         if ROW_KEY not in batch.schema.names:
@@ -132,8 +137,7 @@ class Partition:
             spilled.append(fields.arrays(part))
 
     def finish(self) -> None:
-        self.keys = _joined(self._keys[0])
-        self.held_out_rows = sum(len(keys) for keys in self._keys[1])
+        self.keys, self._held_out_keys = _joined(self._keys[0]), _joined(self._keys[1])
         if self._spilled is not None:
             self._read = (self._spilled[0].finish(), self._spilled[1].finish())
             self._spilled = None
@@ -155,7 +159,7 @@ class Partition:
             self._read = tuple(SpilledRows(fields.all, self._directory).finish() for _ in range(2))  # type: ignore[assignment]
         assert self._read is not None
         training, held_out = self._read
-        return Rows(fields, training, self.keys), Rows(fields, held_out, _joined(self._keys[1]))
+        return Rows(fields, training, self.keys), Rows(fields, held_out, self._held_out_keys)
 
     def own_rows(self) -> tuple[Rows, Rows]:
         """:meth:`rows`, once this partition's own statistics passed the rules: for a worker that judges its own rows

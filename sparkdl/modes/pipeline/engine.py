@@ -84,8 +84,11 @@ class PipelineStage:
         self._clock = StepClock(f"pipeline stage {self.stage} of {self.stages}", ("compute", "wait", "allreduce"))
         self._messages: StepMessages | None = None  # the step in flight's
         self._failure: BaseException | None = None  # what stopped the compiled step from inside, raised after it
-        if model.trainable_variables and not optimizer.built:
+        self._trains = bool(model.trainable_variables)  # a stage may hold only weightless layers
+        if self._trains and not optimizer.built:
             optimizer.build(model.trainable_variables)  # its variables made outside the compiled step
+        # one row of what arrives from stage s-1 and of the gradient that arrives from stage s+1
+        self._row_shapes = (tuple(model.inputs[0].shape[1:]), tuple(model.outputs[0].shape[1:]))
         self._train = tf.function(self._train_passes, autograph=False)
         self._evaluate = tf.function(self._evaluate_passes, autograph=False)
         self._concrete: dict[tuple, Any] = {}  # (passes, batch specs, static arguments) -> its concrete function
@@ -117,12 +120,12 @@ class PipelineStage:
         if self._timeline is not None:
             self._timeline.begin_step()
         order = SCHEDULES[self.schedule](self.stage, self.stages, count)
-        apply_here = self.replicas is None and bool(self.model.trainable_variables)
+        apply_here = self.replicas is None and self._trains
         gradients, share = self._run(self._train, order, sizes, x, y, count, apply_here)
         share = float(share)
         if self.replicas is not None:
             gradients, share = self._average_over_replicas(self.replicas, gradients, share)
-            if self.model.trainable_variables:
+            if self._trains:
                 with self._clock.timing("compute"):
                     self._apply(gradients)
         self._steps += 1
@@ -151,7 +154,7 @@ class PipelineStage:
             self.stages,
             order,
             sizes,
-            (tuple(self.model.inputs[0].shape[1:]), tuple(self.model.outputs[0].shape[1:])),
+            self._row_shapes,
             self._clock,
             self.timeout,
         )
@@ -184,8 +187,7 @@ class PipelineStage:
     def _train_passes(self, x, y, sizes, count: int, apply_here: bool) -> tuple:
         """The step's passes in the schedule's order: the accumulated gradients and this stage's share of the loss;
         the gradients applied here when ``apply_here``, the last stage's metrics updated."""
-        xs = None if x is None else tf.split(x, sizes, num=count)
-        ys = None if y is None else tf.split(y, sizes, num=count)
+        xs, ys = (None if a is None else tf.split(a, sizes, num=count) for a in (x, y))
         rows = tf.cast(tf.reduce_sum(sizes), tf.float32)
         variables = self.model.trainable_variables
         token = tf.zeros((), tf.int32)  # each pass starts after the one before it has ended
@@ -217,7 +219,7 @@ class PipelineStage:
                 if term is not None:
                     targets.append(term)
                     seeds.append(tf.cast(weight, term.dtype))
-                    share += tf.cast(weight * tf.cast(term, tf.float32), tf.float32)
+                    share += weight * tf.cast(term, tf.float32)
             if upstream is not None:
                 targets.append(outputs)
                 seeds.append(tf.cast(upstream, outputs.dtype))
@@ -242,8 +244,7 @@ class PipelineStage:
 
     def _evaluate_passes(self, x, y, sizes, count: int) -> tf.Tensor:
         """Every micro-batch forward, in order: the last stage's mean loss over the batch (its metrics updated)."""
-        xs = None if x is None else tf.split(x, sizes, num=count)
-        ys = None if y is None else tf.split(y, sizes, num=count)
+        xs, ys = (None if a is None else tf.split(a, sizes, num=count) for a in (x, y))
         token, total, outputs_of = tf.zeros((), tf.int32), tf.zeros((), tf.float32), []
         for m in range(count):
             entering, token = self._entering(xs, m, token, mark=False)
