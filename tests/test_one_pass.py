@@ -2,6 +2,7 @@
 own, and still stop the fit, naming the column, before any rank's first step."""
 
 import logging
+import os
 
 import keras
 import numpy as np
@@ -66,17 +67,27 @@ def _ids(spark, digits, rows=200, slices=2):
         ("three", "shuffled: 3 input partitions for 2 workers"),
         ("uneven", "shuffled: the input's 2 partitions hold 40 to 100 training rows"),
         ("coalesced", "shuffled: the input's partitions are made from others (a coalesce, a union) without a shuffle"),
-        ("not persisted", "shuffled: the input is not persisted"),
+        ("not persisted", "shuffled: the input is not persisted and its rows are not a projection of files"),
+        ("files, one a worker", "not shuffled: 2 input partitions, one a worker (bytes of files within 10%)"),
+        ("files of uneven sizes", "shuffled: the input's 2 partitions hold"),
+        ("files, filtered", "shuffled: the input is not persisted and its rows are not a projection of files"),
+        ("a file in two partitions", "shuffled: the input is not persisted and a file is split between partitions"),
     ],
 )
-def test_a_persisted_input_of_even_partitions_one_a_worker_is_read_whole_without_a_shuffle(
-    spark, digits, tmp_path, caplog, case, deal
+def test_an_input_of_even_partitions_one_a_worker_is_read_whole_without_a_shuffle(
+    spark, digits, tmp_path, tmp_path_factory, caplog, case, deal
 ):
-    """Each worker trains exactly the rows of its input partition where a persisted input has one per worker, holding
-    training rows within 10% of each other; other inputs are dealt row by row through a shuffle, and the fit's log
-    says why."""
+    """Each worker trains exactly the rows of its input partition where the input has one per worker, known to be
+    within 10% of each other before it is read (persisted: its training rows; whole files: their bytes); other inputs
+    are dealt row by row through a shuffle, and the fit's log says why."""
     from pyspark.sql import functions as F
     from test_step_checkpoints import _in_order, _model
+
+    def files(df):
+        """``df`` written as Parquet, one file a partition, and read back (not persisted)."""
+        table = str(tmp_path_factory.mktemp("table") / "ids")
+        df.write.parquet(table)
+        return spark.read.parquet(table)
 
     df = {
         "one a worker": lambda: _ids(spark, digits),
@@ -84,18 +95,32 @@ def test_a_persisted_input_of_even_partitions_one_a_worker_is_read_whole_without
         "uneven": lambda: _ids(spark, digits).where(F.col("features")[0] >= 60),  # partition 0: ids 0..99
         "coalesced": lambda: _ids(spark, digits, slices=4).coalesce(2),
         "not persisted": lambda: _ids(spark, digits),
+        "files, one a worker": lambda: files(_ids(spark, digits)),
+        "files of uneven sizes": lambda: files(_ids(spark, digits).where(F.col("features")[0] >= 60)),
+        "files, filtered": lambda: files(_ids(spark, digits)).where(F.col("label") != 3),
+        "a file in two partitions": lambda: files(_ids(spark, digits).coalesce(1)),
     }[case]()
-    if case != "not persisted":
+    if case == "a file in two partitions":  # read as two halves of its bytes (a half may hold none of its rows)
+        size = sum(os.path.getsize(path.removeprefix("file:")) for path in df.inputFiles())
+        spark.conf.set("spark.sql.files.maxPartitionBytes", size // 2 + 1)
+        spark.conf.set("spark.sql.files.openCostInBytes", 0)
+        spark.conf.set("spark.sql.files.minPartitionNum", 1)
+    if case in ("one a worker", "three", "uneven", "coalesced"):
         df = df.cache()
     where = df.select(F.spark_partition_id().alias("p"), F.col("features")[0].cast("int").alias("id")).collect()
     inputs = {p: sorted(row.id for row in where if row.p == p) for p in range(df.rdd.getNumPartitions())}
-    with caplog.at_level(logging.INFO, logger="sparkdl"):
-        sparkdl.fit(df, _model(tmp_path), num_workers=2, epochs=1, batch_size=16, seed=0, progress=False)
+    try:
+        with caplog.at_level(logging.INFO, logger="sparkdl"):
+            sparkdl.fit(df, _model(tmp_path), num_workers=2, epochs=1, batch_size=16, seed=0, progress=False)
+    finally:
+        spark.conf.unset("spark.sql.files.maxPartitionBytes")
+        spark.conf.unset("spark.sql.files.openCostInBytes")
+        spark.conf.unset("spark.sql.files.minPartitionNum")
     trained = {partition: sorted(ids) for (_, partition), ids in _in_order(tmp_path).items()}
     (phases,) = [r.getMessage() for r in caplog.records if "sparkdl: phases" in r.getMessage()]
     assert f"rows {deal}" in phases, phases
-    if case == "one a worker":
-        assert trained == inputs
+    if "one a worker" in case:
+        assert len(inputs) == 2 and trained == inputs
     else:
         assert sorted(trained[0] + trained[1]) == sorted(r.id for r in where) and trained[0] not in inputs.values()
     df.unpersist()

@@ -10,12 +10,15 @@ mid-epoch on another number of workers finds which rows the epoch has trained fr
 (``sparkdl.position``). The keys are the same on every run over the same input (a table, files), since Spark
 numbers rows by their input partition.
 
-Where a persisted input has exactly as many partitions as a data-parallel layout has workers, holding training rows
-within ``BALANCE_TOLERANCE`` of each other (counted over the cached rows, :func:`training_rows_by_partition`:
-no pass over the source), each worker reads one input partition whole (``TaskLayout.by_partition``): no shuffle, and a
-row's shard is its partition (``sparkdl.position.shard_of``). Other inputs are shuffled: the row counts of a partition
-that is not cached are known only from a pass over the source, and one worker's surplus of rows would hold up every
-lockstep step.
+Where the input has exactly as many partitions as a data-parallel layout has workers, and they are known to be even
+within ``BALANCE_TOLERANCE`` before the fit reads them, each worker reads one input partition whole
+(``TaskLayout.by_partition``): no shuffle, and a row's shard is its partition (``sparkdl.position.shard_of``). They are
+known even where the input is persisted (its training rows counted over the cached rows,
+:func:`training_rows_by_partition`) or is whole files read as they are (a projection of a file scan, no file split
+between partitions: their bytes, :func:`file_bytes_by_partition`, from the file listing Spark plans with). Other
+inputs are shuffled: a partition's rows are otherwise known only from a pass over the source, and one worker's surplus
+of rows would hold up every lockstep step. Spark's barrier stage reads one partition a task (SPARK-24820), so an input
+of more partitions than workers is shuffled too.
 """
 
 from __future__ import annotations
@@ -83,20 +86,24 @@ class TaskLayout:
             return self, "shuffled: its tasks do not each read a shard of their own"
         if getattr(df, "_jdf", None) is None:
             return self, "shuffled: the input's partitions are not known to a Spark Connect client"
-        if not _persisted(df):
-            return self, "shuffled: the input is not persisted (persist it to deal it by partition, without a shuffle)"
         partitions = frame._jdf.rdd().getNumPartitions()
         if partitions != self.slots:
-            return self, f"shuffled: {partitions} input partitions for {self.slots} workers"
+            return self, f"shuffled: {partitions} input partitions for {self.slots} workers (a barrier task reads one)"
         if not _one_partition_count(frame):
             return self, "shuffled: the input's partitions are made from others (a coalesce, a union) without a shuffle"
-        rows = training_rows_by_partition(frame, partitions)
-        low, high = min(rows), max(rows)
+        if _persisted(df):
+            sizes, unit = training_rows_by_partition(frame, partitions), "training rows"
+        else:
+            files = file_bytes_by_partition(frame)
+            if isinstance(files, str):
+                return self, f"shuffled: the input is not persisted and {files}; persist it to deal it by partition"
+            sizes, unit = files, "bytes of files"
+        low, high = min(sizes), max(sizes)
         if low == 0 or high > low * (1 + BALANCE_TOLERANCE):
-            return self, f"shuffled: the input's {partitions} partitions hold {low} to {high} training rows"
+            return self, f"shuffled: the input's {partitions} partitions hold {low} to {high} {unit}"
         return dataclasses.replace(
             self, by_partition=True
-        ), f"not shuffled: {partitions} input partitions, one a worker"
+        ), f"not shuffled: {partitions} input partitions, one a worker ({unit} within {BALANCE_TOLERANCE:.0%})"
 
     def readers(self, shard: int) -> list[int]:
         """The tasks that read ``shard``."""
@@ -124,6 +131,28 @@ def _persisted(frame: DataFrame) -> bool:
     """Whether ``frame`` (a classic DataFrame) is persisted."""
     level = frame.storageLevel
     return bool(level.useMemory or level.useDisk or level.useOffHeap)
+
+
+# The physical plan of a projection of whole files: the nodes between the scan and its rows, and the scan
+_PROJECTION_NODES = {"WholeStageCodegenExec", "ProjectExec", "ColumnarToRowExec", "InputAdapter"}
+
+
+def file_bytes_by_partition(frame: DataFrame) -> list[int] | str:
+    """The bytes of files each of (unpersisted) ``frame``'s partitions reads, where ``frame`` is a projection of a file
+    scan that reads each file whole in one partition, from the file listing Spark plans it with (no job); else why its
+    partitions' sizes are not known before they are read."""
+    node = frame._jdf.queryExecution().executedPlan()
+    while node.getClass().getSimpleName() in _PROJECTION_NODES:
+        node = node.children().apply(0)
+    if node.getClass().getSimpleName() != "FileSourceScanExec":
+        return "its rows are not a projection of files: a filter, a join, rows made in Python"
+    sizes = []
+    for partition in node.inputRDD().partitions():
+        files = list(partition.files())
+        if any(file.start() != 0 or file.length() != file.fileSize() for file in files):
+            return "a file is split between partitions"
+        sizes.append(sum(int(file.length()) for file in files))
+    return sizes
 
 
 def training_rows_by_partition(frame: DataFrame, partitions: int) -> list[int]:
