@@ -1,7 +1,7 @@
 """How many times a fit reads its table, from Spark's own metrics: the rows each stage of the fit's jobs read from the
 Parquet files, and the bytes it wrote to and read from the shuffle, against the table's rows and size.
 
-    python benchmarks/passes.py [--rows 250000] [--workers 2] [--modes sync async] [--epochs 1] [--persist | --read-whole]
+    python benchmarks/passes.py [--rows 250000] [--workers 2] [--modes sync async] [--epochs 1] [--persist | --filtered]
 
 The dense workload (``benchmarks/workloads.py``: 100 float32 features a row, in Parquet, not cached) is fitted once
 per mode in a fresh ``local[workers]`` session (the session's jobs before the fit are not counted). Spark's status
@@ -11,9 +11,9 @@ fit's rows read from the files as a multiple of the table's rows: the passes ove
 Rows, not bytes: Spark 4's ``inputBytes`` misses what Parquet reads on its own threads (vectored reads), and shows a
 few KiB for a pass over 100 MiB; each pass reads the columns the fit uses, so a pass's bytes are the table's.
 With ``--persist`` the fit's input is the table persisted (``cache()``, filled by the fit's first read): where it has
-one partition per worker, evenly filled, the rows are dealt without a shuffle (``launch.layout``). With
-``--read-whole`` the session plans the files as one partition of whole files a worker
-(``spark.sql.files.maxPartitionBytes`` above the table's size), which the fit reads without a shuffle too.
+one partition per worker, evenly filled, the rows are dealt without a shuffle (``launch.layout``); unpersisted, its
+files are read as one partition of whole files a worker (``launch.whole_files``). With ``--filtered`` the input is the
+table behind a filter every row passes, which is not a projection of files: its rows are dealt through a shuffle.
 """
 
 from __future__ import annotations
@@ -86,12 +86,13 @@ def settled(spark, before: set) -> list[Stage]:
 def measure(mode: str, args, table: str) -> dict:
     """One fit of ``mode`` on the Parquet ``table`` in a fresh session: its stages and the passes over the table."""
     workload = dataclasses.replace(WORKLOADS["dense"], rows=args.rows, epochs=args.epochs)
-    whole = {"spark.sql.files.maxPartitionBytes": str(1 << 40)} if args.read_whole else {}
-    spark = local_session(args.workers, **{"spark.ui.enabled": "true", "spark.ui.port": "0", **whole})
+    spark = local_session(args.workers, **{"spark.ui.enabled": "true", "spark.ui.port": "0"})
     try:
         frame = spark.read.parquet(table)
         if args.persist:
             frame = frame.cache()
+        if args.filtered:
+            frame = frame.where("label IS NOT NULL")
         before = set(stages(spark))
         clock = time.monotonic()
         workload.fit(frame, args.workers, mode=mode)
@@ -119,9 +120,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["sync", "async"])
     read = parser.add_mutually_exclusive_group()
     read.add_argument("--persist", action="store_true", help="fit the table persisted (cache())")
-    read.add_argument(
-        "--read-whole", action="store_true", help="plan the files as one partition of whole files a worker"
-    )
+    read.add_argument("--filtered", action="store_true", help="fit the table behind a filter every row passes")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="passes-") as folder:

@@ -13,10 +13,10 @@ communication the buckets hide behind backprop.
     PYTHONPATH=../before python benchmarks/step_cost.py --variants sync --no-profile   # an older checkout
 
 ``dense`` and ``mlp8m`` are read from Parquet by both sides: one process's time includes reading
-the rows into numpy, as sparkdl's includes its tasks reading them. The table is 8 files, which Spark plans
-as 4 partitions: a fit deals them to its workers through a shuffle. ``sync, files read whole`` plans it
-as one partition of whole files a worker (``spark.sql.files.maxPartitionBytes`` above the table's size,
-for that fit alone), which a fit reads without a shuffle (``sparkdl.launch.layout``).
+the rows into numpy, as sparkdl's includes its tasks reading them. The table is 8 files, which a fit
+reads as one partition of whole files a worker, without a shuffle (``sparkdl.launch.whole_files``);
+``sync, rows shuffled`` reads them behind a filter that every row passes, which the fit deals to its
+workers through a shuffle, as before.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ VARIANTS = {
     "sharded": {"mode": "sharded"},
     "sharded compression=bf16": {"mode": "sharded", "compression": "bf16"},
     "sharded shard_weights=True": {"mode": "sharded", "shard_weights": True},
-    # the Parquet table planned as one partition of whole files a worker: the fit deals it without a shuffle
-    "sync, files read whole": {"spark_conf": {"spark.sql.files.maxPartitionBytes": str(1 << 40)}},
+    # the same rows behind a filter (no row fails it): not a projection of files, so the fit shuffles them
+    "sync, rows shuffled": {"where": "label IS NOT NULL"},
 }
 
 
@@ -98,14 +98,8 @@ def _measure(spark, workload, args, directory: str) -> None:
         ).cache()
         df.count()
 
-    def fit(spark_conf=None, **options):
-        for key, value in (spark_conf or {}).items():
-            spark.conf.set(key, value)
-        try:
-            return workload.fit(df, args.workers, **options)
-        finally:
-            for key in spark_conf or {}:
-                spark.conf.unset(key)
+    def fit(where=None, **options):
+        return workload.fit(df if where is None else df.where(where), args.workers, **options)
 
     sparkdl.fit(df.limit(4 * args.workers * workload.batch_size), workload.model(), num_workers=args.workers)
     reads, trains, walls = [], [], {variant: [] for variant in args.variants}

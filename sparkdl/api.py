@@ -212,7 +212,9 @@ def fit(
             asked = time.perf_counter()
             workers = probe.start_check(df.sparkSession, layout.slots, timeout)
             try:  # by whole input partitions where it can, no shuffle (a persisted input's count job beside the probe)
-                layout, deal = layout.dealt(df, training.frame)
+                read_as = resumed.read_as if resumed is not None else None
+                layout, frame, deal = layout.dealt(df, training.frame, read_as)
+                training = dataclasses.replace(training, frame=frame)
             except Exception:
                 workers.wait()  # a broken executor Python fails the count job too: the probe's error names why
                 raise
@@ -482,6 +484,14 @@ class _Resumed:
     @property
     def epoch(self) -> int:
         return self.checkpoint.epoch
+
+    @property
+    def read_as(self) -> int | None:
+        """The partitions the epoch it resumes in was first read as, whole, one a worker (its rows' keys); None where
+        it was not (or it resumes at an epoch's start)."""
+        position = self.checkpoint.position
+        first = position.segments[0] if position is not None else None
+        return first.shards if first is not None and first.by_partition else None
 
 
 def _newest_checkpoint(checkpoints: CheckpointStore | None, model, custom_objects) -> _Resumed | None:

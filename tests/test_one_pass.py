@@ -1,6 +1,7 @@
 """A fit reads its input once: the rows' checks are reduced where the training stage reads them, in no job of their
 own, and still stop the fit, naming the column, before any rank's first step."""
 
+import collections
 import logging
 import os
 
@@ -67,63 +68,98 @@ def _ids(spark, digits, rows=200, slices=2):
         ("three", "shuffled: 3 input partitions for 2 workers"),
         ("uneven", "shuffled: the input's 2 partitions hold 40 to 100 training rows"),
         ("coalesced", "shuffled: the input's partitions are made from others (a coalesce, a union) without a shuffle"),
-        ("not persisted", "shuffled: the input is not persisted and its rows are not a projection of files"),
-        ("files, one a worker", "not shuffled: 2 input partitions, one a worker (bytes of files within 10%)"),
-        ("files of uneven sizes", "shuffled: the input's 2 partitions hold"),
-        ("files, filtered", "shuffled: the input is not persisted and its rows are not a projection of files"),
-        ("a file in two partitions", "shuffled: the input is not persisted and a file is split between partitions"),
     ],
 )
-def test_an_input_of_even_partitions_one_a_worker_is_read_whole_without_a_shuffle(
-    spark, digits, tmp_path, tmp_path_factory, caplog, case, deal
+def test_a_persisted_input_of_even_partitions_one_a_worker_is_read_whole_without_a_shuffle(
+    spark, digits, tmp_path, caplog, case, deal
 ):
-    """Each worker trains exactly the rows of its input partition where the input has one per worker, known to be
-    within 10% of each other before it is read (persisted: its training rows; whole files: their bytes); other inputs
-    are dealt row by row through a shuffle, and the fit's log says why."""
+    """Each worker trains exactly the rows of its input partition where a persisted input has one per worker, holding
+    training rows within 10% of each other; other persisted inputs are dealt row by row through a shuffle, and the
+    fit's log says why."""
     from pyspark.sql import functions as F
-    from test_step_checkpoints import _in_order, _model
-
-    def files(df):
-        """``df`` written as Parquet, one file a partition, and read back (not persisted)."""
-        table = str(tmp_path_factory.mktemp("table") / "ids")
-        df.write.parquet(table)
-        return spark.read.parquet(table)
 
     df = {
         "one a worker": lambda: _ids(spark, digits),
         "three": lambda: _ids(spark, digits, slices=3),
         "uneven": lambda: _ids(spark, digits).where(F.col("features")[0] >= 60),  # partition 0: ids 0..99
         "coalesced": lambda: _ids(spark, digits, slices=4).coalesce(2),
-        "not persisted": lambda: _ids(spark, digits),
-        "files, one a worker": lambda: files(_ids(spark, digits)),
-        "files of uneven sizes": lambda: files(_ids(spark, digits).where(F.col("features")[0] >= 60)),
-        "files, filtered": lambda: files(_ids(spark, digits)).where(F.col("label") != 3),
-        "a file in two partitions": lambda: files(_ids(spark, digits).coalesce(1)),
-    }[case]()
-    if case == "a file in two partitions":  # read as two halves of its bytes (a half may hold none of its rows)
-        size = sum(os.path.getsize(path.removeprefix("file:")) for path in df.inputFiles())
-        spark.conf.set("spark.sql.files.maxPartitionBytes", size // 2 + 1)
-        spark.conf.set("spark.sql.files.openCostInBytes", 0)
-        spark.conf.set("spark.sql.files.minPartitionNum", 1)
-    if case in ("one a worker", "three", "uneven", "coalesced"):
-        df = df.cache()
+    }[case]().cache()
     where = df.select(F.spark_partition_id().alias("p"), F.col("features")[0].cast("int").alias("id")).collect()
     inputs = {p: sorted(row.id for row in where if row.p == p) for p in range(df.rdd.getNumPartitions())}
-    try:
-        with caplog.at_level(logging.INFO, logger="sparkdl"):
-            sparkdl.fit(df, _model(tmp_path), num_workers=2, epochs=1, batch_size=16, seed=0, progress=False)
-    finally:
-        spark.conf.unset("spark.sql.files.maxPartitionBytes")
-        spark.conf.unset("spark.sql.files.openCostInBytes")
-        spark.conf.unset("spark.sql.files.minPartitionNum")
-    trained = {partition: sorted(ids) for (_, partition), ids in _in_order(tmp_path).items()}
-    (phases,) = [r.getMessage() for r in caplog.records if "sparkdl: phases" in r.getMessage()]
+    trained, phases = _trained(df, tmp_path, caplog)
     assert f"rows {deal}" in phases, phases
-    if "one a worker" in case:
-        assert len(inputs) == 2 and trained == inputs
+    if case == "one a worker":
+        assert trained == inputs
     else:
         assert sorted(trained[0] + trained[1]) == sorted(r.id for r in where) and trained[0] not in inputs.values()
     df.unpersist()
+
+
+@pytest.mark.parametrize(
+    "case, deal",
+    [
+        ("two files", "not shuffled: its files read as 2 partitions of whole files"),
+        ("eight files, planned as eight partitions", "not shuffled: its files read as 2 partitions of whole files"),
+        ("files of uneven sizes", "shuffled: the input is not persisted and its files pack into 2 partitions of"),
+        ("files, filtered", "shuffled: the input is not persisted and its rows are not a projection of files"),
+        ("one file", "shuffled: the input is not persisted and it has fewer files (1) than the 2 partitions"),
+        ("rows made in Python", "shuffled: the input is not persisted and its rows are not a projection of files"),
+    ],
+)
+def test_files_are_read_whole_one_partition_of_files_a_worker_without_a_shuffle(
+    spark, digits, tmp_path, tmp_path_factory, caplog, case, deal
+):
+    """An unpersisted projection of files is read as one partition of whole files a worker, however many partitions
+    Spark would plan them as, where their bytes pack evenly (within 10%): each worker trains the rows of whole files.
+    Other inputs are dealt row by row through a shuffle, and the fit's log says why."""
+    from pyspark.sql import functions as F
+
+    def files(df):
+        """``df`` written as Parquet, one file a partition, and read back."""
+        table = str(tmp_path_factory.mktemp("table") / "ids")
+        df.write.parquet(table)
+        return spark.read.parquet(table)
+
+    df = {
+        "two files": lambda: files(_ids(spark, digits)),
+        "eight files, planned as eight partitions": lambda: files(_ids(spark, digits, slices=8)),
+        "files of uneven sizes": lambda: files(_ids(spark, digits).where(F.col("features")[0] >= 60)),
+        "files, filtered": lambda: files(_ids(spark, digits)).where(F.col("label") != 3),
+        "one file": lambda: files(_ids(spark, digits).coalesce(1)),
+        "rows made in Python": lambda: _ids(spark, digits),
+    }[case]()
+    by_file = collections.defaultdict(set)
+    for row in df.select(F.input_file_name().alias("file"), F.col("features")[0].cast("int").alias("id")).collect():
+        by_file[row.file].add(row.id)
+    try:
+        if case.startswith("eight files"):  # Spark plans each file as a partition of its own: more than the workers
+            spark.conf.set("spark.sql.files.maxPartitionBytes", max(map(os.path.getsize, _paths(df))))
+            assert df.rdd.getNumPartitions() == 8
+        trained, phases = _trained(df, tmp_path, caplog)
+    finally:
+        spark.conf.unset("spark.sql.files.maxPartitionBytes")
+    assert f"rows {deal}" in phases, phases
+    every_row = sorted(i for ids in by_file.values() for i in ids)
+    assert sorted(trained[0] + trained[1]) == every_row  # each row once
+    whole = [
+        all(ids <= set(trained[worker]) for ids in by_file.values() if ids & set(trained[worker])) for worker in (0, 1)
+    ]
+    assert whole == ([True, True] if deal.startswith("not") else [False, False])
+
+
+def _paths(df) -> list[str]:
+    return [path.removeprefix("file:") for path in df.inputFiles()]
+
+
+def _trained(df, log_dir, caplog) -> tuple[dict[int, list[int]], str]:
+    """The ids each worker trained in a one-epoch fit of ``df``, by partition, and the fit's phase line."""
+    from test_step_checkpoints import _in_order, _model
+
+    with caplog.at_level(logging.INFO, logger="sparkdl"):
+        sparkdl.fit(df, _model(log_dir), num_workers=2, epochs=1, batch_size=16, seed=0, progress=False)
+    trained = {partition: sorted(ids) for (_, partition), ids in _in_order(log_dir).items()}
+    (phases,) = [r.getMessage() for r in caplog.records if "sparkdl: phases" in r.getMessage()]
+    return trained, phases
 
 
 @pytest.mark.parametrize(

@@ -238,35 +238,59 @@ class Slow(keras.callbacks.Callback):  # time for the test to see a step checkpo
         time.sleep(0.2)
 
 spark = SparkSession.builder.master("local[3]").config("spark.ui.enabled", "false").getOrCreate()
-_fit(_ids_frame(spark), _model({log_dir!r}, marker={marker!r}), num_workers={workers}, checkpoint_dir={ckpt!r}, checkpoint_every=2,
-     callbacks=[Slow()])
+_fit(_ids_frame(spark, {table!r}), _model({log_dir!r}, marker={marker!r}), num_workers={workers},
+     checkpoint_dir={ckpt!r}, checkpoint_every=2, callbacks=[Slow()])
 print("finished")
 """
 
 
-def _ids_frame(spark):
+def _ids_frame(spark, table=None):
+    """The ids' rows in one input partition, in row order, whatever the session's parallelism (the same row keys in
+    both drivers); or, with ``table``, read from the Parquet files there (``_write_ids``)."""
     from sklearn.datasets import load_digits
 
+    if table is not None:
+        return spark.read.parquet(table)
     x, y = load_digits(return_X_y=True)
     x = np.concatenate([np.arange(ROWS, dtype=np.float32)[:, None], (x[:ROWS] / 16.0).astype(np.float32)], 1)
-    # one input partition in row order, whatever the session's parallelism: the same row keys in both drivers
     return digits_frame(spark, x, y[:ROWS].astype(np.int64)).coalesce(1)
 
 
+def _write_ids(spark, table, files):
+    """The ids' rows written to ``table`` as ``files`` Parquet files of as many rows; each file's ids."""
+    from pyspark.sql import functions as F
+
+    _ids_frame(spark).repartition(files).write.parquet(table)
+    by_file = collections.defaultdict(set)
+    read = _ids_frame(spark, table).select(F.input_file_name().alias("file"), F.col("features")[0].alias("id"))
+    for row in read.collect():
+        by_file[row.file].add(int(row.id))
+    return list(by_file.values())
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("before, after", [(3, 2), (1, 2)])
+@pytest.mark.parametrize("before, after, files", [(3, 2, None), (1, 2, None), (3, 2, 6)])
 def test_a_driver_killed_mid_epoch_and_started_again_on_other_workers_trains_every_row_once(
-    spark, tmp_path, before, after
+    spark, tmp_path, before, after, files
 ):
     """The driver dies (SIGKILL, its whole process group) inside epoch 1; the same call, on another number of
     workers, resumes inside that epoch: the rows the killed run trained up to its last step checkpoint and the rows
-    the new run trained make every row once per epoch, none twice."""
+    the new run trained make every row once per epoch, none twice. From ``files`` Parquet files, the killed run's
+    workers read whole files (no shuffle), and the new run reads them in the same partitions (the same keys) and
+    deals them to its workers."""
     ckpt, log_dir, second_run = tmp_path / "ckpt", tmp_path / "rows", tmp_path / "second-run"
     log_dir.mkdir()
+    table = str(tmp_path / "table") if files else None
+    by_file = _write_ids(spark, table, files) if files else []
     # the resumed fit trains the checkpoint's model, whose layer logs where the first one did: the lines of the
     # second run are those whose attempt found `second_run`
     script = DRIVER.format(
-        paths=[os.path.dirname(__file__)], log_dir=str(log_dir), marker=str(second_run), workers=before, ckpt=str(ckpt)
+        paths=[os.path.dirname(__file__)],
+        log_dir=str(log_dir),
+        marker=str(second_run),
+        workers=before,
+        ckpt=str(ckpt),
+        table=table,
     )
     driver = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE)
     try:
@@ -280,7 +304,7 @@ def test_a_driver_killed_mid_epoch_and_started_again_on_other_workers_trains_eve
         driver.wait()
 
     second_run.touch()
-    resumed = _fit(_ids_frame(spark), _model(log_dir), num_workers=after, checkpoint_dir=str(ckpt))
+    resumed = _fit(_ids_frame(spark, table), _model(log_dir), num_workers=after, checkpoint_dir=str(ckpt))
 
     at = resumed.stats["resumed_at"]
     assert at["epoch"] == 1 and at["step"] > 0
@@ -295,6 +319,9 @@ def test_a_driver_killed_mid_epoch_and_started_again_on_other_workers_trains_eve
         row for (_, second), calls in attempts.items() for call, row in calls if second or call < kept
     )
     assert counted == collections.Counter({row: EPOCHS for row in range(ROWS)})
+    first_run = [{row for _, row in calls} for (_, second), calls in attempts.items() if not second]
+    for ids in by_file:  # each file's rows were one worker's in the killed run
+        assert sum(bool(ids & rows) for rows in first_run) == 1
 
 
 #: The modes whose driver saves the step checkpoints: their options, their workers, whether a resumed fit's weights

@@ -10,15 +10,14 @@ mid-epoch on another number of workers finds which rows the epoch has trained fr
 (``sparkdl.position``). The keys are the same on every run over the same input (a table, files), since Spark
 numbers rows by their input partition.
 
-Where the input has exactly as many partitions as a data-parallel layout has workers, and they are known to be even
-within ``BALANCE_TOLERANCE`` before the fit reads them, each worker reads one input partition whole
-(``TaskLayout.by_partition``): no shuffle, and a row's shard is its partition (``sparkdl.position.shard_of``). They are
-known even where the input is persisted (its training rows counted over the cached rows,
-:func:`training_rows_by_partition`) or is whole files read as they are (a projection of a file scan, no file split
-between partitions: their bytes, :func:`file_bytes_by_partition`, from the file listing Spark plans with). Other
-inputs are shuffled: a partition's rows are otherwise known only from a pass over the source, and one worker's surplus
-of rows would hold up every lockstep step. Spark's barrier stage reads one partition a task (SPARK-24820), so an input
-of more partitions than workers is shuffled too.
+Where every worker can read one input partition whole, known to hold as many rows as the others within
+``BALANCE_TOLERANCE`` before the fit reads them, it does (``TaskLayout.by_partition``): no shuffle, and a row's shard is
+its partition (``sparkdl.position.shard_of``). That is known of a persisted input of one partition a worker (its
+training rows counted over the cached rows, :func:`training_rows_by_partition`), and of an unpersisted projection of
+files, which is read as one partition of whole files a worker (``sparkdl.launch.whole_files``: their bytes, from the
+file listing). Other inputs are shuffled: a partition's rows are otherwise known only from a pass over the source, one
+worker's surplus of rows would hold up every lockstep step, and Spark's barrier stage reads one partition a task
+(SPARK-24820), so a persisted input of more partitions than workers is shuffled too.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from sparkdl.data import ROW_KEY, VALIDATION
+from sparkdl.launch.whole_files import read_whole
 
 _TASK_KEY = "__sparkdl_task_key"
 # How much more than the smallest an input partition may hold, in training rows, to be read whole by one worker: in
@@ -79,31 +79,46 @@ class TaskLayout:
     def is_data_parallel(self) -> bool:
         return self.tasks == TaskLayout.data_parallel(self.slots).tasks
 
-    def dealt(self, df: DataFrame, frame: DataFrame) -> tuple[TaskLayout, str]:
-        """This layout over ``frame``'s rows (a projection of the user's ``df``): by whole input partitions where it
-        can be (see the module), and why the rows are, or are not, shuffled, for the fit's log."""
+    def dealt(self, df: DataFrame, frame: DataFrame, read_as: int | None = None) -> tuple[TaskLayout, DataFrame, str]:
+        """This layout over ``frame``'s rows (a projection of the user's ``df``) read by whole input partitions where it
+        can be (see the module), the rows it reads, and why they are, or are not, shuffled, for the fit's log.
+        ``read_as``: the partitions of whole files the epoch a fit resumes in first read its files as (its keys)."""
         if not self.is_data_parallel:
-            return self, "shuffled: its tasks do not each read a shard of their own"
+            return self, frame, "shuffled: its tasks do not each read a shard of their own"
         if getattr(df, "_jdf", None) is None:
-            return self, "shuffled: the input's partitions are not known to a Spark Connect client"
+            return self, frame, "shuffled: the input's partitions are not known to a Spark Connect client"
+        if _persisted(df):
+            layout, why = self._by_cached_partition(frame)
+            return layout, frame, why
+        partitions = read_as or self.slots
+        whole = read_whole(frame, partitions, BALANCE_TOLERANCE)
+        if isinstance(whole, str):
+            return self, frame, f"shuffled: the input is not persisted and {whole}; persist it to deal it by partition"
+        if partitions != self.slots:
+            why = f"the epoch it resumes in read its files as {partitions} partitions, for {self.slots} workers now"
+            return self, whole.frame, f"shuffled: {why}"
+        low, high = min(whole.bytes_by_partition) / 1e6, max(whole.bytes_by_partition) / 1e6
+        within = f"{low:.3g} to {high:.3g} MB"
+        return (
+            dataclasses.replace(self, by_partition=True),
+            whole.frame,
+            f"not shuffled: its files read as {partitions} partitions of whole files ({within}), one a worker",
+        )
+
+    def _by_cached_partition(self, frame: DataFrame) -> tuple[TaskLayout, str]:
+        """This layout by whole partitions of persisted ``frame`` where it has one a worker, evenly filled."""
         partitions = frame._jdf.rdd().getNumPartitions()
         if partitions != self.slots:
             return self, f"shuffled: {partitions} input partitions for {self.slots} workers (a barrier task reads one)"
         if not _one_partition_count(frame):
             return self, "shuffled: the input's partitions are made from others (a coalesce, a union) without a shuffle"
-        if _persisted(df):
-            sizes, unit = training_rows_by_partition(frame, partitions), "training rows"
-        else:
-            files = file_bytes_by_partition(frame)
-            if isinstance(files, str):
-                return self, f"shuffled: the input is not persisted and {files}; persist it to deal it by partition"
-            sizes, unit = files, "bytes of files"
-        low, high = min(sizes), max(sizes)
+        rows = training_rows_by_partition(frame, partitions)
+        low, high = min(rows), max(rows)
         if low == 0 or high > low * (1 + BALANCE_TOLERANCE):
-            return self, f"shuffled: the input's {partitions} partitions hold {low} to {high} {unit}"
+            return self, f"shuffled: the input's {partitions} partitions hold {low} to {high} training rows"
         return dataclasses.replace(
             self, by_partition=True
-        ), f"not shuffled: {partitions} input partitions, one a worker ({unit} within {BALANCE_TOLERANCE:.0%})"
+        ), f"not shuffled: {partitions} input partitions, one a worker"
 
     def readers(self, shard: int) -> list[int]:
         """The tasks that read ``shard``."""
@@ -131,28 +146,6 @@ def _persisted(frame: DataFrame) -> bool:
     """Whether ``frame`` (a classic DataFrame) is persisted."""
     level = frame.storageLevel
     return bool(level.useMemory or level.useDisk or level.useOffHeap)
-
-
-# The physical plan of a projection of whole files: the nodes between the scan and its rows, and the scan
-_PROJECTION_NODES = {"WholeStageCodegenExec", "ProjectExec", "ColumnarToRowExec", "InputAdapter"}
-
-
-def file_bytes_by_partition(frame: DataFrame) -> list[int] | str:
-    """The bytes of files each of (unpersisted) ``frame``'s partitions reads, where ``frame`` is a projection of a file
-    scan that reads each file whole in one partition, from the file listing Spark plans it with (no job); else why its
-    partitions' sizes are not known before they are read."""
-    node = frame._jdf.queryExecution().executedPlan()
-    while node.getClass().getSimpleName() in _PROJECTION_NODES:
-        node = node.children().apply(0)
-    if node.getClass().getSimpleName() != "FileSourceScanExec":
-        return "its rows are not a projection of files: a filter, a join, rows made in Python"
-    sizes = []
-    for partition in node.inputRDD().partitions():
-        files = list(partition.files())
-        if any(file.start() != 0 or file.length() != file.fileSize() for file in files):
-            return "a file is split between partitions"
-        sizes.append(sum(int(file.length()) for file in files))
-    return sizes
 
 
 def training_rows_by_partition(frame: DataFrame, partitions: int) -> list[int]:
