@@ -53,7 +53,8 @@ class SourceColumn:
         if self.kind == VECTOR:
             from pyspark.ml.functions import vector_to_array  # Spark ML, loaded only where a Vector is read
 
-            return vector_to_array(column, "float64" if element == "double" else "float32")
+            # null for a null row, which the checks count: vector_to_array refuses a null
+            return F.when(column.isNotNull(), vector_to_array(column, "float64" if element == "double" else "float32"))
         if self.kind == SCALAR:
             return F.array(column.cast(element))
         for _ in range(self.depth - 1):
