@@ -90,7 +90,7 @@ class SpilledRows:
                 records[column] = self._texts.append(values)
             else:
                 records[column] = values
-        self._file.write(records.tobytes())
+        self._file.write(records.data)  # its buffer: tobytes() would copy the batch once more
         self._rows += len(records)
 
     def finish(self) -> MappedRows | FileRows:
