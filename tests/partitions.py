@@ -19,9 +19,8 @@ class Part(tuple):
 def partitions_as_fit_sees_them(training, num_workers):
     """Each barrier task's training rows (not its held-out ones), read back through the same dealing that fit uses
     (``Part``s)."""
-    columns = [field.column for field in training.checked.fields.all] + [CHECKS]
-    if data.VALIDATION in training.frame.columns:
-        columns.append(data.VALIDATION)
+    columns = [field.column for field in training.checked.fields.all]
+    columns += [name for name in (CHECKS, data.VALIDATION) if name in training.frame.columns]
 
     def tag(batches):
         from pyspark import TaskContext

@@ -162,26 +162,42 @@ def _trained(df, log_dir, caplog) -> tuple[dict[int, list[int]], str]:
     return trained, phases
 
 
+def _vectors(*rows):
+    """Rows of a Vector column ``f`` (Spark ML's ``DenseVector``) and an int ``label``."""
+    from pyspark.ml.linalg import Vectors
+
+    return [(None if values is None else Vectors.dense(values), label) for values, label in rows]
+
+
 @pytest.mark.parametrize(
-    "rows, schema, message",
+    "rows, schema, features, message",
     [
         (
             [([0.5, None], 1), ([0.5, 0.5], 0), ([None, float("nan")], 1)],
             "f array<double>, label int",
+            "f",
             "2 rows containing",
         ),
-        ([([0.5, float("-inf")], 1), ([0.5, 0.5], 0)], "f array<double>, label int", "1 rows containing NaN"),
-        ([([1, None], 1), ([2, 3], 0)], "f array<bigint>, label int", "1 rows containing null values"),
+        ([([0.5, float("-inf")], 1), ([0.5, 0.5], 0)], "f array<double>, label int", "f", "1 rows containing NaN"),
+        ([([1, None], 1), ([2, 3], 0)], "f array<bigint>, label int", "f", "1 rows containing null values"),
+        ([([0.5, 0.5], 1), ([0.5], 0), (None, 1)], "f array<double>, label int", "f", "has 1 null rows"),
+        ([([1, -(2**25)], 1), ([2, 3], 0)], "f array<bigint>, label int", "f", "up to 33554432 in magnitude"),
+        ([([0.5, 0.5], 1), ([0.5], 0), ([0.1, 0.2], 1)], "f array<double>, label int", "f", "is ragged"),
+        (_vectors(([0.5, float("inf")], 1), ([0.5, 0.5], 0)), ["f", "label"], "f", "1 rows containing NaN"),
+        (_vectors(([0.5, 0.1], 1), (None, 0), ([0.5, 0.5], 0)), ["f", "label"], "f", "has 1 null rows"),
+        ([([0.5, 0.5], None), ([0.5, 0.5], 1)], "f array<double>, label int", "f", "Column 'label' has 1 null rows"),
+        ([(0.5, float("nan"), 1), (0.5, 0.5, 0)], "a double, b double, label int", ["a", "b"], "Column 'b' has 1"),
     ],
 )
-def test_the_driver_s_check_and_the_tasks_judge_a_row_alike(spark, rows, schema, message):
-    """``data.prepare`` checks on the driver (one Spark job) what a fit's tasks check as they read: the same counts."""
+def test_the_driver_s_check_and_the_tasks_judge_a_row_alike(spark, rows, schema, features, message):
+    """``data.prepare`` checks on the driver (one Spark job) what a fit's tasks check as they read (a column's values
+    alone in the tasks' Arrow batches; several columns joined into one input, in the checks column): the same counts."""
     from sparkdl import data
 
     df = spark.createDataFrame(rows, schema)
     model = make_mlp(width=2, hidden=(4,), classes=2)
     with pytest.raises(RowCheckError, match=message) as driver:
-        data.prepare(df, model, "f", "label", 2)
+        data.prepare(df, model, features, "label", 2)
     with pytest.raises(RowCheckError, match=message) as tasks:
-        sparkdl.fit(df, model, features_col="f", num_workers=2, progress=False)
+        sparkdl.fit(df, model, features_col=features, num_workers=2, progress=False)
     assert str(driver.value) == str(tasks.value)

@@ -37,7 +37,8 @@ ColumnSpec = str | Sequence[str] | Mapping[str, str | Sequence[str]]
 class TrainingData:
     """A DataFrame reduced to the columns the workers read, and the rules its rows must satisfy."""
 
-    # one column per field, the checks column (CHECKS), and VALIDATION (boolean) when rows are held out
+    # one column per field, the checks column (CHECKS) unless the tasks measure every check in the fields' columns,
+    # and VALIDATION (boolean) when rows are held out
     frame: DataFrame
     rules: RowRules  # judged in the tasks over the statistics of the checks column, or on the driver (``checked``)
     checked: Checked | None = None  # the driver's verdict over all rows (``TrainingPlan.check``); None: the tasks'
@@ -151,7 +152,8 @@ class TrainingPlan:
         checks = Checks()
         for i, field in enumerate(self._planned):
             for source in field.sources:
-                checks.add_column(source, "bigint" if source.integer else field.element, column_of(field.role, i))
+                element = "bigint" if source.integer else field.element
+                checks.add_column(source, element, column_of(field.role, i), alone=len(field.sources) == 1)
         if self.weight is not None:
             checks.add_nonnegative(self.weight.sources[0].name)
         if self.mask is not None:
@@ -171,7 +173,9 @@ class TrainingPlan:
 
     def _frame(self, checks: Checks) -> DataFrame:
         columns = [p.values().alias(column_of(p.role, i)) for i, p in enumerate(self._planned)]
-        columns.append(checks.column())
+        checked = checks.column()
+        if checked is not None:
+            columns.append(checked)
         if self.mask is not None:
             columns.append(self.mask.alias(VALIDATION))
         return self.df.select(*columns)

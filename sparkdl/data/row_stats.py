@@ -1,6 +1,7 @@
 """The checks' statistics reduced over rows as they arrive in a task, and combined across tasks.
 
-A task reduces each Arrow batch's checks column (``sparkdl.data.checks.CHECKS``) into sums, minima and
+A task reduces each Arrow batch's checks column (``sparkdl.data.checks.CHECKS``), and what it measures itself in the
+columns that hold one checked column's values alone (``Stat.measured``), into sums, minima and
 maxima (:class:`~sparkdl.data.rules.Stat`), the way Spark's ``sum``, ``min`` and ``max`` would: nulls are
 skipped, and a minimum over no value is None. Tasks combine theirs as one int64 array each
 (:meth:`RowStats.to_array`), which the barrier modes' ranks allgather, so that every rank judges the same
@@ -16,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkdl.data.rules import CHECKS, MIN, SUM, Stat
+from sparkdl.data.rules import CHECKS, MIN, NON_FINITE_OR_NULL, NULL_NUMBER, NULL_ROW, SUM, VALUES, WIDTH, Stat
 
 _ROWS = Stat("rows", "", SUM)  # counted from the batches themselves
 
@@ -33,16 +34,16 @@ class RowStats:
         return cls(stats, {"rows": 0, **{stat.name: 0 if stat.reduction == SUM else None for stat in stats}})
 
     def add_batch(self, batch: pa.RecordBatch) -> None:
-        """Adds one batch's rows: its checks column, and the arrays of the columns whose null elements count."""
-        checks = batch.column(CHECKS)
-        reduced = {"rows": batch.num_rows}
+        """Adds one batch's rows: its checks column, and the columns whose values the tasks measure themselves."""
+        checks = batch.column(CHECKS) if CHECKS in batch.schema.names else None
+        reduced: dict[str, int | None] = {"rows": batch.num_rows}
         for stat in self.stats:
+            if stat.measured is not None:
+                reduced[stat.name] = _measured(stat, batch.column(stat.measured))
+                continue
+            assert checks is not None, f"the checks column carries {stat.value}"
             column = checks.field(stat.value)
-            if stat.null_elements is not None:
-                reduced[stat.name] = int(
-                    np.count_nonzero(_with_null_elements(column, batch.column(stat.null_elements)))
-                )
-            elif stat.reduction == SUM:
+            if stat.reduction == SUM:
                 reduced[stat.name] = pc.sum(column).as_py() or 0
             else:
                 reduced[stat.name] = (pc.min if stat.reduction == MIN else pc.max)(column).as_py()
@@ -76,11 +77,31 @@ class RowStats:
         return total
 
 
-def _with_null_elements(flags: pa.Array, arrays: pa.Array) -> np.ndarray:
-    """Per row, ``flags`` (0 or 1) or'ed with whether the row's array in ``arrays`` holds a null element."""
-    marked = flags.to_numpy(zero_copy_only=False).astype(bool)
-    values = pc.list_flatten(arrays)
-    if values.null_count:
-        rows = pc.list_parent_indices(arrays).filter(pc.is_null(values))
-        marked[rows.to_numpy(zero_copy_only=False)] = True
-    return marked
+def _measured(stat: Stat, arrays: pa.ListArray) -> int | None:
+    """``stat`` over rows of flat ``arrays``, as Spark would reduce the per-row value it names: a count of the rows
+    with a bad value, or the smallest or largest width or value (None where there is none)."""
+    if stat.measure == NULL_ROW:
+        return arrays.null_count
+    if stat.measure == WIDTH:
+        widths = pc.list_value_length(arrays)  # null for a null row, which the reduction skips
+        return _reduced(stat, widths)
+    values = pc.list_flatten(arrays)  # the non-null rows' values
+    if stat.measure == NULL_NUMBER:  # one value a row
+        return values.null_count
+    if stat.measure == VALUES:
+        return _reduced(stat, values)
+    if pa.types.is_floating(values.type):  # is_finite is null for a null value
+        bad = pc.fill_null(pc.invert(pc.is_finite(values)), stat.measure == NON_FINITE_OR_NULL)
+    elif stat.measure == NON_FINITE_OR_NULL:
+        bad = pc.is_null(values)
+    else:
+        return 0  # integers and strings are never NaN nor infinite
+    if not pc.any(bad).as_py():
+        return 0
+    rows = pc.list_parent_indices(arrays).filter(bad)
+    return len(np.unique(rows.to_numpy(zero_copy_only=False)))
+
+
+def _reduced(stat: Stat, values: pa.Array) -> int | None:
+    found = (pc.min if stat.reduction == MIN else pc.max)(values).as_py()
+    return None if found is None else int(found)
