@@ -61,14 +61,14 @@ class SentFrames:
     def __init__(self, monkeypatch):
         self.frames: list[tuple] = []
         self._lock = threading.Lock()
-        send = Link.send
+        send_frames = Link.send_frames  # every frame goes through it
 
-        def recording_send(link, header, payload):
+        def recording_send(link, frames):
             with self._lock:
-                self.frames.append((link.rank, link.peer, header))
-            return send(link, header, payload)
+                self.frames.extend((link.rank, link.peer, header) for header, _ in frames)
+            return send_frames(link, frames)
 
-        monkeypatch.setattr(Link, "send", recording_send)
+        monkeypatch.setattr(Link, "send_frames", recording_send)
 
     def edges(self, op: int, seq: int, group: int = 0) -> set[tuple[int, int]]:
         """(sender, receiver) of every frame of collective ``op`` call number ``seq`` of ``group``."""

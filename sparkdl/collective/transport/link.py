@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -55,16 +56,22 @@ class Link:
 
     def send(self, header: Header, payload: memoryview | bytes) -> Future:
         """Queues one frame; the future fails with a CollectiveError."""
-        return self._sender.submit(self._send_now, header, payload)
+        return self.send_frames([(header, payload)])
 
-    def _send_now(self, header: Header, payload: memoryview | bytes) -> None:
+    def send_frames(self, frames: Sequence[tuple[Header, memoryview | bytes]]) -> Future:
+        """Queues frames that go out together, in order, in one write (an array's shape and its bytes: one wake of
+        the sender thread and one system call, where two frames queued apart took two of each)."""
+        return self._sender.submit(self._send_now, frames)
+
+    def _send_now(self, frames: Sequence[tuple[Header, memoryview | bytes]]) -> None:
         try:
             with self._send_lock:
-                self.channel.send([header.pack(), payload])
-                self.bytes_sent += header.nbytes
-                self.sent_by_operation[header.op, header.dtype] += header.nbytes
+                self.channel.send([part for header, payload in frames for part in (header.pack(), payload)])
+                for header, _ in frames:
+                    self.bytes_sent += header.nbytes
+                    self.sent_by_operation[header.op, header.dtype] += header.nbytes
         except OSError as exc:
-            raise self._error(operation_name(header.op), "send to", exc) from exc
+            raise self._error(operation_name(frames[0][0].op), "send to", exc) from exc
 
     def abort(self, reason: str) -> None:
         """Tells the peer, if the link is free within a moment, why this rank gives up; then closes."""

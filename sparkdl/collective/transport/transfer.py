@@ -72,12 +72,16 @@ class Transfer:
         return out
 
     def send_array(self, peer: int, array: np.ndarray) -> None:
-        """Queues ``array`` with its dtype and shape: a frame of its shape, then its bytes."""
+        """Queues ``array`` with its dtype and shape: a frame of its shape, then its bytes, in one write."""
         array = np.ascontiguousarray(array)
         if array.ndim > MAX_DIMS:
             raise ValueError(f"Expected an array of at most {MAX_DIMS} dimensions. Received: shape {array.shape}")
-        self.send(peer, np.array([array.ndim, *array.shape], np.int64), dtype=array.dtype)
-        self.send(peer, array.reshape(-1))
+        shape = np.array([array.ndim, *array.shape], np.int64)
+        frames = [
+            (self._header(shape.nbytes, array.dtype), shape.view(np.uint8).data),
+            (self._header(array.nbytes, array.dtype), array.reshape(-1).view(np.uint8).data),
+        ]
+        self._sends.append(self.links.link(self.members[peer]).send_frames(frames))
 
     def recv_array(self, peer: int, *, out: np.ndarray | None = None) -> np.ndarray:
         """The array group rank ``peer`` sent with :meth:`send_array`; into ``out`` when given (it must match).
