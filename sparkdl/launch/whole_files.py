@@ -69,7 +69,8 @@ def read_whole(frame: DataFrame, partitions: int, tolerance: float) -> WholeFile
                     spark.conf.unset(key)
                 else:
                     spark.conf.set(key, value)
-    planned = bytes_by_partition(_scan_rdd(rows))
+    scan_rdd = _scan_rdd(rows)
+    planned = "its scan is not found" if scan_rdd is None else bytes_by_partition(scan_rdd)
     if isinstance(planned, str) or len(planned) != partitions:
         return f"Spark did not plan its files as {partitions} partitions of whole files"
     low, high = min(planned), max(planned)
@@ -99,9 +100,12 @@ def _file_scan(node):
 
 
 def _scan_rdd(rdd):
-    """The file scan's RDD under ``rdd`` (through one-to-one dependencies)."""
+    """The file scan's RDD under ``rdd`` (through its first dependencies), or None."""
     while rdd.getClass().getSimpleName() != "FileScanRDD":
-        rdd = rdd.dependencies().apply(0).rdd()
+        dependencies = rdd.dependencies()
+        if dependencies.isEmpty():
+            return None
+        rdd = dependencies.apply(0).rdd()
     return rdd
 
 
