@@ -206,7 +206,9 @@ def test_the_nfqueue_process_drops_and_delays_what_it_is_told(tmp_path):
 
             assert probe(200)["answered"] == 200
             network.impair(loss=0.3)
-            lossy = probe(200, wait=0.2)["answered"]
+            # half a second for an answer: under a loaded machine (CI's other tests) the two processes that handle a
+            # packet may take longer than 0.2 s, which counted late answers as lost (76 of 200 once)
+            lossy = probe(200, wait=0.5)["answered"]
             assert 0.38 * 200 < lossy < 0.60 * 200, lossy
             network.impair(delay=0.02)
             clock = time.monotonic()
