@@ -61,9 +61,13 @@ class Transfer:
 
     def send(self, peer: int, array: np.ndarray, *, dtype: np.dtype | None = None) -> None:
         """Queues ``array``'s bytes (1-D contiguous) to group rank ``peer``; it must not change until flushed."""
-        link = self.links.link(self.members[peer])
-        header = self._header(array.nbytes, array.dtype if dtype is None else dtype)
-        self._sends.append(link.send(header, array.reshape(-1).view(np.uint8).data))
+        self._sends.append(self.links.link(self.members[peer]).send(*self._frame(array, dtype)))
+
+    def _frame(self, array: np.ndarray, dtype: np.dtype | None = None) -> tuple[Header, memoryview]:
+        """``array``'s bytes (1-D contiguous) as a frame of this transfer, its header saying ``dtype`` (or its own)."""
+        return self._header(array.nbytes, array.dtype if dtype is None else dtype), array.reshape(-1).view(
+            np.uint8
+        ).data
 
     def recv(self, peer: int, out: np.ndarray) -> np.ndarray:
         """Receives exactly ``out``'s dtype and size from group rank ``peer`` into ``out`` (1-D contiguous)."""
@@ -77,10 +81,7 @@ class Transfer:
         if array.ndim > MAX_DIMS:
             raise ValueError(f"Expected an array of at most {MAX_DIMS} dimensions. Received: shape {array.shape}")
         shape = np.array([array.ndim, *array.shape], np.int64)
-        frames = [
-            (self._header(shape.nbytes, array.dtype), shape.view(np.uint8).data),
-            (self._header(array.nbytes, array.dtype), array.reshape(-1).view(np.uint8).data),
-        ]
+        frames = [self._frame(shape, array.dtype), self._frame(array)]
         self._sends.append(self.links.link(self.members[peer]).send_frames(frames))
 
     def recv_array(self, peer: int, *, out: np.ndarray | None = None) -> np.ndarray:
