@@ -21,7 +21,7 @@ from sparkdl.collective.transport.mesh import Links
 from sparkdl.net.auth import ConnectGaveUp
 from sparkdl.net.frames import Header, Kind, dtype_code
 from sparkdl.net.io import parse_address
-from sparkdl.net.secure import PlainChannel, connect_channel
+from sparkdl.net.secure import PlainChannel, SealedChannel, connect_channel
 
 ALLREDUCE, ALLGATHER = OP_CODES["allreduce"], OP_CODES["allgather"]
 
@@ -244,6 +244,112 @@ def test_recv_timeout_and_closed_peer(link_pair):
     sender.close()
     with pytest.raises(CollectiveError, match="rank 0 closed the connection during allreduce"):
         receiver.receive((Kind.COLLECTIVE, 0, 0), ALLREDUCE, np.empty(4, np.float32), None)
+
+
+# -- sends from the caller's thread, and behind the sender thread ------------------------------------------------------
+
+
+def links_over_socketpair(encrypt: bool, buffer_bytes: int | None = None) -> tuple[Link, Link]:
+    """Rank 0's link (the sender) and rank 1's, over one socket pair, plain or sealed; ``buffer_bytes`` shrinks the
+    sockets' buffers so that a test can fill them."""
+    a, b = socket.socketpair()
+    if buffer_bytes is not None:
+        for sock in (a, b):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+    if encrypt:
+        secret, proof = secrets.token_bytes(32), secrets.token_bytes(32)
+        channels = (
+            SealedChannel(a, secret, proof, is_client=True, peer="rank 1"),
+            SealedChannel(b, secret, proof, is_client=False, peer="rank 0"),
+        )
+    else:
+        channels = (PlainChannel(a), PlainChannel(b))
+    return Link(channels[0], 0, 1, timeout=10.0), Link(channels[1], 1, 0, timeout=10.0)
+
+
+def message(link: Link, array: np.ndarray, tag: int):
+    header = Header(Kind.MESSAGE, OP_CODES["send"], array.nbytes, dtype_code(array.dtype), tag=tag)
+    return link.send(header, array.reshape(-1).view(np.uint8).data)
+
+
+def received(link: Link, tag: int) -> np.ndarray:
+    return link.receive((Kind.MESSAGE, 0, tag), OP_CODES["send"], None, np.dtype(np.int32))[1]
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_a_small_send_on_an_idle_link_is_written_before_send_returns_without_the_sender_thread(encrypt):
+    sender, receiver = links_over_socketpair(encrypt)
+    try:
+        futures = [message(sender, np.full(64, i, np.int32), tag=i) for i in range(20)]
+        assert all(future.done() and future.exception() is None for future in futures)  # written, not queued
+        assert not [thread for thread in threading.enumerate() if thread.name.startswith("sparkdl-rank0-to1")]
+        for i in range(20):
+            np.testing.assert_array_equal(received(receiver, i), np.full(64, i, np.int32))
+        assert sender.bytes_sent == receiver.bytes_received == 20 * 64 * 4
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_sends_arrive_in_the_order_sent_when_the_socket_is_full(encrypt):
+    """A frame the socket takes only part of is finished by the sender thread, and every send after it, small or
+    large, waits behind it: the receiver, reading only once all were sent, gets each whole and in order."""
+    sender, receiver = links_over_socketpair(encrypt, buffer_bytes=64 << 10)
+    sizes = [16, 200_000, 16, 2_000_000, 16, 16, 100_000, 16]  # int32 values: 64 B to 8 MB a frame
+    arrays = [np.arange(size, dtype=np.int32) * (i + 1) for i, size in enumerate(sizes)]
+    try:
+        futures = [message(sender, array, tag=0) for array in arrays]  # one tag: received in the order they arrive
+        assert not futures[1].done()  # 800 KB into 64 KiB buffers nobody reads: its rest went to the sender thread
+        assert not futures[2].done()  # the small frame behind it waits for it rather than overtaking
+        for array in arrays:
+            np.testing.assert_array_equal(received(receiver, 0), array)
+        for future in futures:
+            future.result(timeout=10)
+        assert sender.bytes_sent == receiver.bytes_received == sum(sizes) * 4
+        message(sender, np.arange(8, dtype=np.int32), tag=0).result(timeout=0)  # idle again: written at once
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_a_small_send_waits_behind_a_queued_send_even_when_the_socket_has_room(encrypt):
+    sender, receiver = links_over_socketpair(encrypt)
+    gate = threading.Event()
+    sender._sender.submit(gate.wait)  # the sender thread held up, between two sends, as a busy machine may hold it
+    try:
+        large = message(sender, np.arange(1 << 19, dtype=np.int32), tag=0)  # 2 MiB: queued
+        small = message(sender, np.arange(4, dtype=np.int32), tag=0)
+        assert not large.done() and not small.done()  # both wait for the sender thread, in the order sent
+        gate.set()
+        np.testing.assert_array_equal(received(receiver, 0), np.arange(1 << 19, dtype=np.int32))
+        np.testing.assert_array_equal(received(receiver, 0), np.arange(4, dtype=np.int32))
+    finally:
+        gate.set()
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_sends_arrive_in_the_order_sent_while_the_peer_reads(encrypt):
+    """Small and large frames mixed, the peer reading as they come: a small frame is written from the caller's thread
+    only when nothing it sent before is still queued, so none overtakes another."""
+    sender, receiver = links_over_socketpair(encrypt, buffer_bytes=64 << 10)
+    rng = np.random.default_rng(0)
+    arrays = [np.full(int(size), i, np.int32) for i, size in enumerate(rng.choice([4, 40, 400_000], size=300))]
+    with ThreadPoolExecutor(max_workers=1) as reader:
+        arrived = reader.submit(lambda: [received(receiver, 0) for _ in arrays])
+        try:
+            futures = [message(sender, array, tag=0) for array in arrays]
+            for got, array in zip(arrived.result(timeout=60), arrays):
+                np.testing.assert_array_equal(got, array)
+            for future in futures:
+                future.result(timeout=10)
+        finally:
+            sender.close()
+            receiver.close()
 
 
 # -- never unpickled, sealed or not ------------------------------------------------------------------------------------

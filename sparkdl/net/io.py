@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import socket
 import struct
 import threading
@@ -70,6 +71,26 @@ def send_buffers(
             while len(rest):
                 rest = rest[_patiently(functools.partial(sock.send, rest), stopping) :]
         sent = 0
+
+
+def write_available(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview]) -> list[memoryview]:
+    """Writes what the socket takes now, in order, without waiting; returns what is left to send, in order.
+
+    One ``writev`` on the descriptor, which Python keeps non-blocking for a socket with a timeout; a socket without
+    one (which would block) is not written to: all of ``buffers`` is returned.
+    """
+    views = [memoryview(buffer).cast("B") for buffer in buffers if len(buffer)]
+    if not views or sock.gettimeout() is None:
+        return views
+    try:
+        written = os.writev(sock.fileno(), views)
+    except BlockingIOError:
+        return views
+    while views and written >= len(views[0]):
+        written -= len(views.pop(0))
+    if views:
+        views[0] = views[0][written:]
+    return views
 
 
 def _patiently(send: Callable[[], int], stopping: threading.Event | None) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from cryptography.exceptions import InvalidTag
@@ -46,6 +46,11 @@ class Channel(Protocol):
 
     def recv_into(self, view: memoryview, *, stopping: threading.Event | None = None) -> int: ...
 
+    def wire(self, buffers: Sequence[bytes | bytearray | memoryview]) -> list[bytes | bytearray | memoryview]:
+        """The bytes :meth:`send` would write for ``buffers``, to be written whole and in the order made (a sealed
+        channel's records take the next nonces)."""
+        ...
+
 
 class PlainChannel:
     """Today's wire format: buffers go out as they are and are read straight into the caller's memory."""
@@ -57,6 +62,9 @@ class PlainChannel:
         self, buffers: Sequence[bytes | bytearray | memoryview], *, stopping: threading.Event | None = None
     ) -> None:
         send_buffers(self.sock, buffers, stopping=stopping)
+
+    def wire(self, buffers: Sequence[bytes | bytearray | memoryview]) -> list[bytes | bytearray | memoryview]:
+        return list(buffers)
 
     def recv_into(self, view: memoryview, *, stopping: threading.Event | None = None) -> int:
         return recv_exact(self.sock, view, stopping=stopping)
@@ -92,13 +100,21 @@ class SealedChannel:
     def send(
         self, buffers: Sequence[bytes | bytearray | memoryview], *, stopping: threading.Event | None = None
     ) -> None:
+        for record in self._records(buffers):  # each sent once sealed: one record's copy held at a time
+            send_buffers(self.sock, record, stopping=stopping)
+
+    def wire(self, buffers: Sequence[bytes | bytearray | memoryview]) -> list[bytes | bytearray | memoryview]:
+        return [part for record in self._records(buffers) for part in record]
+
+    def _records(self, buffers: Sequence[bytes | bytearray | memoryview]) -> Iterator[list[bytes]]:
+        """``buffers`` as sealed records (a length prefix and the ciphertext), each sealed as it is asked for."""
         data = b"".join(memoryview(buffer).cast("B") for buffer in buffers)
         for start in range(0, len(data), RECORD_BYTES):
             plain = data[start : start + RECORD_BYTES]
             prefix = _LENGTH.pack(len(plain) + TAG_BYTES)
             sealed = self._sealer.encrypt(self._nonce(self._send_counter), plain, prefix)
             self._send_counter += 1
-            send_buffers(self.sock, [prefix, sealed], stopping=stopping)
+            yield [prefix, sealed]
 
     def recv_into(self, view: memoryview, *, stopping: threading.Event | None = None) -> int:
         """Fill ``view`` with opened plaintext; fewer bytes only when the peer closed (or ``stopping`` was set)."""

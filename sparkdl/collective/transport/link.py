@@ -1,7 +1,10 @@
 """One authenticated connection between two ranks: whole frames out, and frames in matched by operation or by tag.
 
-Sends run on one thread per link, so a rank sends and receives at once and
-cannot deadlock on full socket buffers. Receives run in the caller's thread,
+A send goes out from the caller's thread when nothing is queued ahead of it and
+the socket takes it whole without waiting (a small message then costs one system
+call, not two thread hand-overs); the rest of it, and any send behind it, runs on
+one thread per link, so a rank sends and receives at once and cannot deadlock on
+full socket buffers. Receives run in the caller's thread,
 straight into the caller's array when the frame is the one expected; a frame
 for another operation of another group, or a message with another tag, is
 kept until asked for. Within one group a frame for another collective means
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -21,7 +24,7 @@ import numpy as np
 from sparkdl.collective.api import OP_CODES, operation_name
 from sparkdl.net.errors import CollectiveError, CollectiveTimeout
 from sparkdl.net.frames import HEADER, FrameError, Header, Kind, dtype_code, dtype_name
-from sparkdl.net.io import shutdown_and_close
+from sparkdl.net.io import send_buffers, shutdown_and_close, write_available
 from sparkdl.net.secure import Channel
 
 #: Longest reason an ABORT frame may carry.
@@ -30,6 +33,8 @@ MAX_ABORT_BYTES = 2048
 MAX_KEPT_BYTES = 4 << 30
 #: A kept frame's buffer grows by at most this many bytes a read: it holds what arrived, never what was announced.
 KEEP_CHUNK_BYTES = 1 << 20
+#: Frames of at most this many bytes are written from the caller's thread when the link's sender is idle.
+INLINE_BYTES = 1 << 20
 
 
 def _bytes_of(array: np.ndarray) -> memoryview:
@@ -45,6 +50,8 @@ class Link:
         self._on_host = _on_host(channel)  # for errors: on a cluster the first question is which machine
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sparkdl-rank{rank}-to{peer}")
         self._send_lock = threading.Lock()  # whole frames only: the sender thread and an abort alike
+        self._queue_lock = threading.Lock()  # guards ``_queued``: sends go on the wire in the order they are queued
+        self._queued = 0  # sends handed to the sender thread and not yet written
         self._header = bytearray(HEADER.size)
         self.kept: dict[tuple, collections.deque[tuple[Header, bytearray]]] = collections.defaultdict(collections.deque)
         self._kept_bytes = 0
@@ -59,19 +66,53 @@ class Link:
         return self.send_frames([(header, payload)])
 
     def send_frames(self, frames: Sequence[tuple[Header, memoryview | bytes]]) -> Future:
-        """Queues frames that go out together, in order, in one write (an array's shape and its bytes: one wake of
-        the sender thread and one system call, where two frames queued apart took two of each)."""
-        return self._sender.submit(self._send_now, frames)
+        """Sends frames that go out together, in order, in one write (an array's shape and its bytes).
 
-    def _send_now(self, frames: Sequence[tuple[Header, memoryview | bytes]]) -> None:
+        Small frames with nothing queued ahead of them are written from this thread, as far as the socket takes them
+        without waiting; what it does not take, and every other send, is queued to the link's sender thread. The
+        future is done once the frames are written, and fails with a CollectiveError."""
+        buffers = [part for header, payload in frames for part in (header.pack(), payload)]
+        with self._queue_lock:
+            if (
+                self._queued == 0
+                and sum(header.nbytes for header, _ in frames) <= INLINE_BYTES
+                and self._send_lock.acquire(blocking=False)  # not while an abort or a close holds the socket
+            ):
+                try:
+                    rest = write_available(self.channel.sock, self.channel.wire(buffers))
+                except OSError as exc:
+                    failed: Future = Future()
+                    failed.set_exception(self._error(operation_name(frames[0][0].op), "send to", exc))
+                    return failed
+                finally:
+                    self._send_lock.release()
+                if not rest:
+                    self._count(frames)  # under the queue lock, as the sender thread counts
+                    written: Future = Future()
+                    written.set_result(None)
+                    return written
+                self._queued += 1
+                return self._sender.submit(self._send_queued, frames, lambda: send_buffers(self.channel.sock, rest))
+            self._queued += 1
+            return self._sender.submit(self._send_queued, frames, lambda: self.channel.send(buffers))
+
+    def _send_queued(self, frames: Sequence[tuple[Header, memoryview | bytes]], write: Callable[[], None]) -> None:
+        """On the sender thread: ``write()`` (the frames, or what of their bytes is left), then count them."""
         try:
             with self._send_lock:
-                self.channel.send([part for header, payload in frames for part in (header.pack(), payload)])
-                for header, _ in frames:
-                    self.bytes_sent += header.nbytes
-                    self.sent_by_operation[header.op, header.dtype] += header.nbytes
+                write()
         except OSError as exc:
+            with self._queue_lock:
+                self._queued -= 1
             raise self._error(operation_name(frames[0][0].op), "send to", exc) from exc
+        with self._queue_lock:
+            self._queued -= 1
+            self._count(frames)
+
+    def _count(self, frames: Sequence[tuple[Header, memoryview | bytes]]) -> None:
+        for header, _ in frames:
+            self.bytes_sent += header.nbytes
+            self.sent_by_operation[header.op, header.dtype] += header.nbytes
 
     def abort(self, reason: str) -> None:
         """Tells the peer, if the link is free within a moment, why this rank gives up; then closes."""

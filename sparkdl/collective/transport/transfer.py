@@ -1,8 +1,9 @@
 """One operation's traffic among a group's ranks: frames stamped with its group, code and sequence number.
 
 An algorithm's frames go through a :class:`Transfer`: group ranks (0..size-1),
-their ring order (host by host), and sends and receives of arrays. Sends are
-queued on the links' sender threads; :meth:`Transfer.flush` waits for them,
+their ring order (host by host), and sends and receives of arrays. Sends go
+out through the links (from this thread, or their sender threads when the socket
+is busy); :meth:`Transfer.flush` waits for them,
 and every algorithm flushes before it returns (leaving a ``with`` block of
 the transfer does), so that results (and inputs) are never handed back
 while still being sent.
