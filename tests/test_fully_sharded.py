@@ -11,6 +11,7 @@ from models import make_mlp
 from spark_jobs import no_spark_job
 
 import sparkdl
+from sparkdl.modes.fully_sharded import units
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,39 @@ def test_checkpoints_hold_the_whole_model_and_resume_onto_another_worker_count(s
     assert sorted(os.listdir(directory))[-1] == "epoch-000004.keras"
 
 
+def _allgathered_floats(stats: dict, rank: int) -> int:
+    """The float32 bytes rank ``rank`` sent in allgathers (weights), over sockets and shared memory alike."""
+    sent = stats["wire_bytes"][rank]
+    return sum(sent[transport].get("allgather", {}).get("float32", 0) for transport in ("tcp", "shm"))
+
+
+def test_weights_kept_from_the_forward_pass_train_the_same_model_gathering_each_layer_once_a_step(small_df):
+    """reshard_after_forward=False: the same weights as resharding after the forward pass; each rank measured that it
+    held the whole weights gathered during a step (1/N between steps), and sent each unit's shard once a step, where
+    resharding sends every unit's but the last's twice."""
+    fits = {
+        reshard: _fit(small_df, "fully sharded", num_workers=2, epochs=1, reshard_after_forward=reshard)
+        for reshard in (True, False)
+    }
+    for got, want in zip(fits[False].model.get_weights(), fits[True].model.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fits[False].history["loss"], fits[True].history["loss"], rtol=1e-5)
+
+    model = make_mlp(seed=1)
+    layout = units.shard_layout(model, units.plan_units(model), 2)
+    parts = [4 * layout.part(u) for u in range(3)]  # the bytes of one rank's shard of each unit
+    whole = sum(w.numpy().nbytes for w in model.trainable_weights)
+    for reshard, fit in fits.items():
+        stats = fit.stats["fully_sharded"]
+        steps = stats["steps"]
+        assert steps == fit.steps_per_epoch > 0
+        for rank in range(2):
+            per_step = sum(parts) + (sum(parts[:-1]) if reshard else 0)
+            assert _allgathered_floats(fit.stats, rank) == steps * per_step
+            held = stats["ranks"][rank]["gathered_peak_bytes"]
+            assert (held < whole) if reshard else (held >= whole)
+
+
 class _Record(keras.callbacks.Callback):
     pass
 
@@ -104,3 +138,5 @@ def test_what_a_fully_sharded_fit_cannot_run_is_refused_before_any_spark_job(sma
 def test_shard_weights_is_an_option_of_mode_sharded_only(small_df):
     with pytest.raises(ValueError, match="shard_weights"):
         sparkdl.fit(small_df, make_mlp(), mode="sync", shard_weights=True, num_workers=2, epochs=1)
+    with no_spark_job(small_df.sparkSession), pytest.raises(ValueError, match="reshard_after_forward=False"):
+        sparkdl.fit(small_df, make_mlp(), mode="sharded", reshard_after_forward=False, num_workers=2, epochs=1)

@@ -51,6 +51,7 @@ def test_every_declared_option_is_a_fit_keyword_an_estimator_param_and_a_job_fla
         "gossip_every",
         "peers",
         "shard_weights",
+        "reshard_after_forward",
         "server_placement",
     }
     keywords = inspect.signature(sparkdl.fit).parameters

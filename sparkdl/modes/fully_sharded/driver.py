@@ -25,6 +25,7 @@ class Zero3Plan(BarrierPlan):
     compile_config: dict  # the model's loss, metrics and optimizer
     compression: str | None = None  # gradients on the wire as "bf16"/"fp16"
     overlap: bool = True  # gathers run ahead of the compute, reduce-scatters behind it
+    reshard_after_forward: bool = True  # False: each unit's gathered weights and tape kept until its backward pass
     sharding: ShardLayout | None = None  # where each unit's weights lie in each rank's shard: set by ``run``
 
     runs_callbacks: ClassVar[bool] = False
@@ -41,7 +42,14 @@ class Zero3Plan(BarrierPlan):
             )
         if model.optimizer is None:
             raise ValueError("Expected a compiled model: mode='sharded' trains with the model's own optimizer.")
-        return cls(name, units.plan_units(model), model.get_compile_config(), values["compression"], values["overlap"])
+        return cls(
+            name,
+            units.plan_units(model),
+            model.get_compile_config(),
+            values["compression"],
+            values["overlap"],
+            values["reshard_after_forward"],
+        )
 
     def check_fit(self, *, num_workers: int, batch_size: int, weighted: bool) -> None:
         if weighted:

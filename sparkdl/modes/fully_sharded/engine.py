@@ -7,16 +7,22 @@ non-trainable weights. A step, per unit in chain order (FSDP's schedule):
 - Forward: the unit's weights are all-gathered (the next unit's gather starts before this unit
   runs), the unit runs on them (``stateless_call``; its own Keras variables hold nothing,
   ``sparkdl.keras.deferred``) and they are dropped. Only the activation entering each unit is kept.
-- Backward, from the last unit to the first: the unit's weights are gathered again (the last unit's
-  are kept from its forward), its forward runs again under a tape from the kept activation, with the
-  non-trainable values it ran with (so dropout draws the same mask), and its gradients are taken; the
-  weights are dropped and the weights' gradient is reduce-scattered while the units before it run.
+- Backward, from the last unit to the first: the unit's weights are gathered again, its forward runs
+  again under a tape from the kept activation, with the non-trainable values it ran with (so dropout
+  draws the same mask), and its gradients are taken; the weights are dropped and the weights' gradient
+  is reduce-scattered while the units before it run.
 - Update: each rank applies the optimizer to its shard with its part of the averaged gradient.
+
+The last unit's weights are kept from its forward to its backward pass, which takes its gradients from
+the forward's tape; with ``reshard_after_forward=False`` every unit's are (FSDP's name for it): no
+weights gathered twice and no forward run again, for the whole weights and every unit's activations held
+during a step (between steps, still 1/N).
 
 The wire carries what ZeRO-3 costs: per step, every unit's weights gathered twice (but the last) and
 its gradient reduce-scattered once, 1.5 times an allreduce's bytes; the compute is one forward pass
-more than sync mode's (every unit's recomputed). With ``compression``, gradients travel as bfloat16
-or float16; weights always travel as float32.
+more than sync mode's (every unit's but the last recomputed). Without resharding after the forward, the
+weights are gathered once: an allreduce's bytes, and sync mode's compute. With ``compression``, gradients
+travel as bfloat16 or float16; weights always travel as float32.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ class FullyShardedReplica:
 
     ``scales`` (per step from the replica's first: ``schedule.StepScales``) weigh this rank's gradient by its rows.
     ``overlap``: gathers run ahead and reduce-scatters behind the compute (else each waits where it is started).
+    ``reshard_after_forward``: False keeps every unit's gathered weights, and its forward pass's tape, until its
+    backward pass (by default only the last unit's).
     ``observe``: the metrics' update, with each batch's labels and outputs. It runs a step as the pipeline's stage
     runner does (``pipeline.epoch.StageEpochs``), as both stages' ends.
     """
@@ -72,12 +80,15 @@ class FullyShardedReplica:
         scales: StepScales | None = None,
         compression: str | None = None,
         overlap: bool = True,
+        reshard_after_forward: bool = True,
         timeout: float = 300.0,
         observe: Callable[[np.ndarray, Any], None] | None = None,
     ):
         count = len(unit_models)
         self.units = [Unit(m, loss, last=u == count - 1, first=u == 0) for u, m in enumerate(unit_models)]
         self.layout, self.comm, self.timeout, self.overlap = layout, comm, timeout, overlap
+        # the units whose weights stay gathered from their forward to their backward pass, which runs off its tape
+        self._taped = set(range(count)) if not reshard_after_forward else {count - 1}
         self._scales, self._step, self.observe = scales, 0, observe
         self._compression = compression
         self._wire = np.dtype(np.float32) if compression is None else compressions.wire_dtype(compression)
@@ -148,18 +159,18 @@ class FullyShardedReplica:
         """One step on this rank's batch; this rank's loss on it (the compiled loss plus every penalty). As a
         pipeline stage's runner takes it: ``micro_batches`` and ``rows`` (``x``'s) change nothing here."""
         labels = tf.convert_to_tensor(y)
-        entering, before, kept, share = self._forward(tf.convert_to_tensor(x), labels, y)
-        summed = self._backward(entering, before, kept, labels, self._next_scale())
+        entering, before, taped, share = self._forward(tf.convert_to_tensor(x), labels, y)
+        summed = self._backward(entering, before, taped, labels, self._next_scale())
         with self._clock.timing("update"):
             self._apply(adopted.tensor_of(summed))  # aligned: read in place
             self._held = adopted.array_of(tf.convert_to_tensor(self.shard))  # the updated shard, not copied
         self._steps += 1
         return share
 
-    def _forward(self, x: tf.Tensor, labels: tf.Tensor, y: np.ndarray) -> tuple[list, list, list, float]:
-        """The activation entering each unit, each unit's non-trainable values before its call, the last unit's
-        weights (its backward pass uses them again) and this rank's loss."""
-        entering, before, kept, share = [x], [], [], 0.0
+    def _forward(self, x: tf.Tensor, labels: tf.Tensor, y: np.ndarray) -> tuple[list, list, dict, float]:
+        """The activation entering each unit, each unit's non-trainable values before its call, the taped passes of
+        the units whose weights stay gathered (``_taped``), and this rank's loss."""
+        entering, before, taped, share = [x], [], {}, 0.0
         pending: _Pending = self._start_gather(0)
         for u, unit in enumerate(self.units):
             weights = self._finish_gather(u, pending)
@@ -167,46 +178,52 @@ class FullyShardedReplica:
             pending = self._start_gather(u + 1) if u + 1 < len(self.units) else None
             with self._clock.timing("compute"):
                 before.append(self.statistics[u])
-                outputs, statistics, penalty, loss = unit.forward(
-                    entering[-1], weights, self.statistics[u], labels if unit.last else None, True
-                )
+                target = labels if unit.last else None
+                if u in self._taped:  # the tape holds the weights until the backward pass
+                    taped[u], statistics = unit.forward_taped(entering[-1], weights, self.statistics[u], target)
+                    outputs, penalty, loss = taped[u].outputs, taped[u].penalty, taped[u].loss
+                else:
+                    outputs, statistics, penalty, loss = unit.forward(
+                        entering[-1], weights, self.statistics[u], target, True
+                    )
                 self.statistics[u] = list(statistics)
                 share += sum(float(term) for term in (penalty, loss) if term is not None)
-            if unit.last:
-                kept = weights
-                if self.observe is not None:
-                    self.observe(y, outputs)
-            else:
+            if not unit.last:
                 entering.append(outputs)
+            elif self.observe is not None:
+                self.observe(y, outputs)
             del weights  # before the next unit's are made
-        return entering, before, kept, share
+        return entering, before, taped, share
 
-    def _backward(self, entering: list, before: list, kept: list, labels: tf.Tensor, scale: float) -> np.ndarray:
+    def _backward(self, entering: list, before: list, taped: dict, labels: tf.Tensor, scale: float) -> np.ndarray:
         """This rank's part of the sum over ranks of every unit's (scaled) gradient, in shard order (an aligned
         buffer of :attr:`_summed`)."""
         count = len(self.units)
         upstream, scatters, summed = None, {}, self._summed.take()
         scale_tensor = tf.constant(scale, tf.float32)
-        pending: _Pending = self._start_gather(count - 2) if count > 1 else None
+        regathered = [u for u in range(count - 1, -1, -1) if u not in taped]  # in the order their passes run
+        pending: _Pending = self._start_gather(regathered[0]) if regathered else None
         for u in range(count - 1, -1, -1):
             unit = self.units[u]
-            if unit.last:
-                weights = kept
+            if u in taped:
+                with self._clock.timing("compute"):
+                    flat, upstream = unit.backward_taped(taped.pop(u), upstream, scale_tensor, self.layout.padded(u))
             else:
                 weights = self._finish_gather(u, pending)
                 pending = None  # the rows are in the weights now: let go before the next unit's arrive
-                pending = self._start_gather(u - 1) if u > 0 else None
-            with self._clock.timing("compute"):
-                flat, upstream = unit.backward(
-                    entering[u],
-                    weights,
-                    before[u],
-                    upstream,
-                    labels if unit.last else None,
-                    scale_tensor,
-                    self.layout.padded(u),
-                )
-                del weights, kept[:]  # the unit's whole weights are dropped before the next unit's are used
+                after = regathered.index(u) + 1
+                pending = self._start_gather(regathered[after]) if after < len(regathered) else None
+                with self._clock.timing("compute"):
+                    flat, upstream = unit.backward(
+                        entering[u],
+                        weights,
+                        before[u],
+                        upstream,
+                        labels if unit.last else None,
+                        scale_tensor,
+                        self.layout.padded(u),
+                    )
+                    del weights  # the unit's whole weights are dropped before the next unit's are used
             # a copy: the shared-memory reduce-scatter works in the array it is given
             scatters[u] = self._start_scatter(u, flat.numpy(), summed[self._columns[u] : self._columns[u + 1]])
             entering.pop()

@@ -2,13 +2,15 @@
 
 The engine (``engine``) gathers a unit's weights, calls :attr:`Unit.forward` on them and drops them; for
 the backward pass it gathers them again and :attr:`Unit.backward` runs the forward again under a tape
-from the activation kept at the unit's entry. The unit's Keras model is deferred
-(``sparkdl.keras.deferred``): its variables hold no memory, and ``stateless_call`` runs it on the
-weights passed in, in the chain order of ``units``.
+from the activation kept at the unit's entry. A unit whose weights the engine keeps from its forward to its
+backward pass runs :meth:`Unit.forward_taped` instead, once: its backward (:meth:`Unit.backward_taped`) takes the
+gradients from that pass's tape. The unit's Keras model is deferred (``sparkdl.keras.deferred``): its variables
+hold no memory, and ``stateless_call`` runs it on the weights passed in, in the chain order of ``units``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +23,19 @@ from sparkdl.keras import random_state
 from sparkdl.keras.deferred import initial_value, is_deferred
 from sparkdl.modes.fully_sharded import units
 from sparkdl.modes.pipeline.engine import batch_loss
+
+
+@dataclasses.dataclass
+class TapedPass:
+    """A unit's forward pass recorded for its backward pass: the tape holds the activations (and the weights) the
+    gradients need until :meth:`Unit.backward_taped` takes them."""
+
+    tape: tf.GradientTape
+    x: tf.Tensor
+    weights: list
+    outputs: tf.Tensor
+    penalty: tf.Tensor | None
+    loss: tf.Tensor | None
 
 
 class Unit:
@@ -49,6 +64,32 @@ class Unit:
         # Functions of this unit's own (not one method's for all units: TensorFlow would take them for retraces)
         self.forward = tf.function(forward, reduce_retracing=True)
         self.backward = tf.function(functools.partial(Unit._backward, self), reduce_retracing=True)
+        self._flat = tf.function(functools.partial(Unit._flatten, self), reduce_retracing=True)
+
+    def forward_taped(self, x, weights: Sequence, statistics: Sequence, y) -> tuple[TapedPass, Sequence]:
+        """A training forward pass (:attr:`forward`'s) under a tape kept for :meth:`backward_taped`; and the unit's
+        non-trainable values after it."""
+        weights = list(weights)
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            if not self.first:
+                tape.watch(x)
+            outputs, statistics, penalty, loss = self.forward(x, weights, statistics, y, True)
+        return TapedPass(tape, x, weights, outputs, penalty, loss), statistics
+
+    def backward_taped(self, taped: TapedPass, upstream, scale, padded: int):
+        """:attr:`backward`'s results from the forward pass ``taped`` recorded: the forward is not run again."""
+        targets = [term for term in (taped.loss, taped.penalty) if term is not None]
+        seeds = [tf.ones_like(term) for term in targets]
+        if upstream is not None:
+            targets.append(taped.outputs)
+            seeds.append(tf.cast(upstream, taped.outputs.dtype))
+        sources = [*taped.weights] + ([] if self.first else [taped.x])
+        gradients = taped.tape.gradient(
+            targets, sources, output_gradients=seeds, unconnected_gradients=tf.UnconnectedGradients.ZERO
+        )
+        flat = self._flat(gradients[: len(taped.weights)], scale, padded)
+        return flat, (None if self.first else gradients[-1])
 
     def starting_statistics(self, weights: Sequence[np.ndarray]) -> list[tf.Tensor]:
         """The non-trainable values a call takes: the unit's non-trainable ``weights`` (chain order) where they go,
@@ -83,7 +124,11 @@ class Unit:
             total = tf.add_n(terms)
         sources = [*weights] + ([] if self.first else [x])
         gradients = tape.gradient(total, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        parts = [tf.reshape(tf.cast(g, tf.float32), [-1]) for g in gradients[: len(weights)]]
+        return self._flatten(gradients[: len(weights)], scale, padded), (None if self.first else gradients[-1])
+
+    def _flatten(self, gradients: Sequence, scale, padded: int):
+        """The weights' ``gradients`` as one float32 vector in the weights' order, times ``scale``, zero-padded to
+        ``padded`` values."""
+        parts = [tf.reshape(tf.cast(g, tf.float32), [-1]) for g in gradients]
         length = sum(int(np.prod(shape)) for shape in self.shapes)
-        flat = tf.concat([*parts, tf.zeros([padded - length], tf.float32)], 0) * tf.cast(scale, tf.float32)
-        return flat, (None if self.first else gradients[-1])
+        return tf.concat([*parts, tf.zeros([padded - length], tf.float32)], 0) * tf.cast(scale, tf.float32)

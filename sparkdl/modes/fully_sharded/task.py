@@ -59,6 +59,7 @@ def train(plan: Zero3Plan, ranks: Ranks) -> bytes | None:
         scales=step_scales(per_epoch, rest, comm.rank),
         compression=plan.compression,
         overlap=plan.overlap,
+        reshard_after_forward=plan.reshard_after_forward,
         timeout=settings.timeout,
     )
     del part

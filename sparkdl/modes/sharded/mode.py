@@ -20,6 +20,15 @@ SHARD_WEIGHTS = Option(
     default=False,
 )
 
+RESHARD_AFTER_FORWARD = Option(
+    "reshard_after_forward",
+    "mode='sharded', shard_weights=True: False keeps each layer's gathered weights and its forward pass's "
+    "activations until its backward pass: no second gather and no forward run again, for the whole weights held "
+    "during a step (1/N between steps)",
+    kind=bool,
+    default=True,
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Zero1Plan(SyncPlan):
@@ -41,10 +50,15 @@ class ShardedMode(Mode):
     names = ("sharded",)
 
     def options(self, name: str) -> tuple[Option, ...]:
-        return (COMPRESSION, OVERLAP, PROFILE, SHARD_WEIGHTS)
+        return (COMPRESSION, OVERLAP, PROFILE, SHARD_WEIGHTS, RESHARD_AFTER_FORWARD)
 
     def configure(self, name: str, model, values: dict) -> Zero1Plan | Zero3Plan:
         sharded.check_model(model)
         if values["shard_weights"]:
             return Zero3Plan.configure(name, model, values)
+        if not values["reshard_after_forward"]:
+            raise ValueError(
+                "Expected reshard_after_forward with shard_weights=True only: without it every rank holds the whole "
+                "weights throughout, and nothing is resharded. Received: reshard_after_forward=False"
+            )
         return Zero1Plan.from_values(name, values)
