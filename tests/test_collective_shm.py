@@ -74,6 +74,7 @@ def collectives(group, queue, name):
                 _compare(failures, label + " in place", x, expected)
                 # reduce_scatter by np.array_split's bounds: this rank's range
                 x = rank_data(rank, n, dtype, case)
+                x.setflags(write=False)  # only read: a read-only view (of a tensor's memory) will do
                 bounds = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(n), size)]).tolist()
                 lo, hi = bounds[rank], bounds[rank + 1]
                 out = np.empty(hi - lo, x.dtype)

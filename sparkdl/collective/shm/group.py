@@ -178,7 +178,7 @@ class SharedMemoryGroup:
         if len(bounds) != self.local_size + 1 or list(bounds) != sorted(bounds) or bounds[-1] > np.size(flat):
             raise ValueError(f"Expected {self.local_size + 1} ascending bounds within the array. Received: {bounds}")
         lo, hi = bounds[self.local_rank], bounds[self.local_rank + 1]
-        _check(flat, flat)
+        _check_source(flat)  # only read: a read-only view of a tensor's memory will do
         if not isinstance(out, np.ndarray) or out.shape != (hi - lo,) or out.dtype != flat.dtype:
             raise ValueError(f"Expected out of {hi - lo} {flat.dtype}. Received: {getattr(out, 'shape', out)}")
         if not out.flags.c_contiguous or not out.flags.writeable or np.may_share_memory(flat, out):
@@ -400,14 +400,21 @@ class SharedMemoryGroup:
         return self._bytes
 
 
+def _check_source(flat: np.ndarray, label: str = "flat") -> None:
+    """ValueError unless ``flat`` is fit to be read by a collective (it may be read-only)."""
+    if not isinstance(flat, np.ndarray) or flat.ndim != 1 or not flat.flags.c_contiguous:
+        raise ValueError(f"Expected {label} to be a 1-D C-contiguous numpy array. Received: {type(flat)}")
+    if flat.dtype.hasobject:
+        raise ValueError(f"Expected a numeric {label}. Received: {flat.dtype}")
+
+
 def _check(flat: np.ndarray, out: np.ndarray) -> bool:
     """Whether ``out`` is ``flat`` (the same memory); ValueError unless both are fit for a collective."""
-    for label, array in (("flat", flat), ("out", out)):
-        if not isinstance(array, np.ndarray) or array.ndim != 1 or not array.flags.c_contiguous:
-            raise ValueError(f"Expected {label} to be a 1-D C-contiguous numpy array. Received: {type(array)}")
+    _check_source(flat)
+    _check_source(out, "out")
     if flat.dtype != out.dtype or flat.size != out.size:
         raise ValueError(f"Expected flat and out of one dtype and size. Received: {flat.dtype}, {out.dtype}")
-    if flat.dtype.hasobject or not out.flags.writeable:
+    if not out.flags.writeable:
         raise ValueError(f"Expected numeric arrays and a writeable out. Received: {flat.dtype}")
     same = flat.size == 0 or flat.ctypes.data == out.ctypes.data
     if not same and np.may_share_memory(flat, out):

@@ -224,8 +224,10 @@ class FullyShardedReplica:
                         self.layout.padded(u),
                     )
                     del weights  # the unit's whole weights are dropped before the next unit's are used
-            # a copy: the shared-memory reduce-scatter works in the array it is given
-            scatters[u] = self._start_scatter(u, flat.numpy(), summed[self._columns[u] : self._columns[u + 1]])
+            # read in place (``.numpy()`` would copy it): a reduce-scatter only reads the array it sends
+            scatters[u] = self._start_scatter(
+                u, adopted.array_of(flat), summed[self._columns[u] : self._columns[u + 1]]
+            )
             entering.pop()
         for u in range(count):
             self._finish_scatter(u, scatters[u], summed[self._columns[u] : self._columns[u + 1]])
