@@ -25,7 +25,13 @@ os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
 #: name: (mode, options)
-MODES = {"sync": ("sync", {}), "sharded": ("sharded", {}), "shard_weights": ("sharded", {"shard_weights": True})}
+MODES = {
+    "sync": ("sync", {}),
+    "sharded": ("sharded", {}),
+    "shard_weights": ("sharded", {"shard_weights": True}),
+    # every unit's gathered weights and forward tape kept until its backward pass: the whole weights during a step
+    "shard_weights kept": ("sharded", {"shard_weights": True, "reshard_after_forward": False}),
+}
 FEATURES = 64
 
 
