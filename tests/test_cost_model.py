@@ -296,7 +296,7 @@ def _zero1(frames, n, k):
     return _on_ranks(n, frames, prepare, call)
 
 
-def _zero3(frames, n, k, units):
+def _zero3(frames, n, k, units, reshard_after_forward=True):
     """Fully sharded mode's engine (``modes/fully_sharded/engine.py``, ZeRO-3): one training step of a model of
     ``units`` equal units."""
     from sparkdl.modes.fully_sharded import state
@@ -313,7 +313,15 @@ def _zero3(frames, n, k, units):
         plan = unit_plans.plan_units(model)
         layout = unit_plans.shard_layout(model, plan, comm.size)
         part = state.read_part(state.rank_part(model, plan, layout, comm.rank))
-        return FullyShardedReplica.from_part(plan, layout, comm, part, model.get_compile_config(), timeout=30)
+        return FullyShardedReplica.from_part(
+            plan,
+            layout,
+            comm,
+            part,
+            model.get_compile_config(),
+            timeout=30,
+            reshard_after_forward=reshard_after_forward,
+        )
 
     return _on_ranks(n, frames, prepare, lambda comm, replica: replica.train_step(x, y))
 
@@ -397,7 +405,7 @@ COLLECTIVE_CASES = {
     ("broadcast", "naive"): [(3, 6 * 2**16 * 4, {})],
     "sync": [(3, 6 * 2**16 * 4, {})],
     "zero1": [(3, 12 * 11 * 4, {})],
-    "zero3": [(3, 3 * 30 * 4, {"units": 3})],
+    "zero3": [(3, 3 * 30 * 4, {"units": 3}), (3, 3 * 30 * 4, {"units": 3, "reshard_after_forward": False})],
     "gossip": [(2, 6 * 2**10 * 4, {}), (3, 6 * 2**10 * 4, {})],
     "pipeline": [(2, 2 * 4 * 4, {"micro_batches": 2}), (3, 2 * 4 * 4, {"micro_batches": 3})],
 }

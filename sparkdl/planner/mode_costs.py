@@ -33,20 +33,22 @@ def zero1(n: int, k: float) -> Cost:
     return total(scatter, gather)
 
 
-def zero3(n: int, k: float, units: int = 1) -> Cost:
+def zero3(n: int, k: float, units: int = 1, reshard_after_forward: bool = True) -> Cost:
     """``mode="sharded", shard_weights=True`` (ZeRO stage 3) on a model cut into ``units`` units.
 
     Per step each unit's weights (K/U) are all-gathered before its forward and again before its
     backward, except the last unit, which keeps them; each unit's gradient is reduce-scattered:
     (2U-1) allgathers and U reduce-scatters of K/U, (3 - 1/U)(N-1)K/N bytes a rank (about 1.5x the
     allreduce's, Rajbhandari et al. 2020, section 7.2.3) in (3U-1)(N-1) steps: latency-bound for many
-    small units.
+    small units. Without ``reshard_after_forward`` every unit keeps its weights to its backward pass:
+    U allgathers, an allreduce's bytes.
     """
     if units < 1:
         raise ValueError(f"Expected `units` of at least 1. Received: units={units}")
     part = k / units
     gathers, scatters = collective("allgather", "ring", n, part), collective("reduce_scatter", "ring", n, part)
-    return total(*([gathers] * (2 * units - 1) + [scatters] * units))
+    gathered = 2 * units - 1 if reshard_after_forward else units
+    return total(*([gathers] * gathered + [scatters] * units))
 
 
 def parameter_server(n: int, k: float, servers: int = 1, server_hosts: int = 1) -> Cost:

@@ -12,6 +12,7 @@ beside each worker. Another package adds one with :func:`register_planned`. Ever
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 from sparkdl.collective.cost import Cost
@@ -34,6 +35,12 @@ def sharded_optimizer(n: int, weights: int, slots: int, largest_layers: int) -> 
 def sharded_weights(n: int, weights: int, slots: int, largest_layers: int) -> int:
     """ZeRO-3's: 1/N of everything, and the two largest layers whole while they run."""
     return weights // n + slots * weights // n + largest_layers + weights // n
+
+
+def weights_gathered_in_step(n: int, weights: int, slots: int, largest_layers: int) -> int:
+    """ZeRO-3's without resharding after the forward pass: 1/N of everything, and the whole weights while a step
+    runs."""
+    return weights // n + slots * weights // n + weights + weights // n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +123,12 @@ register_planned(
     mode_costs.zero3,
     memory=sharded_weights,
     compute_factor=4.0 / 3.0,  # forward + backward (twice a forward) + the forward again
+)
+register_planned(
+    "sharded, shard_weights=True, reshard_after_forward=False",
+    {"mode": "sharded", "shard_weights": True, "reshard_after_forward": False},
+    functools.partial(mode_costs.zero3, reshard_after_forward=False),
+    memory=weights_gathered_in_step,
 )
 register_planned("async", {"mode": "async"}, mode_costs.parameter_server)
 register_planned(
