@@ -62,7 +62,7 @@ class Link:
         self.sent_by_operation: collections.Counter[tuple[int, int]] = collections.Counter()
 
     def send(self, header: Header, payload: memoryview | bytes) -> Future:
-        """Queues one frame; the future fails with a CollectiveError."""
+        """Sends one frame (:meth:`send_frames`); the future fails with a CollectiveError."""
         return self.send_frames([(header, payload)])
 
     def send_frames(self, frames: Sequence[tuple[Header, memoryview | bytes]]) -> Future:
