@@ -70,9 +70,10 @@ def read_whole(frame: DataFrame, partitions: int, tolerance: float) -> WholeFile
                 else:
                     spark.conf.set(key, value)
     scan_rdd = _scan_rdd(rows)
-    planned = "its scan is not found" if scan_rdd is None else bytes_by_partition(scan_rdd)
+    planned = "its file scan is not found under the planned read" if scan_rdd is None else bytes_by_partition(scan_rdd)
     if isinstance(planned, str) or len(planned) != partitions:
-        return f"Spark did not plan its files as {partitions} partitions of whole files"
+        why = planned if isinstance(planned, str) else f"{len(planned)} partitions"
+        return f"Spark did not plan its files as {partitions} partitions of whole files ({why})"
     low, high = min(planned), max(planned)
     if high > low * (1 + tolerance):
         return f"its files pack into {partitions} partitions of {low / 1e6:.3g} to {high / 1e6:.3g} MB"
