@@ -201,8 +201,9 @@ class FullyShardedReplica:
         count = len(self.units)
         upstream, scatters, summed = None, {}, self._summed.take()
         scale_tensor = tf.constant(scale, tf.float32)
-        regathered = [u for u in range(count - 1, -1, -1) if u not in taped]  # in the order their passes run
-        pending: _Pending = self._start_gather(regathered[0]) if regathered else None
+        regathered = iter([u for u in range(count - 1, -1, -1) if u not in taped])  # in the order their passes run
+        first = next(regathered, None)
+        pending: _Pending = self._start_gather(first) if first is not None else None
         for u in range(count - 1, -1, -1):
             unit = self.units[u]
             if u in taped:
@@ -211,8 +212,8 @@ class FullyShardedReplica:
             else:
                 weights = self._finish_gather(u, pending)
                 pending = None  # the rows are in the weights now: let go before the next unit's arrive
-                after = regathered.index(u) + 1
-                pending = self._start_gather(regathered[after]) if after < len(regathered) else None
+                following = next(regathered, None)
+                pending = self._start_gather(following) if following is not None else None
                 with self._clock.timing("compute"):
                     flat, upstream = unit.backward(
                         entering[u],
