@@ -6,7 +6,8 @@ executor process of its own, as on a cluster. The model is ``workloads.py``'s ml
 parameters, Adam: two slots per weight); one epoch of a few steps is enough, as the state's size
 does not change while training. Each rank measures the bytes of the optimizer variables it holds
 (``FitResult.stats["sharded"]``); the sync figure is what every rank of sync mode holds, the same
-optimizer over the whole model. A third fit shards the weights too (``shard_weights=True``, ZeRO-3):
+optimizer over the whole model. A third fit shards the weights too (``shard_weights=True``, ZeRO-3,
+``reshard_after_forward=True``):
 each rank measures the bytes of the weights it holds between steps, its optimizer state, and the most
 it holds whole at once while a step runs (two layers' weights: one in use, the next being gathered);
 ``FitResult.stats["fully_sharded"]``. (That both train the same weights is tests/test_sharded.py's to
@@ -72,7 +73,7 @@ def _measure(workload, ranks: int) -> str:
         for name, mode, options in (
             ("sync", "sync", {}),
             ("sharded", "sharded", {}),
-            ("weights too", "sharded", {"shard_weights": True}),
+            ("weights too", "sharded", {"shard_weights": True, "reshard_after_forward": True}),
         ):
             started = time.perf_counter()
             results[name] = sparkdl.fit(

@@ -42,6 +42,11 @@ VARIANTS = {
     "sharded": {"mode": "sharded"},
     "sharded compression=bf16": {"mode": "sharded", "compression": "bf16"},
     "sharded shard_weights=True": {"mode": "sharded", "shard_weights": True},
+    "sharded shard_weights=True reshard_after_forward=True": {
+        "mode": "sharded",
+        "shard_weights": True,
+        "reshard_after_forward": True,
+    },
     "sharded shard_weights=True reshard_after_forward=False": {
         "mode": "sharded",
         "shard_weights": True,

@@ -28,7 +28,8 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 MODES = {
     "sync": ("sync", {}),
     "sharded": ("sharded", {}),
-    "shard_weights": ("sharded", {"shard_weights": True}),
+    # every unit's weights but the last's gathered again for its backward pass: two units' weights at once
+    "shard_weights": ("sharded", {"shard_weights": True, "reshard_after_forward": True}),
     # every unit's gathered weights and forward tape kept until its backward pass: the whole weights during a step
     "shard_weights kept": ("sharded", {"shard_weights": True, "reshard_after_forward": False}),
 }

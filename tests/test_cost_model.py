@@ -320,7 +320,7 @@ def _zero3(frames, n, k, units, reshard_after_forward=True):
             part,
             model.get_compile_config(),
             timeout=30,
-            reshard_after_forward=reshard_after_forward,
+            kept_gathered=1 if reshard_after_forward else units,
         )
 
     return _on_ranks(n, frames, prepare, lambda comm, replica: replica.train_step(x, y))

@@ -79,8 +79,8 @@ def test_a_unit_built_deferred_holds_no_memory_and_runs_on_weights_passed_in():
     assert all(deferred.is_deferred(v) for v in unit.weights)  # Keras did not initialise them behind our back
 
 
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_two_ranks_train_the_weights_and_optimizer_state_of_one_process(reshard_after_forward):
+@pytest.mark.parametrize("kept_gathered", [1, 2, 3])
+def test_two_ranks_train_the_weights_and_optimizer_state_of_one_process(kept_gathered):
     """Adam, an L2 penalty and BatchNorm, 3 steps on each rank's own batches: every rank's gathered weights and
     optimizer state equal one process applying the mean gradient; each rank held about half the weights between
     steps, and during one two units' gathered weights at most, or, kept from the forward pass, all of them."""
@@ -89,14 +89,15 @@ def test_two_ranks_train_the_weights_and_optimizer_state_of_one_process(reshard_
     def body(comm):
         model = _model()
         model.set_weights(initial)
-        replica = _replica(model, comm, reshard_after_forward=reshard_after_forward)
+        replica = _replica(model, comm, kept_gathered=kept_gathered)
         losses = [replica.train_step(*_batch(comm.rank, step)) for step in range(STEPS)]
+        gathered_bytes = comm.bytes_sent()["tcp"]["allgather"]["float32"]
         assert all(deferred.is_deferred(v) for unit in replica.units for v in unit.model.weights)
         held = replica.held_bytes()
         replica.average_statistics()
         gathered = replica.gather_state()
         replica.close()
-        return losses, held, gathered, [np.asarray(v) for u in replica.statistics for v in u]
+        return losses, held, gathered, [np.asarray(v) for u in replica.statistics for v in u], gathered_bytes
 
     results = run_ranks(2, body, timeout=30)
     reference = _model()
@@ -120,11 +121,15 @@ def test_two_ranks_train_the_weights_and_optimizer_state_of_one_process(reshard_
     assert held["whole_weight_bytes"] == 4 * (42 + 7 + 7 + 7 + 21 + 3)
     assert held["weight_bytes"] == 4 * (25 + 7 + 12) < 0.5 * held["whole_weight_bytes"] + 4 * 3  # padding only
     assert held["optimizer_bytes"] < 0.6 * 2 * held["whole_weight_bytes"]  # Adam: two slots over half the weights
-    if reshard_after_forward:
+    # each rank sent its shard of a kept unit once a step, of every other unit twice (25, 7 and 12 values)
+    parts = [4 * 25, 4 * 7, 4 * 12]
+    for rank in range(2):
+        assert results[rank][4] == STEPS * (sum(parts) + sum(parts[: 3 - kept_gathered]))
+    if kept_gathered == 1:
         # gathered weights alive at once, counted until let go: the largest unit's (50 values padded), at most twice
         # (its gathered rows and the tensors made of them), never every unit's
         assert 4 * 50 <= held["gathered_peak_bytes"] <= 2 * 4 * 50, held
-    else:  # every unit's, from its forward pass to its backward pass (49, 14 and 24 values, padded to 50, 14, 24)
+    elif kept_gathered == 3:  # every unit's, from its forward pass to its backward pass (50, 14 and 24 values, padded)
         assert held["gathered_peak_bytes"] >= 4 * (50 + 14 + 24), held
     assert all(np.isfinite(results[r][0]).all() for r in range(2))
 

@@ -45,8 +45,10 @@ CASES = {
     # a checkpoint holds the replicas' average: the resumed replicas start there, not where each one was
     "gossip": Case({"mode": "gossip"}, exact=False, slow=True),
     "sharded": Case({"mode": "sharded"}),
-    # a unit runs again in its backward pass
-    "sharded, shard_weights": Case({"mode": "sharded", "shard_weights": True}, calls_per_step=2, calls_per_row=2),
+    # resharding: a unit runs again in its backward pass (tests/test_every_mode.py runs the default, which keeps them)
+    "sharded, shard_weights": Case(
+        {"mode": "sharded", "shard_weights": True, "reshard_after_forward": True}, calls_per_step=2, calls_per_row=2
+    ),
     # one replica of two stages: the first (partition 0) reads the ids, each step in two micro-batches
     "pipeline": Case(
         {"mode": "pipeline", "num_stages": 2, "micro_batches": 2, "cut_points": ["head"]},

@@ -118,8 +118,8 @@ def unregister_planned(label: str) -> None:
 register_planned("sync", {"mode": "sync"}, mode_costs.sync)
 register_planned("sharded", {"mode": "sharded"}, mode_costs.zero1, memory=sharded_optimizer)
 register_planned(
-    "sharded, shard_weights=True",
-    {"mode": "sharded", "shard_weights": True},
+    "sharded, shard_weights=True, reshard_after_forward=True",
+    {"mode": "sharded", "shard_weights": True, "reshard_after_forward": True},
     mode_costs.zero3,
     memory=sharded_weights,
     compute_factor=4.0 / 3.0,  # forward + backward (twice a forward) + the forward again

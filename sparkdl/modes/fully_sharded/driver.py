@@ -14,6 +14,11 @@ from sparkdl.modes.fully_sharded.task import rank_payload
 from sparkdl.modes.pipeline.cut import StagePlan
 from sparkdl.modes.sync.sharded import ShardLayout
 
+# Whole weights (bytes) kept gathered from the units' forward to their backward passes when `reshard_after_forward`
+# is left out: a model this small keeps every unit's (each gathered once a step, no forward run twice), a larger one
+# only its last units', and still holds 1/N of its weights between steps.
+KEPT_GATHERED_BYTES = 1 << 30
+
 
 @dataclasses.dataclass(frozen=True)
 class Zero3Plan(BarrierPlan):
@@ -25,7 +30,8 @@ class Zero3Plan(BarrierPlan):
     compile_config: dict  # the model's loss, metrics and optimizer
     compression: str | None = None  # gradients on the wire as "bf16"/"fp16"
     overlap: bool = True  # gathers run ahead of the compute, reduce-scatters behind it
-    reshard_after_forward: bool = True  # False: each unit's gathered weights and tape kept until its backward pass
+    kept_gathered: int = 1  # the units, counted back from the last, whose gathered weights and tape stay to their
+    # backward pass (the rest are gathered again and run forward again there)
     sharding: ShardLayout | None = None  # where each unit's weights lie in each rank's shard: set by ``run``
 
     runs_callbacks: ClassVar[bool] = False
@@ -42,14 +48,12 @@ class Zero3Plan(BarrierPlan):
             )
         if model.optimizer is None:
             raise ValueError("Expected a compiled model: mode='sharded' trains with the model's own optimizer.")
-        return cls(
-            name,
-            units.plan_units(model),
-            model.get_compile_config(),
-            values["compression"],
-            values["overlap"],
-            values["reshard_after_forward"],
-        )
+        planned = units.plan_units(model)
+        if values["reshard_after_forward"] is None:
+            kept = units.kept_gathered(model, planned, KEPT_GATHERED_BYTES)
+        else:
+            kept = 1 if values["reshard_after_forward"] else planned.num_stages
+        return cls(name, planned, model.get_compile_config(), values["compression"], values["overlap"], kept)
 
     def check_fit(self, *, num_workers: int, batch_size: int, weighted: bool) -> None:
         if weighted:

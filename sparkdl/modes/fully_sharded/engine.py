@@ -13,16 +13,17 @@ non-trainable weights. A step, per unit in chain order (FSDP's schedule):
   is reduce-scattered while the units before it run.
 - Update: each rank applies the optimizer to its shard with its part of the averaged gradient.
 
-The last unit's weights are kept from its forward to its backward pass, which takes its gradients from
-the forward's tape; with ``reshard_after_forward=False`` every unit's are (FSDP's name for it): no
-weights gathered twice and no forward run again, for the whole weights and every unit's activations held
-during a step (between steps, still 1/N).
+The last units' weights (at least the last's; ``kept_gathered``) are kept from their forward to their
+backward pass, which takes their gradients from the forward's tape: no weights gathered twice and no forward
+run again for them, for their whole weights and activations held during a step (between steps, still 1/N).
+With ``reshard_after_forward=False`` (FSDP's name for it) every unit's are kept; left out, as many as fit
+``KEPT_GATHERED_BYTES`` (``fully_sharded.driver``).
 
-The wire carries what ZeRO-3 costs: per step, every unit's weights gathered twice (but the last) and
-its gradient reduce-scattered once, 1.5 times an allreduce's bytes; the compute is one forward pass
-more than sync mode's (every unit's but the last recomputed). Without resharding after the forward, the
-weights are gathered once: an allreduce's bytes, and sync mode's compute. With ``compression``, gradients
-travel as bfloat16 or float16; weights always travel as float32.
+The wire carries what ZeRO-3 costs: per step, every unit's weights gathered twice (but the kept ones') and
+its gradient reduce-scattered once, up to 1.5 times an allreduce's bytes; the compute is up to one forward
+pass more than sync mode's (every unit's but the kept ones' recomputed). With every unit kept, the weights
+are gathered once: an allreduce's bytes, and sync mode's compute. With ``compression``, gradients travel as
+bfloat16 or float16; weights always travel as float32.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ class FullyShardedReplica:
 
     ``scales`` (per step from the replica's first: ``schedule.StepScales``) weigh this rank's gradient by its rows.
     ``overlap``: gathers run ahead and reduce-scatters behind the compute (else each waits where it is started).
-    ``reshard_after_forward``: False keeps every unit's gathered weights, and its forward pass's tape, until its
-    backward pass (by default only the last unit's).
+    ``kept_gathered``: how many units, counted back from the last, keep their gathered weights and their forward
+    pass's tape until their backward pass (at least the last; all of them: ``reshard_after_forward=False``).
     ``observe``: the metrics' update, with each batch's labels and outputs. It runs a step as the pipeline's stage
     runner does (``pipeline.epoch.StageEpochs``), as both stages' ends.
     """
@@ -80,15 +81,17 @@ class FullyShardedReplica:
         scales: StepScales | None = None,
         compression: str | None = None,
         overlap: bool = True,
-        reshard_after_forward: bool = True,
+        kept_gathered: int = 1,
         timeout: float = 300.0,
         observe: Callable[[np.ndarray, Any], None] | None = None,
     ):
         count = len(unit_models)
+        if not 1 <= kept_gathered <= count:
+            raise ValueError(f"Expected kept_gathered within 1..{count} (the units). Received: {kept_gathered}")
         self.units = [Unit(m, loss, last=u == count - 1, first=u == 0) for u, m in enumerate(unit_models)]
         self.layout, self.comm, self.timeout, self.overlap = layout, comm, timeout, overlap
         # the units whose weights stay gathered from their forward to their backward pass, which runs off its tape
-        self._taped = set(range(count)) if not reshard_after_forward else {count - 1}
+        self._taped = set(range(count - kept_gathered, count))
         self._scales, self._step, self.observe = scales, 0, observe
         self._compression = compression
         self._wire = np.dtype(np.float32) if compression is None else compressions.wire_dtype(compression)
@@ -149,6 +152,11 @@ class FullyShardedReplica:
             loss=last.loss,
             **options,
         )
+
+    @property
+    def kept_gathered(self) -> int:
+        """How many units, the last ones, keep their gathered weights from their forward to their backward pass."""
+        return len(self._taped)
 
     @property
     def model(self) -> keras.Model:

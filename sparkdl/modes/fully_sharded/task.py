@@ -59,7 +59,7 @@ def train(plan: Zero3Plan, ranks: Ranks) -> bytes | None:
         scales=step_scales(per_epoch, rest, comm.rank),
         compression=plan.compression,
         overlap=plan.overlap,
-        reshard_after_forward=plan.reshard_after_forward,
+        kept_gathered=plan.kept_gathered,
         timeout=settings.timeout,
     )
     del part
@@ -134,7 +134,8 @@ def _assembled(whole, plan: Zero3Plan, ranks: Ranks, start: Checkpoint, gathered
 
 def _stats(replica, comm) -> dict:
     """``FitResult.stats["fully_sharded"]``: the bytes every rank held (measured in its task: of optimizer state,
-    whatever its process holds) and its seconds."""
+    whatever its process holds), its seconds, the units and how many kept their gathered weights to their backward
+    pass."""
     held = {**replica.held_bytes(), "optimizer_bytes": sharded.held_optimizer_bytes()}
     keys = sorted(held)
     rows = comm.allgather(np.array([held[k] for k in keys], np.int64))
@@ -142,5 +143,6 @@ def _stats(replica, comm) -> dict:
     return {
         "ranks": [dict(zip(keys, (int(v) for v in row))) for row in rows],
         "units": len(replica.units),
+        "kept_gathered": replica.kept_gathered,
         **summary,
     }

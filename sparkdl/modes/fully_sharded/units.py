@@ -64,6 +64,21 @@ def shard_layout(model: keras.Model, plan: cut.StagePlan, ranks: int) -> ShardLa
     return ShardLayout(tuple(buckets), tuple(sizes), ranks)
 
 
+def kept_gathered(model: keras.Model, plan: cut.StagePlan, budget_bytes: int) -> int:
+    """How many units, counted back from the last, keep their gathered weights from their forward pass to their
+    backward pass within ``budget_bytes`` of whole weights (float32) held at once: at least the last unit, which runs
+    its backward pass right after its forward pass and holds its weights in between anyway. The units needed first
+    by the backward pass are the ones kept (DeepSpeed's ZeRO-3 keeps parameters gathered for reuse up to its
+    ``stage3_max_live_parameters`` likewise)."""
+    kept, held = 0, 0
+    for unit in reversed(range(plan.num_stages)):
+        held += 4 * sum(_size(variable) for variable in trainables(unit_layers(model, plan, unit)))
+        if kept and held > budget_bytes:
+            break
+        kept += 1
+    return kept
+
+
 def _size(variable) -> int:
     size = 1
     for dimension in variable.shape:

@@ -24,9 +24,9 @@ RESHARD_AFTER_FORWARD = Option(
     "reshard_after_forward",
     "mode='sharded', shard_weights=True: False keeps each layer's gathered weights and its forward pass's "
     "activations until its backward pass: no second gather and no forward run again, for the whole weights held "
-    "during a step (1/N between steps)",
+    "during a step (1/N between steps); True gathers every layer's again for its backward pass but the last's; "
+    "left out, the last layers' are kept up to 1 GiB of weights, the rest gathered again",
     kind=bool,
-    default=True,
 )
 
 
@@ -56,9 +56,10 @@ class ShardedMode(Mode):
         sharded.check_model(model)
         if values["shard_weights"]:
             return Zero3Plan.configure(name, model, values)
-        if not values["reshard_after_forward"]:
+        if values["reshard_after_forward"] is not None:
             raise ValueError(
                 "Expected reshard_after_forward with shard_weights=True only: without it every rank holds the whole "
-                "weights throughout, and nothing is resharded. Received: reshard_after_forward=False"
+                f"weights throughout, and nothing is resharded. Received: "
+                f"reshard_after_forward={values['reshard_after_forward']}"
             )
         return Zero1Plan.from_values(name, values)
