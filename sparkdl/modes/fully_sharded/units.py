@@ -58,9 +58,9 @@ def shard_layout(model: keras.Model, plan: cut.StagePlan, ranks: int) -> ShardLa
     buckets: list[tuple[int, ...]] = []
     sizes: list[int] = []
     for unit in range(plan.num_stages):
-        variables = trainables(unit_layers(model, plan, unit))
-        buckets.append(tuple(range(len(sizes), len(sizes) + len(variables))))
-        sizes += [_size(variable) for variable in variables]
+        own = _variable_sizes(model, plan, unit)
+        buckets.append(tuple(range(len(sizes), len(sizes) + len(own))))
+        sizes += own
     return ShardLayout(tuple(buckets), tuple(sizes), ranks)
 
 
@@ -72,11 +72,16 @@ def kept_gathered(model: keras.Model, plan: cut.StagePlan, budget_bytes: int) ->
     ``stage3_max_live_parameters`` likewise)."""
     kept, held = 0, 0
     for unit in reversed(range(plan.num_stages)):
-        held += 4 * sum(_size(variable) for variable in trainables(unit_layers(model, plan, unit)))
+        held += 4 * sum(_variable_sizes(model, plan, unit))
         if kept and held > budget_bytes:
             break
         kept += 1
     return kept
+
+
+def _variable_sizes(model: keras.Model, plan: cut.StagePlan, unit: int) -> list[int]:
+    """The values in each of unit ``unit``'s trainable variables, in chain order."""
+    return [_size(variable) for variable in trainables(unit_layers(model, plan, unit))]
 
 
 def _size(variable) -> int:
