@@ -127,7 +127,10 @@ def fit(
             combined weighted by held-out rows; average, the averaged model after the round that
             completes the epoch). Steps per epoch count the training rows only.
         timeout: seconds any single network wait may take before the job fails, and the longest the fit waits for
-            task slots that other sparkdl fits or other jobs hold (``sparkdl.launch.slots``).
+            task slots that other sparkdl fits or other jobs hold (``sparkdl.launch.slots``). An executor's Python
+            starting (its workers, TensorFlow imported: for the check before training, or for a rank's task on a
+            new executor, which the other ranks wait for) is given up to five minutes however short
+            this is (``sparkdl.launch.worker_python.STARTUP_SECONDS``).
         custom_objects: Keras custom objects (name -> class or function) for ``keras.models.load_model`` on the
             workers. Rarely needed: classes and functions the model uses that the workers cannot import (defined in
             the driver's script or notebook, or registered at run time) are found on the driver and sent with the
@@ -210,7 +213,7 @@ def fit(
             # The rows are checked where the training tasks read them: no pass over the data of their own.
             training = planned.training()
             asked = time.perf_counter()
-            workers = probe.start_check(df.sparkSession, layout.slots, timeout)
+            workers = probe.start_check(df.sparkSession, layout.slots, probe.startup_timeout(timeout))
             try:  # by whole input partitions where it can, no shuffle (a persisted input's count job beside the probe)
                 read_as = resumed.read_as if resumed is not None else None
                 layout, frame, deal = layout.dealt(df, training.frame, read_as)

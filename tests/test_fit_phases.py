@@ -7,7 +7,7 @@ import pytest
 from models import make_mlp
 
 import sparkdl
-from sparkdl.launch import rendezvous
+from sparkdl.launch import rendezvous, stage
 from sparkdl.launch.forward import TaskReporter, _Forwarder
 from sparkdl.launch.phases import Phases
 from sparkdl.launch.relay import OutputRelay
@@ -137,6 +137,76 @@ def test_a_rank_waiting_in_vain_names_the_ranks_that_never_started_or_never_join
         assert "rank(s) 1 never started" in message and "rank(s) 2 started but had not joined" in message
     else:
         assert "rank(s) 1, 2 never started" in message and "had not joined" not in message
+
+
+def test_the_ranks_at_the_rendezvous_wait_for_a_rank_whose_python_starts():
+    """Rank 0 waits 1 s at most; rank 1's task connects 3 s in. The driver's stage watch tells rank 0 every 0.3 s
+    that rank 1 is starting (a barrier stage's tasks are launched together), which renews its wait: both meet.
+    Nothing is told while no rank waits, nor once rank 1 has connected."""
+    answers: dict = {}
+    meeting = rendezvous.Rendezvous(2)
+    with OutputRelay("127.0.0.1", SECRET, 2, rendezvous=meeting) as relay:
+        assert not meeting.tell_starting()  # nobody waits
+        first = TaskReporter(_Forwarder(relay.address, SECRET, 0, timeout=1.0, encrypt=False), 0)
+        waiting = threading.Thread(target=lambda: answers.update({0: _joined_or_error(first, 0, 1.0)}), daemon=True)
+        waiting.start()
+        told = []
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            told.append(meeting.tell_starting())
+            time.sleep(0.3)
+        late = TaskReporter(_Forwarder(relay.address, SECRET, 1, timeout=1.0, encrypt=False), 1)
+        time.sleep(0.2)  # its connection reaches the relay
+        connected_told = meeting.tell_starting()
+        answers[1] = _joined_or_error(late, 1, 1.0)
+        waiting.join(30)
+        for reporter in (first, late):
+            reporter.connection.close()
+    assert answers == {0: ["r0 host", "r1 host"], 1: ["r0 host", "r1 host"]}
+    assert told[-1] and not connected_told
+
+
+class _LateOnRank1:
+    """Unpickled with a task's function: in partition 1's task it takes ``seconds`` first, as a new executor's Python
+    worker does while it starts and imports TensorFlow, before the task can connect to the driver."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        if context is not None and context.partitionId() == 1:
+            time.sleep(self.seconds)
+
+
+def _met(late: _LateOnRank1) -> str:
+    return f"met after rank 1's {late.seconds} s start"
+
+
+def test_a_rank_whose_python_starts_after_the_timeout_meets_the_others(spark):
+    """A barrier stage's rank 1 starts 6 s late, its job's network waits take 2 s: Spark launched its task with
+    theirs, so the others wait for it (they gave up after 2 s, "rank(s) 1 never started", as fits did on a new
+    executor)."""
+    assert sparkdl.run(_met, args=(_LateOnRank1(6.0),), num_workers=2, spark=spark, timeout=2) == (
+        "met after rank 1's 6.0 s start"
+    )
+
+
+def test_a_rank_whose_python_never_starts_is_waited_for_a_bounded_time_and_named(spark, monkeypatch):
+    """The same late rank with the longest start waited for cut from 300 s to 1 s (on the driver): the others give
+    up after that and their timeout, naming rank 1 as launched by Spark with its Python not started."""
+    monkeypatch.setattr(stage, "STARTUP_SECONDS", 1.0)
+    monkeypatch.setattr(rendezvous, "STARTUP_SECONDS", 1.0)
+    started = time.monotonic()
+    with pytest.raises(sparkdl.WorkerError) as failed:
+        sparkdl.run(_met, args=(_LateOnRank1(15.0),), num_workers=2, spark=spark, timeout=2)
+    message = str(failed.value)
+    assert "rank 0: not every rank of the stage reached the rendezvous within timeout=2 seconds" in message, message
+    assert "rank(s) 1 were launched by Spark, but their Python had not started within 1.0 s" in message, message
+    assert time.monotonic() - started < 15.0  # before rank 1 started at all
 
 
 def _joined_or_error(reporter: TaskReporter, rank: int, timeout: float):

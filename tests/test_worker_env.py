@@ -51,7 +51,8 @@ _SCRIPT = textwrap.dedent("""
             model.compile(optimizer="sgd", loss="mse")
             df = spark.createDataFrame([([float(i), 1.0], float(i)) for i in range(8)], "features array<float>, label float")
             for _ in range(2 if what == "fit-twice" else 1):
-                sparkdl.fit(df, model, num_workers=2, epochs=1, batch_size=4, progress=False)
+                sparkdl.fit(df, model, num_workers=2, epochs=1, batch_size=4, progress=False,
+                            timeout=float(os.environ["FIT_TIMEOUT"]))
             outcome["result"] = "trained"
         else:
             def where():
@@ -70,13 +71,17 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_script(tmp_path, what, *, env_python=None, conf_python=None, daemon=None, path_python=sys.executable):
-    """Runs ``_SCRIPT`` in a fresh Python with ``path_python`` as the ``python3`` of its ``PATH``."""
+def _run_script(
+    tmp_path, what, *, env_python=None, conf_python=None, daemon=None, path_python=sys.executable, fit_timeout=600
+):
+    """Runs ``_SCRIPT`` in a fresh Python with ``path_python`` as the ``python3`` of its ``PATH``; its fits take
+    ``timeout=fit_timeout``."""
     script = tmp_path / "job.py"
     script.write_text(_SCRIPT)
     events = tmp_path / "events"
     events.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
+    env["FIT_TIMEOUT"] = str(fit_timeout)
     if env_python is not None:
         env["PYSPARK_PYTHON"] = env_python
     on_path = tmp_path / "path"
@@ -241,13 +246,19 @@ def test_rows_made_before_the_first_fit_under_another_python3_train_without_the_
 def test_a_fit_that_started_the_check_says_how_to_start_it_earlier(tmp_path):
     """A session's first fit starts the check of its executors' Python (which imports TensorFlow there) and waits
     for it; its phase line says how to run that beside the driver's work. The session's second fit, which finds
-    the check passed, does not."""
-    outcome, _, output = _run_script(tmp_path, "fit-twice")
+    the check passed, does not. That Python takes 8 s to start, the fits' network waits 3 s: the check waits for
+    the start (``worker_python.STARTUP_SECONDS``), not for ``timeout`` (was: "did not finish within timeout=3s",
+    as fits with timeout=10 and 20 failed on CI's machine while a new executor's Python imported TensorFlow)."""
+    slow = tmp_path / "python"
+    slow.write_text(f'#!/bin/sh\nsleep 8\nexec "{sys.executable}" "$@"\n')
+    slow.chmod(slow.stat().st_mode | stat.S_IEXEC)
+    outcome, events, output = _run_script(tmp_path, "fit-twice", env_python=str(slow), fit_timeout=3)
 
     assert outcome.get("result") == "trained", outcome
+    assert events["failed_tasks"] == [] and len(events["barrier_stages"]) == 2
     first, second = [line for line in output.splitlines() if line.startswith("sparkdl.api: sparkdl: phases ")]
     checked = float(re.search(r"worker check ([0-9.]+)s", first).group(1))
-    assert checked >= probe._HINT_SECONDS, first  # TensorFlow's import alone takes longer
+    assert checked >= 8, first  # the Python's start, then TensorFlow's import
     assert "sparkdl.check_executors(spark, num_workers, wait=False) right after the session starts" in first
     assert "waited for 0.00s" in second and "check_executors" not in second, second
 

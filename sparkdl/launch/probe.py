@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 from sparkdl.launch import session, slots
 from sparkdl.launch.worker_python import (
+    STARTUP_SECONDS,
     classic_context,
     forks_from_worker_daemon,
     use_driver_python,
@@ -78,6 +79,12 @@ def check_executors(spark, num_workers: int, *, timeout: float = 600.0, wait: bo
 def check_workers(spark, num_workers: int, timeout: float, modules: tuple = TRAINING_MODULES) -> None:
     """Runs the probe (unless it already passed for this session and interpreter) and waits; raises if it fails."""
     start_check(spark, num_workers, timeout, modules).wait()
+
+
+def startup_timeout(job_timeout: float) -> float:
+    """How long a job whose network waits take up to ``job_timeout`` waits for its check: at least
+    ``worker_python.STARTUP_SECONDS``, since starting the executors' Python is not a network wait."""
+    return max(job_timeout, STARTUP_SECONDS)
 
 
 def start_check(spark, num_workers: int, timeout: float, modules: tuple = TRAINING_MODULES) -> PendingCheck:

@@ -14,7 +14,11 @@ frame naming the ranks still missing, which renews their wait and which the time
 The ranks of a stage do not start together: when Spark retries a stage after losing an executor,
 the ranks on the executors that stayed are at the rendezvous within a second, while the rank on the
 replacement executor first starts a Python worker and imports TensorFlow, which on a busy machine
-took longer than a 20 s timeout counted from the first rank's arrival.
+took longer than a 20 s timeout counted from the first rank's arrival, and longer than a 10 s one after
+it had started. Spark launches a barrier stage's tasks together or not at all, so once a rank is at
+the rendezvous, the ranks missing whose task has not connected yet are starting: the driver's stage
+watch (``stage.StageWatch``) renews the ranks' wait for them (:meth:`Rendezvous.tell_starting`) up to
+``worker_python.STARTUP_SECONDS``.
 
 When Spark retries the stage, the tasks of the new attempt must meet among themselves. A task's
 record is dropped when its connection closes (Spark kills the other tasks of a failed barrier
@@ -33,6 +37,7 @@ from collections.abc import Collection
 from sparkdl.collective import topology
 from sparkdl.launch.forward import TaskReporter
 from sparkdl.launch.relay_frames import MAX_FRAME_BYTES, recv_bytes, send_frame
+from sparkdl.launch.worker_python import STARTUP_SECONDS
 from sparkdl.net.io import parse_address
 from sparkdl.net.secure import Channel
 
@@ -40,7 +45,9 @@ _log = logging.getLogger(__name__)
 
 # Frame kinds on the relay's connection, after the relay's own (1-4) and the payloads' (5-8).
 _JOIN, _MEMBERS = 9, 10  # task -> driver: its task attempt id and record; driver -> task: every rank's record
-_WAITING = 11  # driver -> a task that joined: the ranks not yet joined, and those whose task has not started
+# driver -> a task that joined: the ranks not yet joined, those whose task has not connected, and whether these are
+# starting (their Python worker)
+_WAITING = 11
 
 
 class Rendezvous:
@@ -84,15 +91,31 @@ class Rendezvous:
         for member in members.values():
             member.tell(_MEMBERS, answer, stopping, last=True)
 
-    def _tell_waiting(self, stopping: threading.Event | None = None) -> None:
-        """Tells every rank waiting which ranks it still waits for: a sign of progress, which renews its wait."""
+    def tell_starting(self) -> bool:
+        """Tells the ranks waiting that the missing ranks whose task has not connected are starting (launched with
+        theirs, a barrier stage's tasks are: a Python worker starting, importing what the task imports), which
+        renews their wait. Returns whether any rank waited for such a rank."""
+        return self._tell_waiting(starting=True)
+
+    def _tell_waiting(self, stopping: threading.Event | None = None, *, starting: bool = False) -> bool:
+        """Tells every rank waiting which ranks it still waits for: a sign of progress, which renews its wait.
+        Returns whether a rank waits for one whose task has not connected."""
         with self._lock:
             waiting = list(self._joined.values())
             missing = [rank for rank in range(self._num_workers) if rank not in self._joined]
             not_started = [rank for rank in missing if not self._connections[rank]]
-        news = json.dumps({"missing": missing, "not_started": not_started}).encode()
+        if starting and not (waiting and not_started):
+            return False
+        news = {
+            "missing": missing,
+            "not_started": not_started,
+            "starting": not_started if starting else [],
+            "startup_seconds": STARTUP_SECONDS,  # the driver's: how long the starting ranks are waited for
+        }
+        message = json.dumps(news).encode()
         for member in waiting:
-            member.tell(_WAITING, news, stopping)
+            member.tell(_WAITING, message, stopping)
+        return bool(waiting and not_started)
 
     def task_at_last_meeting(self, rank: int) -> int | None:
         """The task attempt id of rank ``rank`` when the ranks last met (None: they never did)."""
@@ -196,11 +219,17 @@ def join(reporter: TaskReporter, rank: int, task: int, record: str, timeout: flo
 
 def _not_met(news: dict, timeout: float) -> str:
     """Why a rank gave up waiting at the rendezvous, naming the ranks missing as the driver last said."""
-    missing, not_started = news.get("missing", []), news.get("not_started", [])
+    missing, not_started, starting = news.get("missing", []), news.get("not_started", []), news.get("starting", [])
     started = [rank for rank in missing if rank not in not_started]
+    never = [rank for rank in not_started if rank not in starting]
     why = []
-    if not_started:
-        why.append(f"rank(s) {_listed(not_started)} never started (an executor lost, or no free slot for it)")
+    if never:
+        why.append(f"rank(s) {_listed(never)} never started (an executor lost, or no free slot for it)")
+    if starting:
+        why.append(
+            f"rank(s) {_listed(starting)} were launched by Spark, but their Python had not started within "
+            f"{news.get('startup_seconds')} s (a Python worker that does not start, or an import that hangs)"
+        )
     if started:
         why.append(f"rank(s) {_listed(started)} started but had not joined (still reading a large partition?)")
     return (

@@ -78,6 +78,6 @@ def run(
 
     placeholder = spark.range(num_workers, numPartitions=num_workers)
     with claim_slots(spark, num_workers, timeout=timeout):  # before the probe: it is the first job
-        probe.check_workers(spark, num_workers, timeout, probe.LAUNCH_MODULES)
+        probe.check_workers(spark, num_workers, probe.startup_timeout(timeout), probe.LAUNCH_MODULES)
         results = run_tasks(placeholder, num_workers, task, barrier=True, timeout=timeout, spark_results=True)
     return cloudpickle.loads(results[0])

@@ -37,6 +37,7 @@ from sparkdl.launch.layout import TaskLayout, task_input
 from sparkdl.launch.phases import Phases
 from sparkdl.launch.relay import OutputRelay
 from sparkdl.launch.task_context import current_task
+from sparkdl.launch.worker_python import STARTUP_SECONDS
 
 # One row per task that returned bytes (the bytes themselves only with spark_results, in chunks): which
 # attempt of the task Spark kept, and how many bytes it returned.
@@ -59,7 +60,7 @@ TaskFunction = Callable[[Iterable[pa.RecordBatch], TaskReporter], bytes | None]
 
 # How long the driver waits, after a failed job, for the tasks' last output and error reports.
 _REPORT_GRACE_SECONDS = 10.0
-_SLOT_POLL_SECONDS = 1.0  # how often a barrier job's SlotWatch counts the cluster's slots
+_STAGE_POLL_SECONDS = 1.0  # how often a barrier job's StageWatch looks at the cluster's slots and the rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,8 @@ def run_tasks(
     task results instead (the driver JVM's heap, ``spark.driver.maxResultSize``):
     for bytes the caller unpickles, which must never come from a socket.
     ``watch_slots``: the stage cannot complete once the cluster has fewer task slots than its tasks (default: a
-    barrier stage); it then fails with ``SlotsLost`` after ``timeout`` (``SlotWatch``).
+    barrier stage); it then fails with ``SlotsLost`` after ``timeout`` (``StageWatch``, which also waits for a barrier
+    stage's ranks whose Python starts late).
     ``offered`` names payloads the tasks may fetch from the driver's relay
     (``payloads.fetch(reporter, name)``) instead of carrying them in the
     closure. ``barrier=True`` starts all tasks together, as the ring needs;
@@ -164,12 +166,12 @@ def run_tasks(
         # result stage aborts the job): the shuffle makes the training stage retryable after a lost task.
         results = results.repartition(1)
     every_slot = barrier if watch_slots is None else watch_slots
-    watch = SlotWatch(spark, num_tasks, timeout, tag, meeting) if every_slot else contextlib.nullcontext()
+    watch = StageWatch(spark, num_tasks, timeout, tag, meeting) if every_slot else contextlib.nullcontext()
     try:
         with tag, watch:
             table = _compat.collect_arrow(results)
     except Exception:
-        if isinstance(watch, SlotWatch) and watch.lost is not None:
+        if isinstance(watch, StageWatch) and watch.lost is not None:
             raise watch.lost.seen_by(relay.reports) from None
         relay.wait_until_quiet(_REPORT_GRACE_SECONDS)
         report = relay.first_error()
@@ -208,21 +210,32 @@ def _spark_input(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         yield batch
 
 
-class SlotWatch:
-    """While a job that needs all its tasks at once runs (a barrier stage's): where the cluster has had fewer task
-    slots than the stage's tasks (an executor lost and not replaced) for ``timeout`` seconds, cancels the job and
-    keeps a ``SlotsLost`` for the caller, which Spark would otherwise leave waiting for the slots without end; it
-    names the hosts whose executors went away, and the ranks that ran on a host left with none (``meeting``: a
-    barrier stage's rendezvous, which knows every rank's host). Knows nothing of slots where Spark does not say
-    (``session.task_slots`` None: Spark Connect without the server's settings)."""
+class StageWatch:
+    """While a job that needs all its tasks at once runs (a barrier stage's), watches what its tasks wait for.
+
+    - Slots lost: where the cluster has had fewer task slots than the stage's tasks (an executor lost and not
+      replaced) for ``timeout`` seconds, cancels the job and keeps a ``SlotsLost`` for the caller, which Spark would
+      otherwise leave waiting for the slots without end; it names the hosts whose executors went away, and the
+      ranks that ran on a host left with none (``meeting``: a barrier stage's rendezvous, which knows every rank's
+      host). Knows nothing of slots where Spark does not say (``session.task_slots`` None: Spark Connect without
+      the server's settings).
+    - Ranks starting late: Spark launches a barrier stage's tasks together or not at all, so while ranks wait at
+      the rendezvous for ranks whose task has not connected yet, those are starting their Python (a new
+      executor's Python worker importing TensorFlow, which took longer than the fit's ``timeout`` on a busy
+      machine): the watch renews the waiting ranks' wait (``Rendezvous.tell_starting``), for
+      ``worker_python.STARTUP_SECONDS`` at most, after which they give up after ``timeout``, naming the ranks.
+      (A lost executor fails its task, and Spark the stage's other tasks: nobody waits for it.)
+    """
 
     def __init__(self, spark, needed: int, timeout: float, tag: session.JobTag, meeting: rendezvous.Rendezvous | None):
         self._spark, self._needed, self._timeout, self._tag, self._meeting = spark, needed, timeout, tag, meeting
+        self._poll_seconds = min(_STAGE_POLL_SECONDS, timeout / 4)  # renewals well within the ranks' timeout
+        self._starting_since: float | None = None  # since when ranks have waited for ranks starting late
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sparkdl-slot-watch", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="sparkdl-stage-watch", daemon=True)
         self.lost: SlotsLost | None = None
 
-    def __enter__(self) -> SlotWatch:
+    def __enter__(self) -> StageWatch:
         self._thread.start()
         return self
 
@@ -236,16 +249,18 @@ class SlotWatch:
             hosts_before = session.executor_hosts(self._spark)
         except Exception:  # the session is stopping: nothing left to watch
             return
-        while not self._stop.wait(_SLOT_POLL_SECONDS):
+        while not self._stop.wait(self._poll_seconds):
             try:
                 slots = session.task_slots(self._spark)
                 hosts_now = session.executor_hosts(self._spark)
             except Exception:  # the session is stopping: nothing left to watch
                 return
+            now = time.monotonic()
+            if self._meeting is not None:
+                self._renew_for_late_starts(self._meeting, now)
             if slots is None or slots >= self._needed:
                 short_since = None
                 continue
-            now = time.monotonic()
             short_since = now if short_since is None else short_since
             if now - short_since >= self._timeout:
                 gone: list[str] = []
@@ -259,6 +274,15 @@ class SlotWatch:
                 logger.warning("sparkdl: %s", self.lost)
                 self._tag.cancel()
                 return
+
+    def _renew_for_late_starts(self, meeting: rendezvous.Rendezvous, now: float) -> None:
+        """Renews the wait of ranks waiting for ranks whose Python is starting, for STARTUP_SECONDS at most."""
+        if self._starting_since is not None and now - self._starting_since > STARTUP_SECONDS:
+            return  # the ranks waiting give up after their timeout, naming the ranks that did not start
+        if meeting.tell_starting():
+            self._starting_since = now if self._starting_since is None else self._starting_since
+        else:
+            self._starting_since = None
 
 
 class StageResults(dict):

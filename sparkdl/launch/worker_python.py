@@ -28,6 +28,12 @@ _DEFAULT_PYTHON = "python3"  # what PySpark starts on the executors when nothing
 # make ``python -m`` run a module that is already imported).
 WORKER_DAEMON = "sparkdl.launch.worker_daemon"
 _DAEMON_SETTING = "spark.python.daemon.module"
+#: The longest an executor may take to start a Python worker for a task and import what the task imports, however
+#: short the job's ``timeout`` (a network wait's): a new executor on a busy two-core machine took more than 20 s for
+#: its Python daemon and TensorFlow, and fits with ``timeout=10`` or ``20`` failed there before training began. The
+#: executors' check (``probe``) waits this long at least, and the ranks of a barrier stage wait this long for a rank
+#: whose task Spark runs but whose Python has not started (``stage.StageWatch``).
+STARTUP_SECONDS = 300.0
 # The SparkContexts whose workers use_driver_python moved off ``python3``: Python code the session made before
 # (a DataFrame of local rows, a UDF) keeps the interpreter it was made with, and still starts ``python3``.
 _moved_off_default: weakref.WeakSet = weakref.WeakSet()
