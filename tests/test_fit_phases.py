@@ -7,7 +7,7 @@ import pytest
 from models import make_mlp
 
 import sparkdl
-from sparkdl.launch import rendezvous, stage
+from sparkdl.launch import rendezvous, session, stage
 from sparkdl.launch.forward import TaskReporter, _Forwarder
 from sparkdl.launch.phases import Phases
 from sparkdl.launch.relay import OutputRelay
@@ -166,6 +166,34 @@ def test_the_ranks_at_the_rendezvous_wait_for_a_rank_whose_python_starts():
     assert told[-1] and not connected_told
 
 
+def test_a_retried_stage_s_late_rank_is_waited_for_again(spark, monkeypatch):
+    """The driver's stage watch waits for ranks starting late once an attempt (STARTUP_SECONDS, here 3 s): the first
+    attempt's rank 1 never starts, and its rank 0 gives up naming it. Spark's next attempt starts its own Python, so
+    its rank 1, connecting 2 s after rank 0 waits (1 s at most), is waited for again: they meet."""
+    monkeypatch.setattr(rendezvous, "STARTUP_SECONDS", 3.0)
+    meeting = rendezvous.Rendezvous(2)
+    with (
+        OutputRelay("127.0.0.1", SECRET, 2, rendezvous=meeting) as relay,
+        stage.StageWatch(spark, 1, 1.0, session.JobTag(spark), meeting),
+    ):
+        first = TaskReporter(_Forwarder(relay.address, SECRET, 0, timeout=1.0, encrypt=False), 0)
+        error = _joined_or_error(first, 0, 1.0)
+        first.connection.close()  # the attempt failed: Spark kills its tasks
+        assert isinstance(error, TimeoutError), error
+        assert "rank(s) 1 were launched by Spark, but their Python had not started within 3.0 s" in str(error)
+        answers: dict = {}
+        again = TaskReporter(_Forwarder(relay.address, SECRET, 0, timeout=1.0, encrypt=False), 0)
+        waiting = threading.Thread(target=lambda: answers.update({0: _joined_or_error(again, 0, 1.0, 20)}))
+        waiting.start()
+        time.sleep(2.0)
+        late = TaskReporter(_Forwarder(relay.address, SECRET, 1, timeout=1.0, encrypt=False), 1)
+        answers[1] = _joined_or_error(late, 1, 1.0, 21)
+        waiting.join(30)
+        for reporter in (again, late):
+            reporter.connection.close()
+    assert answers == {0: ["r0 host", "r1 host"], 1: ["r0 host", "r1 host"]}
+
+
 class _LateOnRank1:
     """Unpickled with a task's function: in partition 1's task it takes ``seconds`` first, as a new executor's Python
     worker does while it starts and imports TensorFlow, before the task can connect to the driver."""
@@ -198,7 +226,6 @@ def test_a_rank_whose_python_starts_after_the_timeout_meets_the_others(spark):
 def test_a_rank_whose_python_never_starts_is_waited_for_a_bounded_time_and_named(spark, monkeypatch):
     """The same late rank with the longest start waited for cut from 300 s to 1 s (on the driver): the others give
     up after that and their timeout, naming rank 1 as launched by Spark with its Python not started."""
-    monkeypatch.setattr(stage, "STARTUP_SECONDS", 1.0)
     monkeypatch.setattr(rendezvous, "STARTUP_SECONDS", 1.0)
     started = time.monotonic()
     with pytest.raises(sparkdl.WorkerError) as failed:
@@ -209,8 +236,8 @@ def test_a_rank_whose_python_never_starts_is_waited_for_a_bounded_time_and_named
     assert time.monotonic() - started < 15.0  # before rank 1 started at all
 
 
-def _joined_or_error(reporter: TaskReporter, rank: int, timeout: float):
+def _joined_or_error(reporter: TaskReporter, rank: int, timeout: float, task: int | None = None):
     try:
-        return rendezvous.join(reporter, rank, 10 + rank, f"r{rank} host", timeout)
+        return rendezvous.join(reporter, rank, 10 + rank if task is None else task, f"r{rank} host", timeout)
     except (OSError, TimeoutError) as exc:
         return exc

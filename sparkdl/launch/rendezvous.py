@@ -18,7 +18,7 @@ took longer than a 20 s timeout counted from the first rank's arrival, and longe
 it had started. Spark launches a barrier stage's tasks together or not at all, so once a rank is at
 the rendezvous, the ranks missing whose task has not connected yet are starting: the driver's stage
 watch (``stage.StageWatch``) renews the ranks' wait for them (:meth:`Rendezvous.tell_starting`) up to
-``worker_python.STARTUP_SECONDS``.
+``worker_python.STARTUP_SECONDS`` from the first waiting rank's arrival (a retried stage's ranks arrive anew).
 
 When Spark retries the stage, the tasks of the new attempt must meet among themselves. A task's
 record is dropped when its connection closes (Spark kills the other tasks of a failed barrier
@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import threading
+import time
 from collections.abc import Collection
 
 from sparkdl.collective import topology
@@ -94,7 +95,13 @@ class Rendezvous:
     def tell_starting(self) -> bool:
         """Tells the ranks waiting that the missing ranks whose task has not connected are starting (launched with
         theirs, a barrier stage's tasks are: a Python worker starting, importing what the task imports), which
-        renews their wait. Returns whether any rank waited for such a rank."""
+        renews their wait, up to ``STARTUP_SECONDS`` from the first of them's arrival: past it they give up after
+        their timeout, naming those ranks. A retried stage's ranks are new arrivals, waited for as long again.
+        Returns whether it told them."""
+        with self._lock:
+            arrivals = [member.arrived for member in self._joined.values()]
+        if arrivals and time.monotonic() - min(arrivals) > STARTUP_SECONDS:
+            return False
         return self._tell_waiting(starting=True)
 
     def _tell_waiting(self, stopping: threading.Event | None = None, *, starting: bool = False) -> bool:
@@ -144,6 +151,7 @@ class _Joined:
     task: int  # the task attempt id (Spark's task id, unique in the application)
     record: str
     channel: Channel
+    arrived: float = dataclasses.field(default_factory=time.monotonic)
     _sending: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     _answered: bool = False
 

@@ -37,7 +37,6 @@ from sparkdl.launch.layout import TaskLayout, task_input
 from sparkdl.launch.phases import Phases
 from sparkdl.launch.relay import OutputRelay
 from sparkdl.launch.task_context import current_task
-from sparkdl.launch.worker_python import STARTUP_SECONDS
 
 # One row per task that returned bytes (the bytes themselves only with spark_results, in chunks): which
 # attempt of the task Spark kept, and how many bytes it returned.
@@ -223,14 +222,14 @@ class StageWatch:
       the rendezvous for ranks whose task has not connected yet, those are starting their Python (a new
       executor's Python worker importing TensorFlow, which took longer than the fit's ``timeout`` on a busy
       machine): the watch renews the waiting ranks' wait (``Rendezvous.tell_starting``), for
-      ``worker_python.STARTUP_SECONDS`` at most, after which they give up after ``timeout``, naming the ranks.
-      (A lost executor fails its task, and Spark the stage's other tasks: nobody waits for it.)
+      ``worker_python.STARTUP_SECONDS`` at most from their arrival, after which they give up after ``timeout``,
+      naming the ranks; a retried stage's ranks are waited for as long again. (A lost executor fails its task,
+      and Spark the stage's other tasks: nobody waits for it.)
     """
 
     def __init__(self, spark, needed: int, timeout: float, tag: session.JobTag, meeting: rendezvous.Rendezvous | None):
         self._spark, self._needed, self._timeout, self._tag, self._meeting = spark, needed, timeout, tag, meeting
         self._poll_seconds = min(_STAGE_POLL_SECONDS, timeout / 4)  # renewals well within the ranks' timeout
-        self._starting_since: float | None = None  # since when ranks have waited for ranks starting late
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sparkdl-stage-watch", daemon=True)
         self.lost: SlotsLost | None = None
@@ -257,7 +256,7 @@ class StageWatch:
                 return
             now = time.monotonic()
             if self._meeting is not None:
-                self._renew_for_late_starts(self._meeting, now)
+                self._meeting.tell_starting()
             if slots is None or slots >= self._needed:
                 short_since = None
                 continue
@@ -274,15 +273,6 @@ class StageWatch:
                 logger.warning("sparkdl: %s", self.lost)
                 self._tag.cancel()
                 return
-
-    def _renew_for_late_starts(self, meeting: rendezvous.Rendezvous, now: float) -> None:
-        """Renews the wait of ranks waiting for ranks whose Python is starting, for STARTUP_SECONDS at most."""
-        if self._starting_since is not None and now - self._starting_since > STARTUP_SECONDS:
-            return  # the ranks waiting give up after their timeout, naming the ranks that did not start
-        if meeting.tell_starting():
-            self._starting_since = now if self._starting_since is None else self._starting_since
-        else:
-            self._starting_since = None
 
 
 class StageResults(dict):
