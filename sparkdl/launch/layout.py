@@ -91,14 +91,17 @@ class TaskLayout:
             layout, why = self._by_cached_partition(frame)
             return layout, frame, why
         partitions = read_as or self.slots
-        whole = read_whole(frame, partitions, BALANCE_TOLERANCE)
+        whole = read_whole(frame, partitions)
+        not_whole = "shuffled: the input is not persisted and {}; persist it to deal it by partition"
         if isinstance(whole, str):
-            return self, frame, f"shuffled: the input is not persisted and {whole}; persist it to deal it by partition"
+            return self, frame, not_whole.format(whole)
+        low, high = min(whole.bytes_by_partition) / 1e6, max(whole.bytes_by_partition) / 1e6
+        within = f"{low:.3g} to {high:.3g} MB"
+        if not _balanced(whole.bytes_by_partition):
+            return self, frame, not_whole.format(f"its files pack into {partitions} partitions of {within}")
         if partitions != self.slots:
             why = f"the epoch it resumes in read its files as {partitions} partitions, for {self.slots} workers now"
             return self, whole.frame, f"shuffled: {why}"
-        low, high = min(whole.bytes_by_partition) / 1e6, max(whole.bytes_by_partition) / 1e6
-        within = f"{low:.3g} to {high:.3g} MB"
         return (
             dataclasses.replace(self, by_partition=True),
             whole.frame,
@@ -113,9 +116,8 @@ class TaskLayout:
         if not _one_partition_count(frame):
             return self, "shuffled: the input's partitions are made from others (a coalesce, a union) without a shuffle"
         rows = training_rows_by_partition(frame, partitions)
-        low, high = min(rows), max(rows)
-        if low == 0 or high > low * (1 + BALANCE_TOLERANCE):
-            return self, f"shuffled: the input's {partitions} partitions hold {low} to {high} training rows"
+        if not _balanced(rows):
+            return self, f"shuffled: the input's {partitions} partitions hold {min(rows)} to {max(rows)} training rows"
         return dataclasses.replace(
             self, by_partition=True
         ), f"not shuffled: {partitions} input partitions, one a worker"
@@ -140,6 +142,12 @@ def task_input(frame: DataFrame, layout: TaskLayout) -> DataFrame:
     readers = F.array(*(F.array(*(keys[t] for t in layout.readers(s))) for s in range(layout.shards)))
     copies = keyed.withColumn(_TASK_KEY, F.explode(F.element_at(readers, place)))
     return copies.repartition(layout.slots, _TASK_KEY).drop(_TASK_KEY)
+
+
+def _balanced(sizes: list[int]) -> bool:
+    """Whether input partitions of ``sizes`` (rows, or bytes of files) can each be one worker's: none empty, none
+    more than ``BALANCE_TOLERANCE`` above the smallest."""
+    return min(sizes) > 0 and max(sizes) <= min(sizes) * (1 + BALANCE_TOLERANCE)
 
 
 def _persisted(frame: DataFrame) -> bool:

@@ -6,8 +6,8 @@ that has more partitions than a fit has workers, and would be dealt to them thro
 projection of a file scan (no filter, join or rows made in Python: the bytes of its files then say how many rows
 each partition holds), :func:`read_whole` plans the scan again as exactly ``partitions`` partitions of whole files,
 packed the way Spark packs them (largest first, each partition filled up to a size, its next-fit), at the smallest
-size that gives that many, and keeps the plan only where Spark made exactly that: as many partitions, no file split,
-their bytes within ``tolerance`` of each other. The plan is deterministic (the files' sizes decide it), so a fit
+size that gives that many, and keeps the plan only where Spark made exactly that: as many partitions, no file split.
+The plan is deterministic (the files' sizes decide it), so a fit
 resumed mid-epoch reads the rows again in the same partitions, under the same keys (``sparkdl.launch.layout``).
 
 The scan is planned under three of the session's settings (``spark.sql.files.maxPartitionBytes``,
@@ -42,9 +42,9 @@ class WholeFiles:
     bytes_by_partition: list[int]
 
 
-def read_whole(frame: DataFrame, partitions: int, tolerance: float) -> WholeFiles | str:
-    """``frame`` (unpersisted, classic) read as ``partitions`` partitions of whole files whose bytes are within
-    ``tolerance`` of each other's, or why it cannot be (for the fit's log)."""
+def read_whole(frame: DataFrame, partitions: int) -> WholeFiles | str:
+    """``frame`` (unpersisted, classic) read as ``partitions`` partitions of whole files, or why it cannot be (for the
+    fit's log). How evenly they are filled is the caller's to judge (``bytes_by_partition``)."""
     scan = _file_scan(frame._jdf.queryExecution().executedPlan())
     if scan is None:
         return "its rows are not a projection of files: a filter, a join, rows made in Python"
@@ -74,9 +74,6 @@ def read_whole(frame: DataFrame, partitions: int, tolerance: float) -> WholeFile
     if isinstance(planned, str) or len(planned) != partitions:
         why = planned if isinstance(planned, str) else f"{len(planned)} partitions"
         return f"Spark did not plan its files as {partitions} partitions of whole files ({why})"
-    low, high = min(planned), max(planned)
-    if high > low * (1 + tolerance):
-        return f"its files pack into {partitions} partitions of {low / 1e6:.3g} to {high / 1e6:.3g} MB"
     jdf = spark._jsparkSession.internalCreateDataFrame(rows, frame._jdf.schema(), False)
     return WholeFiles(DataFrame(jdf, spark), planned)
 
