@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import keras
 import ml_dtypes
@@ -127,3 +128,35 @@ def test_an_optimizer_xla_cannot_compile_is_applied_unfused(caplog):
         np.testing.assert_allclose(got, want, rtol=1e-6)
     warnings = [r.getMessage() for r in caplog.records if "XLA cannot compile" in r.getMessage()]
     assert len(warnings) == 1 and "NotCompilable" in warnings[0], warnings
+
+
+@pytest.mark.parametrize(
+    "optimizer, bound",
+    [(keras.optimizers.Adam(0.01), 0.11), (keras.optimizers.SGD(0.01), 0.11)],
+    ids=["adam", "sgd"],
+)
+def test_concurrent_pushes_under_hogwild_move_a_weight_no_more_than_in_turn(optimizer, bound):
+    """Hogwild's shards take pushes in parallel, without a lock. Two workers push 5 times each, one a gradient of ones,
+    the other ones on half the weights and zeros on the rest, into a shard with a fresh optimizer, 40 times. In turn,
+    10 steps of lr 0.01 move a weight by 0.1 at most. Adam's update read one push's first moment over the second
+    moment before that push's (at the first steps about zero): a weight reached 2353 in every run of the test. Adam's
+    shard now applies one push at a time; SGD's update interleaves safely and still runs concurrently."""
+    model = keras.Sequential(
+        [keras.Input((1,)), keras.layers.Dense(1 << 20, use_bias=False, kernel_initializer="zeros")]
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    (shard,) = ServerModel(model, 1, compiled=False).shards
+    ones, halves = adopted.aligned_empty(shard.size, np.float32), adopted.aligned_empty(shard.size, np.float32)
+    ones[...], halves[...] = 1.0, 0.0
+    halves[::2] = 1.0
+    fresh = b"".join(part.tobytes() for part in shard.state())  # zero weights, a fresh optimizer (its step 0)
+    largest = []
+    for _ in range(40):
+        shard.load_state(fresh)
+        pushes = [threading.Thread(target=lambda g=g: [shard.apply(g) for _ in range(5)]) for g in (ones, halves)]
+        for push in pushes:
+            push.start()
+        for push in pushes:
+            push.join(60)
+        largest.append(float(np.abs(shard.read()[0]).max()))
+    assert 0.09 < min(largest) and max(largest) <= bound, (min(largest), sorted(largest)[-3:])

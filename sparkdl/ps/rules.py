@@ -12,7 +12,8 @@ rule (mode)                a push                                       a pull
 ``Immediate`` (async)      applied as it arrives, under the shard's     reads the weights as they are
                            lock (:class:`ImmediateUpdates`)
 ``Hogwild`` (hogwild)      applied as it arrives, without a lock        reads the weights as they are, not waiting
-                                                                        for applies
+                           (SGD's concurrently; another optimizer's     for applies
+                           one at a time: ``server_model``)
 ``BoundedStaleness``       as ``Immediate``                             waits at the server-wide staleness gate
 (ssp)                                                                   (:mod:`sparkdl.ps.staleness`), then reads
 ``SyncRounds`` (sync_ps)   kept as its worker's part of the step it     waits until the round of the worker's last

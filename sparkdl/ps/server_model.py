@@ -21,7 +21,9 @@ write while a view of it lives).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,6 +42,7 @@ class OptimizerShard:
     """A :class:`sparkdl.ps.shard_server.Shard` over some of the model's variables."""
 
     def __init__(self, variables: list, optimizer_class, optimizer_config: dict, *, compiled: bool):
+        import keras
         import tensorflow as tf
 
         self._variables = variables
@@ -57,6 +60,13 @@ class OptimizerShard:
             else None
         )
         self._compiled_once = False
+        # Concurrent pushes (hogwild's) interleave their updates op by op. SGD's interleave safely (HOGWILD!'s
+        # analysis); an optimizer that divides by a moment does not: one push's step read the first moment with
+        # another push's gradient in it over the second moment without it (about zero at the first steps), and a
+        # weight that 10 steps of Adam move by 0.1 reached 2353. Such an optimizer applies one push at a time.
+        self._one_at_a_time = (
+            contextlib.nullcontext() if type(self._optimizer) is keras.optimizers.SGD else threading.Lock()
+        )
 
     def read(self) -> list[np.ndarray]:
         """The variables' values as they are now, one flat read-only view each, without copying them."""
@@ -106,6 +116,12 @@ class OptimizerShard:
             gradient = aligned
         bits = tf.experimental.dlpack.from_dlpack(gradient.view(_BITS[gradient.dtype.itemsize]).__dlpack__())
         dtype = tf.as_dtype(gradient.dtype).name
+        with self._one_at_a_time:
+            self._update_from(bits, dtype)
+
+    def _update_from(self, bits, dtype: str) -> None:
+        import tensorflow as tf
+
         if self._compiled is not None:
             try:
                 self._compiled(bits, dtype)

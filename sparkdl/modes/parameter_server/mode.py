@@ -81,7 +81,11 @@ VARIANTS = {
         _TAKES_PUSH_EVERY,
         lambda values: Immediate(),
     ),
-    "hogwild": Variant("as async, without the lock.", _TAKES_PUSH_EVERY, lambda values: Hogwild()),
+    "hogwild": Variant(
+        "as async, without the lock: pulls never wait, SGD's pushes apply concurrently.",
+        _TAKES_PUSH_EVERY,
+        lambda values: Hogwild(),
+    ),
     "ssp": Variant(
         "as async, but a worker more than ``max_staleness`` pushes ahead of the slowest one waits.",
         (*_TAKES_PUSH_EVERY, MAX_STALENESS),
