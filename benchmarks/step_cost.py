@@ -10,7 +10,11 @@ difference between the ``collective`` of ``overlap=False`` and of the default sh
 communication the buckets hide behind backprop.
 
     python benchmarks/step_cost.py [--workloads dense mlp8m digits] [--repeats 2]
-    PYTHONPATH=../before python benchmarks/step_cost.py --variants sync --no-profile   # an older checkout
+    cd ../before && PYTHONPATH=. python ../main/benchmarks/step_cost.py --variants sync --no-profile  # an older one
+
+An older checkout runs from its own directory: the executors' Python workers start with ``python -m``, which puts
+the working directory first on their path, so from this checkout's root they would import this checkout's sparkdl
+whatever ``PYTHONPATH`` says (the driver would not).
 
 ``dense`` and ``mlp8m`` are read from Parquet by both sides: one process's time includes reading
 the rows into numpy, as sparkdl's includes its tasks reading them. The table is 8 files, which a fit
