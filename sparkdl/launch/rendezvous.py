@@ -98,20 +98,18 @@ class Rendezvous:
         renews their wait, up to ``STARTUP_SECONDS`` from the first of them's arrival: past it they give up after
         their timeout, naming those ranks. A retried stage's ranks are new arrivals, waited for as long again.
         Returns whether it told them."""
-        with self._lock:
-            arrivals = [member.arrived for member in self._joined.values()]
-        if arrivals and time.monotonic() - min(arrivals) > STARTUP_SECONDS:
-            return False
         return self._tell_waiting(starting=True)
 
     def _tell_waiting(self, stopping: threading.Event | None = None, *, starting: bool = False) -> bool:
         """Tells every rank waiting which ranks it still waits for: a sign of progress, which renews its wait.
-        Returns whether a rank waits for one whose task has not connected."""
+        Returns whether a rank waits for one whose task has not connected (``starting``: and was told so)."""
         with self._lock:
             waiting = list(self._joined.values())
             missing = [rank for rank in range(self._num_workers) if rank not in self._joined]
             not_started = [rank for rank in missing if not self._connections[rank]]
         if starting and not (waiting and not_started):
+            return False
+        if starting and time.monotonic() - min(member.arrived for member in waiting) > STARTUP_SECONDS:
             return False
         news = {
             "missing": missing,
