@@ -130,12 +130,8 @@ def test_an_optimizer_xla_cannot_compile_is_applied_unfused(caplog):
     assert len(warnings) == 1 and "NotCompilable" in warnings[0], warnings
 
 
-@pytest.mark.parametrize(
-    "optimizer, bound",
-    [(keras.optimizers.Adam(0.01), 0.11), (keras.optimizers.SGD(0.01), 0.11)],
-    ids=["adam", "sgd"],
-)
-def test_concurrent_pushes_under_hogwild_move_a_weight_no_more_than_in_turn(optimizer, bound):
+@pytest.mark.parametrize("optimizer", [keras.optimizers.Adam(0.01), keras.optimizers.SGD(0.01)], ids=["adam", "sgd"])
+def test_concurrent_pushes_under_hogwild_move_a_weight_no_more_than_in_turn(optimizer):
     """Hogwild's shards take pushes in parallel, without a lock. Two workers push 5 times each, one a gradient of ones,
     the other ones on half the weights and zeros on the rest, into a shard with a fresh optimizer, 40 times. In turn,
     10 steps of lr 0.01 move a weight by 0.1 at most. Adam's update read one push's first moment over the second
@@ -159,4 +155,4 @@ def test_concurrent_pushes_under_hogwild_move_a_weight_no_more_than_in_turn(opti
         for push in pushes:
             push.join(60)
         largest.append(float(np.abs(shard.read()[0]).max()))
-    assert 0.09 < min(largest) and max(largest) <= bound, (min(largest), sorted(largest)[-3:])
+    assert 0.09 < min(largest) and max(largest) <= 0.11, (min(largest), sorted(largest)[-3:])
