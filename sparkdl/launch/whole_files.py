@@ -24,7 +24,7 @@ import threading
 from pyspark.sql import DataFrame
 
 # The physical plan of a projection of files: the nodes between the rows and the scan
-_PROJECTION_NODES = {"WholeStageCodegenExec", "ProjectExec", "ColumnarToRowExec", "InputAdapter"}
+PROJECTION_NODES = {"WholeStageCodegenExec", "ProjectExec", "ColumnarToRowExec", "InputAdapter"}
 _SETTINGS = (
     "spark.sql.files.maxPartitionBytes",
     "spark.sql.files.openCostInBytes",
@@ -36,10 +36,11 @@ _planning = threading.Lock()  # one plan under sparkdl's settings at a time: eac
 
 @dataclasses.dataclass(frozen=True)
 class WholeFiles:
-    """An input read as partitions of whole files: the rows, and the bytes of files each partition reads."""
+    """An input read as partitions of whole files: the rows, and the files each partition reads, with their bytes."""
 
     frame: DataFrame
     bytes_by_partition: list[int]
+    files: list[list[str]]  # each partition's files (URIs), in the order Spark reads them
 
 
 def read_whole(frame: DataFrame, partitions: int) -> WholeFiles | str:
@@ -70,29 +71,30 @@ def read_whole(frame: DataFrame, partitions: int) -> WholeFiles | str:
                 else:
                     spark.conf.set(key, value)
     scan_rdd = _scan_rdd(rows)
-    planned = "its file scan is not found under the planned read" if scan_rdd is None else bytes_by_partition(scan_rdd)
+    planned = "its file scan is not found under the planned read" if scan_rdd is None else _files_by_partition(scan_rdd)
     if isinstance(planned, str) or len(planned) != partitions:
         why = planned if isinstance(planned, str) else f"{len(planned)} partitions"
         return f"Spark did not plan its files as {partitions} partitions of whole files ({why})"
     jdf = spark._jsparkSession.internalCreateDataFrame(rows, frame._jdf.schema(), False)
-    return WholeFiles(DataFrame(jdf, spark), planned)
+    sizes = [sum(size for _, size in partition) for partition in planned]
+    return WholeFiles(DataFrame(jdf, spark), sizes, [[uri for uri, _ in partition] for partition in planned])
 
 
-def bytes_by_partition(scan_rdd) -> list[int] | str:
-    """The bytes of files each partition of a file scan's RDD reads, or why not: a file is split between
-    partitions."""
-    sizes = []
+def _files_by_partition(scan_rdd) -> list[list[tuple[str, int]]] | str:
+    """The files (URI, bytes) each partition of a file scan's RDD reads, in order, or why not: a file is split
+    between partitions."""
+    planned = []
     for partition in scan_rdd.partitions():
         files = list(partition.files())
         if any(file.start() != 0 or file.length() != file.fileSize() for file in files):
             return "a file is split between partitions"
-        sizes.append(sum(int(file.length()) for file in files))
-    return sizes
+        planned.append([(str(file.filePath()), int(file.length())) for file in files])
+    return planned
 
 
 def _file_scan(node):
     """The file scan a physical plan projects, or None."""
-    while node.getClass().getSimpleName() in _PROJECTION_NODES:
+    while node.getClass().getSimpleName() in PROJECTION_NODES:
         node = node.children().apply(0)
     return node if node.getClass().getSimpleName() == "FileSourceScanExec" else None
 
