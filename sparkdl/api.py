@@ -216,7 +216,9 @@ def fit(
             workers = probe.start_check(df.sparkSession, layout.slots, probe.startup_timeout(timeout))
             try:  # by whole input partitions where it can, no shuffle (a persisted input's count job beside the probe)
                 read_as = resumed.read_as if resumed is not None else None
-                layout, frame, deal = layout.dealt(df, training.frame, read_as)
+                layout, frame, deal = layout.dealt(
+                    df, training.frame, read_as, tasks_read_files=plan.reads_rows_in_its_stage
+                )
                 training = dataclasses.replace(training, frame=frame)
             except Exception:
                 workers.wait()  # a broken executor Python fails the count job too: the probe's error names why

@@ -98,7 +98,7 @@ def test_a_persisted_input_of_even_partitions_one_a_worker_is_read_whole_without
 @pytest.mark.parametrize(
     "case, deal",
     [
-        ("two files", "not shuffled: its files read as 2 partitions of whole files"),
+        ("two files", "not shuffled: its files read as 2 partitions of whole files (0.0"),
         ("eight files, planned as eight partitions", "not shuffled: its files read as 2 partitions of whole files"),
         ("files of uneven sizes", "shuffled: the input is not persisted and its files pack into 2 partitions of"),
         ("files, filtered", "shuffled: the input is not persisted and its rows are not a projection of files"),
@@ -151,13 +151,14 @@ def _paths(df) -> list[str]:
     return [path.removeprefix("file:") for path in df.inputFiles()]
 
 
-def _trained(df, log_dir, caplog) -> tuple[dict[int, list[int]], str]:
-    """The ids each worker trained in a one-epoch fit of ``df``, by partition, and the fit's phase line."""
+def _trained(df, log_dir, caplog, ordered=False) -> tuple[dict[int, list[int]], str]:
+    """The ids each worker trained in a one-epoch fit of ``df``, by partition (sorted, or in the order trained), and
+    the fit's phase line."""
     from test_step_checkpoints import _in_order, _model
 
     with caplog.at_level(logging.INFO, logger="sparkdl"):
         sparkdl.fit(df, _model(log_dir), num_workers=2, epochs=1, batch_size=16, seed=0, progress=False)
-    trained = {partition: sorted(ids) for (_, partition), ids in _in_order(log_dir).items()}
+    trained = {partition: ids if ordered else sorted(ids) for (_, partition), ids in _in_order(log_dir).items()}
     (phases,) = [r.getMessage() for r in caplog.records if "sparkdl: phases" in r.getMessage()]
     return trained, phases
 
@@ -201,3 +202,65 @@ def test_the_driver_s_check_and_the_tasks_judge_a_row_alike(spark, rows, schema,
     with pytest.raises(RowCheckError, match=message) as tasks:
         sparkdl.fit(df, model, features_col=features, num_workers=2, progress=False)
     assert str(driver.value) == str(tasks.value)
+
+
+def _rows_read_through_spark(spark, run) -> int:
+    """The input rows Spark's stages read from their sources while ``run()`` ran: Spark's own metrics (its status
+    store, what its UI shows)."""
+    context = spark.sparkContext._jsc.sc()
+
+    def stages():
+        context.listenerBus().waitUntilEmpty()
+        store = context.statusStore()  # every stage, without details: Scala's defaults, spelt out
+        listed = store.stageList(None, False, False, getattr(store, "stageList$default$4")(), None)
+        return {(s.stageId(), s.attemptId()): s.inputRecords() for s in (listed.apply(i) for i in range(listed.size()))}
+
+    before = stages()
+    run()
+    return sum(rows for stage, rows in stages().items() if stage not in before)
+
+
+@pytest.mark.parametrize(
+    "case, read",
+    [
+        ("as they are", "by the workers, from Parquet"),
+        ("a column computed", "through Spark: Spark computes one of the columns read (array(abs(label)))"),
+    ],
+)
+def test_whole_parquet_files_are_read_by_the_workers_themselves_the_rows_and_keys_as_spark_s(
+    spark, digits, tmp_path, tmp_path_factory, caplog, case, read
+):
+    """Where the workers read whole Parquet files' columns as they are, the tasks read the files themselves: Spark's
+    own metrics count no row read by the fit's jobs, and each worker trains the rows of the files Spark would give it,
+    in the order a fit reading them through Spark trains them (the same keys, hence the same shuffle). A column
+    Spark computes is read through Spark, and the phase line says why."""
+    from pyspark.sql import functions as F
+
+    table = str(tmp_path_factory.mktemp("table") / "ids")
+    _ids(spark, digits).write.parquet(table)
+    files = spark.read.parquet(table)
+    through_spark = files.withColumn("label", F.abs("label"))  # the same values (0 to 9), computed
+    df = files if case == "as they are" else through_spark
+    fitted = []
+    rows = _rows_read_through_spark(spark, lambda: fitted.extend(_trained(df, tmp_path, caplog, ordered=True)))
+    trained, phases = fitted
+    assert f"one a worker, {read}" in phases, phases
+    if case == "as they are":  # Spark read a placeholder row a task only (the training stage's, the executors' check's)
+        assert rows <= 4
+    else:
+        assert rows >= files.count()
+    caplog.clear()
+    again, _ = _trained(through_spark, tmp_path_factory.mktemp("again"), caplog, ordered=True)
+    assert trained == again  # each worker's ids, in the order it trained them
+    assert sorted(again[0] + again[1]) == list(range(200))
+
+
+def test_a_mode_whose_rounds_read_persisted_rows_reads_whole_files_through_spark(
+    spark, digits, tmp_path_factory, caplog
+):
+    table = str(tmp_path_factory.mktemp("table") / "ids")
+    _ids(spark, digits).write.parquet(table)
+    with caplog.at_level(logging.INFO, logger="sparkdl"):
+        sparkdl.fit(spark.read.parquet(table), make_mlp(width=65), num_workers=2, mode="average", progress=False)
+    (phases,) = [r.getMessage() for r in caplog.records if "sparkdl: phases" in r.getMessage()]
+    assert "one a worker, through Spark: the mode reads its rows through Spark" in phases, phases

@@ -34,6 +34,7 @@ from sparkdl.launch import gpu, payloads, rendezvous, session
 from sparkdl.launch.errors import InputLost, ResultLost, SlotsLost, worker_error
 from sparkdl.launch.forward import TaskReporter, forward_output
 from sparkdl.launch.layout import TaskLayout, task_input
+from sparkdl.launch.parquet_files import ParquetFiles
 from sparkdl.launch.phases import Phases
 from sparkdl.launch.relay import OutputRelay
 from sparkdl.launch.task_context import current_task
@@ -118,6 +119,7 @@ def run_tasks(
         encrypt=encrypt,
     )
     relay_address = relay.address  # the closure below must not capture the relay itself
+    files = layout.files
 
     def run_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         phases = Phases()  # the task's own phases, from now on (sparkdl.launch.phases)
@@ -140,7 +142,9 @@ def run_tasks(
             phases=phases,
         ) as reporter:
             try:
-                payload = task(_spark_input(batches), reporter)
+                payload = task(
+                    _spark_input(batches) if files is None else _files_input(files, partition, batches), reporter
+                )
                 reporter.progress(phases.event())  # before the upload, which the driver waits for
                 if payload is not None and not spark_results:
                     payloads.upload(reporter, payload, attempt)  # before this attempt can report success
@@ -207,6 +211,13 @@ def _spark_input(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         except Exception as exc:
             raise InputLost(f"reading this task's input rows from Spark failed: {type(exc).__name__}: {exc}") from exc
         yield batch
+
+
+def _files_input(files: ParquetFiles, partition: int, placeholder: Iterator[pa.RecordBatch]):
+    """A task's input batches read from its partition's files (``TaskLayout.files``), after Spark's placeholder row."""
+    for _ in placeholder:
+        pass
+    yield from files.read(partition)
 
 
 class StageWatch:

@@ -262,6 +262,9 @@ class Plan:
     # Whether it resumes a step checkpoint on another number of workers too (its ranks find the epoch's untrained
     # rows with collectives: ``sparkdl.position.EpochRest.resume``), as ``min_workers`` needs.
     resumes_on_other_workers: ClassVar[bool] = True
+    # Whether its tasks may read the rows' Parquet files themselves (``launch.parquet_files``): its stage reads the
+    # rows once, in ``launch.run_tasks``.
+    reads_rows_in_its_stage: ClassVar[bool] = True
 
     @classmethod
     def from_values(cls: type[_PlanT], name: str, values: dict) -> _PlanT:

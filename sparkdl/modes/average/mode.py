@@ -115,6 +115,7 @@ class AveragePlan(Plan):
     runs_callbacks: ClassVar[bool] = False
     saves_step_checkpoints: ClassVar[bool] = True
     resumes_on_other_workers: ClassVar[bool] = False  # its tasks share no collective (``rounds.position_step``)
+    reads_rows_in_its_stage: ClassVar[bool] = False  # its rounds read the rows Spark persisted
 
     def why_all_at_once(self, slots: int) -> str:
         return (
