@@ -10,6 +10,12 @@ read from the files), ``shuffleWriteBytes`` and ``shuffleReadBytes``; the benchm
 fit's rows read from the files as a multiple of the table's rows: the passes over the table that the fit made.
 Rows, not bytes: Spark 4's ``inputBytes`` misses what Parquet reads on its own threads (vectored reads), and shows a
 few KiB for a pass over 100 MiB; each pass reads the columns the fit uses, so a pass's bytes are the table's.
+Where the workers read their Parquet files themselves (``sparkdl.launch.parquet_files``: the fit's phase line says
+``by the workers, from Parquet``), Spark's metrics see none of it, and count one placeholder row a task. So the
+benchmark also prints what the executors' Python processes read while the fit ran, from the kernel's own count
+(``rchar`` of ``/proc/PID/io``: the bytes their ``read`` calls returned, from files and from the streams Spark sends
+them; local mode's Python daemon and the workers it forks, which Spark keeps between tasks, started before the fit
+by ``sparkdl.check_executors`` so that their imports are not counted), against the table's bytes.
 With ``--persist`` the fit's input is the table persisted (``cache()``, filled by the fit's first read): where it has
 one partition per worker, evenly filled, the rows are dealt without a shuffle (``launch.layout``); unpersisted, its
 files are read as one partition of whole files a worker (``launch.whole_files``). With ``--filtered`` the input is the
@@ -83,9 +89,30 @@ def settled(spark, before: set) -> list[Stage]:
     raise TimeoutError(f"Spark's status store did not settle within {SETTLE_SECONDS} s")
 
 
+def python_reads() -> dict[int, int]:
+    """The bytes each of the executors' Python processes has read so far (``rchar``), by pid: Spark's daemon (or
+    sparkdl's) and the workers it forked, whose command line is the daemon's."""
+    read = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as cmdline:
+                command = cmdline.read()
+            if b"pyspark.daemon" not in command and b"worker_daemon" not in command:
+                continue
+            with open(f"/proc/{entry.name}/io") as io:
+                read[int(entry.name)] = next(int(line.split()[1]) for line in io if line.startswith("rchar:"))
+        except (FileNotFoundError, ProcessLookupError):  # gone meanwhile
+            continue
+    return read
+
+
 def measure(mode: str, args, table: str) -> dict:
     """One fit of ``mode`` on the Parquet ``table`` in a fresh session: its stages and the passes over the table."""
     workload = dataclasses.replace(WORKLOADS["dense"], rows=args.rows, epochs=args.epochs)
+    import sparkdl
+
     spark = local_session(args.workers, **{"spark.ui.enabled": "true", "spark.ui.port": "0"})
     try:
         frame = spark.read.parquet(table)
@@ -93,10 +120,12 @@ def measure(mode: str, args, table: str) -> dict:
             frame = frame.cache()
         if args.filtered:
             frame = frame.where("label IS NOT NULL")
-        before = set(stages(spark))
+        sparkdl.check_executors(spark, args.workers)  # their Python started, TensorFlow imported: not the fit's reads
+        before, python_before = set(stages(spark)), python_reads()
         clock = time.monotonic()
         workload.fit(frame, args.workers, mode=mode)
         seconds = time.monotonic() - clock
+        python_after = python_reads()
         fit_stages = settled(spark, before)
     finally:
         spark.stop()
@@ -109,6 +138,7 @@ def measure(mode: str, args, table: str) -> dict:
         "shuffle_write_bytes": sum(stage.shuffle_write_bytes for stage in fit_stages),
         "shuffle_read_bytes": sum(stage.shuffle_read_bytes for stage in fit_stages),
         "passes": read / args.rows,
+        "python_read_bytes": sum(after - python_before.get(pid, 0) for pid, after in python_after.items()),
     }
 
 
@@ -141,6 +171,10 @@ def main() -> None:
             f"  read from the files: {result['input_rows']:,} rows = {result['passes']:.2f}x the table; "
             f"shuffled: {result['shuffle_write_bytes'] / 2**20:.1f} MiB written, "
             f"{result['shuffle_read_bytes'] / 2**20:.1f} MiB read"
+        )
+        print(
+            f"  read by the executors' Python: {result['python_read_bytes'] / 2**20:.1f} MiB = "
+            f"{result['python_read_bytes'] / table_bytes:.2f}x the table's files"
         )
     if args.json:
         with open(args.json, "w") as out:

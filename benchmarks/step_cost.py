@@ -20,7 +20,9 @@ whatever ``PYTHONPATH`` says (the driver would not).
 the rows into numpy, as sparkdl's includes its tasks reading them. The table is 8 files, which a fit
 reads as one partition of whole files a worker, without a shuffle (``sparkdl.launch.whole_files``);
 ``sync, rows shuffled`` reads them behind a filter that every row passes, which the fit deals to its
-workers through a shuffle, as before.
+workers through a shuffle, as before. The workers read their files themselves (``sparkdl.launch.parquet_files``);
+``sync, read through Spark`` has Spark hand them the same partitions' rows instead (under
+``spark.sql.files.ignoreMissingFiles``, which keeps the workers from reading the files).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ VARIANTS = {
     },
     # the same rows behind a filter (no row fails it): not a projection of files, so the fit shuffles them
     "sync, rows shuffled": {"where": "label IS NOT NULL"},
+    # the same whole files, handed to the workers by Spark: a setting under which the workers do not read them
+    "sync, read through Spark": {"conf": {"spark.sql.files.ignoreMissingFiles": "true"}},
 }
 
 
@@ -112,8 +116,14 @@ def _measure(spark, workload, args, directory: str) -> None:
         ).cache()
         df.count()
 
-    def fit(where=None, **options):
-        return workload.fit(df if where is None else df.where(where), args.workers, **options)
+    def fit(where=None, conf=None, **options):
+        for key, value in (conf or {}).items():
+            spark.conf.set(key, value)
+        try:
+            return workload.fit(df if where is None else df.where(where), args.workers, **options)
+        finally:
+            for key in conf or {}:
+                spark.conf.unset(key)
 
     sparkdl.fit(df.limit(4 * args.workers * workload.batch_size), workload.model(), num_workers=args.workers)
     reads, trains, walls = [], [], {variant: [] for variant in args.variants}
