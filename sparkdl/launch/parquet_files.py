@@ -96,24 +96,24 @@ def plan_reads(frame: DataFrame, files: list[list[str]]) -> ParquetFiles | str:
     if isinstance(columns, str):
         return columns
     spark = frame.sparkSession
-    schema = to_arrow_schema(
-        frame.schema, prefers_large_types=spark.conf.get("spark.sql.execution.arrow.useLargeVarTypes") == "true"
-    )
     for field in frame.schema.fields:
         if not _plain(field.dataType):
             return f"its column {field.name!r} holds {field.dataType.simpleString()}"
+    for setting in ("spark.sql.files.ignoreCorruptFiles", "spark.sql.files.ignoreMissingFiles"):
+        if spark.conf.get(setting, "false") == "true":
+            return f"{setting} is set: Spark skips what it cannot read"
     for uri in (uri for partition in files for uri in partition):
         scheme = urllib.parse.urlparse(uri).scheme
         if scheme != "file":
             return f"its files are on {scheme}:, which Spark reads with its own credentials"
+    schema = to_arrow_schema(
+        frame.schema, prefers_large_types=spark.conf.get("spark.sql.execution.arrow.useLargeVarTypes") == "true"
+    )
     paths = [[urllib.parse.unquote(urllib.parse.urlparse(uri).path) for uri in partition] for partition in files]
-    for path in (path for partition in paths for path in partition):
+    for path in (path for partition in paths for path in partition):  # last: a footer read from every file
         why = _differs(path, columns, schema)
         if why is not None:
             return why
-    for setting in ("spark.sql.files.ignoreCorruptFiles", "spark.sql.files.ignoreMissingFiles"):
-        if spark.conf.get(setting, "false") == "true":
-            return f"{setting} is set: Spark skips what it cannot read"
     # Spark's own batch size (none where it is not positive, where a whole file is a batch here)
     batch_rows = int(spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch") or 10_000)
     batch_rows = batch_rows if batch_rows > 0 else 1 << 31
